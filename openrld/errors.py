@@ -1,0 +1,62 @@
+"""One hierarchy for every error openrld reports.
+
+A `UserError` is the caller's fault and maps to a 4xx (or to a failed future
+with category "user"); a `ServerError` is ours and maps to a 5xx (category
+"server"). Each carries its HTTP status, a `detail` that says what was wrong and
+what was received, and the offending settings `key` where there is one. The API
+turns these into `{"detail": ...}` in one handler; nothing else formats errors.
+"""
+
+from __future__ import annotations
+
+
+class OpenrldError(Exception):
+    status: int = 500
+    category: str = "server"
+
+    def __init__(self, detail: str, *, key: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.key = key
+
+
+class UserError(OpenrldError):
+    status = 400
+    category = "user"
+
+
+class BadRequest(UserError):
+    status = 400
+
+
+class Unauthorized(UserError):
+    status = 401
+
+
+class NotFound(UserError):
+    status = 404
+
+
+class Conflict(UserError):
+    status = 409
+
+
+class Gone(UserError):
+    """The thing existed but is no more: a future lost to a restart, a finished session."""
+
+    status = 410
+
+
+class TooManyRequests(UserError):
+    status = 429
+
+
+class NotSupportedYet(UserError):
+    """A setting or option that openrld knows but has not built; never silently ignored."""
+
+    status = 400
+
+
+class ServerError(OpenrldError):
+    status = 500
+    category = "server"
