@@ -60,3 +60,9 @@ class NotSupportedYet(UserError):
 class ServerError(OpenrldError):
     status = 500
     category = "server"
+
+
+class ServiceUnavailable(ServerError):
+    """The daemon is shutting down; the client retries against it or another node."""
+
+    status = 503

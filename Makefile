@@ -1,0 +1,36 @@
+# The two commands of the README: `make serve` and `make test`. Each makes its
+# own virtual environment first; torch goes in before anything that depends on
+# it, pinned to the CPU build, so pip never pulls a multi-GB CUDA build.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH := torch==2.13.0
+
+.PHONY: install install-test serve test bench clean
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.runtime
+install-test: $(VENV)/.test
+
+serve: install
+	$(VENV)/bin/openrld serve $(ARGS)
+
+test: install-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install-test
+	$(PY) bench/train_step.py
+	$(PY) bench/future_latency.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,44 @@
+"""Start a real `openrld serve` for a benchmark, on a free loopback port, with tiny models."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from openrld.gpu.tiny_models import build_tiny_model
+
+
+@contextlib.contextmanager
+def tiny_daemon(extra_config: str = "") -> Iterator[tuple[str, Path]]:
+    """Yields (url, tiny llama directory); the daemon is stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="openrld-bench-") as tmp:
+        root = Path(tmp)
+        model = build_tiny_model(root / "tiny-llama", "llama", seed=0)
+        config = root / "openrld.toml"
+        config.write_text(
+            f'data_dir = "{root / "data"}"\ndevice = "cpu"\n{extra_config}\n[models]\n"tiny-llama" = "{model}"\n'
+        )
+        log = open(root / "daemon.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(config)],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                match = re.match(r"openrld listening on (\S+)", line)
+                if match:
+                    break
+            else:
+                raise RuntimeError((root / "daemon.log").read_text())
+            yield match.group(1), model
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)

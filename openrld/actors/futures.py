@@ -1,0 +1,149 @@
+"""The future table: every asynchronous request's result, until the client reads it.
+
+Submissions (forward_backward, optim_step, saves, loads, asample) get a request
+id at once; the actor that does the work resolves it here with `Completed` or
+`Failed`, and `retrieve_future` long-polls it with `wait`. Results stay for
+`keep_s` after completion, so a client that retries a poll still finds them.
+
+The table is plain trio state, touched only from the event loop. It records
+every request in the store too, so a daemon restarted after a crash answers a
+future that was pending then with a clear `Gone`, never an endless poll.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Protocol
+
+import msgspec
+import trio
+
+from openrld.errors import Gone, NotFound, ServiceUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class Completed(msgspec.Struct, frozen=True):
+    value: object  # a result struct; api/ chooses protobuf or JSON by its type
+
+
+class Failed(msgspec.Struct, frozen=True):
+    detail: str
+    category: str  # "user" or "server"
+
+
+Outcome = Completed | Failed
+
+
+class RequestLog(Protocol):
+    def record_request(self, request_id: str, model_id: str, kind: str) -> None: ...
+    def finish_request(self, request_id: str) -> None: ...
+    def request_state(self, request_id: str) -> str | None: ...
+
+
+class _Entry:
+    __slots__ = ("request_id", "model_id", "kind", "owner", "done", "outcome", "done_at")
+
+    def __init__(self, request_id: str, model_id: str, kind: str, owner: str) -> None:
+        self.request_id = request_id
+        self.model_id = model_id
+        self.kind = kind
+        self.owner = owner
+        self.done = trio.Event()
+        self.outcome: Outcome | None = None
+        self.done_at = 0.0
+
+
+class FutureStatistics(msgspec.Struct, frozen=True):
+    pending: int
+    completed: int
+    failed: int
+    held: int
+
+
+class FutureTable:
+    """Request id -> outcome, with long-polling waiters."""
+
+    def __init__(self, log: RequestLog, *, keep_s: float = 600.0, max_held: int = 100_000) -> None:
+        self._log = log
+        self._keep_s = keep_s
+        self._max_held = max_held
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._completed = 0
+        self._failed = 0
+        self._closing = False
+
+    def close(self) -> None:
+        """Shutting down: wake every waiter, which then answers 503 instead of holding its poll."""
+        self._closing = True
+        for entry in self._entries.values():
+            if entry.outcome is None:
+                entry.done.set()
+
+    def create(self, request_id: str, *, model_id: str, kind: str, owner: str) -> None:
+        self._prune()
+        self._entries[request_id] = _Entry(request_id, model_id, kind, owner)
+        self._log.record_request(request_id, model_id, kind)
+
+    def resolve(self, request_id: str, outcome: Outcome) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.outcome is not None:
+            return  # already resolved (a cancel raced the result), or pruned
+        entry.outcome = outcome
+        entry.done_at = trio.current_time()
+        entry.done.set()
+        if isinstance(outcome, Failed):
+            self._failed += 1
+        else:
+            self._completed += 1
+        self._log.finish_request(request_id)
+
+    def fail(self, request_id: str, error: Exception, category: str = "server") -> None:
+        detail = getattr(error, "detail", None) or f"{type(error).__name__}: {error}"
+        self.resolve(request_id, Failed(detail=detail, category=getattr(error, "category", category)))
+
+    def owner_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return entry.owner if entry else None
+
+    def kind_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return entry.kind if entry else None
+
+    async def wait(self, request_id: str, *, owner: str, hold_s: float) -> Outcome | None:
+        """The outcome, or None if it is still pending after `hold_s` (the client polls again).
+
+        Raises:
+            NotFound: no such request for this owner.
+            Gone: the request was pending when an earlier daemon process died.
+        """
+        entry = self._entries.get(request_id)
+        if entry is None or entry.owner != owner:
+            if entry is None and self._log.request_state(request_id) == "lost":
+                raise Gone(f"request {request_id} was lost when the daemon restarted; submit it again")
+            raise NotFound(f"no request {request_id!r}")
+        with trio.move_on_after(hold_s):
+            await entry.done.wait()
+        if entry.outcome is None and self._closing:
+            raise ServiceUnavailable("the daemon is shutting down; poll again after it restarts")
+        return entry.outcome
+
+    def statistics(self) -> FutureStatistics:
+        pending = sum(1 for e in self._entries.values() if e.outcome is None)
+        return FutureStatistics(
+            pending=pending, completed=self._completed, failed=self._failed, held=len(self._entries)
+        )
+
+    def _prune(self) -> None:
+        """Drop results read long ago; the oldest first, never a pending one."""
+        now = trio.current_time()
+        while self._entries:
+            request_id, entry = next(iter(self._entries.items()))
+            expired = entry.outcome is not None and now - entry.done_at > self._keep_s
+            if not expired and len(self._entries) < self._max_held:
+                break
+            if entry.outcome is None:
+                self._entries.move_to_end(request_id)
+                break
+            del self._entries[request_id]

@@ -1,0 +1,459 @@
+"""The job table: sessions, training jobs and sampling sessions on this node.
+
+It owns who owns what (every lookup takes the caller's user and answers 404 for
+anything not theirs), the `(model_id, seq_id) -> request_id` map that makes a
+retried submission return its first future, and the routing of each request
+to its group's trainer or sampler. The API calls it from the event loop; its
+methods are sync and never wait, except where a group must first be started,
+which happens in a task of its own so that the submission returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import trio
+
+from openrld import ids, settings as job_settings
+from openrld.actors.checkpoints import check_ttl
+from openrld.actors.futures import FutureTable
+from openrld.actors.groups import Group, GroupTable
+from openrld.actors.sampler import Sample
+from openrld.actors.trainer import (
+    CreateAdapter,
+    ForwardBackward,
+    LoadState,
+    OptimStep,
+    SaveForSampler,
+    SaveState,
+    TrainOp,
+)
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, SampleJob
+from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError
+from openrld.model_catalog import ModelCatalog, ModelEntry
+from openrld.store import Store
+
+logger = logging.getLogger(__name__)
+
+SEQ_MEMORY = 4096  # how many past seq_ids per job still answer a retry with their first future
+
+
+class JobInfo(msgspec.Struct, frozen=True):
+    model_id: str
+    base_model: str
+    tokenizer_id: str
+    arch: str
+    lora: LoraSpec
+    optimizer_config: dict[str, Any]
+
+
+class SamplerInfo(msgspec.Struct, frozen=True):
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class _Job:
+    __slots__ = ("model_id", "owner", "model", "lora", "requests")
+
+    def __init__(self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec) -> None:
+        self.model_id = model_id
+        self.owner = owner
+        self.model = model
+        self.lora = lora
+        self.requests: dict[int, str] = {}  # seq_id -> request_id
+
+    def remember(self, seq_id: int, request_id: str) -> None:
+        self.requests[seq_id] = request_id
+        if len(self.requests) > SEQ_MEMORY:
+            del self.requests[min(self.requests)]
+
+
+class _SamplingSession:
+    __slots__ = ("sampler_id", "owner", "model", "version", "source_dir", "model_path", "requests")
+
+    def __init__(
+        self, sampler_id: str, owner: str, model: ModelEntry, version: str | None,
+        source_dir: str | None, model_path: str | None,
+    ) -> None:
+        self.sampler_id = sampler_id
+        self.owner = owner
+        self.model = model
+        self.version = version
+        self.source_dir = source_dir
+        self.model_path = model_path
+        self.requests: dict[int, tuple[str, list[str]]] = {}  # seq_id -> (request_id, sequence ids)
+
+
+class JobTable:
+    def __init__(
+        self,
+        *,
+        nursery: trio.Nursery,
+        store: Store,
+        catalog: ModelCatalog,
+        groups: GroupTable,
+        futures: FutureTable,
+        max_lora_rank: int,
+    ) -> None:
+        self._nursery = nursery
+        self._store = store
+        self._catalog = catalog
+        self._groups = groups
+        self._futures = futures
+        self._max_lora_rank = max_lora_rank
+        self._jobs: dict[str, _Job] = {}
+        self._samplers: dict[str, _SamplingSession] = {}
+
+    # ------------------------------------------------------------ sessions
+
+    def create_session(
+        self, owner: str, *, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
+        project_id: str | None, display_name: str | None,
+    ) -> str:
+        # Settings are validated here too, so a bad tag fails at the first call, not the first model.
+        job_settings.parse_settings(tags, user_metadata, {})
+        session_id = ids.new_session_id()
+        self._store.create_session(
+            session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version,
+            project_id=project_id, display_name=display_name,
+        )
+        return session_id
+
+    def _session(self, owner: str, session_id: str):
+        row = self._store.get_session(session_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"no session {session_id!r}")
+        return row
+
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        row = self._session(owner, session_id)
+        if row.is_finished:
+            raise Gone(f"session {session_id} has finished")
+        self._store.heartbeat(session_id)
+
+    def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
+        self._session(owner, session_id)
+        self._store.finish_session(session_id, reason, detail)
+
+    # ------------------------------------------------------------ training jobs
+
+    def create_model(
+        self, owner: str, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraSpec,
+        user_metadata: dict[str, str], optimizer_config: dict[str, Any],
+    ) -> tuple[str, str]:
+        """Start a LoRA job; returns (request_id, model_id). A retry returns the first request."""
+        session = self._session(owner, session_id)
+        model_id = ids.model_id(session_id, model_seq_id)
+        existing = self._jobs.get(model_id)
+        if existing is not None and 0 in existing.requests:
+            return existing.requests[0], model_id
+        if self._store.get_run(model_id) is not None:
+            raise Conflict(f"model {model_id} already exists")
+        job_settings_value, client_metadata = job_settings.parse_settings(
+            session.tags, session.user_metadata, user_metadata
+        )
+        job_settings.require_supported(job_settings_value)
+        _check_optimizer_config(optimizer_config)
+        self._check_lora(lora)
+        model = self._catalog.resolve(base_model)
+        self._store.create_run(
+            model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
+            lora=msgspec.to_builtins(lora), settings=job_settings.settings_to_dict(job_settings_value),
+            user_metadata=user_metadata, optimizer_config=optimizer_config,
+        )
+        request_id = self._new_request(owner, model_id, "create_model")
+        job = _Job(model_id, owner, model, lora)
+        job.remember(0, request_id)
+        self._jobs[model_id] = job
+        self._nursery.start_soon(self._open_and_submit, job, CreateAdapter(model_id, request_id, lora))
+        return request_id, model_id
+
+    def load_into_new_model(
+        self, owner: str, *, session_id: str, model_seq_id: int, path: str, with_optimizer: bool,
+        optimizer_config: dict[str, Any] | None,
+    ) -> tuple[str, str]:
+        """create_training_client_from_state[_with_optimizer]: a new job named as the SDK expects."""
+        self._session(owner, session_id)
+        model_id = ids.model_id(session_id, model_seq_id)
+        existing = self._jobs.get(model_id)
+        if existing is not None and 0 in existing.requests:
+            return existing.requests[0], model_id
+        tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
+        if tinker_path.kind != "weights" and with_optimizer:
+            raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
+        if optimizer_config is not None:
+            _check_optimizer_config(optimizer_config)
+        lora = msgspec.convert(source_run.lora, LoraSpec)
+        model = self._catalog.resolve(source_run.base_model)
+        self._store.create_run(
+            model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
+            model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
+            user_metadata=dict(source_run.user_metadata), optimizer_config=source_run.optimizer_config,
+        )
+        request_id = self._new_request(owner, model_id, "load_weights")
+        job = _Job(model_id, owner, model, lora)
+        job.remember(0, request_id)
+        self._jobs[model_id] = job
+        op = LoadState(
+            model_id=model_id, request_id=request_id, source_dir=str(source_dir), source_uri=path,
+            spec=lora, with_optimizer=with_optimizer,
+        )
+        self._nursery.start_soon(self._open_and_submit, job, op)
+        return request_id, model_id
+
+    async def _open_and_submit(self, job: _Job, first_op: TrainOp) -> None:
+        try:
+            group = await self._groups.get(job.model)
+            group.trainer.open_job(job.model_id, next_seq=0)
+            group.trainer.submit_nowait(first_op)
+        except OpenrldError as error:
+            self._futures.fail(first_op.request_id, error)
+
+    def job_info(self, owner: str, model_id: str) -> JobInfo:
+        run = self._store.get_run(model_id)
+        if run is None or run.owner != owner:
+            raise NotFound(f"no model {model_id!r}")
+        model = self._catalog.resolve(run.base_model)
+        return JobInfo(
+            model_id=model_id, base_model=run.base_model, tokenizer_id=run.base_model, arch=model.arch,
+            lora=msgspec.convert(run.lora, LoraSpec), optimizer_config=dict(run.optimizer_config),
+        )
+
+    def _job(self, owner: str, model_id: str) -> _Job:
+        job = self._jobs.get(model_id)
+        if job is None or job.owner != owner:
+            run = self._store.get_run(model_id)
+            if run is not None and run.owner == owner:
+                raise Gone(
+                    f"model {model_id} is not resident (the daemon restarted); resume it with "
+                    f"create_training_client_from_state from its last checkpoint"
+                )
+            raise NotFound(f"no model {model_id!r}")
+        return job
+
+    def _submit_train(self, owner: str, model_id: str, seq_id: int, kind: str, make_op) -> str:
+        job = self._job(owner, model_id)
+        first = job.requests.get(seq_id)
+        if first is not None:
+            return first
+        group = self._groups.get_nowait(job.model)
+        if group is None:
+            raise Conflict(f"model {model_id} is still loading; wait for create_model to finish")
+        request_id = self._new_request(owner, model_id, kind)
+        try:
+            group.trainer.submit_nowait(make_op(request_id))
+        except OpenrldError:
+            self._futures.fail(request_id, Gone("not queued"))
+            raise
+        job.remember(seq_id, request_id)
+        self._store.touch_run(model_id)
+        return request_id
+
+    def forward_backward(self, owner: str, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> str:
+        kind = "forward" if batch.forward_only else "forward_backward"
+        return self._submit_train(
+            owner, model_id, seq_id, kind, lambda rid: ForwardBackward(model_id, seq_id, rid, batch)
+        )
+
+    def optim_step(self, owner: str, model_id: str, seq_id: int, params: AdamParams) -> str:
+        return self._submit_train(owner, model_id, seq_id, "optim_step", lambda rid: OptimStep(model_id, seq_id, rid, params))
+
+    def save_weights(
+        self, owner: str, model_id: str, seq_id: int, *, name: str, overwrite: bool,
+        ttl_seconds: int | None, user_metadata: dict[str, str],
+    ) -> str:
+        ids.validate_name(name, "checkpoint name")
+        check_ttl(ttl_seconds)
+        return self._submit_train(
+            owner, model_id, seq_id, "save_weights",
+            lambda rid: SaveState(model_id, seq_id, rid, "weights", name, overwrite, ttl_seconds, user_metadata),
+        )
+
+    def save_weights_for_sampler(
+        self, owner: str, model_id: str, seq_id: int, *, name: str | None, sampling_session_seq_id: int | None,
+        kind: str, ttl_seconds: int | None, user_metadata: dict[str, str],
+    ) -> str:
+        if kind not in ("snapshot", "inflight"):
+            raise BadRequest(f"kind: expected 'snapshot' or 'inflight', got {kind!r}")
+        if kind == "inflight":
+            raise NotSupportedYet("save_weights_for_sampler kind='inflight' is not supported yet")
+        check_ttl(ttl_seconds)
+        if name is not None:
+            ids.validate_name(name, "checkpoint name")
+            return self._submit_train(
+                owner, model_id, seq_id, "save_weights_for_sampler",
+                lambda rid: SaveState(model_id, seq_id, rid, "sampler_weights", name, False, ttl_seconds, user_metadata),
+            )
+        if sampling_session_seq_id is None:
+            raise BadRequest("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        job = self._job(owner, model_id)
+        session_id = model_id.split(":", 1)[0]
+        sampler_id = ids.sampling_session_id(session_id, sampling_session_seq_id)
+        if seq_id not in job.requests:
+            self._register_sampler(owner, sampler_id, job.model, version=sampler_id, source_dir=None, model_path=None, run_id=model_id)
+        return self._submit_train(
+            owner, model_id, seq_id, "save_weights_for_sampler",
+            lambda rid: SaveForSampler(model_id, seq_id, rid, sampler_id),
+        )
+
+    def load_weights(self, owner: str, model_id: str, seq_id: int, *, path: str, with_optimizer: bool) -> str:
+        """The legacy in-place load: `model_id` takes the checkpoint's weights, in seq_id order."""
+        job = self._job(owner, model_id)
+        tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
+        if tinker_path.kind != "weights" and with_optimizer:
+            raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
+        spec = msgspec.convert(source_run.lora, LoraSpec)
+        if spec != job.lora:
+            raise BadRequest(f"{path}: its LoRA config {spec} differs from model {model_id}'s {job.lora}")
+        return self._submit_train(
+            owner, model_id, seq_id, "load_weights",
+            lambda rid: LoadState(
+                model_id=model_id, request_id=rid, source_dir=str(source_dir), source_uri=path,
+                spec=spec, with_optimizer=with_optimizer, seq_id=seq_id,
+            ),
+        )
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _readable_checkpoint(self, owner: str, path: str):
+        """(TinkerPath, directory, run row) for a checkpoint `owner` may read, else 404."""
+        tinker_path = ids.parse_tinker_path(path)
+        row = self._store.get_checkpoint(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+        if row is None or (row.owner != owner and not row.public):
+            raise NotFound(f"no checkpoint {path}")
+        run = self._store.get_run(tinker_path.run_id)
+        if run is None:
+            raise NotFound(f"no training run {tinker_path.run_id!r}")
+        directory = self._store.checkpoint_dir(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+        return tinker_path, directory, run
+
+    # ------------------------------------------------------------ sampling
+
+    def _register_sampler(
+        self, owner: str, sampler_id: str, model: ModelEntry, *, version: str | None, source_dir: str | None,
+        model_path: str | None, run_id: str | None,
+    ) -> None:
+        if sampler_id in self._samplers:
+            return
+        session_id = sampler_id.split(":", 1)[0]
+        if self._store.get_sampler(sampler_id) is None:
+            self._store.create_sampler(
+                sampler_id, session_id=session_id, owner=owner, base_model=model.name,
+                model_path=model_path, run_id=run_id,
+            )
+        self._samplers[sampler_id] = _SamplingSession(sampler_id, owner, model, version, source_dir, model_path)
+
+    def create_sampling_session(
+        self, owner: str, *, session_id: str, sampling_session_seq_id: int, base_model: str | None,
+        model_path: str | None,
+    ) -> str:
+        self._session(owner, session_id)
+        sampler_id = ids.sampling_session_id(session_id, sampling_session_seq_id)
+        if sampler_id in self._samplers:
+            return sampler_id
+        if model_path is not None:
+            tinker_path, source_dir, run = self._readable_checkpoint(owner, model_path)
+            model = self._catalog.resolve(run.base_model)
+            self._register_sampler(
+                owner, sampler_id, model, version=tinker_path.uri, source_dir=str(source_dir),
+                model_path=tinker_path.uri, run_id=tinker_path.run_id,
+            )
+        elif base_model is not None:
+            model = self._catalog.resolve(base_model)
+            self._register_sampler(owner, sampler_id, model, version=None, source_dir=None, model_path=None, run_id=None)
+        else:
+            raise BadRequest("create_sampling_session needs base_model or model_path")
+        # Load the engines now, so that the first sample does not pay for it.
+        self._nursery.start_soon(self._warm_group, self._samplers[sampler_id].model)
+        return sampler_id
+
+    async def _warm_group(self, model: ModelEntry) -> None:
+        try:
+            await self._groups.get(model)
+        except OpenrldError:
+            pass  # the first sample reports the same error on its own future
+
+    def _sampling_session(self, owner: str, sampler_id: str) -> _SamplingSession:
+        session = self._samplers.get(sampler_id)
+        if session is not None and session.owner == owner:
+            return session
+        row = self._store.get_sampler(sampler_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"no sampling session {sampler_id!r}")
+        if row.model_path is None and row.run_id is not None:
+            raise Gone(f"sampling session {sampler_id} held unnamed weights lost in a restart; save them again")
+        if row.model_path is not None:
+            tinker_path, source_dir, _ = self._readable_checkpoint(owner, row.model_path)
+            version, source = tinker_path.uri, str(source_dir)
+        else:
+            version, source = None, None
+        model = self._catalog.resolve(row.base_model)
+        self._samplers[sampler_id] = _SamplingSession(sampler_id, owner, model, version, source, row.model_path)
+        return self._samplers[sampler_id]
+
+    def sampler_info(self, owner: str, sampler_id: str) -> SamplerInfo:
+        session = self._sampling_session(owner, sampler_id)
+        return SamplerInfo(sampler_id=sampler_id, base_model=session.model.name, model_path=session.model_path)
+
+    def sample(self, owner: str, sampler_id: str, seq_id: int, job: SampleJob) -> tuple[str, list[str]]:
+        """Queue a sample; returns (request_id, sequence ids). A retried seq_id returns the first."""
+        session = self._sampling_session(owner, sampler_id)
+        first = session.requests.get(seq_id)
+        if first is not None:
+            return first
+        if len(job.prompt) >= session.model.max_context:
+            raise BadRequest(
+                f"prompt has {len(job.prompt)} tokens; the model's context is {session.model.max_context}"
+            )
+        request_id = self._new_request(owner, sampler_id, "sample")
+        op = Sample(request_id=request_id, version=session.version, job=job, source_dir=session.source_dir)
+        group = self._groups.get_nowait(session.model)
+        try:
+            if group is None:
+                self._nursery.start_soon(self._start_and_sample, session.model, op)
+            else:
+                group.sampler.submit_nowait(op)
+        except OpenrldError:
+            self._futures.fail(request_id, Gone("not queued"))
+            raise
+        sequence_ids = [f"{sampler_id}:{seq_id}:{i}" for i in range(job.num_samples)]
+        session.requests[seq_id] = (request_id, sequence_ids)
+        if len(session.requests) > SEQ_MEMORY:
+            del session.requests[min(session.requests)]
+        return request_id, sequence_ids
+
+    async def _start_and_sample(self, model: ModelEntry, op: Sample) -> None:
+        try:
+            group = await self._groups.get(model)
+            group.sampler.submit_nowait(op)
+        except OpenrldError as error:
+            self._futures.fail(op.request_id, error)
+
+    # ------------------------------------------------------------ helpers
+
+    def _new_request(self, owner: str, model_id: str, kind: str) -> str:
+        request_id = ids.new_request_id()
+        self._futures.create(request_id, model_id=model_id, kind=kind, owner=owner)
+        return request_id
+
+    def _check_lora(self, lora: LoraSpec) -> None:
+        if not 1 <= lora.rank <= self._max_lora_rank:
+            raise BadRequest(f"lora_config.rank: expected 1..{self._max_lora_rank}, got {lora.rank}")
+        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+            raise BadRequest("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+
+    def group_of(self, model: ModelEntry) -> Group | None:
+        return self._groups.get_nowait(model)
+
+
+def _check_optimizer_config(config: dict[str, Any]) -> None:
+    family = config.get("type", "adamw")
+    if family == "adamw":
+        return
+    if family == "dimuon":
+        raise NotSupportedYet("optimizer_config type 'dimuon' is not supported yet; use adamw")
+    raise BadRequest(f"unsupported optimizer type {family!r}; supported: adamw, dimuon")
+

@@ -1,0 +1,358 @@
+"""The trainer actor: one per LoRA group (one base model on one device).
+
+It owns the group's training queues and its engine (`gpu.torch_trainer`, run
+in a worker thread under the device's capacity limiter). Messages are the
+training ops below, each carrying its job's `model_id`, `seq_id` and the
+request id whose future it resolves.
+
+Ordering guarantees:
+- one job's ops run strictly in `seq_id` order; an op whose predecessor has not
+  arrived waits (the SDK sends the chunks of one call concurrently, the first
+  one last), and nothing deadlocks on out-of-order arrival;
+- jobs take fair turns: round-robin over the jobs whose next op is ready.
+
+A failure inside an op fails that op's future and consumes its `seq_id`, so the
+job's later ops still run. The actor never imports torch: engine results pass
+through as opaque values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import msgspec
+import trio
+
+from openrld.actors.futures import Completed, FutureTable
+from openrld.actors.mailbox import Mailbox
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
+from openrld.errors import Conflict, OpenrldError, ServerError
+
+logger = logging.getLogger(__name__)
+
+MAILBOX_CAPACITY = 4096  # ops in flight per group; past it the API answers 429
+
+
+# ---------------------------------------------------------------- messages
+
+
+class CreateAdapter(msgspec.Struct, frozen=True):
+    model_id: str
+    request_id: str
+    spec: LoraSpec
+    seq_id: int = 0
+
+
+class ForwardBackward(msgspec.Struct, frozen=True):
+    model_id: str
+    seq_id: int
+    request_id: str
+    batch: ForwardBackwardBatch
+
+
+class OptimStep(msgspec.Struct, frozen=True):
+    model_id: str
+    seq_id: int
+    request_id: str
+    params: AdamParams
+
+
+class SaveState(msgspec.Struct, frozen=True):
+    """save_weights (state, with optimizer) or a named save_weights_for_sampler."""
+
+    model_id: str
+    seq_id: int
+    request_id: str
+    kind: str  # "weights" or "sampler_weights"
+    name: str
+    overwrite: bool = False
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] = {}
+
+
+class SaveForSampler(msgspec.Struct, frozen=True):
+    """An unnamed save: the weights become a sampling session, in memory only."""
+
+    model_id: str
+    seq_id: int
+    request_id: str
+    sampling_session_id: str
+
+
+class LoadState(msgspec.Struct, frozen=True):
+    model_id: str
+    request_id: str
+    source_dir: str
+    source_uri: str
+    spec: LoraSpec
+    with_optimizer: bool
+    seq_id: int = 0
+
+
+TrainOp = CreateAdapter | ForwardBackward | OptimStep | SaveState | SaveForSampler | LoadState
+
+
+# ---------------------------------------------------------------- results
+
+
+class Created(msgspec.Struct, frozen=True):
+    model_id: str
+
+
+class Saved(msgspec.Struct, frozen=True):
+    path: str | None = None
+    sampling_session_id: str | None = None
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    model_id: str
+    path: str
+
+
+# ---------------------------------------------------------------- state
+
+
+class JobQueueStats(msgspec.Struct, frozen=True):
+    model_id: str
+    next_seq_id: int
+    waiting: int
+
+
+class TrainerStatistics(msgspec.Struct, frozen=True):
+    jobs: list[JobQueueStats]
+    ops_done: int
+    ops_failed: int
+    busy: bool
+
+
+class _JobQueue:
+    __slots__ = ("next_seq", "waiting")
+
+    def __init__(self, next_seq: int) -> None:
+        self.next_seq = next_seq
+        self.waiting: dict[int, TrainOp] = {}
+
+
+class TrainerQueues:
+    """Per-job seq_id ordering and fair turns across jobs. Pure: no I/O, no trio."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, _JobQueue] = {}
+        self._turns: deque[str] = deque()
+
+    def open_job(self, model_id: str, next_seq: int = 0) -> None:
+        if model_id not in self._jobs:
+            self._jobs[model_id] = _JobQueue(next_seq)
+            self._turns.append(model_id)
+
+    def close_job(self, model_id: str) -> list[TrainOp]:
+        """Forget a job; return the ops that were still waiting, so their futures can fail."""
+        job = self._jobs.pop(model_id, None)
+        if model_id in self._turns:
+            self._turns.remove(model_id)
+        return list(job.waiting.values()) if job else []
+
+    def push(self, op: TrainOp) -> None:
+        job = self._jobs.get(op.model_id)
+        if job is None:
+            raise Conflict(f"model {op.model_id} is not open on this trainer")
+        if op.seq_id < job.next_seq or op.seq_id in job.waiting:
+            raise Conflict(f"model {op.model_id}: seq_id {op.seq_id} was already submitted")
+        job.waiting[op.seq_id] = op
+
+    def pop_ready(self) -> TrainOp | None:
+        """The next op to run: the first job in turn order whose next seq_id is here."""
+        for _ in range(len(self._turns)):
+            model_id = self._turns[0]
+            self._turns.rotate(-1)
+            job = self._jobs[model_id]
+            op = job.waiting.pop(job.next_seq, None)
+            if op is not None:
+                job.next_seq += 1
+                return op
+        return None
+
+    def has_job(self, model_id: str) -> bool:
+        return model_id in self._jobs
+
+    def statistics(self) -> list[JobQueueStats]:
+        return [
+            JobQueueStats(model_id=m, next_seq_id=j.next_seq, waiting=len(j.waiting))
+            for m, j in self._jobs.items()
+        ]
+
+
+# ---------------------------------------------------------------- collaborators
+
+
+class CheckpointSink(Protocol):
+    """What the trainer needs of the store to publish a checkpoint atomically.
+
+    `prepare` and `record` touch the database and run on the event loop;
+    `commit_files` only fsyncs and renames, and runs in a worker thread.
+    """
+
+    def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]: ...
+    def commit_files(self, staging: Path, final: Path, overwrite: bool) -> None: ...
+    def record(
+        self, model_id: str, kind: str, name: str, *, size_bytes: int, overwrite: bool,
+        ttl_seconds: int | None, user_metadata: dict[str, str],
+    ) -> str: ...
+
+
+class SamplerFeed(Protocol):
+    """Where new sampler weights go: the group's sampler actor."""
+
+    async def publish_version(self, version: str, tensors: Any, spec: LoraSpec) -> None: ...
+
+
+# ---------------------------------------------------------------- handle
+
+
+class TrainerHandle:
+    """What other modules hold: submit ops, read statistics. No access to state."""
+
+    def __init__(self, actor: "TrainerActor") -> None:
+        self._actor = actor
+
+    def open_job(self, model_id: str, next_seq: int = 0) -> None:
+        self._actor.queues.open_job(model_id, next_seq)
+
+    def submit_nowait(self, op: TrainOp) -> None:
+        self._actor.mailbox.post(op)
+
+    def statistics(self) -> TrainerStatistics:
+        return self._actor.statistics()
+
+
+# ---------------------------------------------------------------- actor
+
+
+class TrainerActor:
+    """The async shell around one TorchTrainer: input loop plus step loop."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        build_engine: Callable[[], Any],
+        limiter: trio.CapacityLimiter,
+        futures: FutureTable,
+        checkpoints: CheckpointSink,
+        sampler: SamplerFeed,
+        specs: dict[str, LoraSpec] | None = None,
+    ) -> None:
+        self.name = name
+        self.queues = TrainerQueues()
+        self.mailbox: Mailbox[TrainOp] = Mailbox(f"trainer {name}", MAILBOX_CAPACITY)
+        self._build_engine = build_engine
+        self._limiter = limiter
+        self._futures = futures
+        self._checkpoints = checkpoints
+        self._sampler = sampler
+        self._specs: dict[str, LoraSpec] = dict(specs or {})
+        self._wake = trio.Event()
+        self._engine: Any = None
+        self._busy = False
+        self._done = 0
+        self._failed = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
+        self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+        logger.info("trainer ready group=%s", self.name)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._input_loop)
+            task_status.started(TrainerHandle(self))
+            await self._step_loop()
+
+    async def _input_loop(self) -> None:
+        async for op in self.mailbox.receive:
+            try:
+                self.queues.push(op)
+            except OpenrldError as error:
+                self._futures.fail(op.request_id, error)
+                continue
+            self._wake.set()
+
+    async def _step_loop(self) -> None:
+        while True:
+            op = self.queues.pop_ready()
+            if op is None:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            self._busy = True
+            try:
+                value = await self._execute(op)
+            except OpenrldError as error:
+                self._failed += 1
+                self._futures.fail(op.request_id, error)
+            except Exception as error:  # the op's failure is its own; the group keeps serving
+                logger.exception("trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id)
+                self._failed += 1
+                self._futures.fail(op.request_id, ServerError(f"{type(error).__name__}: {error}"))
+            else:
+                self._done += 1
+                self._futures.resolve(op.request_id, Completed(value))
+            finally:
+                self._busy = False
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def _execute(self, op: TrainOp) -> Any:
+        engine = self._engine
+        match op:
+            case ForwardBackward():
+                return await self._in_thread(engine.forward_backward, op.model_id, op.batch)
+            case OptimStep():
+                return await self._in_thread(engine.optim_step, op.model_id, op.params)
+            case CreateAdapter():
+                await self._in_thread(engine.add_adapter, op.model_id, op.spec)
+                self._specs[op.model_id] = op.spec
+                return Created(model_id=op.model_id)
+            case LoadState():
+                await self._in_thread(
+                    engine.load_state, op.model_id, Path(op.source_dir), op.spec, op.with_optimizer
+                )
+                self._specs[op.model_id] = op.spec
+                return Loaded(model_id=op.model_id, path=op.source_uri)
+            case SaveState():
+                return await self._save_state(op)
+            case SaveForSampler():
+                tensors = await self._in_thread(engine.adapter_tensors, op.model_id)
+                await self._sampler.publish_version(op.sampling_session_id, tensors, self._specs[op.model_id])
+                return Saved(sampling_session_id=op.sampling_session_id)
+        raise AssertionError(f"unhandled op {type(op).__name__}")
+
+    async def _save_state(self, op: SaveState) -> Saved:
+        """Write into a staging directory, then rename into place: a crash leaves no half checkpoint."""
+        staging, final = self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
+        if op.kind == "weights":
+            size = await self._in_thread(self._engine.save_state, op.model_id, staging, True)
+        else:
+            tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
+            size = await self._in_thread(_save_adapter, staging, tensors, self._specs[op.model_id])
+        # Shielded: once the files are written, the rename and the row land together or not at all.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._checkpoints.commit_files, staging, final, op.overwrite)
+            uri = self._checkpoints.record(
+                op.model_id, op.kind, op.name, size_bytes=size, overwrite=op.overwrite,
+                ttl_seconds=op.ttl_seconds, user_metadata=op.user_metadata,
+            )
+        return Saved(path=uri)
+
+    def statistics(self) -> TrainerStatistics:
+        return TrainerStatistics(
+            jobs=self.queues.statistics(), ops_done=self._done, ops_failed=self._failed, busy=self._busy
+        )
+
+
+def _save_adapter(directory: Path, tensors: Any, spec: LoraSpec) -> int:
+    # Imported here, in the worker thread, so this module never imports torch.
+    from openrld.gpu.lora_io import save_adapter
+
+    return save_adapter(directory, tensors, spec)

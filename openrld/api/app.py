@@ -1,0 +1,101 @@
+"""The HTTP front: a quart-trio app with one error handler and the route modules.
+
+Everything here decodes, authenticates and routes; state lives in the actors.
+Every error becomes `{"detail": ...}` with its status here and nowhere else,
+and an unexpected exception answers 500 for that request while the daemon
+keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from openrld.actors.futures import FutureTable
+from openrld.actors.groups import GroupTable
+from openrld.actors.jobs import JobTable
+from openrld.api.auth import Authenticator
+from openrld.config import NodeConfig
+from openrld.errors import OpenrldError, Unauthorized
+from openrld.model_catalog import ModelCatalog
+from openrld.store import Store
+
+logger = logging.getLogger(__name__)
+
+_json_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the routes may talk to; built once by the daemon."""
+
+    config: NodeConfig
+    auth: Authenticator
+    store: Store
+    catalog: ModelCatalog
+    futures: FutureTable
+    jobs: JobTable
+    groups: GroupTable
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(_json_encoder.encode(value), status=status, content_type="application/json")
+
+
+def error_response(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
+    response = json_response({"detail": detail}, status)
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+def caller(services: Services) -> str:
+    return services.auth.user_for(request.headers.get("X-API-Key"))
+
+
+def build_app(services: Services) -> QuartTrio:
+    from openrld.api import rest, tinker
+
+    app = QuartTrio("openrld")
+    app.config["MAX_CONTENT_LENGTH"] = services.config.max_body_bytes
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
+
+    @app.errorhandler(OpenrldError)
+    async def _openrld_error(error: OpenrldError) -> Response:
+        headers = {}
+        if isinstance(error, Unauthorized):
+            headers["WWW-Authenticate"] = 'ApiKey realm="openrld"'
+        if error.status == 429:
+            headers["Retry-After"] = "1"
+        return error_response(error.status, error.detail, headers)
+
+    @app.errorhandler(404)
+    async def _not_found(error: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.path}")
+
+    @app.errorhandler(405)
+    async def _bad_method(error: Exception) -> Response:
+        return error_response(405, f"method {request.method} not allowed on {request.path}")
+
+    @app.errorhandler(413)
+    async def _too_large(error: Exception) -> Response:
+        return error_response(413, f"request body over {services.config.max_body_bytes} bytes")
+
+    @app.errorhandler(Exception)
+    async def _unexpected(error: Exception) -> Response:
+        if isinstance(error, OpenrldError):
+            return await _openrld_error(error)
+        code = getattr(error, "code", None)
+        if isinstance(code, int) and 400 <= code < 500:
+            return error_response(code, str(getattr(error, "description", error)))
+        logger.exception("unhandled error path=%s", request.path)
+        return error_response(500, f"internal error: {type(error).__name__}")
+
+    tinker.register(app, services)
+    rest.register(app, services)
+    return app

@@ -1,0 +1,40 @@
+"""Who is calling: the `X-API-Key` header mapped to a user.
+
+Two modes. With a key file, each key belongs to a user and an unknown or
+missing key is a 401. Without one (open mode, for a single researcher's
+machine; the daemon then binds to loopback by default) every caller is the
+user `local`, though the SDK still sends some `tml-` key, which is accepted.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from openrld.errors import Unauthorized
+
+OPEN_MODE_USER = "local"
+
+
+class Authenticator:
+    def __init__(self, keys: dict[str, str] | None) -> None:
+        self._keys = dict(keys) if keys is not None else None
+
+    @property
+    def is_open(self) -> bool:
+        return self._keys is None
+
+    def user_for(self, api_key: str | None) -> str:
+        """The user a request acts as.
+
+        Raises:
+            Unauthorized: key-file mode and the key is missing or unknown.
+        """
+        if self._keys is None:
+            return OPEN_MODE_USER
+        if not api_key:
+            raise Unauthorized("missing X-API-Key header")
+        for known, user in self._keys.items():
+            # Constant-time compare, so key guessing learns nothing from timing.
+            if hmac.compare_digest(known.encode(), api_key.encode()):
+                return user
+        raise Unauthorized("unknown API key")

@@ -1,0 +1,395 @@
+"""Protobuf bodies of the Tinker API to and from the engine's batch types.
+
+Owns: decoding a `POST /api/v1/forward_backward` body (protobuf
+`ForwardBackwardRequest`, possibly `Content-Encoding: zstd`) into a
+`ForwardBackwardBatch`, and encoding a `ForwardBackwardResult` or a
+`SampleResult` as the protobuf payload that `retrieve_future` serves
+(protocol §1.3, §6; losses.md "Dtypes", "CSR", "Missing shape").
+
+Guarantees: every array handed on is a fresh, owned, native-endian numpy array
+of the dtype `batches.py` promises (tokens and `target_tokens` int64, every
+other loss input float32); every defect of a body is a `BadRequest` (or a
+`NotSupportedYet` for chunk kinds we have not built) whose detail says where it
+is (`data[2].loss_fn_inputs['weights']`) and what was received; decompression
+and CSR expansion are bounded by `max_body_bytes`, so a small body cannot
+demand a large allocation. A malformed *result* (a bad stop reason, a metric key
+the SDK would crash on) is our bug and raises `ServerError`.
+
+Never: imports torch or the tinker SDK, knows which inputs a loss needs or what
+shapes it wants (the loss layer checks that, naming the loss), or does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import zstandard
+from google.protobuf import message as pb_message
+
+from openrld.api.proto import schema
+from openrld.api.proto.schema import DType, StopReason
+from openrld.batches import (
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    SampleResult,
+    TopK,
+    TrainDatum,
+)
+from openrld.errors import BadRequest, NotSupportedYet, ServerError
+
+# Wire element types. The SDK writes raw `numpy.tobytes()` on little-endian hosts,
+# so every dtype is spelled little-endian explicitly.
+_WIRE_DTYPES: dict[int, np.dtype] = {
+    DType.FLOAT32: np.dtype("<f4"),
+    DType.INT64: np.dtype("<i8"),
+    DType.INT32: np.dtype("<i4"),
+    DType.BFLOAT16: np.dtype("<u2"),  # the upper 16 bits of a float32
+}
+_TOKEN_DTYPE = np.dtype("<i4")  # EncodedTextChunk.tokens and SampledSequence.tokens
+_INDEX_DTYPE = np.dtype("<i8")  # CSR crow/col indices and BatchedTensor byte offsets
+_FLOAT_DTYPE = np.dtype("<f4")
+
+TARGET_TOKENS = "target_tokens"
+# The SDK keeps the part after the last ":" and expects "ArrayRecord" (protocol §6).
+OUTPUT_TYPE = "ArrayRecord"
+LOGPROBS_FIELD = "logprobs"
+_STOP_REASONS: dict[str, StopReason] = {"stop": StopReason.STOP, "length": StopReason.LENGTH}
+
+
+# ---------------------------------------------------------------- request side
+
+
+def decode_forward_backward(
+    body: bytes, content_encoding: str | None, *, max_body_bytes: int
+) -> tuple[str, int, ForwardBackwardBatch]:
+    """Decode a forward_backward request body into (model_id, seq_id, batch).
+
+    Args:
+        body: the HTTP body as received.
+        content_encoding: the `Content-Encoding` header, or None; "zstd" and
+            "identity" are understood.
+        max_body_bytes: the most bytes the body may hold before and after
+            decompression; it also caps how many cells CSR tensors may expand to.
+
+    Returns:
+        The model id, the client's seq_id and the batch for the engine.
+
+    Raises:
+        BadRequest: an oversize body, an unknown encoding, bad zstd, malformed
+            protobuf, or any datum whose bytes do not match its dtype and shape.
+        NotSupportedYet: a datum holds an image or dmel chunk.
+    """
+    raw = _decompress(body, content_encoding, max_body_bytes=max_body_bytes)
+    request = schema.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(raw)
+    except pb_message.DecodeError as exc:
+        raise BadRequest(f"forward_backward: body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+
+    if not request.model_id:
+        raise BadRequest("forward_backward: model_id is required")
+    if request.seq_id < 0:
+        raise BadRequest(f"forward_backward: seq_id must be >= 0, got {request.seq_id}")
+    if not request.loss_fn:
+        raise BadRequest("forward_backward: loss_fn is required")
+    if not request.data:
+        raise BadRequest("forward_backward: data must hold at least one datum, got 0")
+
+    csr_budget = _CellBudget(max_body_bytes)
+    data = [_decode_datum(f"data[{i}]", datum, csr_budget) for i, datum in enumerate(request.data)]
+    batch = ForwardBackwardBatch(
+        data=data,
+        loss_fn=request.loss_fn,
+        loss_config=_decode_loss_config(request),
+        forward_only=request.forward_only,
+    )
+    return request.model_id, request.seq_id, batch
+
+
+def _decompress(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> bytes:
+    if len(body) > max_body_bytes:
+        raise BadRequest(f"forward_backward: body is {len(body)} bytes; the limit is {max_body_bytes}")
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    if encoding != "zstd":
+        raise BadRequest(f"Content-Encoding: expected 'zstd' or none, got {content_encoding!r}")
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise BadRequest(f"forward_backward: body is not a zstd frame: {exc}") from exc
+    # A frame that declares its size is decompressed into exactly that many bytes,
+    # so refuse an oversize declaration before allocating; an undeclared size is
+    # bounded by max_output_size instead.
+    if declared > max_body_bytes:
+        raise BadRequest(
+            f"forward_backward: zstd body declares {declared} bytes; the limit is {max_body_bytes}"
+        )
+    try:
+        return zstandard.ZstdDecompressor().decompress(
+            body, max_output_size=max_body_bytes, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:
+        raise BadRequest(
+            f"forward_backward: zstd body is truncated, corrupt or over {max_body_bytes} bytes "
+            f"once decompressed: {exc}"
+        ) from exc
+
+
+class _CellBudget:
+    """How many more cells CSR tensors of one request may expand to."""
+
+    def __init__(self, cells: int) -> None:
+        self.cells = cells
+
+    def take(self, where: str, cells: int) -> None:
+        if cells > self.cells:
+            raise BadRequest(
+                f"{where}: sparse tensor expands to {cells} cells; only {self.cells} are left "
+                "of this request's limit"
+            )
+        self.cells -= cells
+
+
+def _decode_datum(where: str, datum: schema.Datum, csr_budget: _CellBudget) -> TrainDatum:
+    # Provenance spans (model_input_spans, loss_fn_input_spans) only matter to
+    # stable_reinforce, which the loss registry refuses by name until it is built.
+    tokens = _decode_model_input(where, datum.model_input)
+    inputs = {
+        name: _decode_loss_input(f"{where}.loss_fn_inputs[{name!r}]", name, tensor, csr_budget)
+        for name, tensor in sorted(datum.loss_fn_inputs.items())
+    }
+    return TrainDatum(tokens=tokens, inputs=inputs)
+
+
+def _decode_model_input(where: str, chunks: list[schema.Chunk]) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    for j, chunk in enumerate(chunks):
+        kind = chunk.WhichOneof("chunk")
+        if kind == "encoded_text":
+            parts.append(_from_buffer(f"{where}.model_input[{j}].encoded_text.tokens",
+                                      chunk.encoded_text.tokens, _TOKEN_DTYPE))
+        elif kind is None:
+            raise BadRequest(f"{where}.model_input[{j}]: chunk has no content")
+        else:
+            raise NotSupportedYet(
+                f"{where}.model_input[{j}]: {kind} chunks are not supported yet; "
+                "only encoded_text chunks are"
+            )
+    tokens = np.concatenate(parts, dtype=np.int64) if parts else np.empty(0, dtype=np.int64)
+    if tokens.size == 0:
+        raise BadRequest(f"{where}.model_input: holds no tokens")
+    if tokens.min() < 0:
+        raise BadRequest(f"{where}.model_input: token ids must be >= 0, got {int(tokens.min())}")
+    return tokens
+
+
+def _decode_loss_input(
+    where: str, name: str, tensor: schema.Tensor, csr_budget: _CellBudget
+) -> np.ndarray:
+    values = _decode_tensor(where, tensor, csr_budget)
+    if name != TARGET_TOKENS:
+        # Every other input is a float; integer arrays are converted (losses.md "Dtype leniency").
+        return values.astype(np.float32)
+    if values.dtype.kind == "f":
+        whole = np.isfinite(values) & (values == np.trunc(values))
+        if not whole.all():
+            bad = values[~whole].flat[0]
+            raise BadRequest(f"{where}: float target_tokens must hold whole numbers, got {bad!r}")
+    tokens = values.astype(np.int64)
+    if tokens.size and tokens.min() < 0:
+        raise BadRequest(f"{where}: token ids must be >= 0, got {int(tokens.min())}")
+    return tokens
+
+
+def _decode_tensor(where: str, tensor: schema.Tensor, csr_budget: _CellBudget) -> np.ndarray:
+    """A wire Tensor as a numpy array, BF16 widened to float32 and INT32 to int64."""
+    wire = _WIRE_DTYPES.get(tensor.dtype)
+    if wire is None:
+        raise BadRequest(
+            f"{where}: dtype must be FLOAT32, INT64, INT32 or BFLOAT16, got {_dtype_name(tensor.dtype)}"
+        )
+    shape = [int(d) for d in tensor.shape]
+    if any(d < 0 for d in shape):
+        raise BadRequest(f"{where}: shape {shape} has a negative dimension")
+    if len(shape) > 2:
+        raise BadRequest(f"{where}: shape {shape} has rank {len(shape)}; expected rank 1 or 2")
+
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        values = _decode_csr(where, tensor.sparse_csr, wire, shape, csr_budget)
+    else:
+        # An unset encoding reads as empty dense bytes, which the shape check then judges.
+        values = _from_buffer(f"{where}.dense", tensor.dense, wire)
+        if not shape:
+            shape = [values.size]  # no shape means 1-D (losses.md "Missing shape")
+        if math.prod(shape) != values.size:
+            raise BadRequest(
+                f"{where}: dense data holds {values.size} elements but shape {shape} "
+                f"needs {math.prod(shape)}"
+            )
+        values = values.reshape(shape)
+
+    if tensor.dtype == DType.BFLOAT16:
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if tensor.dtype == DType.INT32:
+        return values.astype(np.int64)
+    return values.astype(values.dtype.newbyteorder("="))
+
+
+def _decode_csr(
+    where: str, csr: schema.SparseCsr, wire: np.dtype, shape: list[int], csr_budget: _CellBudget
+) -> np.ndarray:
+    """Expand CSR to dense; unlisted cells are 0 (the SDK's pad value)."""
+    if len(shape) != 2:
+        raise BadRequest(f"{where}: sparse_csr needs a rank-2 shape, got {shape}")
+    rows, cols = shape
+    values = _from_buffer(f"{where}.sparse_csr.values", csr.values, wire)
+    crow = _from_buffer(f"{where}.sparse_csr.crow_indices", csr.crow_indices, _INDEX_DTYPE)
+    col = _from_buffer(f"{where}.sparse_csr.col_indices", csr.col_indices, _INDEX_DTYPE)
+    nnz = values.size
+    if crow.size != rows + 1:
+        raise BadRequest(
+            f"{where}: sparse_csr.crow_indices has {crow.size} entries; shape {shape} needs {rows + 1}"
+        )
+    if col.size != nnz:
+        raise BadRequest(
+            f"{where}: sparse_csr.col_indices has {col.size} entries but values has {nnz}"
+        )
+    if crow[0] != 0 or crow[-1] != nnz or bool((np.diff(crow) < 0).any()):
+        raise BadRequest(
+            f"{where}: sparse_csr.crow_indices must start at 0, never decrease and end at "
+            f"{nnz} (the number of values), got {crow.tolist()[:8]}"
+        )
+    if nnz and (col.min() < 0 or col.max() >= cols):
+        raise BadRequest(f"{where}: sparse_csr.col_indices must lie in [0, {cols})")
+    csr_budget.take(where, rows * cols)
+    dense = np.zeros((rows, cols), dtype=wire)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return dense
+
+
+def _from_buffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise BadRequest(
+            f"{where}: {len(raw)} bytes is not a whole number of {dtype.itemsize}-byte elements"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _dtype_name(value: int) -> str:
+    try:
+        return DType(value).name
+    except ValueError:
+        return str(value)
+
+
+def _decode_loss_config(request: schema.ForwardBackwardRequest) -> dict[str, float | str]:
+    # The SDK writes numbers to both maps and strings only to v2, so v2 wins when present.
+    if not request.loss_fn_config_v2:
+        return {key: float(value) for key, value in sorted(request.loss_fn_config.items())}
+    config: dict[str, float | str] = {}
+    for key, value in sorted(request.loss_fn_config_v2.items()):
+        kind = value.WhichOneof("value")
+        if kind == "number":
+            config[key] = float(value.number)
+        elif kind == "text":
+            config[key] = value.text
+        else:
+            raise BadRequest(f"loss_fn_config_v2[{key!r}]: value has neither number nor text")
+    return config
+
+
+# ---------------------------------------------------------------- result side
+
+
+def encode_forward_backward_output(result: ForwardBackwardResult) -> bytes:
+    """The protobuf ForwardBackwardOutput for one forward_backward request.
+
+    Per-datum `logprobs` go into one ArrayRecord as a float32 BatchedTensor
+    (data concatenated, int64 byte offsets, trailing_shape [] or [K]). Datums
+    whose trailing shapes differ start a new ArrayRecord, which the SDK
+    concatenates in order, so ragged K still decodes.
+
+    Raises:
+        ServerError: a metric key is not `name:reduction` (the SDK would crash on
+            it), or a logprobs array is 0-d.
+    """
+    out = schema.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE)
+    arrays = [np.asarray(a, dtype=_FLOAT_DTYPE) for a in result.logprobs]
+    for start, stop in _runs_of_equal_trailing_shape(arrays):
+        record = out.loss_fn_outputs.add(type_tag=OUTPUT_TYPE, num_datums=stop - start)
+        _fill_batched_tensor(record.fields[LOGPROBS_FIELD], arrays[start:stop])
+    for key, value in result.metrics.items():
+        if key.count(":") != 1:
+            raise ServerError(f"metric key {key!r} must be 'name:reduction' with exactly one colon")
+        out.metrics[key] = float(value)
+    return out.SerializeToString()
+
+
+def _runs_of_equal_trailing_shape(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i, array in enumerate(arrays):
+        if array.ndim == 0:
+            raise ServerError(f"logprobs of datum {i} is 0-d; expected shape (N,) or (N, K)")
+        if runs and arrays[runs[-1][0]].shape[1:] == array.shape[1:]:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _fill_batched_tensor(target: schema.BatchedTensor, arrays: list[np.ndarray]) -> None:
+    sizes = [a.nbytes for a in arrays]
+    target.data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+    target.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(_INDEX_DTYPE).tobytes()
+    target.dtype = DType.FLOAT32
+    target.trailing_shape.extend(arrays[0].shape[1:])
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """The protobuf SampleResponse for one asample request.
+
+    Raises:
+        ServerError: a stop reason other than "stop"/"length", or tokens and
+            logprobs of different lengths.
+    """
+    out = schema.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
+    for i, sequence in enumerate(result.sequences):
+        stop_reason = _STOP_REASONS.get(sequence.stop_reason)
+        if stop_reason is None:
+            raise ServerError(
+                f"sequence {i}: stop_reason must be 'stop' or 'length', got {sequence.stop_reason!r}"
+            )
+        if len(sequence.tokens) != len(sequence.logprobs):
+            raise ServerError(
+                f"sequence {i}: {len(sequence.tokens)} tokens but {len(sequence.logprobs)} logprobs"
+            )
+        message = out.sequences.add(stop_reason=stop_reason)
+        message.tokens = _le_bytes(sequence.tokens, _TOKEN_DTYPE)
+        message.logprobs = _le_bytes(sequence.logprobs, _FLOAT_DTYPE)
+        if sequence.topk is not None:
+            _fill_topk(message.topk_sampled_logprobs, sequence.topk)
+    if result.prompt_logprobs is not None:
+        out.prompt_logprobs = _le_bytes(result.prompt_logprobs, _FLOAT_DTYPE)
+    if result.topk_prompt is not None:
+        _fill_topk(out.topk_prompt_logprobs, result.topk_prompt)
+    return out.SerializeToString()
+
+
+def _fill_topk(target: schema.TopkLogprobs, topk: TopK) -> None:
+    if topk.token_ids.shape != topk.logprobs.shape or topk.token_ids.ndim != 2:
+        raise ServerError(
+            f"top-k token_ids {topk.token_ids.shape} and logprobs {topk.logprobs.shape} "
+            "must share one (L, K) shape"
+        )
+    length, k = topk.token_ids.shape
+    target.SetInParent()  # present even when L or K is 0, which the SDK reads as absent
+    target.token_ids = _le_bytes(topk.token_ids, _TOKEN_DTYPE)
+    target.logprobs = _le_bytes(topk.logprobs, _FLOAT_DTYPE)
+    target.k = k
+    target.length = length
+
+
+def _le_bytes(array: np.ndarray, dtype: np.dtype) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()

@@ -1,0 +1,276 @@
+"""The Tinker API routes the SDK's training and sampling loop uses (`/api/v1/...`).
+
+Each route decodes its body (JSON with msgspec, or protobuf for
+forward_backward), authenticates the caller, hands the request to the job
+table and answers a future or a small JSON body. Results are read back by
+`retrieve_future`, which long-polls and answers protobuf for forward,
+forward_backward and sample results, JSON for the rest.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from openrld import __version__
+from openrld.actors.futures import Completed, Failed
+from openrld.actors.trainer import Created, Loaded, Saved
+from openrld.api import wire
+from openrld.api.app import Services, caller, json_response
+from openrld.batches import ForwardBackwardResult, LoraSpec, OptimResult, SampleResult
+from openrld.errors import BadRequest
+
+PROTOBUF = "application/x-protobuf"
+MAX_TOPK_LOGPROBS = 20  # top-k logprobs per position; vLLM caps at 20 too
+
+
+def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> Response:
+    body: dict = {"request_id": request_id}
+    if model_id is not None:
+        body["model_id"] = model_id
+    if sequence_ids is not None:
+        body["sample_sequence_ids"] = sequence_ids
+    return json_response(body)
+
+
+async def _body(type_: type) -> object:
+    return wire.decode_json(await request.get_data(), type_)
+
+
+def _outcome_response(request_id: str, outcome: Completed | Failed | None) -> Response:
+    if outcome is None:
+        return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+    if isinstance(outcome, Failed):
+        return json_response({"error": outcome.detail, "category": outcome.category})
+    value = outcome.value
+    if isinstance(value, ForwardBackwardResult):
+        return Response(wire.encode_forward_backward_output(value), content_type=PROTOBUF)
+    if isinstance(value, SampleResult):
+        return Response(wire.encode_sample_response(value), content_type=PROTOBUF)
+    if isinstance(value, OptimResult):
+        return json_response({"metrics": value.metrics, "type": "optim_step"})
+    if isinstance(value, Created):
+        return json_response({"model_id": value.model_id, "type": "create_model"})
+    if isinstance(value, Loaded):
+        return json_response({"path": value.path, "model_id": value.model_id, "type": "load_weights"})
+    if isinstance(value, Saved):
+        body = {k: v for k, v in msgspec.structs.asdict(value).items() if v is not None}
+        return json_response(body)
+    raise AssertionError(f"no wire form for result {type(value).__name__}")
+
+
+def register(app: QuartTrio, services: Services) -> None:
+    jobs = services.jobs
+    config = services.config
+
+    # ------------------------------------------------------------ bootstrap
+
+    @app.post("/api/v1/client/config")
+    async def client_config() -> Response:
+        caller(services)
+        return json_response(
+            {
+                "pjwt_auth_enabled": False,
+                "parallel_fwdbwd_chunks": True,
+                "proto_compress_fwdbwd": False,
+                "sample_use_retrieve_futures": False,
+                "custom_loss_server_side": False,
+                "sample_join_sampling_session": False,
+            }
+        )
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config() -> Response:
+        caller(services)
+        return json_response({"refresh_interval_sec": 300, "sample_cancel_enabled": True})
+
+    @app.post("/api/v1/create_session")
+    async def create_session() -> Response:
+        user = caller(services)
+        req = await _body(wire.CreateSessionRequest)
+        session_id = jobs.create_session(
+            user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+            sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
+        )
+        return json_response({"session_id": session_id, "type": "create_session"})
+
+    @app.post("/api/v1/session_heartbeat")
+    async def session_heartbeat() -> Response:
+        user = caller(services)
+        req = await _body(wire.SessionHeartbeatRequest)
+        jobs.heartbeat(user, req.session_id)
+        return json_response({"type": "session_heartbeat"})
+
+    @app.post("/api/v1/sessions/<session_id>/finish")
+    async def finish_session(session_id: str) -> Response:
+        user = caller(services)
+        req = await _body(wire.SessionFinishRequest)
+        jobs.finish_session(user, session_id, req.reason.type, req.detail)
+        return json_response({})
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry() -> Response:
+        caller(services)
+        await _body(wire.TelemetryRequest)
+        return json_response({"status": "accepted"})
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> Response:
+        return json_response({"status": "ok", "version": __version__})
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def get_server_capabilities() -> Response:
+        caller(services)
+        models = [
+            {"model_name": m.name, "max_context_length": m.max_context, "trainable": True, "sampleable": True}
+            for m in services.catalog.configured()
+        ]
+        return json_response({"supported_models": models})
+
+    # ------------------------------------------------------------ training
+
+    @app.post("/api/v1/create_model")
+    async def create_model() -> Response:
+        user = caller(services)
+        req = await _body(wire.CreateModelRequest)
+        lora = req.lora_config
+        request_id, model_id = jobs.create_model(
+            user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
+            lora=LoraSpec(
+                rank=lora.rank, seed=lora.seed, train_unembed=lora.train_unembed,
+                train_mlp=lora.train_mlp, train_attn=lora.train_attn,
+            ),
+            user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+            optimizer_config=dict(req.optimizer_config or {"type": "adamw"}),
+        )
+        return _future(request_id, model_id)
+
+    @app.post("/api/v1/get_info")
+    async def get_info() -> Response:
+        user = caller(services)
+        req = await _body(wire.GetInfoRequest)
+        info = jobs.job_info(user, req.model_id)
+        return json_response(
+            {
+                "type": "get_info",
+                "model_id": info.model_id,
+                "model_data": {"arch": info.arch, "model_name": info.base_model, "tokenizer_id": info.tokenizer_id},
+                "optimizer_config": info.optimizer_config,
+                "is_lora": True,
+                "lora_rank": info.lora.rank,
+                "model_name": info.base_model,
+            }
+        )
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward() -> Response:
+        user = caller(services)
+        body = await request.get_data()
+        model_id, seq_id, batch = wire.decode_forward_backward(
+            body, request.headers.get("Content-Encoding"), max_body_bytes=config.max_body_bytes
+        )
+        request_id = jobs.forward_backward(user, model_id, seq_id, batch)
+        return _future(request_id, model_id)
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step() -> Response:
+        user = caller(services)
+        req = await _body(wire.OptimStepRequest)
+        params = wire.adam_params_from_request(req)
+        return _future(jobs.optim_step(user, req.model_id, req.seq_id, params), req.model_id)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights() -> Response:
+        user = caller(services)
+        req = await _body(wire.SaveWeightsRequest)
+        request_id = jobs.save_weights(
+            user, req.model_id, req.seq_id, name=req.path, overwrite=bool(req.overwrite),
+            ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        )
+        return _future(request_id, req.model_id)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler() -> Response:
+        user = caller(services)
+        req = await _body(wire.SaveWeightsForSamplerRequest)
+        request_id = jobs.save_weights_for_sampler(
+            user, req.model_id, req.seq_id, name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
+            kind=req.kind or "snapshot", ttl_seconds=req.ttl_seconds,
+            user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        )
+        return _future(request_id, req.model_id)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights() -> Response:
+        user = caller(services)
+        req = await _body(wire.LoadWeightsRequest)
+        with_optimizer = bool(req.optimizer)
+        if req.model_id is None:
+            if req.session_id is None or req.model_seq_id is None:
+                raise BadRequest("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+            request_id, model_id = jobs.load_into_new_model(
+                user, session_id=req.session_id, model_seq_id=req.model_seq_id, path=req.path,
+                with_optimizer=with_optimizer, optimizer_config=req.optimizer_config,
+            )
+            return _future(request_id, model_id)
+        if req.seq_id is None:
+            raise BadRequest("load_weights with model_id needs seq_id")
+        request_id = jobs.load_weights(user, req.model_id, req.seq_id, path=req.path, with_optimizer=with_optimizer)
+        return _future(request_id, req.model_id)
+
+    # ------------------------------------------------------------ sampling
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session() -> Response:
+        user = caller(services)
+        req = await _body(wire.CreateSamplingSessionRequest)
+        sampler_id = jobs.create_sampling_session(
+            user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
+            base_model=req.base_model, model_path=req.model_path,
+        )
+        return json_response({"sampling_session_id": sampler_id, "type": "create_sampling_session"})
+
+    @app.get("/api/v1/samplers/<path:sampler_id>")
+    async def get_sampler(sampler_id: str) -> Response:
+        user = caller(services)
+        info = jobs.sampler_info(user, sampler_id)
+        return json_response(
+            {"sampler_id": info.sampler_id, "base_model": info.base_model, "model_path": info.model_path}
+        )
+
+    @app.post("/api/v1/asample")
+    async def asample() -> Response:
+        user = caller(services)
+        req = await _body(wire.SampleRequest)
+        if req.sampling_session_id is None:
+            raise BadRequest("asample needs sampling_session_id")
+        job = wire.sample_job_from_request(
+            req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS
+        )
+        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, req.seq_id, job)
+        return _future(request_id, None, sequence_ids)
+
+    # ------------------------------------------------------------ futures
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future() -> Response:
+        user = caller(services)
+        req = await _body(wire.FutureRetrieveRequest)
+        outcome = await services.futures.wait(req.request_id, owner=user, hold_s=config.longpoll_s)
+        return _outcome_response(req.request_id, outcome)
+
+    @app.post("/api/v1/cancel_future")
+    async def cancel_future() -> Response:
+        caller(services)
+        await _body(wire.CancelFutureRequest)
+        # Queued work runs to completion; its result is dropped when unread.
+        return json_response({})
+
+
+def _str_dict(value: object, field: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{field}: expected an object of strings")
+    return {str(k): v if isinstance(v, str) else msgspec.json.encode(v).decode() for k, v in value.items()}

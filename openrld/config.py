@@ -1,0 +1,234 @@
+"""Node config: read once at startup into a frozen struct, then passed down by hand.
+
+This module owns `NodeConfig` and the only reads of the process environment
+in openrld. `load_config` layers, strongest first: explicit overrides (CLI
+flags), `OPENRLD_*` environment variables, the TOML config file, and the
+defaults below, whose reasons are written out in `config/openrld.toml`. It
+guarantees that a returned config has every value checked (types, ranges,
+`tml-` keys, open mode only on loopback) and that an unknown key in the file
+or the overrides is an error naming it. It never re-reads anything after
+startup and never holds live objects.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "OPENRLD_"
+API_KEY_PREFIX = "tml-"
+
+# The SDK gives up on one retrieve_future poll after 45 s; holding it longer
+# than that turns every slow result into a client-side timeout and retry.
+_SDK_POLL_TIMEOUT_S = 45.0
+
+
+class ConfigError(ValueError):
+    """The node config or the API key file is wrong; the daemon does not start.
+
+    It lives here rather than in errors.py because it never reaches a client:
+    the CLI prints it and exits.
+    """
+
+
+class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one openrld node is configured with. Reasons: config/openrld.toml.
+
+    `data_dir` has no default here because its default depends on the
+    environment; `load_config` fills it in (see `default_data_dir`).
+    """
+
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    api_keys_file: Path | None = None
+    device: Annotated[str, msgspec.Meta(min_length=1)] = "auto"
+    models: dict[str, Path] = msgspec.field(default_factory=dict)
+    longpoll_s: Annotated[float, msgspec.Meta(gt=0.0, lt=_SDK_POLL_TIMEOUT_S)] = 30.0
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
+    max_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    max_num_samples: Annotated[int, msgspec.Meta(ge=1)] = 128
+    max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 128
+    sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
+    log_json: bool = False
+
+    @property
+    def is_open_mode(self) -> bool:
+        """No key file: every request is served, so the node must be on loopback."""
+        return self.api_keys_file is None
+
+
+_FIELDS = {field.name: field for field in msgspec.structs.fields(NodeConfig)}
+
+# The fields an environment variable can set: the scalars. `models` is a table
+# and belongs in the file (or a ConfigMap mounted as the file).
+_ENV_FIELDS = tuple(name for name in _FIELDS if name != "models")
+
+
+def default_data_dir(env: Mapping[str, str]) -> Path:
+    """$XDG_DATA_HOME/openrld, else ~/.local/share/openrld (the XDG base-dir rule).
+
+    XDG says a relative XDG_DATA_HOME is invalid and must be ignored.
+    """
+    xdg = env.get("XDG_DATA_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "openrld"
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    return home / ".local" / "share" / "openrld"
+
+
+def _dec_hook(type_: type, value: object) -> object:
+    if type_ is Path and isinstance(value, str):
+        return Path(value).expanduser()
+    raise NotImplementedError(f"cannot read {type_!r}")
+
+
+def _convert_field(name: str, value: object, source: str, *, from_text: bool) -> object:
+    """One value checked against its field's type and bounds, or ConfigError naming both."""
+    try:
+        return msgspec.convert(value, _FIELDS[name].type, strict=not from_text, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {name}: {exc} (received {value!r})") from exc
+
+
+def _unknown_key(key: str, source: str) -> ConfigError:
+    known = ", ".join(_FIELDS)
+    return ConfigError(f"{source}: unknown key {key!r}; known keys are {known}")
+
+
+def _file_values(path: Path) -> dict[str, object]:
+    source = f"config file {path}"
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read it: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    values: dict[str, object] = {}
+    for key, value in raw.items():
+        if key not in _FIELDS:
+            raise _unknown_key(key, source)
+        values[key] = _convert_field(key, value, source, from_text=False)
+    return values
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for name in _ENV_FIELDS:
+        var = ENV_PREFIX + name.upper()
+        if var in env:
+            text = env[var]
+            if name == "api_keys_file" and text == "":
+                values[name] = None  # an empty variable is how a manifest says "open mode"
+            else:
+                values[name] = _convert_field(name, text, f"environment {var}", from_text=True)
+    return values
+
+
+def _override_values(overrides: Mapping[str, object]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for key, value in overrides.items():
+        if key not in _FIELDS:
+            raise _unknown_key(key, "overrides")
+        if value is None:
+            continue  # a flag that was not given
+        values[key] = _convert_field(key, value, f"flag --{key.replace('_', '-')}", from_text=isinstance(value, str))
+    return values
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping[str, str]) -> NodeConfig:
+    """Build the node config from its layers.
+
+    Args:
+        path: the TOML config file, or None for none.
+        overrides: CLI flags by field name; a None value means the flag was not given.
+        env: the process environment (passed in so tests need not touch os.environ).
+
+    Returns:
+        The config: overrides over `OPENRLD_<FIELD>` variables over the file over defaults.
+
+    Raises:
+        ConfigError: an unreadable file, an unknown key in the file or the overrides,
+            a bad value (naming where it came from), or open mode on a non-loopback host.
+    """
+    values: dict[str, object] = {"data_dir": default_data_dir(env)}
+    if path is not None:
+        values.update(_file_values(path))
+    values.update(_env_values(env))
+    values.update(_override_values(overrides))
+    config = NodeConfig(**values)  # type: ignore[arg-type]  # every value converted to its field's type
+    if config.is_open_mode and not _is_loopback(config.host):
+        raise ConfigError(
+            f"host {config.host!r} is not loopback, and no api_keys_file is set: "
+            "open mode (no keys) serves anyone who can connect, so it binds only to loopback"
+        )
+    for name in config.models:
+        if not name:
+            raise ConfigError("models: a model name must not be empty")
+    return config
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """Read the API key file: a TOML or JSON object mapping key to user.
+
+    A `.json` suffix is read as JSON, anything else as TOML. Every key must
+    start with `tml-` (the SDK refuses any other) and every user must be a
+    non-empty string.
+
+    Returns:
+        key -> user.
+
+    Raises:
+        ConfigError: naming the file and, where there is one, the bad entry
+            (the key itself is never echoed; it is a secret).
+    """
+    source = f"api keys file {path}"
+    try:
+        raw_bytes = path.read_bytes()
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read it: {exc}") from exc
+    try:
+        if path.suffix == ".json":
+            raw = json.loads(raw_bytes)
+        else:
+            raw = tomllib.loads(raw_bytes.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from exc
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{source}: expected a non-empty table of key = user")
+    keys: dict[str, str] = {}
+    for number, (key, user) in enumerate(raw.items(), start=1):
+        if not key.startswith(API_KEY_PREFIX) or len(key) == len(API_KEY_PREFIX) or any(c.isspace() for c in key):
+            raise ConfigError(f"{source}: entry {number}: a key must be '{API_KEY_PREFIX}' followed by non-space characters")
+        if not isinstance(user, str) or not user:
+            raise ConfigError(f"{source}: entry {number}: the user must be a non-empty string, got {user!r}")
+        keys[key] = user
+    if mode & 0o077:
+        logger.warning("api keys file %s can be read by other users (mode %o)", path, mode & 0o777)
+    return keys
+
+
+def process_environment() -> Mapping[str, str]:
+    """The process environment, for the CLI to pass to `load_config` (the one read of it)."""
+    return os.environ

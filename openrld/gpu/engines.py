@@ -1,0 +1,36 @@
+"""Builders of the torch engines for a model on a device, handed to the actors.
+
+The actors never import torch; the daemon gives them this factory, whose
+builders run in the actor's worker thread and return a ready engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from openrld.model_catalog import ModelEntry
+
+
+class TorchEngineFactory:
+    def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
+        self.device = device
+        if threads is not None and device.type == "cpu":
+            torch.set_num_threads(threads)
+
+    def trainer(self, model: ModelEntry) -> Callable[[], Any]:
+        def build() -> Any:
+            from openrld.gpu.torch_trainer import TorchTrainer
+
+            return TorchTrainer(model.directory, self.device)
+
+        return build
+
+    def sampler(self, model: ModelEntry) -> Callable[[], Any]:
+        def build() -> Any:
+            from openrld.gpu.torch_sampler import TorchSampler
+
+            return TorchSampler(model.directory, self.device)
+
+        return build

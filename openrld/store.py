@@ -1,0 +1,878 @@
+"""The node's durable state: an SQLite database and checkpoint directories.
+
+This module owns everything under the data dir:
+
+    <data_dir>/openrld.sqlite3     sessions, training runs, sampling sessions,
+                                   checkpoints, and the request log
+    <data_dir>/checkpoints/<run_id>/<kind>/<name>/   one directory per checkpoint
+    <data_dir>/tmp/                staging for checkpoint writes; emptied at open
+    <data_dir>/lock                held while a Store is open
+
+It guarantees:
+- What was written before a kill is there after a restart: the database runs
+  in WAL mode with synchronous=FULL, and a checkpoint directory appears under
+  its final name only whole (written in tmp/, fsynced, renamed into place,
+  parent fsynced). A restart removes whatever staging a kill left behind and
+  finishes or undoes an interrupted replace.
+- Requests that were pending when the daemon died read as "lost" afterwards,
+  so their futures fail clearly instead of polling forever.
+- No path it builds leaves the checkpoint root: every component passes
+  `ids.validate_name`, and the resolved path is checked, symlinks included.
+- One Store per data dir at a time (an exclusive lock on <data_dir>/lock).
+
+It never decides policy (who may see what is the API's check, using the
+`owner` columns), never imports trio or torch, and is used by one thread at
+a time: the daemon calls it from the trio thread, since each call is a short
+SQLite statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import sqlite3
+import stat
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO
+
+import msgspec
+
+from openrld.errors import BadRequest, Conflict, Gone, NotFound, ServerError
+from openrld.ids import CheckpointKind, TinkerPath, parse_checkpoint_kind, validate_name
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DB_NAME = "openrld.sqlite3"
+
+# A replace moves the old directory aside under this suffix. '#' can never be
+# part of a checkpoint name (ids.validate_name), so it never names a real one.
+_REPLACED_SUFFIX = "#old"
+
+# How long a statement waits for another connection's lock (an `openrld`
+# CLI reading the database) before failing. Short, because the caller is the
+# event loop; WAL readers never block the writer anyway.
+_BUSY_TIMEOUT_MS = 1000
+
+JsonScalar = str | int | float | bool | None
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- rows -------------------------------------------------------------------------------------------
+
+
+class SessionRow(msgspec.Struct, frozen=True):
+    session_id: str
+    owner: str
+    tags: tuple[str, ...]
+    user_metadata: dict[str, str]
+    sdk_version: str
+    project_id: str | None
+    display_name: str | None
+    created_at: datetime
+    last_heartbeat_at: datetime
+    finished_at: datetime | None
+    finish_reason: str | None  # the first reason given; later ones are ignored
+    finish_detail: str | None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RunRow(msgspec.Struct, frozen=True):
+    """A training run; `run_id` is the training client's model id."""
+
+    run_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    model_dir: str
+    lora: dict[str, JsonScalar] | None  # LoraConfig fields; None for full fine-tuning
+    settings: dict[str, JsonScalar]  # settings.settings_to_dict form
+    user_metadata: dict[str, str]
+    optimizer_config: dict[str, JsonScalar]
+    created_at: datetime
+    last_request_at: datetime
+    corrupted: bool
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora is not None
+
+    @property
+    def lora_rank(self) -> int | None:
+        rank = self.lora.get("rank") if self.lora is not None else None
+        return rank if isinstance(rank, int) else None
+
+
+class SamplerRow(msgspec.Struct, frozen=True):
+    sampler_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    model_path: str | None  # the tinker:// path it samples from; None for the base model
+    run_id: str | None  # the training run that made it, for save_weights_and_get_sampling_client
+    created_at: datetime
+
+
+class CheckpointRow(msgspec.Struct, frozen=True):
+    run_id: str
+    kind: CheckpointKind
+    name: str
+    owner: str
+    created_at: datetime
+    size_bytes: int | None
+    user_metadata: dict[str, str]
+    expires_at: datetime | None
+    public: bool
+
+    @property
+    def path(self) -> TinkerPath:
+        return TinkerPath(run_id=self.run_id, kind=self.kind, name=self.name)
+
+    @property
+    def tinker_path(self) -> str:
+        return self.path.uri
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path.checkpoint_id
+
+    @property
+    def checkpoint_type(self) -> str:
+        return self.kind.checkpoint_type
+
+
+class RequestState(enum.StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+    LOST = "lost"  # pending when the daemon stopped; its result will never come
+
+
+class StoreStatistics(msgspec.Struct, frozen=True):
+    sessions: int
+    runs: int
+    samplers: int
+    checkpoints: int
+    checkpoint_bytes: int
+    pending_requests: int
+
+
+# --- schema -----------------------------------------------------------------------------------------
+
+# Times are integer microseconds since the epoch, UTC: exact, and they sort.
+# JSON columns hold msgspec-encoded dicts and lists.
+_SCHEMA = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE sessions (
+    session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, tags TEXT NOT NULL,
+    user_metadata TEXT NOT NULL, sdk_version TEXT NOT NULL, project_id TEXT,
+    display_name TEXT, created_us INTEGER NOT NULL, heartbeat_us INTEGER NOT NULL,
+    finished_us INTEGER, finish_reason TEXT, finish_detail TEXT
+);
+CREATE INDEX sessions_by_owner ON sessions (owner, created_us);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL,
+    base_model TEXT NOT NULL, model_dir TEXT NOT NULL, lora TEXT, settings TEXT NOT NULL,
+    user_metadata TEXT NOT NULL, optimizer_config TEXT NOT NULL,
+    created_us INTEGER NOT NULL, last_request_us INTEGER NOT NULL,
+    corrupted INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX runs_by_owner ON runs (owner, created_us);
+CREATE INDEX runs_by_session ON runs (session_id);
+CREATE TABLE samplers (
+    sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, owner TEXT NOT NULL,
+    base_model TEXT NOT NULL, model_path TEXT, run_id TEXT, created_us INTEGER NOT NULL
+);
+CREATE INDEX samplers_by_session ON samplers (session_id);
+CREATE TABLE checkpoints (
+    run_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL, owner TEXT NOT NULL,
+    size_bytes INTEGER, user_metadata TEXT NOT NULL, created_us INTEGER NOT NULL,
+    expires_us INTEGER, public INTEGER NOT NULL,
+    PRIMARY KEY (run_id, kind, name)
+);
+CREATE INDEX checkpoints_by_owner ON checkpoints (owner, created_us);
+CREATE TABLE requests (
+    request_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, kind TEXT NOT NULL,
+    state TEXT NOT NULL, created_us INTEGER NOT NULL, finished_us INTEGER
+);
+CREATE INDEX requests_by_state ON requests (state);
+"""
+
+
+def _to_us(when: datetime) -> int:
+    if when.tzinfo is None:
+        raise ValueError(f"naive datetime {when!r}: the store keeps UTC times only")
+    return (when - _EPOCH) // timedelta(microseconds=1)
+
+
+def _from_us(us: int | None) -> datetime | None:
+    return None if us is None else _EPOCH + timedelta(microseconds=us)
+
+
+def _at(us: int) -> datetime:
+    return _EPOCH + timedelta(microseconds=us)
+
+
+_json = msgspec.json.encode
+
+
+def _user_metadata(metadata: object, what: str) -> bytes:
+    """Encode a user_metadata dict, refusing anything but str -> str."""
+    try:
+        return _json(msgspec.convert(metadata, dict[str, str]))
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"{what} user_metadata: expected string keys and values: {exc}") from exc
+
+
+def _page(limit: int, offset: int) -> tuple[int, int]:
+    if limit < 0:
+        raise BadRequest(f"limit: expected 0 or more, got {limit}")
+    if offset < 0:
+        raise BadRequest(f"offset: expected 0 or more, got {offset}")
+    return limit, offset
+
+
+# --- the store --------------------------------------------------------------------------------------
+
+
+class Store:
+    """SQLite metadata and checkpoint directories under one data dir. Use `Store.open`."""
+
+    def __init__(
+        self, data_dir: Path, conn: sqlite3.Connection, lock_file: IO[bytes], now: Callable[[], datetime]
+    ) -> None:
+        self.data_dir = data_dir
+        self._conn = conn
+        self._lock_file = lock_file
+        self._now = now
+        self._checkpoints = data_dir / "checkpoints"
+        self._tmp = data_dir / "tmp"
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, data_dir: Path, *, now: Callable[[], datetime] = utc_now) -> Store:
+        """Open (creating if needed) the store in `data_dir`, and recover from a crash.
+
+        Args:
+            data_dir: the node's data dir; made absolute here.
+            now: the wall clock (UTC); tests pass a fixed one.
+
+        Raises:
+            ServerError: another Store holds the data dir, or its schema is not ours.
+        """
+        data_dir = data_dir.expanduser().absolute()
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_file = (data_dir / "lock").open("ab")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise ServerError(f"data dir {data_dir} is in use by another openrld process") from None
+        try:
+            _remove_staging(data_dir / "tmp")
+            (data_dir / "checkpoints").mkdir(mode=0o700, exist_ok=True)
+            _recover_replaces(data_dir / "checkpoints")
+            conn = _connect(data_dir / DB_NAME)
+        except BaseException:
+            lock_file.close()
+            raise
+        store = cls(data_dir, conn, lock_file, now)
+        lost = store._conn.execute(
+            "UPDATE requests SET state = ?, finished_us = ? WHERE state = ?",
+            (RequestState.LOST, _to_us(now()), RequestState.PENDING),
+        ).rowcount
+        if lost:
+            logger.warning("data_dir=%s: %d requests pending at the last stop are now lost", data_dir, lost)
+        return store
+
+    def close(self) -> None:
+        self._conn.close()
+        self._lock_file.close()  # releases the flock
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _one(self, sql: str, args: tuple[object, ...]) -> sqlite3.Row | None:
+        row: sqlite3.Row | None = self._conn.execute(sql, args).fetchone()
+        return row
+
+    def _count(self, sql: str, args: tuple[object, ...] = ()) -> int:
+        row = self._one(sql, args)
+        assert row is not None
+        return int(row[0])
+
+    # --- sessions -----------------------------------------------------------------------------------
+
+    def create_session(
+        self,
+        session_id: str,
+        owner: str,
+        tags: list[str],
+        user_metadata: dict[str, str],
+        sdk_version: str,
+        project_id: str | None,
+        display_name: str | None,
+    ) -> SessionRow:
+        """Record a new session. Raises Conflict if the id is taken."""
+        now_us = _to_us(self._now())
+        try:
+            self._conn.execute(
+                "INSERT INTO sessions (session_id, owner, tags, user_metadata, sdk_version, project_id,"
+                " display_name, created_us, heartbeat_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    session_id, owner, _json(list(tags)), _user_metadata(user_metadata, "session"),
+                    sdk_version, project_id, display_name, now_us, now_us,
+                ),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            raise Conflict(f"session {session_id!r} already exists") from None
+        row = self.get_session(session_id)
+        assert row is not None
+        return row
+
+    def get_session(self, session_id: str) -> SessionRow | None:
+        row = self._one("SELECT * FROM sessions WHERE session_id = ?", (session_id,))
+        return None if row is None else _session_row(row)
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[SessionRow]:
+        """`owner`'s sessions, newest first."""
+        limit, offset = _page(limit, offset)
+        rows = self._conn.execute(
+            "SELECT * FROM sessions WHERE owner = ? ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
+        )
+        return [_session_row(row) for row in rows]
+
+    def heartbeat(self, session_id: str) -> None:
+        """Note that the session's client is alive.
+
+        Raises:
+            NotFound: no such session.
+            Gone: the session has finished (the SDK stops heartbeating on 410).
+        """
+        updated = self._conn.execute(
+            "UPDATE sessions SET heartbeat_us = ? WHERE session_id = ? AND finish_reason IS NULL",
+            (_to_us(self._now()), session_id),
+        ).rowcount
+        if updated == 0:
+            session = self.get_session(session_id)
+            if session is None:
+                raise NotFound(f"session {session_id!r} not found")
+            raise Gone(f"session {session_id!r} has finished ({session.finish_reason})")
+
+    def finish_session(self, session_id: str, reason: str, detail: str | None) -> bool:
+        """End a session. The first reason wins; returns whether this call's did.
+
+        Raises:
+            NotFound: no such session.
+        """
+        updated = self._conn.execute(
+            "UPDATE sessions SET finished_us = ?, finish_reason = ?, finish_detail = ?"
+            " WHERE session_id = ? AND finish_reason IS NULL",
+            (_to_us(self._now()), reason, detail, session_id),
+        ).rowcount
+        if updated == 0 and self.get_session(session_id) is None:
+            raise NotFound(f"session {session_id!r} not found")
+        return updated == 1
+
+    def session_checkpoint_usage(self, session_id: str) -> tuple[int, int]:
+        """(count, total size_bytes) of the checkpoints of the session's runs."""
+        row = self._one(
+            "SELECT count(*), coalesce(sum(c.size_bytes), 0) FROM checkpoints c"
+            " JOIN runs r ON r.run_id = c.run_id WHERE r.session_id = ?",
+            (session_id,),
+        )
+        assert row is not None
+        return int(row[0]), int(row[1])
+
+    # --- training runs ------------------------------------------------------------------------------
+
+    def create_run(
+        self,
+        run_id: str,
+        session_id: str,
+        owner: str,
+        base_model: str,
+        model_dir: str,
+        lora: dict[str, JsonScalar] | None,
+        settings: dict[str, JsonScalar],
+        user_metadata: dict[str, str],
+        optimizer_config: dict[str, JsonScalar],
+    ) -> RunRow:
+        """Record a new training run. Raises Conflict if the id is taken, BadRequest if it is unsafe."""
+        validate_name(run_id, "run id")
+        now_us = _to_us(self._now())
+        try:
+            self._conn.execute(
+                "INSERT INTO runs (run_id, session_id, owner, base_model, model_dir, lora, settings,"
+                " user_metadata, optimizer_config, created_us, last_request_us)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id, session_id, owner, base_model, str(model_dir),
+                    None if lora is None else _json(lora), _json(settings),
+                    _user_metadata(user_metadata, "training run"), _json(optimizer_config), now_us, now_us,
+                ),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            raise Conflict(f"training run {run_id!r} already exists") from None
+        row = self.get_run(run_id)
+        assert row is not None
+        return row
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        row = self._one("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        return None if row is None else _run_row(row)
+
+    def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        """A page of `owner`'s runs, newest first, and how many they have in all."""
+        limit, offset = _page(limit, offset)
+        rows = self._conn.execute(
+            "SELECT * FROM runs WHERE owner = ? ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
+        )
+        page = [_run_row(row) for row in rows]
+        return page, self._count("SELECT count(*) FROM runs WHERE owner = ?", (owner,))
+
+    def touch_run(self, run_id: str) -> None:
+        """Set the run's last_request_time to now. Raises NotFound for an unknown run."""
+        updated = self._conn.execute(
+            "UPDATE runs SET last_request_us = ? WHERE run_id = ?", (_to_us(self._now()), run_id)
+        ).rowcount
+        if updated == 0:
+            raise NotFound(f"training run {run_id!r} not found")
+
+    def session_runs(self, session_id: str) -> list[str]:
+        """The session's run ids, in creation order."""
+        rows = self._conn.execute(
+            "SELECT run_id FROM runs WHERE session_id = ? ORDER BY created_us, rowid", (session_id,)
+        )
+        return [row[0] for row in rows]
+
+    # --- sampling sessions --------------------------------------------------------------------------
+
+    def create_sampler(
+        self,
+        sampler_id: str,
+        session_id: str,
+        owner: str,
+        base_model: str,
+        model_path: str | None,
+        run_id: str | None,
+    ) -> SamplerRow:
+        """Record a new sampling session. Raises Conflict if the id is taken."""
+        try:
+            self._conn.execute(
+                "INSERT INTO samplers (sampler_id, session_id, owner, base_model, model_path, run_id, created_us)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (sampler_id, session_id, owner, base_model, model_path, run_id, _to_us(self._now())),
+            )
+        except sqlite3.IntegrityError:
+            raise Conflict(f"sampling session {sampler_id!r} already exists") from None
+        row = self.get_sampler(sampler_id)
+        assert row is not None
+        return row
+
+    def get_sampler(self, sampler_id: str) -> SamplerRow | None:
+        row = self._one("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,))
+        if row is None:
+            return None
+        return SamplerRow(
+            sampler_id=row["sampler_id"],
+            session_id=row["session_id"],
+            owner=row["owner"],
+            base_model=row["base_model"],
+            model_path=row["model_path"],
+            run_id=row["run_id"],
+            created_at=_at(row["created_us"]),
+        )
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        """The session's sampler ids, in creation order."""
+        rows = self._conn.execute(
+            "SELECT sampler_id FROM samplers WHERE session_id = ? ORDER BY created_us, rowid", (session_id,)
+        )
+        return [row[0] for row in rows]
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def add_checkpoint(
+        self,
+        run_id: str,
+        kind: CheckpointKind,
+        name: str,
+        owner: str,
+        size_bytes: int | None,
+        user_metadata: dict[str, str],
+        expires_at: datetime | None,
+        public: bool = False,
+        *,
+        overwrite: bool = False,
+    ) -> CheckpointRow:
+        """Record a checkpoint whose directory `commit_dir` has put in place.
+
+        Raises:
+            BadRequest: an unsafe run id or name, or an unknown kind.
+            Conflict: the checkpoint exists and `overwrite` is false.
+        """
+        path = TinkerPath.of(run_id, kind, name)
+        verb = "INSERT OR REPLACE" if overwrite else "INSERT"
+        try:
+            self._conn.execute(
+                f"{verb} INTO checkpoints (run_id, kind, name, owner, size_bytes, user_metadata, created_us,"
+                " expires_us, public) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    path.run_id, path.kind.value, path.name, owner, size_bytes,
+                    _user_metadata(user_metadata, "checkpoint"), _to_us(self._now()),
+                    None if expires_at is None else _to_us(expires_at), int(public),
+                ),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            raise Conflict(f"checkpoint {path.uri} already exists") from None
+        row = self.get_checkpoint(path.run_id, path.kind, path.name)
+        assert row is not None
+        return row
+
+    def get_checkpoint(self, run_id: str, kind: CheckpointKind, name: str) -> CheckpointRow | None:
+        row = self._one(
+            "SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+            (run_id, parse_checkpoint_kind(kind).value, name),
+        )
+        return None if row is None else _checkpoint_row(row)
+
+    def list_checkpoints(self, run_id: str) -> list[CheckpointRow]:
+        """The run's checkpoints, oldest first."""
+        rows = self._conn.execute(
+            "SELECT * FROM checkpoints WHERE run_id = ? ORDER BY created_us, rowid", (run_id,)
+        )
+        return [_checkpoint_row(row) for row in rows]
+
+    def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
+        """A page of `owner`'s checkpoints across runs, newest first, and how many they have in all."""
+        limit, offset = _page(limit, offset)
+        rows = self._conn.execute(
+            "SELECT * FROM checkpoints WHERE owner = ? ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",
+            (owner, limit, offset),
+        )
+        page = [_checkpoint_row(row) for row in rows]
+        return page, self._count("SELECT count(*) FROM checkpoints WHERE owner = ?", (owner,))
+
+    def last_checkpoint(self, run_id: str, kind: CheckpointKind) -> CheckpointRow | None:
+        """The run's newest checkpoint of `kind`, if any."""
+        row = self._one(
+            "SELECT * FROM checkpoints WHERE run_id = ? AND kind = ? ORDER BY created_us DESC, rowid DESC LIMIT 1",
+            (run_id, parse_checkpoint_kind(kind).value),
+        )
+        return None if row is None else _checkpoint_row(row)
+
+    def delete_checkpoint(self, run_id: str, kind: CheckpointKind, name: str) -> None:
+        """Remove a checkpoint's row, then its directory.
+
+        The row goes first: a crash in between leaves an unlisted directory,
+        never a listed checkpoint with no files. The directory is renamed into
+        tmp/ before it is removed, so a half-deleted one is never visible.
+
+        Raises:
+            NotFound: no such checkpoint.
+        """
+        path = TinkerPath.of(run_id, kind, name)
+        deleted = self._conn.execute(
+            "DELETE FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
+            (path.run_id, path.kind.value, path.name),
+        ).rowcount
+        if deleted == 0:
+            raise NotFound(f"checkpoint {path.uri} not found")
+        directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
+        if directory.exists():
+            doomed = self._tmp / f"deleted-{secrets.token_hex(8)}"
+            os.rename(directory, doomed)
+            shutil.rmtree(doomed)
+
+    # --- checkpoint directories ---------------------------------------------------------------------
+
+    def checkpoint_dir(self, run_id: str, kind: CheckpointKind | str, name: str) -> Path:
+        """<data_dir>/checkpoints/<run_id>/<kind>/<name>; it need not exist yet.
+
+        Raises:
+            BadRequest: an unsafe run id or name ('..', '/', an absolute path...), or an unknown kind.
+            ServerError: the path resolves outside the checkpoint root (a symlink planted in the data dir).
+        """
+        path = TinkerPath.of(run_id, kind, name)
+        directory = self._checkpoints / path.run_id / path.kind.value / path.name
+        self._require_under(directory, self._checkpoints)
+        return directory
+
+    def staging_dir(self) -> Path:
+        """A fresh, empty directory under tmp/ to write a checkpoint into before `commit_dir`."""
+        staging = self._tmp / f"staging-{secrets.token_hex(8)}"
+        staging.mkdir(mode=0o700)
+        return staging
+
+    def commit_dir(self, staging: Path, final: Path, *, replace: bool = False) -> None:
+        """Make a staging directory the checkpoint directory `final`, durably and whole.
+
+        Every file and directory in `staging` is fsynced, then it is renamed
+        to `final` and the parents are fsynced. With `replace`, an existing
+        `final` is first moved aside to "<name>#old" and removed after; if the
+        daemon dies in between, the next open puts back whichever is whole.
+
+        Args:
+            staging: a directory from `staging_dir`.
+            final: a path from `checkpoint_dir`.
+
+        Raises:
+            Conflict: `final` exists and `replace` is false.
+            ServerError: `staging` is not a staging dir, holds something other
+                than files and directories, or `final` escapes the checkpoint root.
+        """
+        if staging.parent != self._tmp or not staging.name.startswith("staging-") or not staging.is_dir():
+            raise ServerError(f"{staging} is not a staging dir of this store")
+        self._require_under(final, self._checkpoints)
+        _fsync_tree(staging)
+        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.path.lexists(final):
+            if not replace:
+                raise Conflict(f"checkpoint {self._uri_of(final)} already exists")
+            aside = final.with_name(final.name + _REPLACED_SUFFIX)
+            if os.path.lexists(aside):
+                shutil.rmtree(aside)
+            os.rename(final, aside)
+            os.rename(staging, final)
+            _fsync_dir(final.parent)
+            shutil.rmtree(aside)
+        else:
+            os.rename(staging, final)
+        # The rename is durable once the parent is; parents made just now need theirs too.
+        for directory in (final.parent, final.parent.parent, final.parent.parent.parent):
+            _fsync_dir(directory)
+
+    def _uri_of(self, directory: Path) -> str:
+        run_id, kind, name = directory.relative_to(self._checkpoints).parts
+        return f"tinker://{run_id}/{kind}/{name}"
+
+    def _require_under(self, path: Path, root: Path) -> None:
+        # The expected root is computed from the resolved data dir, not by
+        # resolving `root`, so a symlinked checkpoints/ is refused as well.
+        expected_root = self.data_dir.resolve() / root.relative_to(self.data_dir)
+        resolved = path.resolve()
+        if resolved != expected_root and not resolved.is_relative_to(expected_root):
+            logger.error("data_dir=%s: path %s resolves to %s, outside %s", self.data_dir, path, resolved, expected_root)
+            raise ServerError(f"{path} resolves outside {expected_root}; refusing to use it")
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
+        """Note a request whose future is pending. Raises Conflict if the id is taken."""
+        try:
+            self._conn.execute(
+                "INSERT INTO requests (request_id, model_id, kind, state, created_us) VALUES (?, ?, ?, ?, ?)",
+                (request_id, model_id, kind, RequestState.PENDING, _to_us(self._now())),
+            )
+        except sqlite3.IntegrityError:
+            raise Conflict(f"request {request_id!r} already exists") from None
+
+    def finish_request(self, request_id: str) -> None:
+        """Note that a pending request's result is in. Raises NotFound for an unknown id."""
+        updated = self._conn.execute(
+            "UPDATE requests SET state = ?, finished_us = ? WHERE request_id = ? AND state = ?",
+            (RequestState.DONE, _to_us(self._now()), request_id, RequestState.PENDING),
+        ).rowcount
+        if updated == 0 and self.request_state(request_id) is None:
+            raise NotFound(f"request {request_id!r} not found")
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        row = self._one("SELECT state FROM requests WHERE request_id = ?", (request_id,))
+        return None if row is None else RequestState(row[0])
+
+    def prune_requests(self, finished_before: datetime) -> int:
+        """Forget done and lost requests finished before a time; returns how many."""
+        return self._conn.execute(
+            "DELETE FROM requests WHERE state != ? AND finished_us < ?",
+            (RequestState.PENDING, _to_us(finished_before)),
+        ).rowcount
+
+    # --- observability ------------------------------------------------------------------------------
+
+    def statistics(self) -> StoreStatistics:
+        checkpoints = self._one("SELECT count(*), coalesce(sum(size_bytes), 0) FROM checkpoints", ())
+        assert checkpoints is not None
+        return StoreStatistics(
+            sessions=self._count("SELECT count(*) FROM sessions"),
+            runs=self._count("SELECT count(*) FROM runs"),
+            samplers=self._count("SELECT count(*) FROM samplers"),
+            checkpoints=int(checkpoints[0]),
+            checkpoint_bytes=int(checkpoints[1]),
+            pending_requests=self._count("SELECT count(*) FROM requests WHERE state = ?", (RequestState.PENDING,)),
+        )
+
+
+# --- opening and recovery -------------------------------------------------------------------------
+
+
+def _connect(db_path: Path) -> sqlite3.Connection:
+    # isolation_level=None: every statement commits on its own; the few
+    # multi-statement steps use _transaction explicitly.
+    conn = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.row_factory = sqlite3.Row
+        conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        # FULL, not NORMAL: NORMAL may lose the last commits on power loss,
+        # and a run or checkpoint row must outlive the node, not just the process.
+        conn.execute("PRAGMA synchronous = FULL")
+        with _transaction(conn):
+            has_schema = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+            ).fetchone()
+            if has_schema is None:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            else:
+                (version,) = conn.execute("SELECT version FROM schema_version").fetchone()
+                if version != SCHEMA_VERSION:
+                    raise ServerError(
+                        f"{db_path} has schema version {version}; this openrld reads version {SCHEMA_VERSION}"
+                    )
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _remove_staging(tmp: Path) -> None:
+    """Empty tmp/: whatever is there was being written or deleted when the daemon died."""
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(mode=0o700)
+
+
+def _recover_replaces(checkpoints: Path) -> None:
+    """Finish or undo replaces a crash interrupted (see `Store.commit_dir`).
+
+    "<name>#old" next to "<name>": the new one was in place; drop the old.
+    "<name>#old" alone: the crash came between the two renames; put it back.
+    """
+    for aside in checkpoints.glob(f"*/*/*{_REPLACED_SUFFIX}"):
+        final = aside.with_name(aside.name[: -len(_REPLACED_SUFFIX)])
+        if os.path.lexists(final):
+            shutil.rmtree(aside)
+        else:
+            os.rename(aside, final)
+            _fsync_dir(final.parent)
+            logger.warning("restored checkpoint dir %s after an interrupted replace", final)
+
+
+# --- fsync ----------------------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    """fsync every file and directory under `top`, refusing anything else.
+
+    A symlink or device inside a checkpoint would be followed by whoever
+    loads it later, so only plain files and directories are accepted.
+    """
+    for dirpath, dirnames, filenames in os.walk(top, topdown=False):
+        for entry in (*filenames, *dirnames):
+            mode = os.lstat(os.path.join(dirpath, entry)).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ServerError(f"{os.path.join(dirpath, entry)}: a checkpoint holds only files and directories")
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+# --- row decoding ---------------------------------------------------------------------------------
+
+_decode_str_dict = msgspec.json.Decoder(dict[str, str]).decode
+_decode_json_dict = msgspec.json.Decoder(dict[str, JsonScalar]).decode
+_decode_tags = msgspec.json.Decoder(tuple[str, ...]).decode
+
+
+def _session_row(row: sqlite3.Row) -> SessionRow:
+    return SessionRow(
+        session_id=row["session_id"],
+        owner=row["owner"],
+        tags=_decode_tags(row["tags"]),
+        user_metadata=_decode_str_dict(row["user_metadata"]),
+        sdk_version=row["sdk_version"],
+        project_id=row["project_id"],
+        display_name=row["display_name"],
+        created_at=_at(row["created_us"]),
+        last_heartbeat_at=_at(row["heartbeat_us"]),
+        finished_at=_from_us(row["finished_us"]),
+        finish_reason=row["finish_reason"],
+        finish_detail=row["finish_detail"],
+    )
+
+
+def _run_row(row: sqlite3.Row) -> RunRow:
+    return RunRow(
+        run_id=row["run_id"],
+        session_id=row["session_id"],
+        owner=row["owner"],
+        base_model=row["base_model"],
+        model_dir=row["model_dir"],
+        lora=None if row["lora"] is None else _decode_json_dict(row["lora"]),
+        settings=_decode_json_dict(row["settings"]),
+        user_metadata=_decode_str_dict(row["user_metadata"]),
+        optimizer_config=_decode_json_dict(row["optimizer_config"]),
+        created_at=_at(row["created_us"]),
+        last_request_at=_at(row["last_request_us"]),
+        corrupted=bool(row["corrupted"]),
+    )
+
+
+def _checkpoint_row(row: sqlite3.Row) -> CheckpointRow:
+    return CheckpointRow(
+        run_id=row["run_id"],
+        kind=CheckpointKind(row["kind"]),
+        name=row["name"],
+        owner=row["owner"],
+        created_at=_at(row["created_us"]),
+        size_bytes=row["size_bytes"],
+        user_metadata=_decode_str_dict(row["user_metadata"]),
+        expires_at=_from_us(row["expires_us"]),
+        public=bool(row["public"]),
+    )

@@ -1,0 +1,138 @@
+"""Fixtures shared by the test suite: tiny models built offline, and real daemons.
+
+A daemon here is the real `openrld serve` in a child process on a free
+loopback port, with its own data dir, so that tests can also kill it with
+SIGKILL and start it again on the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from openrld.gpu.tiny_models import build_tiny_model
+
+DAEMON_START_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "qwen3", seed=1)
+
+
+class Daemon:
+    """A real `openrld serve` child process."""
+
+    def __init__(self, data_dir: Path, config_path: Path, log_path: Path) -> None:
+        self.data_dir = data_dir
+        self.config_path = config_path
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def start(self) -> "Daemon":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            match = re.match(r"openrld listening on (\S+)", line)
+            if match:
+                self.url = match.group(1)
+                return self
+        self.stop()
+        raise RuntimeError(f"daemon did not start; log:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def write_config(path: Path, data_dir: Path, models: dict[str, Path], extra: str = "") -> Path:
+    table = "\n".join(f'"{name}" = "{directory}"' for name, directory in models.items())
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            data_dir = "{data_dir}"
+            device = "cpu"
+            {extra}
+
+            [models]
+            """
+        )
+        + table
+        + "\n"
+    )
+    return path
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, tiny_llama: Path, tiny_qwen3: Path):
+    """make_daemon(extra_config="") -> a started Daemon on its own data dir; stopped at teardown."""
+    started: list[Daemon] = []
+
+    def make(extra_config: str = "", data_dir: Path | None = None) -> Daemon:
+        data = data_dir or tmp_path / f"data{len(started)}"
+        config = write_config(
+            tmp_path / f"openrld{len(started)}.toml", data,
+            {"tiny-llama": tiny_llama, "tiny-qwen3": tiny_qwen3}, extra_config,
+        )
+        daemon = Daemon(data, config, tmp_path / f"daemon{len(started)}.log").start()
+        started.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in started:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_qwen3: Path):
+    """One daemon for a whole test module (model loads are paid once)."""
+    root = tmp_path_factory.mktemp("daemon")
+    # A short long-poll hold keeps the "pending future" tests quick; the SDK re-polls at once.
+    config = write_config(
+        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama, "tiny-qwen3": tiny_qwen3}, "longpoll_s = 3.0"
+    )
+    daemon = Daemon(root / "data", config, root / "daemon.log").start()
+    yield daemon
+    daemon.stop()

@@ -1,0 +1,177 @@
+"""The wire protocol at the edges the SDK alone does not reach: ordering, retries, auth, bad input."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+HEADERS = {"X-API-Key": "tml-test"}
+
+
+def _post(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    return client.post(f"/api/v1/{path}", json=body, headers=HEADERS)
+
+
+def _result(client: httpx.Client, request_id: str) -> httpx.Response:
+    for _ in range(20):
+        response = _post(client, "retrieve_future", {"request_id": request_id, "allow_metadata_only": False})
+        if response.headers["content-type"].startswith("application/json") and response.json().get("type") == "try_again":
+            continue
+        return response
+    raise AssertionError(f"future {request_id} never completed")
+
+
+def _fb_body(model_id: str, seq_id: int, tokens: list[int]) -> bytes:
+    request = types.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=seq_id,
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:]},
+                )
+            ],
+            loss_fn="cross_entropy",
+        ),
+    )
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+@pytest.fixture
+def http(shared_daemon):
+    with httpx.Client(base_url=shared_daemon.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def model_id(http):
+    session_id = _post(http, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+    future = _post(
+        http, "create_model",
+        {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4}},
+    ).json()
+    assert _result(http, future["request_id"]).json()["model_id"] == future["model_id"]
+    return future["model_id"]
+
+
+def _fb(http: httpx.Client, model_id: str, seq_id: int, tokens: list[int]) -> httpx.Response:
+    return http.post(
+        "/api/v1/forward_backward", content=_fb_body(model_id, seq_id, tokens),
+        headers={**HEADERS, "Content-Type": "application/x-protobuf"},
+    )
+
+
+def test_out_of_order_seq_ids_run_in_seq_id_order_without_deadlock(http, model_id):
+    tokens = list(range(10, 30))
+    # Arrival order 3, 2, 1 as the SDK's concurrent chunks do (first chunk last).
+    optim = _post(http, "optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.1}}).json()
+    second = _fb(http, model_id, 2, tokens).json()
+    first = _fb(http, model_id, 1, tokens).json()
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    loss1 = deserialize_forward_backward_output(_result(http, first["request_id"]).content).metrics["loss:sum"]
+    loss2 = deserialize_forward_backward_output(_result(http, second["request_id"]).content).metrics["loss:sum"]
+    assert loss1 == loss2  # both ran before the optim_step that follows them
+    assert "grad_norm:mean" in _result(http, optim["request_id"]).json()["metrics"]
+
+
+def test_retried_seq_id_returns_the_first_future(http, model_id):
+    first = _fb(http, model_id, 1, list(range(5, 15))).json()
+    retry = _fb(http, model_id, 1, list(range(5, 15))).json()
+    assert retry["request_id"] == first["request_id"]
+
+
+def test_pending_future_answers_try_again_after_the_long_poll(http, model_id):
+    # seq 2 waits for seq 1, which never comes: the poll must come back, not hang.
+    pending = _fb(http, model_id, 2, list(range(5, 15))).json()
+    response = _post(http, "retrieve_future", {"request_id": pending["request_id"], "allow_metadata_only": True})
+    assert response.json() == {"type": "try_again", "request_id": pending["request_id"], "queue_state": "active"}
+
+
+def test_bad_loss_input_fails_the_future_and_the_next_seq_id_still_runs(http, model_id):
+    bad = types.ForwardBackwardRequest(
+        model_id=model_id, seq_id=1,
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={"target_tokens": [1, 2]})],
+            loss_fn="cross_entropy",
+        ),
+    )
+    response = http.post(
+        "/api/v1/forward_backward", content=forward_backward_request_to_proto(bad).SerializeToString(),
+        headers={**HEADERS, "Content-Type": "application/x-protobuf"},
+    ).json()
+    failed = _result(http, response["request_id"]).json()
+    assert failed["category"] == "user"
+    assert "target_tokens" in failed["error"]
+    ok = _fb(http, model_id, 2, list(range(5, 15))).json()
+    assert _result(http, ok["request_id"]).headers["content-type"].startswith("application/x-protobuf")
+
+
+def test_unknown_openrl_key_is_400_naming_the_key(http):
+    response = _post(http, "create_session", {"tags": ["openrl.fast_mode=true"], "user_metadata": {}, "sdk_version": "0.38.0"})
+    assert response.status_code == 400
+    assert "openrl.fast_mode" in response.json()["detail"]
+
+
+def test_not_yet_supported_setting_is_refused_by_name(http):
+    session_id = _post(http, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+    response = _post(
+        http, "create_model",
+        {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4},
+         "user_metadata": {"openrl.sampler_replicas": "2"}},
+    )
+    assert response.status_code == 400
+    assert "openrl.sampler_replicas" in response.json()["detail"]
+    assert "not supported yet" in response.json()["detail"]
+
+
+def test_malformed_protobuf_is_400_and_the_daemon_keeps_serving(http):
+    response = http.post(
+        "/api/v1/forward_backward", content=b"\xff\xff\xff not protobuf",
+        headers={**HEADERS, "Content-Type": "application/x-protobuf"},
+    )
+    assert response.status_code == 400
+    assert "detail" in response.json()
+    assert http.get("/api/v1/healthz").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "name", ["../escape", "/etc/passwd", "a/b", "..", ".hidden"], ids=["dotdot", "absolute", "slash", "parent", "dotfile"]
+)
+def test_checkpoint_names_that_could_leave_the_data_dir_are_refused(http, model_id, name):
+    response = _post(http, "save_weights", {"model_id": model_id, "seq_id": 1, "path": name})
+    assert response.status_code == 400
+    assert "name" in response.json()["detail"]
+
+
+def test_unknown_model_is_404(http):
+    response = _post(http, "optim_step", {"model_id": "s-0000:train:0", "seq_id": 1, "adam_params": {}})
+    assert response.status_code == 404
+
+
+def test_a_key_without_the_tml_prefix_is_refused_by_the_sdk(shared_daemon):
+    with pytest.raises(tinker.TinkerError, match="tml-"):
+        tinker.ServiceClient(base_url=shared_daemon.url, api_key="sk-not-tinker").create_rest_client()
+
+
+def test_in_key_file_mode_an_unknown_key_is_401(make_daemon, tmp_path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('"tml-alice-key" = "alice"\n')
+    daemon = make_daemon(f'api_keys_file = "{keys}"')
+    with httpx.Client(base_url=daemon.url) as client:
+        denied = client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers={"X-API-Key": "tml-mallory"})
+        allowed = client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}, headers={"X-API-Key": "tml-alice-key"})
+    assert denied.status_code == 401
+    assert allowed.status_code == 200
+
+
+def test_sigterm_shuts_down_cleanly(make_daemon):
+    daemon = make_daemon()
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert "Traceback" not in daemon.log()
