@@ -78,7 +78,7 @@ async def serve(
                 config=config, auth=Authenticator(keys), store=store, catalog=catalog,
                 futures=futures, jobs=jobs, groups=groups,
             )
-            stop = shutdown or trio.Event()
+            stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
                 binds = await front.start(
                     partial(hypercorn.trio.serve, build_app(services), _hypercorn_config(config), shutdown_trigger=stop.wait)

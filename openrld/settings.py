@@ -109,7 +109,7 @@ SETTING_KEYS: tuple[str, ...] = JobSettings.__struct_fields__
 
 # --- parsing one value ---------------------------------------------------------------------------
 
-SettingValue = FineTuningType | WeightSync | bool | str | int
+SettingValue = enum.Enum | bool | str | int  # FineTuningType, WeightSync or a plain value
 
 
 def _enum_parser(enum_type: type[enum.Enum]) -> tuple[str, Callable[[str], SettingValue | None]]:
@@ -280,9 +280,10 @@ def _check_cross_fields(settings: JobSettings, given: set[str]) -> None:
 
 # --- what this node has built ---------------------------------------------------------------------
 
-# For each setting, which values this node can run. Later work widens a row as
-# a feature lands. weight_sync needs no row of its own yet: an explicit
-# weight_sync is legal only with fine_tuning_type=full, which is refused here.
+# For each setting, which values this node can run; later work widens a row as
+# its feature lands. Today only the defaults run. An explicit weight_sync is
+# legal only with fine_tuning_type=full (see _check_cross_fields), which the
+# first row refuses, so every explicit weight_sync is refused for now.
 _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     "fine_tuning_type": lambda value: value is FineTuningType.LORA,
     "weight_sync": lambda value: value is WeightSync.DELTA,
