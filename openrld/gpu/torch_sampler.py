@@ -345,8 +345,8 @@ class TorchSampler:
         samples = self._new_samples(job)
         prompt_logprobs: np.ndarray | None = None
         topk_prompt: TopK | None = None
+        self._activate(version)
         with torch.inference_mode():
-            self._activate(version)
             if limit > 0 or scores_prompt:
                 cache, last_logits, prompt_logprobs, topk_prompt = self._prefill(job)
                 if limit > 0:
@@ -589,11 +589,11 @@ def _validate(job: SampleJob, vocab: int, context: int) -> None:
             raise _bad("sampling_params.stop", "non-empty stop strings", text)
     if job.prompt_logprobs_last_n is not None:
         if not job.prompt_logprobs:
-            raise _bad("prompt_logprobs_last_n", "to be set only with prompt_logprobs=true", job.prompt_logprobs_last_n)
+            raise _bad("prompt_logprobs_last_n", "it only with prompt_logprobs=true", job.prompt_logprobs_last_n)
         if not 1 <= job.prompt_logprobs_last_n <= len(prompt) - 1:
-            raise _bad(
-                "prompt_logprobs_last_n", f"an integer in [1, {len(prompt) - 1}] (prompt length - 1)", job.prompt_logprobs_last_n
-            )
-    for key, k in (("topk_prompt_logprobs", job.topk_prompt_logprobs), ("topk_sample_logprobs", job.topk_sample_logprobs)):
+            expected = f"an integer in [1, {len(prompt) - 1}] (the prompt length - 1)"
+            raise _bad("prompt_logprobs_last_n", expected, job.prompt_logprobs_last_n)
+    topks = (("topk_prompt_logprobs", job.topk_prompt_logprobs), ("topk_sample_logprobs", job.topk_sample_logprobs))
+    for key, k in topks:
         if not 0 <= k <= vocab:
             raise _bad(key, f"an integer in [0, {vocab}] (the vocabulary size)", k)
