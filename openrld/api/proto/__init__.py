@@ -10,6 +10,7 @@ from openrld.api.proto.codec import (
     decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
+    forward_backward_ids,
 )
 from openrld.api.proto.schema import (
     ArrayRecord,
@@ -70,4 +71,5 @@ __all__ = [
     "decode_forward_backward",
     "encode_forward_backward_output",
     "encode_sample_response",
+    "forward_backward_ids",
 ]

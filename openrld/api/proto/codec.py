@@ -107,6 +107,26 @@ def decode_forward_backward(
     return request.model_id, request.seq_id, batch
 
 
+def forward_backward_ids(
+    body: bytes, content_encoding: str | None, *, max_body_bytes: int
+) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a forward_backward body whose datums may be bad, or None.
+
+    For the route's failure path: when `decode_forward_backward` refuses a body,
+    the seq_id it carried must still count as done, or every later request of
+    that training client waits behind the gap (protocol §3.5). Returns None when
+    the envelope itself is unreadable.
+    """
+    try:
+        raw = _decompress(body, content_encoding, max_body_bytes=max_body_bytes)
+        request = schema.ForwardBackwardRequest.FromString(raw)
+    except (BadRequest, pb_message.DecodeError):
+        return None
+    if not request.model_id or request.seq_id < 0:
+        return None
+    return request.model_id, request.seq_id
+
+
 def _decompress(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> bytes:
     if len(body) > max_body_bytes:
         raise BadRequest(f"forward_backward: body is {len(body)} bytes; the limit is {max_body_bytes}")
