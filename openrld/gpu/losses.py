@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -352,7 +353,9 @@ def _resolve_config(loss_fn: str, spec: LossSpec, config: Mapping[str, float | s
             raise BadRequest(f"loss_fn_config[{key!r}] must be finite for loss {loss_fn!r}; got {value!r}", key=key)
         resolved[key] = float(value)
     if "beta" in resolved and resolved["beta"] < 0:
-        raise BadRequest(f"loss_fn_config['beta'] must be >= 0 for loss {loss_fn!r}; got {resolved['beta']!r}", key="beta")
+        raise BadRequest(
+            f"loss_fn_config['beta'] must be >= 0 for loss {loss_fn!r}; got {resolved['beta']!r}", key="beta"
+        )
     if "clip_low_threshold" in resolved:
         lo, hi = resolved["clip_low_threshold"], resolved["clip_high_threshold"]
         if lo < 0:
@@ -412,8 +415,8 @@ def _check_datum(
         if not np.isfinite(values).all():
             bad = int(np.flatnonzero(~np.isfinite(values.reshape(-1)))[0])
             raise BadRequest(
-                f"{where}: loss_fn_inputs[{key!r}] has a non-finite value ({values.reshape(-1)[bad]}) at position "
-                f"{_position(values.shape, bad)} for loss {loss_fn!r}",
+                f"{where}: loss_fn_inputs[{key!r}] has a non-finite value ({_shown(values.reshape(-1)[bad])}) "
+                f"at position {_position(values.shape, bad)} for loss {loss_fn!r}",
                 key=key,
             )
         checked[key] = values
@@ -435,13 +438,14 @@ def _check_thresholds(
     if (lo < 0).any():
         i = int(np.flatnonzero(lo < 0)[0])
         raise BadRequest(
-            f"{where}: clip_low_threshold must be >= 0; got {lo[i]} at position {i} for loss {loss_fn!r}",
+            f"{where}: clip_low_threshold must be >= 0; got {_shown(lo[i])} at position {i} for loss {loss_fn!r}",
             key="clip_low_threshold",
         )
     if (lo > hi).any():
         i = int(np.flatnonzero(lo > hi)[0])
         raise BadRequest(
-            f"{where}: clip_low_threshold {lo[i]} > clip_high_threshold {hi[i]} at position {i} for loss {loss_fn!r}",
+            f"{where}: clip_low_threshold {_shown(lo[i])} > clip_high_threshold {_shown(hi[i])} "
+            f"at position {i} for loss {loss_fn!r}",
             key="clip_low_threshold",
         )
 
@@ -457,7 +461,7 @@ def _as_token_ids(where: str, raw: np.ndarray, loss_fn: str) -> np.ndarray:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise BadRequest(
-                f"{where}: loss_fn_inputs['target_tokens'] has non-integral value {flat[i]} at position "
+                f"{where}: loss_fn_inputs['target_tokens'] has non-integral value {_shown(flat[i])} at position "
                 f"{_position(values.shape, i)}; expected token ids for loss {loss_fn!r}",
                 key="target_tokens",
             )
@@ -478,10 +482,15 @@ def _as_floats(where: str, key: str, raw: np.ndarray, loss_fn: str) -> np.ndarra
     return values.astype(np.float32, copy=False)
 
 
-def _shape_error(where: str, key: str, shape: tuple[int, ...], expected: str, loss_fn: str) -> None:
+def _shape_error(where: str, key: str, shape: tuple[int, ...], expected: str, loss_fn: str) -> NoReturn:
     raise BadRequest(
         f"{where}: loss_fn_inputs[{key!r}] has shape {list(shape)}; expected {expected} for loss {loss_fn!r}", key=key
     )
+
+
+def _shown(value: float) -> str:
+    """A float32 input as the client wrote it: 1.3, not 1.2999999523162842."""
+    return f"{float(value):.7g}"
 
 
 def _position(shape: tuple[int, ...], flat_index: int) -> int | tuple[int, ...]:
@@ -530,7 +539,9 @@ def pack_inputs(request: CheckedRequest, datum_indices: Sequence[int], device: t
     packed: dict[str, torch.Tensor] = {}
     for key in keys:
         fill = 1.0 if key == "weights" else request.config.get(key, 0.0)
-        parts = [d[key].reshape(-1) if key in d else np.full(size, fill, np.float32) for d, size in zip(per_datum, sizes)]
+        parts = [
+            d[key].reshape(-1) if key in d else np.full(size, fill, np.float32) for d, size in zip(per_datum, sizes)
+        ]
         packed[key] = torch.from_numpy(np.concatenate(parts)).to(device)
     segments = torch.from_numpy(np.repeat(np.arange(len(per_datum), dtype=np.int64), sizes)).to(device)
     return PackedInputs(inputs=packed, segments=segments)

@@ -1,0 +1,501 @@
+"""The trainer engine for one resident base model and many LoRA adapters (one per job).
+
+What it does: it loads the base model once (frozen, eval mode: no dropout), adds and drops
+peft LoRA adapters by name, and for one adapter at a time runs `forward_backward`
+(Tinker losses over the target-token log-probabilities, `gpu/losses.py`), `optim_step`
+(AdamW, `gpu/optim.py`), and saving and loading of its state.
+
+Guarantees:
+- a request is validated whole before any compute; a failed request (bad input or a
+  non-finite loss) leaves the adapter's accumulated gradients exactly as they were;
+- gradients accumulate per adapter until that adapter's `optim_step`; `forward_only`
+  neither adds to nor clears them. Adapters never share weights, gradients or optimizer
+  state, and clipping and the gradient norm cover one adapter only;
+- datums run as right-padded micro-batches of at most `max_batch_tokens` padded tokens,
+  never one at a time. lp = log_softmax(logits in fp32)[target] is computed over chunks
+  of positions, with the output layer recomputed in backward, so full fp32 logits for
+  every position never exist at once (nor, unless `chunked_head` is off, full logits at all);
+- adapter tensors use the keys of `peft.get_peft_model_state_dict(..., adapter_name=name,
+  save_embedding_layers=False)`, which is what the sampler loads with
+  `peft.set_peft_model_state_dict`.
+
+What it does not do: ordering, queueing, locking (the caller makes one call at a time),
+request ids or futures, trio. Device and dtype are explicit arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import peft
+import torch
+import torch.utils.checkpoint
+
+from openrld.batches import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimResult, TrainDatum
+from openrld.errors import BadRequest, Conflict, NotFound
+from openrld.gpu import lora_io, losses
+from openrld.gpu.models import load_causal_lm, lora_config, max_context, vocab_size
+from openrld.gpu.optim import AdamW
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+STATE_FORMAT_VERSION = 1
+
+
+class TrainerConfig(msgspec.Struct, frozen=True):
+    """Memory knobs; the defaults suit one GPU with a ~150k vocabulary."""
+
+    # Padded tokens (batch × longest datum) per micro-batch: bounds activation memory.
+    max_batch_tokens: int = 16384
+    # Positions per fp32 log-softmax chunk: 512 × 152k vocab × 4 B ≈ 300 MB at a time.
+    logprob_chunk_positions: int = 512
+    # Apply the output layer to hidden states chunk by chunk. Turned off (with a warning)
+    # when that does not reproduce the model's own logits, e.g. an unknown logit transform.
+    chunked_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.logprob_chunk_positions < 1:
+            raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
+
+
+class TrainerStatistics(msgspec.Struct, frozen=True):
+    adapters: int
+    optim_steps: int  # AdamW steps applied, summed over the resident adapters
+    forward_backward_calls: int
+    tokens: int  # model-input tokens run through forward_backward
+
+
+class TrainerState(msgspec.Struct, frozen=True):
+    """state.json of a state checkpoint."""
+
+    format_version: int
+    lora: LoraSpec
+    optimizer: str  # "adamw"
+    optimizer_steps: int
+    has_optimizer_state: bool
+
+
+class _Adapter:
+    """One job's adapter: its shape, its trainable tensors and its own optimizer."""
+
+    def __init__(self, spec: LoraSpec, params: dict[str, torch.nn.Parameter]) -> None:
+        self.spec = spec
+        self.params = params  # peft state-dict key (no adapter name) -> parameter
+        self.optimizer = AdamW(params)
+
+
+class TorchTrainer:
+    """Many LoRA adapters over one frozen base model; one call at a time."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        *,
+        config: TrainerConfig = TrainerConfig(),
+    ) -> None:
+        self.device = device
+        self.config = config
+        self._model = load_causal_lm(model_dir, device, dtype)  # peft injects its layers into this object
+        self._peft: peft.PeftModel | None = None  # created with the first adapter
+        self._adapters: dict[str, _Adapter] = {}
+        self._active: str | None = None
+        self._vocab_size = vocab_size(self._model)
+        self._input_vocab_size = int(self._model.get_input_embeddings().num_embeddings)
+        self._max_tokens = max_context(self._model)
+        self._softcap: float | None = getattr(self._model.config, "final_logit_softcapping", None)
+        self._chunked_head = config.chunked_head and self._head_reproduces_logits()
+        self._fb_calls = 0
+        self._tokens = 0
+
+    # ------------------------------------------------------------ adapters
+
+    def add_adapter(self, name: str, spec: LoraSpec) -> None:
+        """Add a fresh adapter. peft initialises B to zero, so it equals the base model;
+        A's random init is seeded with `spec.seed` when given (reproducible).
+
+        Raises:
+            Conflict: `name` exists.  BadRequest: a name peft cannot key, or rank < 1.
+        """
+        if name in self._adapters:
+            raise Conflict(f"adapter {name!r} already exists")
+        if not name or "." in name:
+            raise BadRequest(f"adapter name {name!r} cannot key torch modules (empty, or contains '.')")
+        if spec.rank < 1:
+            raise BadRequest(f"LoRA rank must be >= 1; got {spec.rank}", key="rank")
+        # fork_rng keeps a seeded init from moving the process's global RNG; peft draws A on the CPU.
+        seeded = torch.random.fork_rng(devices=[]) if spec.seed is not None else contextlib.nullcontext()
+        with seeded:
+            if spec.seed is not None:
+                torch.manual_seed(spec.seed)
+            if self._peft is None:
+                self._peft = peft.get_peft_model(self._model, lora_config(spec), adapter_name=name)
+            else:
+                self._peft.add_adapter(name, lora_config(spec))
+        self._active = None  # peft may have switched the active adapter
+        self._adapters[name] = _Adapter(spec, self._adapter_parameters(name))
+        logger.info("adapter added adapter=%s rank=%d", name, spec.rank)
+
+    def drop_adapter(self, name: str) -> None:
+        """Delete the adapter, its gradients and its optimizer state. Raises NotFound."""
+        self._get(name)
+        assert self._peft is not None
+        others = [other for other in self._adapters if other != name]
+        if others and name in self._peft.active_adapters:
+            # peft warns each time it must pick a new active adapter itself; pick one first.
+            self._peft.set_adapter(others[0])
+        self._peft.delete_adapter(name)
+        del self._adapters[name]
+        self._active = None
+        logger.info("adapter dropped adapter=%s", name)
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self._adapters
+
+    def adapter_names(self) -> list[str]:
+        return list(self._adapters)
+
+    def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """Detached CPU clones, keyed as `peft.get_peft_model_state_dict` keys them."""
+        self._get(name)
+        state = peft.get_peft_model_state_dict(self._peft, adapter_name=name, save_embedding_layers=False)
+        return {key: tensor.detach().to("cpu").clone() for key, tensor in state.items()}
+
+    def adapter_gradients(self, name: str) -> dict[str, torch.Tensor]:
+        """The accumulated gradients as CPU clones (tensors without one are left out);
+        for diagnostics and tests."""
+        adapter = self._get(name)
+        return {key: p.grad.detach().to("cpu").clone() for key, p in adapter.params.items() if p.grad is not None}
+
+    # ------------------------------------------------------------ training
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        """Score every datum's targets and, unless `batch.forward_only`, add ∇ of the loss
+        to the adapter's gradients.
+
+        Returns:
+            Per datum, float32 lp with the shape of its target_tokens (pre-update weights),
+            and the loss's metrics summed over the datums (`loss:sum` always).
+        Raises:
+            NotFound: unknown adapter.  BadRequest / NotSupportedYet: see
+            `losses.validate_request`, plus bad model inputs and a non-finite loss; no
+            gradient is added in any of these cases.
+        """
+        adapter = self._get(name)
+        self._check_model_inputs(batch.data)
+        request = losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self._vocab_size)
+        self._activate(name)
+        if batch.forward_only:
+            guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        else:
+            guard = _gradients_set_aside(list(adapter.params.values()))
+        with guard, torch.set_grad_enabled(not batch.forward_only):
+            logprobs, metrics = self._run_micro_batches(batch, request)
+        self._fb_calls += 1
+        self._tokens += sum(len(d.tokens) for d in batch.data)
+        return ForwardBackwardResult(logprobs=logprobs, metrics=metrics)
+
+    def _run_micro_batches(
+        self, batch: ForwardBackwardBatch, request: losses.CheckedRequest
+    ) -> tuple[list[np.ndarray], dict[str, float]]:
+        """lp, loss and (when grad is enabled) backward, one padded micro-batch at a time."""
+        logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch.data)
+        metrics = dict.fromkeys(request.spec.metric_keys, 0.0)
+        for group in plan_micro_batches([len(d.tokens) for d in batch.data], self.config.max_batch_tokens):
+            lp = self._target_logprobs(
+                [batch.data[i].tokens for i in group], [request.inputs[i]["target_tokens"] for i in group]
+            )
+            packed = losses.pack_inputs(request, group, self.device)
+            loss, group_metrics = request.spec.fn(lp, packed.inputs, request.config, packed.segments)
+            losses.check_finite_loss(loss, batch.loss_fn)  # before backward: a bad loss adds no gradient
+            if torch.is_grad_enabled():
+                loss.backward()
+            _scatter(lp, group, request, logprobs)
+            for key, value in group_metrics.items():
+                metrics[key] += value
+        return logprobs, metrics
+
+    def optim_step(self, name: str, params: AdamParams) -> OptimResult:
+        """One AdamW step on this adapter's tensors with its accumulated gradients.
+
+        Returns:
+            {"grad_norm:mean", "learning_rate:mean"}.
+        Raises:
+            NotFound; BadRequest for invalid params or a non-finite gradient norm (optim.py).
+        """
+        adapter = self._get(name)
+        return OptimResult(metrics=adapter.optimizer.step(params))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
+        """Write the adapter (lora_io format), `optimizer.safetensors` when `with_optimizer`,
+        and `state.json` into the existing, empty `directory`; every file fsynced.
+
+        Returns:
+            Total bytes written.
+        """
+        adapter = self._get(name)
+        size = lora_io.save_adapter(directory, self.adapter_tensors(name), adapter.spec)
+        if with_optimizer:
+            size += lora_io.write_synced(
+                directory / OPTIMIZER_FILE, lora_io.encode_tensors(adapter.optimizer.state_tensors())
+            )
+        state = TrainerState(
+            format_version=STATE_FORMAT_VERSION,
+            lora=adapter.spec,
+            optimizer="adamw",
+            optimizer_steps=adapter.optimizer.steps_done,
+            has_optimizer_state=with_optimizer,
+        )
+        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
+        lora_io.fsync_directory(directory)
+        return size
+
+    def load_state(self, name: str, directory: Path, spec: LoraSpec, with_optimizer: bool) -> None:
+        """Restore the adapter from `directory` (a state or sampler-weights checkpoint),
+        adding it with `spec` if absent. Without `with_optimizer` the optimizer starts fresh.
+        Accumulated gradients are dropped. On failure nothing changes.
+
+        Raises:
+            BadRequest: "checkpoint has no optimizer state"; a spec that differs from the
+                checkpoint's (rank or trained modules); tensors of another shape.
+        """
+        tensors, stored = lora_io.load_adapter(directory)
+        for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
+            if getattr(stored, field) != getattr(spec, field):
+                raise BadRequest(
+                    f"checkpoint {directory.name!r} has LoRA {field}={getattr(stored, field)!r}; "
+                    f"the model wants {field}={getattr(spec, field)!r}",
+                    key=field,
+                )
+        optimizer_path = directory / OPTIMIZER_FILE
+        if with_optimizer and not optimizer_path.is_file():
+            raise BadRequest(
+                f"checkpoint has no optimizer state ({directory.name!r} holds adapter weights only)", key="optimizer"
+            )
+        optimizer_state = lora_io.read_tensors(optimizer_path) if with_optimizer else None
+        is_new = name not in self._adapters
+        if is_new:
+            self.add_adapter(name, spec)
+        try:
+            adapter = self._adapters[name]
+            _check_same_tensors(directory.name, adapter.params, tensors)
+            if optimizer_state is None:
+                adapter.optimizer.reset()
+            else:
+                adapter.optimizer.load_state_tensors(optimizer_state)
+        except BaseException:
+            if is_new:
+                self.drop_adapter(name)
+            raise
+        with torch.no_grad():
+            for key, param in adapter.params.items():
+                param.copy_(tensors[key])
+        adapter.optimizer.zero_grad()
+        logger.info("adapter loaded adapter=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
+
+    # ------------------------------------------------------------ observability
+
+    def statistics(self) -> TrainerStatistics:
+        return TrainerStatistics(
+            adapters=len(self._adapters),
+            optim_steps=sum(a.optimizer.steps_done for a in self._adapters.values()),
+            forward_backward_calls=self._fb_calls,
+            tokens=self._tokens,
+        )
+
+    # ------------------------------------------------------------ internals
+
+    def _get(self, name: str) -> _Adapter:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise NotFound(f"no adapter {name!r} on this trainer")
+        return adapter
+
+    def _activate(self, name: str) -> None:
+        """Make `name` the one adapter in the forward pass; peft also makes only its tensors
+        require grad, so no other adapter can receive a gradient."""
+        if self._active != name:
+            assert self._peft is not None
+            self._peft.set_adapter(name)
+            self._active = name
+
+    def _adapter_parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's LoRA tensors, keyed like peft's state dict (adapter name removed)."""
+        assert self._peft is not None
+        params: dict[str, torch.nn.Parameter] = {}
+        for key, param in self._peft.named_parameters():
+            for part in ("lora_A", "lora_B"):
+                marker = f".{part}.{name}."
+                if marker in key:
+                    params[key.replace(marker, f".{part}.")] = param
+        assert params, f"peft created no LoRA tensors for adapter {name!r}"
+        return params
+
+    def _check_model_inputs(self, data: Sequence[TrainDatum]) -> None:
+        for index, datum in enumerate(data):
+            tokens = np.asarray(datum.tokens)
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+                raise BadRequest(
+                    f"datum {index}: model_input tokens must be a 1-D integer array; "
+                    f"got dtype {tokens.dtype} shape {list(tokens.shape)}",
+                    key="model_input",
+                )
+            if len(tokens) == 0:
+                raise BadRequest(f"datum {index}: model_input is empty; expected at least one token", key="model_input")
+            if len(tokens) > self._max_tokens:
+                raise BadRequest(
+                    f"datum {index}: model_input has {len(tokens)} tokens; the model's context is {self._max_tokens}",
+                    key="model_input",
+                )
+            if tokens.min() < 0 or tokens.max() >= self._input_vocab_size:
+                bad = int(np.flatnonzero((tokens < 0) | (tokens >= self._input_vocab_size))[0])
+                raise BadRequest(
+                    f"datum {index}: model_input has token id {int(tokens[bad])} at position {bad}; "
+                    f"expected ids in [0, {self._input_vocab_size})",
+                    key="model_input",
+                )
+
+    def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
+        """lp of one micro-batch in the packed layout of losses.py: (M,) float32, M = Σ targets.size.
+
+        Datums are right-padded into (B, T) with an attention mask; under causal attention the
+        padding never reaches a real position.
+        """
+        lengths = [len(t) for t in tokens]
+        ids = np.zeros((len(tokens), max(lengths)), np.int64)
+        mask = np.zeros_like(ids)
+        for row, (datum_tokens, n) in enumerate(zip(tokens, lengths)):
+            ids[row, :n] = datum_tokens
+            mask[row, :n] = 1
+        input_ids = torch.from_numpy(ids).to(self.device)
+        attention_mask = torch.from_numpy(mask).to(self.device)
+        if self._chunked_head:
+            decoder = self._model.get_decoder()
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            features = out.last_hidden_state  # (B, T, H)
+        else:
+            features = self._model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
+        # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
+        offsets = np.cumsum([0] + lengths)
+        per_position = [1 if t.ndim == 1 else t.shape[1] for t in targets]
+        pair_rows = np.concatenate(
+            [np.repeat(np.arange(offsets[i], offsets[i + 1]), k) for i, k in enumerate(per_position)]
+        )
+        pair_tokens = np.concatenate([t.reshape(-1) for t in targets])
+        chunk = self.config.logprob_chunk_positions
+        starts = list(range(0, len(rows), chunk))
+        bounds = np.searchsorted(pair_rows, starts + [len(rows)])
+        pair_rows_t = torch.from_numpy(pair_rows).to(self.device)
+        pair_tokens_t = torch.from_numpy(pair_tokens).to(self.device)
+        pieces = []
+        for start, lo, hi in zip(starts, bounds[:-1], bounds[1:]):
+            args = (rows[start : start + chunk], pair_rows_t[lo:hi] - start, pair_tokens_t[lo:hi])
+            if torch.is_grad_enabled():
+                # Recompute this chunk's logits in backward instead of keeping (chunk, V) fp32 alive.
+                pieces.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, *args, use_reentrant=False))
+            else:
+                pieces.append(self._chunk_logprobs(*args))
+        return torch.cat(pieces)
+
+    def _chunk_logprobs(self, features: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """log_softmax in fp32 of one chunk's logits, read at (rows, tokens)."""
+        if self._chunked_head:
+            logits = self._model.get_output_embeddings()(features).float()  # (c, V)
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+        else:
+            logits = features.float()
+        return torch.log_softmax(logits, dim=-1)[rows, tokens]
+
+    def _head_reproduces_logits(self) -> bool:
+        """Whether decoder + output layer (+ soft-cap) gives the model's own logits; run once."""
+        ids = torch.arange(min(16, self._vocab_size), device=self.device).unsqueeze(0)
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            expected = self._model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+            hidden = self._model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            logits = self._model.get_output_embeddings()(hidden).float()
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+        tolerance = 1e-4 if expected.dtype == logits.dtype == torch.float32 and hidden.dtype == torch.float32 else 2e-2
+        if torch.allclose(logits, expected, rtol=tolerance, atol=tolerance):
+            return True
+        logger.warning(
+            "chunked output layer does not reproduce the model's logits (model_type=%s); computing full logits",
+            getattr(self._model.config, "model_type", "?"),
+        )
+        return False
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    """Run one request's backward passes into fresh gradient buffers. On success the earlier
+    buffers are added back in; on any failure they are put back untouched, so a failed
+    request adds nothing (losses.md §1.6), even after some micro-batches backpropagated."""
+    earlier = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    except BaseException:
+        for param, grad in zip(params, earlier):
+            param.grad = grad
+        raise
+    for param, grad in zip(params, earlier):
+        if grad is not None:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def plan_micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
+    """Group datum indices so that batch size × longest length ≤ max_batch_tokens.
+
+    Longest first, so that similar lengths share a batch and padding stays small; a datum
+    longer than the budget gets a batch of its own. Every index appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for index in order:
+        # Sorted longest first, so the group's first datum sets its padded length.
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_batch_tokens:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def _scatter(lp: torch.Tensor, group: Sequence[int], request: losses.CheckedRequest, out: list[np.ndarray]) -> None:
+    """Cut a micro-batch's packed lp back into per-datum float32 arrays shaped like the targets."""
+    flat = lp.detach().to("cpu", torch.float32).numpy()
+    offset = 0
+    for index in group:
+        shape = request.inputs[index]["target_tokens"].shape
+        size = int(np.prod(shape))
+        out[index] = flat[offset : offset + size].reshape(shape).copy()
+        offset += size
+
+
+def _check_same_tensors(
+    checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]
+) -> None:
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise BadRequest(
+            f"checkpoint {checkpoint!r} does not fit this adapter: missing {missing[:3]}, unexpected {unknown[:3]}"
+        )
+    for key, param in params.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise BadRequest(
+                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
+            )
