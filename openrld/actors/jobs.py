@@ -26,6 +26,7 @@ from openrld.actors.trainer import (
     ForwardBackward,
     LoadState,
     OptimStep,
+    Rejected,
     SaveForSampler,
     SaveState,
     TrainOp,
@@ -156,7 +157,6 @@ class JobTable:
             session.tags, session.user_metadata, user_metadata
         )
         job_settings.require_supported(job_settings_value)
-        _check_optimizer_config(optimizer_config)
         self._check_lora(lora)
         model = self._catalog.resolve(base_model)
         self._store.create_run(
@@ -182,10 +182,8 @@ class JobTable:
         if existing is not None and 0 in existing.requests:
             return existing.requests[0], model_id
         tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
-        if tinker_path.kind != "weights" and with_optimizer:
+        if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
-        if optimizer_config is not None:
-            _check_optimizer_config(optimizer_config)
         lora = msgspec.convert(source_run.lora, LoraSpec)
         model = self._catalog.resolve(source_run.base_model)
         self._store.create_run(
@@ -252,6 +250,13 @@ class JobTable:
         self._store.touch_run(model_id)
         return request_id
 
+    def reject(self, owner: str, model_id: str, seq_id: int, kind: str, error: OpenrldError) -> str:
+        """A request whose body was refused: its future fails with `error`, in seq_id order."""
+        return self._submit_train(
+            owner, model_id, seq_id, kind,
+            lambda rid: Rejected(model_id, seq_id, rid, error.detail),
+        )
+
     def forward_backward(self, owner: str, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> str:
         kind = "forward" if batch.forward_only else "forward_backward"
         return self._submit_train(
@@ -303,7 +308,7 @@ class JobTable:
         """The legacy in-place load: `model_id` takes the checkpoint's weights, in seq_id order."""
         job = self._job(owner, model_id)
         tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
-        if tinker_path.kind != "weights" and with_optimizer:
+        if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
         spec = msgspec.convert(source_run.lora, LoraSpec)
         if spec != job.lora:
@@ -442,18 +447,7 @@ class JobTable:
     def _check_lora(self, lora: LoraSpec) -> None:
         if not 1 <= lora.rank <= self._max_lora_rank:
             raise BadRequest(f"lora_config.rank: expected 1..{self._max_lora_rank}, got {lora.rank}")
-        if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
-            raise BadRequest("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
 
     def group_of(self, model: ModelEntry) -> Group | None:
         return self._groups.get_nowait(model)
-
-
-def _check_optimizer_config(config: dict[str, Any]) -> None:
-    family = config.get("type", "adamw")
-    if family == "adamw":
-        return
-    if family == "dimuon":
-        raise NotSupportedYet("optimizer_config type 'dimuon' is not supported yet; use adamw")
-    raise BadRequest(f"unsupported optimizer type {family!r}; supported: adamw, dimuon")
 

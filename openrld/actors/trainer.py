@@ -29,7 +29,7 @@ import trio
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
-from openrld.errors import Conflict, OpenrldError, ServerError
+from openrld.errors import BadRequest, Conflict, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,20 @@ class LoadState(msgspec.Struct, frozen=True):
     seq_id: int = 0
 
 
-TrainOp = CreateAdapter | ForwardBackward | OptimStep | SaveState | SaveForSampler | LoadState
+class Rejected(msgspec.Struct, frozen=True):
+    """A request refused after its seq_id was known: it fails in its turn and frees the seq_id.
+
+    Failing it at the door instead would leave a gap that every later op of the
+    job waits behind forever (the SDK has already sent them).
+    """
+
+    model_id: str
+    seq_id: int
+    request_id: str
+    detail: str
+
+
+TrainOp = CreateAdapter | ForwardBackward | OptimStep | SaveState | SaveForSampler | LoadState | Rejected
 
 
 # ---------------------------------------------------------------- results
@@ -322,6 +335,8 @@ class TrainerActor:
                 return Loaded(model_id=op.model_id, path=op.source_uri)
             case SaveState():
                 return await self._save_state(op)
+            case Rejected():
+                raise BadRequest(op.detail)
             case SaveForSampler():
                 tensors = await self._in_thread(engine.adapter_tensors, op.model_id)
                 await self._sampler.publish_version(op.sampling_session_id, tensors, self._specs[op.model_id])

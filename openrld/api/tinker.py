@@ -18,8 +18,8 @@ from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response
-from openrld.batches import ForwardBackwardResult, LoraSpec, OptimResult, SampleResult
-from openrld.errors import BadRequest
+from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
+from openrld.errors import BadRequest, NotSupportedYet, UserError
 
 PROTOBUF = "application/x-protobuf"
 MAX_TOPK_LOGPROBS = 20  # top-k logprobs per position; vLLM caps at 20 too
@@ -134,15 +134,14 @@ def register(app: QuartTrio, services: Services) -> None:
     async def create_model() -> Response:
         user = caller(services)
         req = await _body(wire.CreateModelRequest)
-        lora = req.lora_config
+        if req.lora_config is None:
+            raise NotSupportedYet("create_model without lora_config (full fine-tuning) is not supported yet")
+        wire.optimizer_family(req.optimizer_config)
         request_id, model_id = jobs.create_model(
             user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
-            lora=LoraSpec(
-                rank=lora.rank, seed=lora.seed, train_unembed=lora.train_unembed,
-                train_mlp=lora.train_mlp, train_attn=lora.train_attn,
-            ),
+            lora=wire.lora_spec_from_config(req.lora_config),
             user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-            optimizer_config=dict(req.optimizer_config or {"type": "adamw"}),
+            optimizer_config=dict(req.optimizer_config),
         )
         return _future(request_id, model_id)
 
@@ -167,9 +166,15 @@ def register(app: QuartTrio, services: Services) -> None:
     async def forward_backward() -> Response:
         user = caller(services)
         body = await request.get_data()
-        model_id, seq_id, batch = wire.decode_forward_backward(
-            body, request.headers.get("Content-Encoding"), max_body_bytes=config.max_body_bytes
-        )
+        encoding = request.headers.get("Content-Encoding")
+        try:
+            model_id, seq_id, batch = wire.decode_forward_backward(body, encoding, max_body_bytes=config.max_body_bytes)
+        except UserError as error:
+            ids = wire.forward_backward_ids(body, encoding, max_body_bytes=config.max_body_bytes)
+            if ids is None:
+                raise
+            model_id, seq_id = ids
+            return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
         request_id = jobs.forward_backward(user, model_id, seq_id, batch)
         return _future(request_id, model_id)
 
@@ -177,15 +182,21 @@ def register(app: QuartTrio, services: Services) -> None:
     async def optim_step() -> Response:
         user = caller(services)
         req = await _body(wire.OptimStepRequest)
-        params = wire.adam_params_from_request(req)
-        return _future(jobs.optim_step(user, req.model_id, req.seq_id, params), req.model_id)
+        seq_id = _seq_id(req.seq_id)
+        try:
+            params = wire.adam_params_from_request(req)
+        except UserError as error:
+            return _future(jobs.reject(user, req.model_id, seq_id, "optim_step", error), req.model_id)
+        return _future(jobs.optim_step(user, req.model_id, seq_id, params), req.model_id)
 
     @app.post("/api/v1/save_weights")
     async def save_weights() -> Response:
         user = caller(services)
         req = await _body(wire.SaveWeightsRequest)
+        if req.path is None:
+            raise BadRequest("save_weights: path (the checkpoint name) is required")
         request_id = jobs.save_weights(
-            user, req.model_id, req.seq_id, name=req.path, overwrite=bool(req.overwrite),
+            user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
             ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         )
         return _future(request_id, req.model_id)
@@ -195,8 +206,8 @@ def register(app: QuartTrio, services: Services) -> None:
         user = caller(services)
         req = await _body(wire.SaveWeightsForSamplerRequest)
         request_id = jobs.save_weights_for_sampler(
-            user, req.model_id, req.seq_id, name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
-            kind=req.kind or "snapshot", ttl_seconds=req.ttl_seconds,
+            user, req.model_id, _seq_id(req.seq_id), name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
+            kind=req.kind, ttl_seconds=req.ttl_seconds,
             user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         )
         return _future(request_id, req.model_id)
@@ -206,6 +217,8 @@ def register(app: QuartTrio, services: Services) -> None:
         user = caller(services)
         req = await _body(wire.LoadWeightsRequest)
         with_optimizer = bool(req.optimizer)
+        if req.optimizer_config is not None:
+            wire.optimizer_family(req.optimizer_config)
         if req.model_id is None:
             if req.session_id is None or req.model_seq_id is None:
                 raise BadRequest("load_weights needs model_id and seq_id, or session_id and model_seq_id")
@@ -248,7 +261,7 @@ def register(app: QuartTrio, services: Services) -> None:
         job = wire.sample_job_from_request(
             req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS
         )
-        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, req.seq_id, job)
+        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, _seq_id(req.seq_id), job)
         return _future(request_id, None, sequence_ids)
 
     # ------------------------------------------------------------ futures
@@ -266,6 +279,12 @@ def register(app: QuartTrio, services: Services) -> None:
         await _body(wire.CancelFutureRequest)
         # Queued work runs to completion; its result is dropped when unread.
         return json_response({})
+
+
+def _seq_id(seq_id: int | None) -> int:
+    if seq_id is None or seq_id < 0:
+        raise BadRequest(f"seq_id: expected an integer >= 0, got {seq_id!r}")
+    return seq_id
 
 
 def _str_dict(value: object, field: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ def _datum(tokens: list[int]) -> types.Datum:
 def test_tinker_paths_still_work_after_kill_9_and_restart(make_daemon):
     daemon = make_daemon()
     service = tinker.ServiceClient(base_url=daemon.url, api_key="tml-test")
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
     data = [_datum(list(range(40, 60)))]
     training.forward_backward(data, "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -24,16 +24,16 @@ def test_tinker_paths_still_work_after_kill_9_and_restart(make_daemon):
     sampler_path = training.save_weights_for_sampler("kept").result().path
     loss = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     prompt = types.ModelInput.from_ints([40, 41, 42, 43])
-    logprobs = service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result()
-    service.close()
+    logprobs = service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+    service.close("success")
 
     daemon.kill()
     restarted = make_daemon(data_dir=daemon.data_dir)
     service = tinker.ServiceClient(base_url=restarted.url, api_key="tml-test")
-    resumed = service.create_training_client_from_state_with_optimizer(state_path)
+    resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss
-    assert service.create_sampling_client(model_path=sampler_path).compute_logprobs(prompt).result() == logprobs
-    service.close()
+    assert service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result() == logprobs
+    service.close("success")
 
 
 def test_a_future_pending_at_the_crash_answers_410(make_daemon, tiny_llama):
@@ -45,6 +45,8 @@ def test_a_future_pending_at_the_crash_answers_410(make_daemon, tiny_llama):
             "/api/v1/create_model",
             json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4}},
         ).json()
+        while http.post("/api/v1/retrieve_future", json={"request_id": created["request_id"]}).json().get("type") == "try_again":
+            pass
         # seq 5 can never run (1-4 never come), so it is pending when the daemon dies.
         pending = http.post(
             "/api/v1/optim_step", json={"model_id": created["model_id"], "seq_id": 5, "adam_params": {}}

@@ -28,11 +28,11 @@ def _datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close()
+    client.close("success")
 
 
 def test_sft_halves_the_loss_within_a_few_dozen_steps(service, tiny_llama):
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=8, seed=0)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=8, seed=0).result()
     rng = np.random.default_rng(0)
     data = [_datum(list(rng.integers(3, 300, size=24))) for _ in range(4)]
     losses = []
@@ -44,11 +44,11 @@ def test_sft_halves_the_loss_within_a_few_dozen_steps(service, tiny_llama):
 
 
 def test_sampler_logprobs_agree_with_forward_at_temperature_one(service):
-    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=1)
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=1).result()
     data = [_datum(list(range(5, 25)))]
     training.forward_backward(data, "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     prompt = [7, 8, 9, 10, 11]
     result = sampler.sample(
         types.ModelInput.from_ints(prompt), num_samples=2,
@@ -64,8 +64,8 @@ def test_sampler_logprobs_agree_with_forward_at_temperature_one(service):
 
 
 def test_compute_logprobs_agrees_with_forward(service):
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=2)
-    sampler = training.save_weights_and_get_sampling_client()
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=2).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
     tokens = [3, 14, 15, 92, 65, 35, 89, 79]
     logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     fwd = training.forward([_datum(tokens)], "cross_entropy").result()
@@ -76,9 +76,9 @@ def test_compute_logprobs_agrees_with_forward(service):
 
 
 def test_an_rl_loop_runs_sample_importance_sampling_optim_new_sampler(service):
-    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8, seed=3)
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8, seed=3).result()
     prompt = [20, 21, 22, 23]
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     for step in range(3):
         result = sampler.sample(
             types.ModelInput.from_ints(prompt), num_samples=4,
@@ -103,29 +103,29 @@ def test_an_rl_loop_runs_sample_importance_sampling_optim_new_sampler(service):
         fb = training.forward_backward(data, "importance_sampling").result()
         assert math.isfinite(fb.metrics["loss:sum"])
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-        sampler = training.save_weights_and_get_sampling_client()
+        sampler = training.save_weights_and_get_sampling_client().result()
     assert step == 2
 
 
 def test_a_saved_sampler_version_keeps_its_weights_while_training_continues(service):
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=4)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=4).result()
     data = [_datum(list(range(30, 50)))]
     path = training.save_weights_for_sampler("frozen").result().path
     assert path.endswith("/sampler_weights/frozen")
-    sampler = service.create_sampling_client(model_path=path)
+    sampler = service.create_sampling_client(model_path=path).result()
     prompt = types.ModelInput.from_ints([30, 31, 32, 33])
     before = sampler.compute_logprobs(prompt).result()
     for _ in range(3):
         training.forward_backward(data, "cross_entropy").result()
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     after = sampler.compute_logprobs(prompt).result()
-    moved = training.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
+    moved = training.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
     assert before == after
     assert moved != before
 
 
 def test_state_round_trips_through_save_state_and_create_from_state(service):
-    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=5)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=5).result()
     data = [_datum(list(range(60, 80)))]
     for _ in range(2):
         training.forward_backward(data, "cross_entropy").result()
@@ -134,9 +134,9 @@ def test_state_round_trips_through_save_state_and_create_from_state(service):
     assert state_path.endswith("/weights/step2")
     reference = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
 
-    restored = service.create_training_client_from_state_with_optimizer(state_path)
+    restored = service.create_training_client_from_state_with_optimizer(state_path).result()
     assert restored.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(reference, abs=1e-6)
-    weights_only = service.create_training_client_from_state(state_path)
+    weights_only = service.create_training_client_from_state(state_path).result()
     assert weights_only.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(reference, abs=1e-6)
 
     # Continuing from the restored optimizer state matches continuing the original.
@@ -149,7 +149,7 @@ def test_state_round_trips_through_save_state_and_create_from_state(service):
 
 
 def test_load_state_with_optimizer_rewinds_an_existing_client(service):
-    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=6)
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=6).result()
     data = [_datum(list(range(90, 110)))]
     state_path = training.save_state("start").result().path
     start = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -163,7 +163,7 @@ def test_load_state_with_optimizer_rewinds_an_existing_client(service):
 
 
 def test_get_info_reports_the_real_base_model_rank_and_tokenizer(service, tiny_llama):
-    training = service.create_lora_training_client(base_model=str(tiny_llama), rank=16)
+    training = service.create_lora_training_client(base_model=str(tiny_llama), rank=16).result()
     info = training.get_info()
     assert info.model_data.model_name == str(tiny_llama)
     assert info.model_data.tokenizer_id == str(tiny_llama)
