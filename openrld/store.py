@@ -65,6 +65,9 @@ JsonScalar = str | int | float | bool | None
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
+# How long a lost request id still answers 410 rather than 404 after a restart.
+REQUEST_LOG_KEEP = timedelta(days=7)
+
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
@@ -257,6 +260,12 @@ class Store:
     ) -> None:
         self.data_dir = data_dir
         self._conn = conn
+        # The request log only has to outlive the process, not the machine: a
+        # second connection with synchronous=NORMAL, which WAL keeps durable
+        # across a process crash, spares every request an fsync.
+        self._log = sqlite3.connect(data_dir / DB_NAME, isolation_level=None, check_same_thread=False)
+        self._log.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        self._log.execute("PRAGMA synchronous = NORMAL")
         self._lock_file = lock_file
         self._now = now
         self._checkpoints = data_dir / "checkpoints"
@@ -292,15 +301,19 @@ class Store:
             lock_file.close()
             raise
         store = cls(data_dir, conn, lock_file, now)
+        # Results lived in the dead process's memory, so a request it finished
+        # but nobody read is as lost as one it never ran.
         lost = store._conn.execute(
-            "UPDATE requests SET state = ?, finished_us = ? WHERE state = ?",
-            (RequestState.LOST, _to_us(now()), RequestState.PENDING),
+            "UPDATE requests SET state = ?, finished_us = ? WHERE state != ?",
+            (RequestState.LOST, _to_us(now()), RequestState.LOST),
         ).rowcount
+        store.prune_requests(now() - REQUEST_LOG_KEEP)
         if lost:
             logger.warning("data_dir=%s: %d requests pending at the last stop are now lost", data_dir, lost)
         return store
 
     def close(self) -> None:
+        self._log.close()
         self._conn.close()
         self._lock_file.close()  # releases the flock
 
@@ -452,8 +465,12 @@ class Store:
         return page, self._count("SELECT count(*) FROM runs WHERE owner = ?", (owner,))
 
     def touch_run(self, run_id: str) -> None:
-        """Set the run's last_request_time to now. Raises NotFound for an unknown run."""
-        updated = self._conn.execute(
+        """Set the run's last_request_time to now. Raises NotFound for an unknown run.
+
+        On the request log's connection: a time that lags by the last few
+        requests after a power loss is harmless, and this runs on every request.
+        """
+        updated = self._log.execute(
             "UPDATE runs SET last_request_us = ? WHERE run_id = ?", (_to_us(self._now()), run_id)
         ).rowcount
         if updated == 0:
@@ -681,7 +698,7 @@ class Store:
     def record_request(self, request_id: str, model_id: str, kind: str) -> None:
         """Note a request whose future is pending. Raises Conflict if the id is taken."""
         try:
-            self._conn.execute(
+            self._log.execute(
                 "INSERT INTO requests (request_id, model_id, kind, state, created_us) VALUES (?, ?, ?, ?, ?)",
                 (request_id, model_id, kind, RequestState.PENDING, _to_us(self._now())),
             )

@@ -6,8 +6,9 @@ id at once; the actor that does the work resolves it here with `Completed` or
 `keep_s` after completion, so a client that retries a poll still finds them.
 
 The table is plain trio state, touched only from the event loop. It records
-every request in the store too, so a daemon restarted after a crash answers a
-future that was pending then with a clear `Gone`, never an endless poll.
+every request id in the store too, so a daemon restarted after a crash answers
+a future of the previous process (whose result lived only in its memory) with
+a clear `Gone`, never an endless poll.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ Outcome = Completed | Failed
 
 class RequestLog(Protocol):
     def record_request(self, request_id: str, model_id: str, kind: str) -> None: ...
-    def finish_request(self, request_id: str) -> None: ...
     def request_state(self, request_id: str) -> str | None: ...
 
 
@@ -97,7 +97,6 @@ class FutureTable:
             self._failed += 1
         else:
             self._completed += 1
-        self._log.finish_request(request_id)
 
     def fail(self, request_id: str, error: Exception, category: str = "server") -> None:
         detail = getattr(error, "detail", None) or f"{type(error).__name__}: {error}"

@@ -56,8 +56,11 @@ class SamplerInfo(msgspec.Struct, frozen=True):
     model_path: str | None
 
 
+TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the store a write per request
+
+
 class _Job:
-    __slots__ = ("model_id", "owner", "model", "lora", "requests")
+    __slots__ = ("model_id", "owner", "model", "lora", "requests", "touched_at")
 
     def __init__(self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec) -> None:
         self.model_id = model_id
@@ -65,6 +68,7 @@ class _Job:
         self.model = model
         self.lora = lora
         self.requests: dict[int, str] = {}  # seq_id -> request_id
+        self.touched_at = float("-inf")
 
     def remember(self, seq_id: int, request_id: str) -> None:
         self.requests[seq_id] = request_id
@@ -247,7 +251,10 @@ class JobTable:
             self._futures.fail(request_id, Gone("not queued"))
             raise
         job.remember(seq_id, request_id)
-        self._store.touch_run(model_id)
+        now = trio.current_time()
+        if now - job.touched_at >= TOUCH_EVERY_S:
+            job.touched_at = now
+            self._store.touch_run(model_id)
         return request_id
 
     def reject(self, owner: str, model_id: str, seq_id: int, kind: str, error: OpenrldError) -> str:

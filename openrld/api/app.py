@@ -21,7 +21,8 @@ from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.api.auth import Authenticator
 from openrld.config import NodeConfig
-from openrld.errors import OpenrldError, Unauthorized
+from openrld.api.fastpath import FastPath, error_headers
+from openrld.errors import OpenrldError
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
@@ -58,7 +59,7 @@ def caller(services: Services) -> str:
     return services.auth.user_for(request.headers.get("X-API-Key"))
 
 
-def build_app(services: Services) -> QuartTrio:
+def build_app(services: Services) -> FastPath:
     from openrld.api import rest, tinker
 
     app = QuartTrio("openrld")
@@ -67,11 +68,7 @@ def build_app(services: Services) -> QuartTrio:
 
     @app.errorhandler(OpenrldError)
     async def _openrld_error(error: OpenrldError) -> Response:
-        headers = {}
-        if isinstance(error, Unauthorized):
-            headers["WWW-Authenticate"] = 'ApiKey realm="openrld"'
-        if error.status == 429:
-            headers["Retry-After"] = "1"
+        headers = {name.decode(): value.decode() for name, value in error_headers(error)}
         return error_response(error.status, error.detail, headers)
 
     @app.errorhandler(404)
@@ -98,4 +95,4 @@ def build_app(services: Services) -> QuartTrio:
 
     tinker.register(app, services)
     rest.register(app, services)
-    return app
+    return FastPath(app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes)

@@ -18,6 +18,7 @@ from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response
+from openrld.api.fastpath import Call, Handler, Reply, json_reply
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
 from openrld.errors import BadRequest, NotSupportedYet, UserError
 
@@ -25,38 +26,46 @@ PROTOBUF = "application/x-protobuf"
 MAX_TOPK_LOGPROBS = 20  # top-k logprobs per position; vLLM caps at 20 too
 
 
-def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> Response:
+def _future_body(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> dict:
     body: dict = {"request_id": request_id}
     if model_id is not None:
         body["model_id"] = model_id
     if sequence_ids is not None:
         body["sample_sequence_ids"] = sequence_ids
-    return json_response(body)
+    return body
+
+
+def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> Reply:
+    return json_reply(_future_body(request_id, model_id, sequence_ids))
+
+
+def _future_response(request_id: str, model_id: str | None = None) -> Response:
+    return json_response(_future_body(request_id, model_id))
 
 
 async def _body(type_: type) -> object:
     return wire.decode_json(await request.get_data(), type_)
 
 
-def _outcome_response(request_id: str, outcome: Completed | Failed | None) -> Response:
+def _outcome_reply(request_id: str, outcome: Completed | Failed | None) -> Reply:
     if outcome is None:
-        return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return json_reply({"type": "try_again", "request_id": request_id, "queue_state": "active"})
     if isinstance(outcome, Failed):
-        return json_response({"error": outcome.detail, "category": outcome.category})
+        return json_reply({"error": outcome.detail, "category": outcome.category})
     value = outcome.value
     if isinstance(value, ForwardBackwardResult):
-        return Response(wire.encode_forward_backward_output(value), content_type=PROTOBUF)
+        return Reply(wire.encode_forward_backward_output(value), content_type=PROTOBUF)
     if isinstance(value, SampleResult):
-        return Response(wire.encode_sample_response(value), content_type=PROTOBUF)
+        return Reply(wire.encode_sample_response(value), content_type=PROTOBUF)
     if isinstance(value, OptimResult):
-        return json_response({"metrics": value.metrics, "type": "optim_step"})
+        return json_reply({"metrics": value.metrics, "type": "optim_step"})
     if isinstance(value, Created):
-        return json_response({"model_id": value.model_id, "type": "create_model"})
+        return json_reply({"model_id": value.model_id, "type": "create_model"})
     if isinstance(value, Loaded):
-        return json_response({"path": value.path, "model_id": value.model_id, "type": "load_weights"})
+        return json_reply({"path": value.path, "model_id": value.model_id, "type": "load_weights"})
     if isinstance(value, Saved):
         body = {k: v for k, v in msgspec.structs.asdict(value).items() if v is not None}
-        return json_response(body)
+        return json_reply(body)
     raise AssertionError(f"no wire form for result {type(value).__name__}")
 
 
@@ -143,7 +152,7 @@ def register(app: QuartTrio, services: Services) -> None:
             user_metadata=_str_dict(req.user_metadata, "user_metadata"),
             optimizer_config=dict(req.optimizer_config),
         )
-        return _future(request_id, model_id)
+        return _future_response(request_id, model_id)
 
     @app.post("/api/v1/get_info")
     async def get_info() -> Response:
@@ -162,33 +171,6 @@ def register(app: QuartTrio, services: Services) -> None:
             }
         )
 
-    @app.post("/api/v1/forward_backward")
-    async def forward_backward() -> Response:
-        user = caller(services)
-        body = await request.get_data()
-        encoding = request.headers.get("Content-Encoding")
-        try:
-            model_id, seq_id, batch = wire.decode_forward_backward(body, encoding, max_body_bytes=config.max_body_bytes)
-        except UserError as error:
-            ids = wire.forward_backward_ids(body, encoding, max_body_bytes=config.max_body_bytes)
-            if ids is None:
-                raise
-            model_id, seq_id = ids
-            return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
-        request_id = jobs.forward_backward(user, model_id, seq_id, batch)
-        return _future(request_id, model_id)
-
-    @app.post("/api/v1/optim_step")
-    async def optim_step() -> Response:
-        user = caller(services)
-        req = await _body(wire.OptimStepRequest)
-        seq_id = _seq_id(req.seq_id)
-        try:
-            params = wire.adam_params_from_request(req)
-        except UserError as error:
-            return _future(jobs.reject(user, req.model_id, seq_id, "optim_step", error), req.model_id)
-        return _future(jobs.optim_step(user, req.model_id, seq_id, params), req.model_id)
-
     @app.post("/api/v1/save_weights")
     async def save_weights() -> Response:
         user = caller(services)
@@ -199,7 +181,7 @@ def register(app: QuartTrio, services: Services) -> None:
             user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
             ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         )
-        return _future(request_id, req.model_id)
+        return _future_response(request_id, req.model_id)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler() -> Response:
@@ -210,7 +192,7 @@ def register(app: QuartTrio, services: Services) -> None:
             kind=req.kind, ttl_seconds=req.ttl_seconds,
             user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         )
-        return _future(request_id, req.model_id)
+        return _future_response(request_id, req.model_id)
 
     @app.post("/api/v1/load_weights")
     async def load_weights() -> Response:
@@ -226,11 +208,11 @@ def register(app: QuartTrio, services: Services) -> None:
                 user, session_id=req.session_id, model_seq_id=req.model_seq_id, path=req.path,
                 with_optimizer=with_optimizer, optimizer_config=req.optimizer_config,
             )
-            return _future(request_id, model_id)
+            return _future_response(request_id, model_id)
         if req.seq_id is None:
             raise BadRequest("load_weights with model_id needs seq_id")
         request_id = jobs.load_weights(user, req.model_id, req.seq_id, path=req.path, with_optimizer=with_optimizer)
-        return _future(request_id, req.model_id)
+        return _future_response(request_id, req.model_id)
 
     # ------------------------------------------------------------ sampling
 
@@ -252,33 +234,65 @@ def register(app: QuartTrio, services: Services) -> None:
             {"sampler_id": info.sampler_id, "base_model": info.base_model, "model_path": info.model_path}
         )
 
-    @app.post("/api/v1/asample")
-    async def asample() -> Response:
-        user = caller(services)
-        req = await _body(wire.SampleRequest)
-        if req.sampling_session_id is None:
-            raise BadRequest("asample needs sampling_session_id")
-        job = wire.sample_job_from_request(
-            req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS
-        )
-        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, _seq_id(req.seq_id), job)
-        return _future(request_id, None, sequence_ids)
-
-    # ------------------------------------------------------------ futures
-
-    @app.post("/api/v1/retrieve_future")
-    async def retrieve_future() -> Response:
-        user = caller(services)
-        req = await _body(wire.FutureRetrieveRequest)
-        outcome = await services.futures.wait(req.request_id, owner=user, hold_s=config.longpoll_s)
-        return _outcome_response(req.request_id, outcome)
-
     @app.post("/api/v1/cancel_future")
     async def cancel_future() -> Response:
         caller(services)
         await _body(wire.CancelFutureRequest)
         # Queued work runs to completion; its result is dropped when unread.
         return json_response({})
+
+
+def hot_routes(services: Services) -> dict[str, Handler]:
+    """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
+    jobs = services.jobs
+    config = services.config
+    auth = services.auth
+
+    async def forward_backward(call: Call) -> Reply:
+        user = auth.user_for(call.api_key)
+        try:
+            model_id, seq_id, batch = wire.decode_forward_backward(
+                call.body, call.content_encoding, max_body_bytes=config.max_body_bytes
+            )
+        except UserError as error:
+            ids = wire.forward_backward_ids(call.body, call.content_encoding, max_body_bytes=config.max_body_bytes)
+            if ids is None:
+                raise
+            model_id, seq_id = ids
+            return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
+        return _future(jobs.forward_backward(user, model_id, seq_id, batch), model_id)
+
+    async def optim_step(call: Call) -> Reply:
+        user = auth.user_for(call.api_key)
+        req = wire.decode_json(call.body, wire.OptimStepRequest)
+        seq_id = _seq_id(req.seq_id)
+        try:
+            params = wire.adam_params_from_request(req)
+        except UserError as error:
+            return _future(jobs.reject(user, req.model_id, seq_id, "optim_step", error), req.model_id)
+        return _future(jobs.optim_step(user, req.model_id, seq_id, params), req.model_id)
+
+    async def asample(call: Call) -> Reply:
+        user = auth.user_for(call.api_key)
+        req = wire.decode_json(call.body, wire.SampleRequest)
+        if req.sampling_session_id is None:
+            raise BadRequest("asample needs sampling_session_id")
+        job = wire.sample_job_from_request(req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS)
+        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, _seq_id(req.seq_id), job)
+        return _future(request_id, None, sequence_ids)
+
+    async def retrieve_future(call: Call) -> Reply:
+        user = auth.user_for(call.api_key)
+        req = wire.decode_json(call.body, wire.FutureRetrieveRequest)
+        outcome = await services.futures.wait(req.request_id, owner=user, hold_s=config.longpoll_s)
+        return _outcome_reply(req.request_id, outcome)
+
+    return {
+        "/api/v1/forward_backward": forward_backward,
+        "/api/v1/optim_step": optim_step,
+        "/api/v1/asample": asample,
+        "/api/v1/retrieve_future": retrieve_future,
+    }
 
 
 def _seq_id(seq_id: int | None) -> int:

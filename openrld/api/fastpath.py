@@ -1,0 +1,116 @@
+"""The hot routes as plain ASGI, in front of the quart app.
+
+The training and sampling loop spends its HTTP time on four POSTs: submit a
+forward_backward, an optim_step or a sample, and long-poll `retrieve_future`.
+Quart's request machinery costs about as much as the whole HTTP round trip on
+these, so they are served here directly: read the bounded body, authenticate,
+call the route's handler, write the reply. Every other path goes to quart.
+The handlers are the same code either way; only the framing differs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import msgspec
+
+from openrld.errors import OpenrldError
+
+logger = logging.getLogger(__name__)
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+class Call(msgspec.Struct, frozen=True):
+    """One request as a handler sees it."""
+
+    body: bytes
+    api_key: str | None
+    content_encoding: str | None
+
+
+class Reply(msgspec.Struct, frozen=True):
+    body: bytes
+    content_type: str = "application/json"
+    status: int = 200
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+Handler = Callable[[Call], Awaitable[Reply]]
+
+_json = msgspec.json.Encoder()
+
+
+def json_reply(value: Any, status: int = 200) -> Reply:
+    return Reply(_json.encode(value), status=status)
+
+
+class FastPath:
+    """ASGI: POST routes in `routes` are served directly; everything else goes to `fallback`."""
+
+    def __init__(self, fallback: ASGIApp, routes: dict[str, Handler], *, max_body_bytes: int) -> None:
+        self._fallback = fallback
+        self._routes = routes
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        handler = self._routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await self._fallback(scope, receive, send)
+            return
+        reply = await self._serve(handler, scope, receive)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": reply.status,
+                "headers": [
+                    (b"content-type", reply.content_type.encode()),
+                    (b"content-length", str(len(reply.body)).encode()),
+                    *reply.headers,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": reply.body})
+
+    async def _serve(self, handler: Handler, scope: dict, receive: Callable) -> Reply:
+        headers = {name.lower(): value for name, value in scope["headers"]}
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return Reply(b"", status=400)
+            body += message.get("body", b"")
+            if len(body) > self._max_body_bytes:
+                return json_reply({"detail": f"request body over {self._max_body_bytes} bytes"}, 413)
+            if not message.get("more_body", False):
+                break
+        call = Call(
+            body=bytes(body),
+            api_key=_text(headers.get(b"x-api-key")),
+            content_encoding=_text(headers.get(b"content-encoding")),
+        )
+        try:
+            return await handler(call)
+        except OpenrldError as error:
+            return error_reply(error)
+        except Exception as error:  # one request's failure is its own; the daemon keeps serving
+            logger.exception("unhandled error path=%s", scope.get("path"))
+            return json_reply({"detail": f"internal error: {type(error).__name__}"}, 500)
+
+
+def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers the SDK reads beside an error status."""
+    if error.status == 401:
+        return ((b"www-authenticate", b'ApiKey realm="openrld"'),)
+    if error.status == 429:
+        return ((b"retry-after", b"1"),)
+    return ()
+
+
+def error_reply(error: OpenrldError) -> Reply:
+    return Reply(_json.encode({"detail": error.detail}), status=error.status, headers=error_headers(error))
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
