@@ -54,14 +54,17 @@ class TrainerConfig(msgspec.Struct, frozen=True):
 
     # Padded tokens (batch × longest datum) per micro-batch: bounds activation memory.
     max_batch_tokens: int = 16384
-    # Positions per fp32 log-softmax chunk: 512 × 152k vocab × 4 B ≈ 300 MB at a time.
-    logprob_chunk_positions: int = 512
+    # fp32 logits alive at once: positions per log-softmax chunk = budget / (4 B × vocab),
+    # 256 MiB / (4 B × 152k) ≈ 440 positions; a small vocabulary fits in one chunk.
+    logits_budget_bytes: int = 256 * 1024 * 1024
+    # Positions per chunk, overriding the budget (tests use it to force many chunks).
+    logprob_chunk_positions: int | None = None
     # Apply the output layer to hidden states chunk by chunk. Turned off (with a warning)
     # when that does not reproduce the model's own logits, e.g. an unknown logit transform.
     chunked_head: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.logprob_chunk_positions < 1:
+        if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
 
 
@@ -379,12 +382,17 @@ class TorchTrainer:
             mask[row, :n] = 1
         input_ids = torch.from_numpy(ids).to(self.device)
         attention_mask = torch.from_numpy(mask).to(self.device)
-        if self._chunked_head:
+        # Without padding, no mask: attention then takes its plain causal path, which is faster.
+        model_mask = None if min(lengths) == max(lengths) else attention_mask
+        chunk = self.config.logprob_chunk_positions or max(1, self.config.logits_budget_bytes // (4 * self._vocab_size))
+        # One chunk holds every position: the model's own full logits are as cheap and simpler.
+        head_chunks = self._chunked_head and sum(lengths) > chunk
+        if head_chunks:
             decoder = self._model.get_decoder()
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = decoder(input_ids=input_ids, attention_mask=model_mask, use_cache=False)
             features = out.last_hidden_state  # (B, T, H)
         else:
-            features = self._model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            features = self._model(input_ids=input_ids, attention_mask=model_mask, use_cache=False).logits
         rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
         # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
         offsets = np.cumsum([0] + lengths)
@@ -393,24 +401,27 @@ class TorchTrainer:
             [np.repeat(np.arange(offsets[i], offsets[i + 1]), k) for i, k in enumerate(per_position)]
         )
         pair_tokens = np.concatenate([t.reshape(-1) for t in targets])
-        chunk = self.config.logprob_chunk_positions
         starts = list(range(0, len(rows), chunk))
+        # Recompute a chunk's logits in backward only when there are several chunks:
+        # then keeping every chunk's (chunk, V) fp32 alive is what the budget forbids.
+        recompute = torch.is_grad_enabled() and len(starts) > 1
         bounds = np.searchsorted(pair_rows, starts + [len(rows)])
         pair_rows_t = torch.from_numpy(pair_rows).to(self.device)
         pair_tokens_t = torch.from_numpy(pair_tokens).to(self.device)
         pieces = []
         for start, lo, hi in zip(starts, bounds[:-1], bounds[1:]):
-            args = (rows[start : start + chunk], pair_rows_t[lo:hi] - start, pair_tokens_t[lo:hi])
-            if torch.is_grad_enabled():
-                # Recompute this chunk's logits in backward instead of keeping (chunk, V) fp32 alive.
+            args = (rows[start : start + chunk], pair_rows_t[lo:hi] - start, pair_tokens_t[lo:hi], head_chunks)
+            if recompute:
                 pieces.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, *args, use_reentrant=False))
             else:
                 pieces.append(self._chunk_logprobs(*args))
         return torch.cat(pieces)
 
-    def _chunk_logprobs(self, features: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _chunk_logprobs(
+        self, features: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, head_chunks: bool
+    ) -> torch.Tensor:
         """log_softmax in fp32 of one chunk's logits, read at (rows, tokens)."""
-        if self._chunked_head:
+        if head_chunks:
             logits = self._model.get_output_embeddings()(features).float()  # (c, V)
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
