@@ -51,6 +51,20 @@ class AdamParams(msgspec.Struct, frozen=True):
     grad_clip_norm: float = 0.0
 
 
+class DimuonParams(msgspec.Struct, frozen=True):
+    """DimuonParams of SDK 0.38.0 plus the two fields SDK 0.29.1 sends (optimizers.md §4.1)."""
+
+    learning_rate: float
+    grad_clip_norm: float = 0.0
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+
+# One optim_step's hyperparameters; the type says the family (adamw or dimuon).
+OptimParams = AdamParams | DimuonParams
+
+
 class OptimResult(msgspec.Struct, frozen=True):
     metrics: dict[str, float]
 

@@ -61,6 +61,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 128
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
     log_json: bool = False
+    jwt_auth: bool = False
+    jwt_ttl_s: Annotated[int, msgspec.Meta(ge=120, le=7 * 24 * 3600)] = 3600
+    maintenance_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
 
     @property
     def is_open_mode(self) -> bool:

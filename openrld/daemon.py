@@ -17,14 +17,19 @@ from pathlib import Path
 
 import hypercorn.config
 import hypercorn.trio
+import msgspec
 import trio
 
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
+from openrld.actors.maintenance import run_maintenance
+from openrld.actors.usage import UsageMeter
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
+from openrld.api.signing import Signer
+from openrld.capabilities import DeviceSummary
 from openrld.config import NodeConfig, load_api_keys
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
@@ -52,7 +57,7 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one node until `shutdown` is set (or the caller cancels); report the bound URL when ready."""
-    from openrld.gpu.devices import resolve_device
+    from openrld.gpu.devices import describe, resolve_device
     from openrld.gpu.engines import TorchEngineFactory
 
     device = resolve_device(config.device)
@@ -70,13 +75,18 @@ async def serve(
                 sample_queue_limit=config.sample_queue_limit,
             )
             catalog = ModelCatalog({name: str(path) for name, path in config.models.items()})
+            usage = UsageMeter()
+            signer = Signer()
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures,
-                max_lora_rank=config.max_lora_rank,
+                max_lora_rank=config.max_lora_rank, usage=usage,
             )
+            # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
+            await nursery.start(partial(run_maintenance, store, usage, interval_s=config.maintenance_interval_s))
             services = Services(
-                config=config, auth=Authenticator(keys), store=store, catalog=catalog,
-                futures=futures, jobs=jobs, groups=groups,
+                config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
+                store=store, catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
+                devices=(DeviceSummary(**msgspec.structs.asdict(describe(device))),),
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:

@@ -33,6 +33,10 @@ class Unauthorized(UserError):
     status = 401
 
 
+class InvalidToken(Unauthorized):
+    """A JWT that is malformed, expired or not ours; the SDK re-exchanges its key and replays once."""
+
+
 class NotFound(UserError):
     status = 404
 

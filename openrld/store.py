@@ -159,6 +159,17 @@ class CheckpointRow(msgspec.Struct, frozen=True):
         return self.kind.checkpoint_type
 
 
+class UsageRow(msgspec.Struct, frozen=True):
+    """Tokens one session used of one kind ("training", "sampling_prefill", "sampling_sample") in one hour."""
+
+    bucket_start: datetime
+    session_id: str
+    owner: str
+    base_model: str
+    kind: str
+    tokens: int
+
+
 class RequestState(enum.StrEnum):
     PENDING = "pending"
     DONE = "done"
@@ -213,6 +224,23 @@ CREATE TABLE requests (
     state TEXT NOT NULL, created_us INTEGER NOT NULL, finished_us INTEGER
 );
 CREATE INDEX requests_by_state ON requests (state);
+"""
+
+
+# Tables added after schema version 1 shipped. They are additive (nothing
+# reads them that did not create them), so a version-1 database gains them at
+# open without a version bump.
+_ADDITIVE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    owner TEXT NOT NULL, event TEXT NOT NULL, details TEXT NOT NULL, at_us INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_by_owner ON audit (owner, at_us);
+CREATE TABLE IF NOT EXISTS usage (
+    bucket_us INTEGER NOT NULL, session_id TEXT NOT NULL, owner TEXT NOT NULL,
+    base_model TEXT NOT NULL, kind TEXT NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (bucket_us, session_id, base_model, kind)
+);
+CREATE INDEX IF NOT EXISTS usage_by_owner ON usage (owner, bucket_us);
 """
 
 
@@ -725,6 +753,113 @@ class Store:
             (RequestState.PENDING, _to_us(finished_before)),
         ).rowcount
 
+    # --- checkpoint lifecycle, projects, audit and usage (issue 5) ----------------------------------
+
+    def set_checkpoint_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
+        """Publish (other users may read it) or unpublish a checkpoint. Raises NotFound."""
+        path = TinkerPath.of(run_id, kind, name)
+        updated = self._conn.execute(
+            "UPDATE checkpoints SET public = ? WHERE run_id = ? AND kind = ? AND name = ?",
+            (int(public), path.run_id, path.kind.value, path.name),
+        ).rowcount
+        if updated == 0:
+            raise NotFound(f"checkpoint {path.uri} not found")
+
+    def set_checkpoint_expiry(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> None:
+        """Set (or, with None, remove) when a checkpoint expires. Raises NotFound."""
+        path = TinkerPath.of(run_id, kind, name)
+        updated = self._conn.execute(
+            "UPDATE checkpoints SET expires_us = ? WHERE run_id = ? AND kind = ? AND name = ?",
+            (None if expires_at is None else _to_us(expires_at), path.run_id, path.kind.value, path.name),
+        ).rowcount
+        if updated == 0:
+            raise NotFound(f"checkpoint {path.uri} not found")
+
+    def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
+        """Checkpoints whose expiry is at or before `now`, oldest expiry first."""
+        rows = self._conn.execute(
+            "SELECT * FROM checkpoints WHERE expires_us IS NOT NULL AND expires_us <= ? ORDER BY expires_us",
+            (_to_us(now),),
+        )
+        return [_checkpoint_row(row) for row in rows]
+
+    def set_session_project(self, session_id: str, project_id: str) -> None:
+        """Move a session (and so its runs and checkpoints) into a project. Raises NotFound."""
+        updated = self._conn.execute(
+            "UPDATE sessions SET project_id = ? WHERE session_id = ?", (project_id, session_id)
+        ).rowcount
+        if updated == 0:
+            raise NotFound(f"session {session_id!r} not found")
+
+    def all_sessions(self, owner: str) -> list[SessionRow]:
+        """Every session of `owner`, newest first (for search, which filters in Python)."""
+        rows = self._conn.execute(
+            "SELECT * FROM sessions WHERE owner = ? ORDER BY created_us DESC, session_id DESC", (owner,)
+        )
+        return [_session_row(row) for row in rows]
+
+    def session_requests(self, session_id: str) -> list[tuple[str, str, str, datetime, datetime | None]]:
+        """(request_id, model_id, kind, created, finished) of the session's logged requests, oldest first."""
+        rows = self._conn.execute(
+            "SELECT request_id, model_id, kind, created_us, finished_us FROM requests"
+            " WHERE model_id >= ? AND model_id < ? ORDER BY created_us",
+            (session_id + ":", session_id + ";"),  # ';' sorts right after ':': a prefix range
+        )
+        return [(r[0], r[1], r[2], _at(r[3]), _from_us(r[4])) for r in rows]
+
+    def storage_by_project(self, owner: str) -> list[tuple[str | None, int, int]]:
+        """(project_id, checkpoint count, bytes) of `owner`'s checkpoints, by their session's project."""
+        rows = self._conn.execute(
+            "SELECT s.project_id, count(*), coalesce(sum(c.size_bytes), 0) FROM checkpoints c"
+            " LEFT JOIN runs r ON r.run_id = c.run_id LEFT JOIN sessions s ON s.session_id = r.session_id"
+            " WHERE c.owner = ? GROUP BY s.project_id ORDER BY s.project_id",
+            (owner,),
+        )
+        return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+    def record_audit(self, owner: str, event: str, details: dict[str, str]) -> None:
+        """Append one audit event (`<resource>_<action>`) of `owner`'s."""
+        self._conn.execute(
+            "INSERT INTO audit (owner, event, details, at_us) VALUES (?, ?, ?, ?)",
+            (owner, event, _json(details), _to_us(self._now())),
+        )
+
+    def audit_events(self, owner: str, since: datetime, until: datetime) -> list[tuple[datetime, str, dict[str, str]]]:
+        """`owner`'s audit events in [since, until), oldest first."""
+        rows = self._conn.execute(
+            "SELECT at_us, event, details FROM audit WHERE owner = ? AND at_us >= ? AND at_us < ? ORDER BY at_us, rowid",
+            (owner, _to_us(since), _to_us(until)),
+        )
+        return [(_at(r[0]), r[1], _decode_str_dict(r[2])) for r in rows]
+
+    def add_usage(self, rows: list[UsageRow]) -> None:
+        """Add token counts into their hourly buckets (one transaction)."""
+        with _transaction(self._conn):
+            for row in rows:
+                self._conn.execute(
+                    "INSERT INTO usage (bucket_us, session_id, owner, base_model, kind, tokens)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (bucket_us, session_id, base_model, kind)"
+                    " DO UPDATE SET tokens = tokens + excluded.tokens",
+                    (_to_us(row.bucket_start), row.session_id, row.owner, row.base_model, row.kind, row.tokens),
+                )
+
+    def usage(self, owner: str, since: datetime, until: datetime) -> list[UsageRow]:
+        """`owner`'s hourly token counts with buckets starting in [since, until)."""
+        rows = self._conn.execute(
+            "SELECT * FROM usage WHERE owner = ? AND bucket_us >= ? AND bucket_us < ?"
+            " ORDER BY bucket_us, tokens DESC",
+            (owner, _to_us(since), _to_us(until)),
+        )
+        return [
+            UsageRow(
+                bucket_start=_at(r["bucket_us"]), session_id=r["session_id"], owner=r["owner"],
+                base_model=r["base_model"], kind=r["kind"], tokens=int(r["tokens"]),
+            )
+            for r in rows
+        ]
+
     # --- observability ------------------------------------------------------------------------------
 
     def statistics(self) -> StoreStatistics:
@@ -769,6 +904,9 @@ def _connect(db_path: Path) -> sqlite3.Connection:
                     raise ServerError(
                         f"{db_path} has schema version {version}; this openrld reads version {SCHEMA_VERSION}"
                     )
+            for statement in _ADDITIVE_SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
     except BaseException:
         conn.close()
         raise

@@ -122,7 +122,7 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path: Path) -> None:
     assert str(excinfo.value) == (
         f"config file {path}: unknown key 'prot'; known keys are data_dir, host, port, api_keys_file, device, "
         "models, longpoll_s, max_body_bytes, max_batch_tokens, max_num_samples, max_lora_rank, "
-        "sample_queue_limit, log_json"
+        "sample_queue_limit, log_json, jwt_auth, jwt_ttl_s, maintenance_interval_s"
     )
 
 

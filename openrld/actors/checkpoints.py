@@ -54,4 +54,8 @@ class CheckpointWriter:
         row = self._store.add_checkpoint(
             model_id, kind, name, run.owner, size_bytes, user_metadata, expires_at, overwrite=overwrite
         )
+        self._store.record_audit(
+            run.owner, "checkpoint_created",
+            {"tinker_path": row.tinker_path, "model_id": model_id, "actor": run.owner, "size_bytes": str(size_bytes)},
+        )
         return row.tinker_path

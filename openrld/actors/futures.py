@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Protocol
+from typing import Callable, Protocol
 
 import msgspec
 import trio
@@ -73,6 +73,8 @@ class FutureTable:
         self._completed = 0
         self._failed = 0
         self._closing = False
+        # Pending requests whose queue can say how it is doing (TryAgainResponse.queue_state).
+        self._queue_probes: dict[str, Callable[[], str]] = {}
 
     def close(self) -> None:
         """Shutting down: wake every waiter, which then answers 503 instead of holding its poll."""
@@ -92,6 +94,7 @@ class FutureTable:
             return  # already resolved (a cancel raced the result), or pruned
         entry.outcome = outcome
         entry.done_at = trio.current_time()
+        self._queue_probes.pop(request_id, None)
         entry.done.set()
         if isinstance(outcome, Failed):
             self._failed += 1
@@ -105,6 +108,16 @@ class FutureTable:
     def owner_of(self, request_id: str) -> str | None:
         entry = self._entries.get(request_id)
         return entry.owner if entry else None
+
+    def watch_queue(self, request_id: str, probe: Callable[[], str]) -> None:
+        """Let `queue_state` ask the queue that holds this pending request how it is doing."""
+        if request_id in self._entries:
+            self._queue_probes[request_id] = probe
+
+    def queue_state(self, request_id: str) -> str:
+        """The SDK's queue_state for a pending request: "active" unless its queue says otherwise."""
+        probe = self._queue_probes.get(request_id)
+        return probe() if probe is not None else "active"
 
     def kind_of(self, request_id: str) -> str | None:
         entry = self._entries.get(request_id)

@@ -66,6 +66,9 @@ class GroupTable:
     def get_nowait(self, model: ModelEntry) -> Group | None:
         return self._groups.get(model.directory)
 
+    def all_groups(self) -> list[Group]:
+        return list(self._groups.values())
+
     async def get(self, model: ModelEntry) -> Group:
         """The group for `model`, starting it if needed.
 

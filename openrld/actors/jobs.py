@@ -21,6 +21,7 @@ from openrld.actors.checkpoints import check_ttl
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import Group, GroupTable
 from openrld.actors.sampler import Sample
+from openrld.actors.usage import UsageMeter
 from openrld.actors.trainer import (
     CreateAdapter,
     ForwardBackward,
@@ -31,7 +32,7 @@ from openrld.actors.trainer import (
     SaveState,
     TrainOp,
 )
-from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, SampleJob
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SampleJob
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError
 from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
@@ -102,7 +103,9 @@ class JobTable:
         groups: GroupTable,
         futures: FutureTable,
         max_lora_rank: int,
+        usage: UsageMeter | None = None,
     ) -> None:
+        self._usage = usage if usage is not None else UsageMeter()
         self._nursery = nursery
         self._store = store
         self._catalog = catalog
@@ -172,7 +175,8 @@ class JobTable:
         job = _Job(model_id, owner, model, lora)
         job.remember(0, request_id)
         self._jobs[model_id] = job
-        self._nursery.start_soon(self._open_and_submit, job, CreateAdapter(model_id, request_id, lora))
+        first = CreateAdapter(model_id, request_id, lora, optimizer=_optimizer_family(optimizer_config))
+        self._nursery.start_soon(self._open_and_submit, job, first)
         return request_id, model_id
 
     def load_into_new_model(
@@ -190,10 +194,11 @@ class JobTable:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
         lora = msgspec.convert(source_run.lora, LoraSpec)
         model = self._catalog.resolve(source_run.base_model)
+        resumed_config = _resumed_optimizer_config(path, source_run.optimizer_config, optimizer_config, with_optimizer)
         self._store.create_run(
             model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
             model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
-            user_metadata=dict(source_run.user_metadata), optimizer_config=source_run.optimizer_config,
+            user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
         )
         request_id = self._new_request(owner, model_id, "load_weights")
         job = _Job(model_id, owner, model, lora)
@@ -201,7 +206,7 @@ class JobTable:
         self._jobs[model_id] = job
         op = LoadState(
             model_id=model_id, request_id=request_id, source_dir=str(source_dir), source_uri=path,
-            spec=lora, with_optimizer=with_optimizer,
+            spec=lora, with_optimizer=with_optimizer, optimizer=_optimizer_family(resumed_config),
         )
         self._nursery.start_soon(self._open_and_submit, job, op)
         return request_id, model_id
@@ -266,11 +271,17 @@ class JobTable:
 
     def forward_backward(self, owner: str, model_id: str, seq_id: int, batch: ForwardBackwardBatch) -> str:
         kind = "forward" if batch.forward_only else "forward_backward"
-        return self._submit_train(
+        job = self._job(owner, model_id)
+        fresh = seq_id not in job.requests
+        request_id = self._submit_train(
             owner, model_id, seq_id, kind, lambda rid: ForwardBackward(model_id, seq_id, rid, batch)
         )
+        if fresh:  # a retried seq_id is the same work, counted once
+            tokens = sum(len(datum.tokens) for datum in batch.data)
+            self._usage.training(model_id=model_id, owner=owner, base_model=job.model.name, tokens=tokens)
+        return request_id
 
-    def optim_step(self, owner: str, model_id: str, seq_id: int, params: AdamParams) -> str:
+    def optim_step(self, owner: str, model_id: str, seq_id: int, params: AdamParams | DimuonParams) -> str:
         return self._submit_train(owner, model_id, seq_id, "optim_step", lambda rid: OptimStep(model_id, seq_id, rid, params))
 
     def save_weights(
@@ -311,6 +322,20 @@ class JobTable:
             lambda rid: SaveForSampler(model_id, seq_id, rid, sampler_id),
         )
 
+    def save_weights_external(
+        self, owner: str, model_id: str, seq_id: int, *, name: str, ttl_seconds: int | None
+    ) -> str:
+        """Write the adapter in PEFT format as `tinker://<model_id>/external_weights/<name>`."""
+        ids.validate_name(name, "checkpoint name")
+        check_ttl(ttl_seconds)
+        job = self._job(owner, model_id)
+        return self._submit_train(
+            owner, model_id, seq_id, "save_weights_external",
+            lambda rid: SaveState(
+                model_id, seq_id, rid, "external_weights", name, False, ttl_seconds, {}, base_model=job.model.name
+            ),
+        )
+
     def load_weights(self, owner: str, model_id: str, seq_id: int, *, path: str, with_optimizer: bool) -> str:
         """The legacy in-place load: `model_id` takes the checkpoint's weights, in seq_id order."""
         job = self._job(owner, model_id)
@@ -320,11 +345,19 @@ class JobTable:
         spec = msgspec.convert(source_run.lora, LoraSpec)
         if spec != job.lora:
             raise BadRequest(f"{path}: its LoRA config {spec} differs from model {model_id}'s {job.lora}")
+        run = self._store.get_run(model_id)
+        family = _optimizer_family(run.optimizer_config if run is not None else {})
+        if with_optimizer and _optimizer_family(source_run.optimizer_config) != family:
+            raise BadRequest(
+                f"{path}: its optimizer state is {_optimizer_family(source_run.optimizer_config)!r}; model "
+                f"{model_id} uses {family!r} (load it with optimizer=false, or into a new model)",
+                key="optimizer",
+            )
         return self._submit_train(
             owner, model_id, seq_id, "load_weights",
             lambda rid: LoadState(
                 model_id=model_id, request_id=rid, source_dir=str(source_dir), source_uri=path,
-                spec=spec, with_optimizer=with_optimizer, seq_id=seq_id,
+                spec=spec, with_optimizer=with_optimizer, seq_id=seq_id, optimizer=family,
             ),
         )
 
@@ -432,10 +465,28 @@ class JobTable:
             self._futures.fail(request_id, Gone("not queued"))
             raise
         sequence_ids = [f"{sampler_id}:{seq_id}:{i}" for i in range(job.num_samples)]
+        self._usage.sample_submitted(
+            request_id=request_id, sampler_id=sampler_id, owner=owner, base_model=session.model.name,
+            prompt_tokens=len(job.prompt),
+        )
         session.requests[seq_id] = (request_id, sequence_ids)
         if len(session.requests) > SEQ_MEMORY:
             del session.requests[min(session.requests)]
         return request_id, sequence_ids
+
+    def cancel_sample(self, owner: str, request_id: str) -> None:
+        """cancel_future: free an abandoned sample's queued or running work, and fail its future.
+
+        A finished request is left as it is. Raises NotFound for a request that is not the caller's.
+        """
+        if self._futures.owner_of(request_id) != owner:
+            raise NotFound(f"no request {request_id!r}")
+        if self._futures.kind_of(request_id) != "sample":
+            raise BadRequest(f"request {request_id} is not a sample; only samples can be cancelled")
+        for group in self._groups.all_groups():
+            if group.sampler.cancel(request_id):
+                self._futures.fail(request_id, BadRequest("sample cancelled by the client (cancel_future)"))
+                return
 
     async def _start_and_sample(self, model: ModelEntry, op: Sample) -> None:
         try:
@@ -458,3 +509,29 @@ class JobTable:
     def group_of(self, model: ModelEntry) -> Group | None:
         return self._groups.get_nowait(model)
 
+
+def _optimizer_family(config: dict[str, Any]) -> str:
+    """"adamw" or "dimuon" from a stored optimizer_config (api/wire.py validated it)."""
+    return str(config.get("type", "adamw"))
+
+
+def _resumed_optimizer_config(
+    path: str, stored: dict[str, Any], requested: dict[str, Any] | None, with_optimizer: bool
+) -> dict[str, Any]:
+    """The optimizer of a model created from a checkpoint (optimizers.md §1.4).
+
+    With optimizer state it is the checkpoint's, and a request for another family is an
+    error; without, it is the requested one, else AdamW, whatever the checkpoint used.
+
+    Raises:
+        BadRequest: `requested` differs from the checkpoint's family while restoring its state.
+    """
+    if not with_optimizer:
+        return dict(requested) if requested is not None else {"type": "adamw"}
+    if requested is not None and _optimizer_family(requested) != _optimizer_family(stored):
+        raise BadRequest(
+            f"{path}: cannot override restored optimizer state: the checkpoint's optimizer_config is {stored}, "
+            f"the request's is {requested}",
+            key="optimizer_config",
+        )
+    return dict(stored)

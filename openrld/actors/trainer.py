@@ -9,7 +9,10 @@ Ordering guarantees:
 - one job's ops run strictly in `seq_id` order; an op whose predecessor has not
   arrived waits (the SDK sends the chunks of one call concurrently, the first
   one last), and nothing deadlocks on out-of-order arrival;
-- jobs take fair turns: round-robin over the jobs whose next op is ready.
+- jobs take fair turns: round-robin over the jobs whose next op is ready;
+- a job's consecutive forward_backward ops that are all here (the chunks of one SDK
+  call, or calls pipelined before an optim_step) run as one engine pass, up to
+  `MAX_COMBINED_TOKENS`: fewer, fuller micro-batches, and the same result.
 
 A failure inside an op fails that op's future and consumes its `seq_id`, so the
 job's later ops still run. The actor never imports torch: engine results pass
@@ -28,12 +31,16 @@ import trio
 
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
-from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
 
 MAILBOX_CAPACITY = 4096  # ops in flight per group; past it the API answers 429
+# Model-input tokens that consecutive forward_backward ops of one job may share in one
+# engine pass. It bounds how long one job holds its turn; the engine still splits the
+# pass into micro-batches of its own token budget.
+MAX_COMBINED_TOKENS = 65536
 
 
 # ---------------------------------------------------------------- messages
@@ -44,6 +51,7 @@ class CreateAdapter(msgspec.Struct, frozen=True):
     request_id: str
     spec: LoraSpec
     seq_id: int = 0
+    optimizer: str = "adamw"  # the family, fixed for the job's life
 
 
 class ForwardBackward(msgspec.Struct, frozen=True):
@@ -57,7 +65,7 @@ class OptimStep(msgspec.Struct, frozen=True):
     model_id: str
     seq_id: int
     request_id: str
-    params: AdamParams
+    params: AdamParams | DimuonParams  # a family other than the job's fails in the engine, gradient kept
 
 
 class SaveState(msgspec.Struct, frozen=True):
@@ -66,11 +74,12 @@ class SaveState(msgspec.Struct, frozen=True):
     model_id: str
     seq_id: int
     request_id: str
-    kind: str  # "weights" or "sampler_weights"
+    kind: str  # "weights", "sampler_weights" or "external_weights" (PEFT format, for use elsewhere)
     name: str
     overwrite: bool = False
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = {}
+    base_model: str = ""  # named in an external checkpoint's adapter_config.json
 
 
 class SaveForSampler(msgspec.Struct, frozen=True):
@@ -90,6 +99,7 @@ class LoadState(msgspec.Struct, frozen=True):
     spec: LoraSpec
     with_optimizer: bool
     seq_id: int = 0
+    optimizer: str = "adamw"  # the family the job has after the load
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -138,6 +148,7 @@ class TrainerStatistics(msgspec.Struct, frozen=True):
     jobs: list[JobQueueStats]
     ops_done: int
     ops_failed: int
+    ops_combined: int  # ops that ran in a pass shared with the next ops of their job
     busy: bool
 
 
@@ -176,17 +187,40 @@ class TrainerQueues:
             raise Conflict(f"model {op.model_id}: seq_id {op.seq_id} was already submitted")
         job.waiting[op.seq_id] = op
 
-    def pop_ready(self) -> TrainOp | None:
-        """The next op to run: the first job in turn order whose next seq_id is here."""
+    def pop_ready(self, max_combined_tokens: int = 0) -> list[TrainOp]:
+        """The next ops to run, all of one job, in seq_id order; empty when none is ready.
+
+        It takes the first job in turn order whose next seq_id is here. When that op is a
+        ForwardBackward, the job's following ops join it while they are here, are
+        ForwardBackward with the same `forward_only`, and keep the model-input tokens of
+        the run within `max_combined_tokens` (0: never combine). The engine runs such a
+        run as one pass, which is what seq_id order would give anyway: nothing between
+        them changes the weights.
+        """
         for _ in range(len(self._turns)):
             model_id = self._turns[0]
             self._turns.rotate(-1)
             job = self._jobs[model_id]
             op = job.waiting.pop(job.next_seq, None)
-            if op is not None:
-                job.next_seq += 1
-                return op
-        return None
+            if op is None:
+                continue
+            job.next_seq += 1
+            run = [op]
+            if isinstance(op, ForwardBackward):
+                tokens = _model_tokens(op)
+                while True:
+                    following = job.waiting.get(job.next_seq)
+                    if not (
+                        isinstance(following, ForwardBackward)
+                        and following.batch.forward_only == op.batch.forward_only
+                        and tokens + _model_tokens(following) <= max_combined_tokens
+                    ):
+                        break
+                    tokens += _model_tokens(following)
+                    run.append(job.waiting.pop(job.next_seq))
+                    job.next_seq += 1
+            return run
+        return []
 
     def has_job(self, model_id: str) -> bool:
         return model_id in self._jobs
@@ -196,6 +230,10 @@ class TrainerQueues:
             JobQueueStats(model_id=m, next_seq_id=j.next_seq, waiting=len(j.waiting))
             for m, j in self._jobs.items()
         ]
+
+
+def _model_tokens(op: ForwardBackward) -> int:
+    return sum(len(datum.tokens) for datum in op.batch.data)
 
 
 # ---------------------------------------------------------------- collaborators
@@ -257,6 +295,7 @@ class TrainerActor:
         checkpoints: CheckpointSink,
         sampler: SamplerFeed,
         specs: dict[str, LoraSpec] | None = None,
+        max_combined_tokens: int = MAX_COMBINED_TOKENS,
     ) -> None:
         self.name = name
         self.queues = TrainerQueues()
@@ -270,8 +309,10 @@ class TrainerActor:
         self._wake = trio.Event()
         self._engine: Any = None
         self._busy = False
+        self._max_combined_tokens = max_combined_tokens
         self._done = 0
         self._failed = 0
+        self._combined = 0
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
@@ -292,26 +333,54 @@ class TrainerActor:
 
     async def _step_loop(self) -> None:
         while True:
-            op = self.queues.pop_ready()
-            if op is None:
+            run = self.queues.pop_ready(self._max_combined_tokens)
+            if not run:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
             self._busy = True
             try:
-                value = await self._execute(op)
-            except OpenrldError as error:
-                self._failed += 1
-                self._futures.fail(op.request_id, error)
-            except Exception as error:  # the op's failure is its own; the group keeps serving
-                logger.exception("trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id)
-                self._failed += 1
-                self._futures.fail(op.request_id, ServerError(f"{type(error).__name__}: {error}"))
-            else:
-                self._done += 1
-                self._futures.resolve(op.request_id, Completed(value))
+                if len(run) > 1 and await self._run_combined(run):
+                    continue
+                for op in run:
+                    await self._run_one(op)
             finally:
                 self._busy = False
+
+    async def _run_one(self, op: TrainOp) -> None:
+        try:
+            value = await self._execute(op)
+        except OpenrldError as error:
+            self._failed += 1
+            self._futures.fail(op.request_id, error)
+        except Exception as error:  # the op's failure is its own; the group keeps serving
+            logger.exception("trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id)
+            self._failed += 1
+            self._futures.fail(op.request_id, ServerError(f"{type(error).__name__}: {error}"))
+        else:
+            self._done += 1
+            self._futures.resolve(op.request_id, Completed(value))
+
+    async def _run_combined(self, run: list[TrainOp]) -> bool:
+        """Consecutive forward_backward ops of one job in one engine pass.
+
+        Returns False when the pass failed as a whole (it added nothing): the caller then
+        runs the ops one by one, so that each failure lands on its own request.
+        """
+        batches = [op.batch for op in run if isinstance(op, ForwardBackward)]
+        assert len(batches) == len(run), "only ForwardBackward ops are combined"
+        try:
+            results = await self._in_thread(self._engine.forward_backward_many, run[0].model_id, batches)
+        except OpenrldError:
+            return False
+        except Exception:  # rerun one by one: each op then fails, or succeeds, on its own
+            logger.exception("combined forward_backward failed group=%s model_id=%s", self.name, run[0].model_id)
+            return False
+        self._combined += len(run)
+        for op, value in zip(run, results):
+            self._done += 1
+            self._futures.resolve(op.request_id, Completed(value))
+        return True
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -324,12 +393,12 @@ class TrainerActor:
             case OptimStep():
                 return await self._in_thread(engine.optim_step, op.model_id, op.params)
             case CreateAdapter():
-                await self._in_thread(engine.add_adapter, op.model_id, op.spec)
+                await self._in_thread(engine.add_adapter, op.model_id, op.spec, op.optimizer)
                 self._specs[op.model_id] = op.spec
                 return Created(model_id=op.model_id)
             case LoadState():
                 await self._in_thread(
-                    engine.load_state, op.model_id, Path(op.source_dir), op.spec, op.with_optimizer
+                    engine.load_state, op.model_id, Path(op.source_dir), op.spec, op.with_optimizer, op.optimizer
                 )
                 self._specs[op.model_id] = op.spec
                 return Loaded(model_id=op.model_id, path=op.source_uri)
@@ -348,6 +417,9 @@ class TrainerActor:
         staging, final = self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
         if op.kind == "weights":
             size = await self._in_thread(self._engine.save_state, op.model_id, staging, True)
+        elif op.kind == "external_weights":
+            tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
+            size = await self._in_thread(_save_peft, staging, tensors, self._specs[op.model_id], op.base_model)
         else:
             tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
             size = await self._in_thread(_save_adapter, staging, tensors, self._specs[op.model_id])
@@ -362,8 +434,16 @@ class TrainerActor:
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(
-            jobs=self.queues.statistics(), ops_done=self._done, ops_failed=self._failed, busy=self._busy
+            jobs=self.queues.statistics(), ops_done=self._done, ops_failed=self._failed,
+            ops_combined=self._combined, busy=self._busy,
         )
+
+
+def _save_peft(directory: Path, tensors: Any, spec: LoraSpec, base_model: str) -> int:
+    # Imported here, in the worker thread, so this module never imports torch.
+    from openrld.gpu.peft_export import save_peft_adapter
+
+    return save_peft_adapter(directory, tensors, spec, base_model)
 
 
 def _save_adapter(directory: Path, tensors: Any, spec: LoraSpec) -> int:

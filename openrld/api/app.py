@@ -9,20 +9,25 @@ keeps serving everyone else.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
+from openrld.actors.usage import UsageMeter
 from openrld.api.auth import Authenticator
+from openrld.api.signing import Signer
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
+from openrld.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
+from openrld.metrics import UNMATCHED_ENDPOINT, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
@@ -42,6 +47,10 @@ class Services:
     futures: FutureTable
     jobs: JobTable
     groups: GroupTable
+    devices: tuple[DeviceSummary, ...] = ()  # what the daemon resolved at startup, for /openrl/v1/info
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage
+    signer: Signer = field(default_factory=Signer)  # signed download URLs and JWTs
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -60,7 +69,7 @@ def caller(services: Services) -> str:
 
 
 def build_app(services: Services) -> FastPath:
-    from openrld.api import rest, tinker
+    from openrld.api import admin, lifecycle, openrl, rest, tinker
 
     app = QuartTrio("openrld")
     app.config["MAX_CONTENT_LENGTH"] = services.config.max_body_bytes
@@ -93,6 +102,24 @@ def build_app(services: Services) -> FastPath:
         logger.exception("unhandled error path=%s", request.path)
         return error_response(500, f"internal error: {type(error).__name__}")
 
+    @app.before_request
+    async def _start_clock() -> None:
+        g.arrived_s = time.perf_counter()
+
+    @app.after_request
+    async def _count_request(response: Response) -> Response:
+        # The route template, not the path: paths carry ids, and a label per id grows without bound.
+        endpoint = request.url_rule.rule if request.url_rule is not None else UNMATCHED_ENDPOINT
+        arrived_s = getattr(g, "arrived_s", None)
+        seconds = time.perf_counter() - arrived_s if arrived_s is not None else 0.0
+        services.metrics.observe(endpoint, request.method, response.status_code, seconds)
+        return response
+
     tinker.register(app, services)
     rest.register(app, services)
-    return FastPath(app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes)
+    lifecycle.register(app, services)
+    admin.register(app, services)
+    openrl.register(app, services)
+    return FastPath(
+        app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
+    )

@@ -4,20 +4,38 @@ Two modes. With a key file, each key belongs to a user and an unknown or
 missing key is a 401. Without one (open mode, for a single researcher's
 machine; the daemon then binds to loopback by default) every caller is the
 user `local`, though the SDK still sends some `tml-` key, which is accepted.
+
+With the JWT exchange on (config `jwt_auth`), a JWT that this node signed
+(`/api/v1/auth/token`) is accepted in place of the key it was exchanged for.
 """
 
 from __future__ import annotations
 
 import hmac
 
+from openrld.api.signing import Signer
 from openrld.errors import Unauthorized
 
 OPEN_MODE_USER = "local"
 
 
 class Authenticator:
-    def __init__(self, keys: dict[str, str] | None) -> None:
+    def __init__(self, keys: dict[str, str] | None, *, jwt_signer: Signer | None = None) -> None:
         self._keys = dict(keys) if keys is not None else None
+        self._jwt_signer = jwt_signer
+
+    @property
+    def jwt_enabled(self) -> bool:
+        return self._jwt_signer is not None
+
+    def key_id(self, api_key: str | None) -> int | None:
+        """The 1-based position of a key in the key file (its `key_id` for the CLI); None in open mode."""
+        if self._keys is None or not api_key:
+            return None
+        for number, known in enumerate(self._keys, start=1):
+            if hmac.compare_digest(known.encode(), api_key.encode()):
+                return number
+        return None
 
     @property
     def is_open(self) -> bool:
@@ -29,6 +47,8 @@ class Authenticator:
         Raises:
             Unauthorized: key-file mode and the key is missing or unknown.
         """
+        if api_key and self._jwt_signer is not None and api_key.startswith("eyJ"):
+            return self._jwt_signer.user_of_jwt(api_key)
         if self._keys is None:
             return OPEN_MODE_USER
         if not api_key:

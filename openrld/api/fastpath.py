@@ -11,11 +11,13 @@ The handlers are the same code either way; only the framing differs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 import msgspec
 
-from openrld.errors import OpenrldError
+from openrld.errors import InvalidToken, OpenrldError
+from openrld.metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +51,28 @@ def json_reply(value: Any, status: int = 200) -> Reply:
 class FastPath:
     """ASGI: POST routes in `routes` are served directly; everything else goes to `fallback`."""
 
-    def __init__(self, fallback: ASGIApp, routes: dict[str, Handler], *, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        fallback: ASGIApp,
+        routes: dict[str, Handler],
+        *,
+        max_body_bytes: int,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         self._fallback = fallback
         self._routes = routes
         self._max_body_bytes = max_body_bytes
+        self._metrics = metrics  # the quart app counts the requests it serves; this counts the hot routes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         handler = self._routes.get(scope.get("path", "")) if scope["type"] == "http" else None
         if handler is None or scope["method"] != "POST":
             await self._fallback(scope, receive, send)
             return
+        arrived_s = time.perf_counter()
         reply = await self._serve(handler, scope, receive)
+        if self._metrics is not None:
+            self._metrics.observe(scope["path"], "POST", reply.status, time.perf_counter() - arrived_s)
         await send(
             {
                 "type": "http.response.start",
@@ -101,6 +114,8 @@ class FastPath:
 
 def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
     """The headers the SDK reads beside an error status."""
+    if isinstance(error, InvalidToken):
+        return ((b"www-authenticate", b'Bearer realm="openrld", error="invalid_token"'),)
     if error.status == 401:
         return ((b"www-authenticate", b'ApiKey realm="openrld"'),)
     if error.status == 429:

@@ -24,6 +24,11 @@ from openrld.errors import BadRequest, NotSupportedYet, UserError
 
 PROTOBUF = "application/x-protobuf"
 MAX_TOPK_LOGPROBS = 20  # top-k logprobs per position; vLLM caps at 20 too
+SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
+    "server-side custom losses are not supported by this server (create_custom_loss); use "
+    "TrainingClient.forward_backward_custom with custom_loss_server_side=false: the SDK runs the loss "
+    "client-side in two cross_entropy passes, with the same gradient"
+)
 
 
 def _future_body(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> dict:
@@ -47,9 +52,9 @@ async def _body(type_: type) -> object:
     return wire.decode_json(await request.get_data(), type_)
 
 
-def _outcome_reply(request_id: str, outcome: Completed | Failed | None) -> Reply:
+def _outcome_reply(request_id: str, outcome: Completed | Failed | None, queue_state: str = "active") -> Reply:
     if outcome is None:
-        return json_reply({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        return json_reply({"type": "try_again", "request_id": request_id, "queue_state": queue_state})
     if isinstance(outcome, Failed):
         return json_reply({"error": outcome.detail, "category": outcome.category})
     value = outcome.value
@@ -80,7 +85,7 @@ def register(app: QuartTrio, services: Services) -> None:
         caller(services)
         return json_response(
             {
-                "pjwt_auth_enabled": False,
+                "pjwt_auth_enabled": services.auth.jwt_enabled,
                 "parallel_fwdbwd_chunks": True,
                 "proto_compress_fwdbwd": False,
                 "sample_use_retrieve_futures": False,
@@ -194,6 +199,17 @@ def register(app: QuartTrio, services: Services) -> None:
         )
         return _future_response(request_id, req.model_id)
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external() -> Response:
+        user = caller(services)
+        req = await _body(wire.SaveWeightsExternalRequest)
+        if req.age_encryption_recipients:
+            raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
+        request_id = jobs.save_weights_external(
+            user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
+        )
+        return _future_response(request_id, req.model_id)
+
     @app.post("/api/v1/load_weights")
     async def load_weights() -> Response:
         user = caller(services)
@@ -236,10 +252,18 @@ def register(app: QuartTrio, services: Services) -> None:
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future() -> Response:
-        caller(services)
-        await _body(wire.CancelFutureRequest)
-        # Queued work runs to completion; its result is dropped when unread.
+        user = caller(services)
+        req = await _body(wire.CancelFutureRequest)
+        jobs.cancel_sample(user, req.request_id)
         return json_response({})
+
+    @app.post("/api/v1/create_custom_loss")
+    async def create_custom_loss() -> Response:
+        # losses.md §5: refused, not run. The SDK uploads only when the client config says
+        # custom_loss_server_side=true, which this server never does; a client that uploads
+        # anyway is told what works instead.
+        caller(services)
+        raise BadRequest(SERVER_SIDE_CUSTOM_LOSS_REFUSAL, key="create_custom_loss")
 
 
 def hot_routes(services: Services) -> dict[str, Handler]:
@@ -285,7 +309,9 @@ def hot_routes(services: Services) -> dict[str, Handler]:
         user = auth.user_for(call.api_key)
         req = wire.decode_json(call.body, wire.FutureRetrieveRequest)
         outcome = await services.futures.wait(req.request_id, owner=user, hold_s=config.longpoll_s)
-        return _outcome_reply(req.request_id, outcome)
+        if isinstance(outcome, Completed) and isinstance(outcome.value, SampleResult):
+            services.usage.sample_delivered(req.request_id, sum(len(s.tokens) for s in outcome.value.sequences))
+        return _outcome_reply(req.request_id, outcome, services.futures.queue_state(req.request_id))
 
     return {
         "/api/v1/forward_backward": forward_backward,

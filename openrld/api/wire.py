@@ -40,7 +40,7 @@ from openrld.api.proto.codec import decode_forward_backward as decode_forward_ba
 from openrld.api.proto.codec import encode_forward_backward_output as encode_forward_backward_output
 from openrld.api.proto.codec import encode_sample_response as encode_sample_response
 from openrld.api.proto.codec import forward_backward_ids as forward_backward_ids
-from openrld.batches import AdamParams, LoraSpec, SampleJob, SamplingSpec
+from openrld.batches import AdamParams, DimuonParams, LoraSpec, SampleJob, SamplingSpec
 from openrld.errors import BadRequest, NotSupportedYet
 
 T = TypeVar("T")
@@ -173,6 +173,9 @@ class OptimizerParams(RequestBody):
     eps: float | None = None
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
+    # DimuonParams fields that SDK 0.29.1 sends and 0.38.0 forbids (optimizers.md §4.1).
+    damping: float | None = None
+    rank_lr_correction_exponent: float | None = None
 
 
 class OptimStepRequest(RequestBody):
@@ -794,10 +797,9 @@ def lora_spec_from_config(config: LoraConfig) -> LoraSpec:
 
 
 def optimizer_family(config: OptimizerConfigJson, *, field: str = "optimizer_config") -> str:
-    """The optimizer family an `optimizer_config` selects; only "adamw" is built.
+    """The optimizer family an `optimizer_config` selects: "adamw" or "dimuon".
 
     Raises:
-        NotSupportedYet: `{"type": "dimuon"}` with version 1 or none.
         BadRequest: any other type, a dimuon version other than 1, or adamw with
             keys besides `type` (optimizers.md §1.1).
     """
@@ -811,18 +813,20 @@ def optimizer_family(config: OptimizerConfigJson, *, field: str = "optimizer_con
         version = config.get("version", 1)
         if version != 1 or isinstance(version, bool):
             raise BadRequest(f"{field}.version: dimuon version must be 1, got {version!r}", key=field)
-        raise NotSupportedYet(f"{field}: the 'dimuon' optimizer is not supported yet", key=field)
+        return "dimuon"
     raise BadRequest(f"unsupported optimizer type {family!r}; supported: {SUPPORTED_OPTIMIZERS}", key=field)
 
 
-def adam_params_from_request(req: OptimStepRequest) -> AdamParams:
-    """AdamParams for one optim_step; omitted fields take the SDK's defaults.
+def adam_params_from_request(req: OptimStepRequest) -> AdamParams | DimuonParams:
+    """The params of one optim_step, AdamParams or DimuonParams by the `type` sent;
+    omitted fields take the SDK's defaults. Whether the family matches the model's is
+    the trainer's check, in seq_id order (optimizers.md §2).
 
     Raises:
         BadRequest: no params key or more than one, a family other than adamw
             or dimuon, or a value outside torch's AdamW checks (non-finite,
-            learning_rate/eps/weight_decay < 0, a beta outside [0, 1)).
-        NotSupportedYet: `optimizer_params.type == "dimuon"`.
+            learning_rate/eps/weight_decay < 0, a beta outside [0, 1)); for dimuon,
+            a missing learning_rate, an AdamW-only field, or a value out of §4.1's ranges.
     """
     given = [
         (key, params)
@@ -841,7 +845,7 @@ def adam_params_from_request(req: OptimStepRequest) -> AdamParams:
     key, params = given[0]
     family = params.type or "adamw"  # AdamParams carries no type
     if family == "dimuon":
-        raise NotSupportedYet(f"{key}.type: the 'dimuon' optimizer is not supported yet", key=key)
+        return _dimuon_params(key, params)
     if family != "adamw":
         raise BadRequest(f"unsupported optimizer type {family!r}; supported: {SUPPORTED_OPTIMIZERS}", key=key)
 
@@ -856,6 +860,40 @@ def adam_params_from_request(req: OptimStepRequest) -> AdamParams:
     )
     _check_adam(key, adam)
     return adam
+
+
+def _dimuon_params(key: str, params: OptimizerParams) -> DimuonParams:
+    """DimuonParams from the wire; AdamW-only fields are refused by name (the SDK forbids extras)."""
+    for name in ("beta2", "eps", "weight_decay"):
+        if getattr(params, name) is not None:
+            raise BadRequest(
+                f"{key}.{name}: not a DimuonParams field (dimuon takes learning_rate, grad_clip_norm, beta1, "
+                f"damping, rank_lr_correction_exponent)",
+                key=f"{key}.{name}",
+            )
+    if params.learning_rate is None:
+        raise BadRequest(f"{key}.learning_rate: required for dimuon", key=f"{key}.learning_rate")
+    defaults = DimuonParams(learning_rate=0.0)
+    dimuon = DimuonParams(
+        learning_rate=float(params.learning_rate),
+        grad_clip_norm=_or_default(params.grad_clip_norm, defaults.grad_clip_norm),
+        beta1=_or_default(params.beta1, defaults.beta1),
+        damping=_or_default(params.damping, defaults.damping),
+        rank_lr_correction_exponent=_or_default(
+            params.rank_lr_correction_exponent, defaults.rank_lr_correction_exponent
+        ),
+    )
+    for name in ("learning_rate", "grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent"):
+        value = getattr(dimuon, name)
+        if not math.isfinite(value):
+            raise BadRequest(f"{key}.{name}: expected a finite number, got {value}", key=f"{key}.{name}")
+    if dimuon.learning_rate < 0:
+        raise BadRequest(f"{key}.learning_rate: expected >= 0, got {dimuon.learning_rate}", key=f"{key}.learning_rate")
+    if not 0 <= dimuon.beta1 < 1:
+        raise BadRequest(f"{key}.beta1: expected a value in [0, 1), got {dimuon.beta1}", key=f"{key}.beta1")
+    if dimuon.damping <= 0:
+        raise BadRequest(f"{key}.damping: expected > 0, got {dimuon.damping}", key=f"{key}.damping")
+    return dimuon
 
 
 def _or_default(value: float | None, default: float) -> float:

@@ -1,4 +1,5 @@
-"""AdamW exactly as Tinker applies it (`shared/spec/optimizers.md` §2–§3).
+"""AdamW exactly as Tinker applies it (`shared/spec/optimizers.md` §2–§3), and Dimuon v1
+(openrld), the labelled proposal of §4.2: its reference implementation is `Dimuon` below.
 
 `AdamW` owns the optimizer state of one set of named tensors (one LoRA adapter): per tensor
 the first and second moments m, v (fp32 or wider) and an integer step count t. It reads
@@ -20,6 +21,10 @@ Guarantees, per `step`:
 
 The state exports to, and imports from, a flat `dict[str, torch.Tensor]` (for safetensors),
 so a resumed run continues exactly as an uninterrupted one would.
+
+`Dimuon` keeps the same contract (validation first, the same global norm and clipping, the
+same metrics, gradients kept on invalid params, dropped on a non-finite norm); its state is
+one momentum per matrix and a step count. `optimizer_for` builds either by family name.
 """
 
 from __future__ import annotations
@@ -30,13 +35,23 @@ from collections.abc import Mapping
 
 import torch
 
-from openrld.batches import AdamParams
+from openrld.batches import AdamParams, DimuonParams, OptimParams
 from openrld.errors import BadRequest
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: n + 1e-6 keeps the factor finite at n = 0
 
 # Suffixes of the flat state keys: "<tensor name>.<suffix>".
 EXP_AVG, EXP_AVG_SQ, STEP = "exp_avg", "exp_avg_sq", "step"
+MOMENTUM = "momentum"
+
+OPTIMIZER_FAMILIES = ("adamw", "dimuon")
+
+# Dimuon v1's internal constants (§4.2): quintic Newton–Schulz coefficients, step count,
+# the normalisation epsilon, and the rank that the learning-rate correction refers to.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+DIMUON_EPS = 1e-7
+DIMUON_REFERENCE_RANK = 32
 
 
 def validate_adam_params(params: AdamParams) -> None:
@@ -108,19 +123,11 @@ class AdamW:
         metrics = {"grad_norm:mean": 0.0, "learning_rate:mean": float(params.learning_rate)}
         if not named:
             return metrics
-        grads = [p.grad.to(_state_dtype(p)) for _, p in named]
-        # Per tensor, then over the tensors, as clip_grad_norm_ does; in the state dtype (fp32 or wider).
-        norms = [torch.linalg.vector_norm(g, 2) for g in grads]
-        dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
-        norm = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), 2)
-        grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
+        try:
+            grads, metrics["grad_norm:mean"] = _clipped_gradients(named, params.grad_clip_norm)
+        except BadRequest:
             self.zero_grad()
-            raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
-        metrics["grad_norm:mean"] = grad_norm
-        if params.grad_clip_norm > 0:
-            factor = torch.clamp(params.grad_clip_norm / (norm + CLIP_EPS), max=1.0)
-            grads = [g * factor.to(g.dtype) for g in grads]
+            raise
         with torch.no_grad():
             for (name, param), grad in zip(named, grads):
                 self._update(name, param, grad, params)
@@ -192,6 +199,207 @@ class AdamW:
                 int(step),
             )
         self._state = state
+
+
+def _clipped_gradients(
+    named: list[tuple[str, torch.Tensor]], grad_clip_norm: float
+) -> tuple[list[torch.Tensor], float]:
+    """The gradients in the state dtype, clipped to `grad_clip_norm` when it is > 0, and
+    the pre-clip global norm (§3.2 steps 1–2, shared by both families).
+
+    Raises:
+        BadRequest: the norm is NaN or inf (the caller drops the gradients).
+    """
+    grads = [p.grad.to(_state_dtype(p)) for _, p in named]
+    # Per tensor, then over the tensors, as clip_grad_norm_ does; in the state dtype (fp32 or wider).
+    norms = [torch.linalg.vector_norm(g, 2) for g in grads]
+    dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
+    norm = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), 2)
+    grad_norm = float(norm)
+    if not math.isfinite(grad_norm):
+        raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
+    if grad_clip_norm > 0:
+        factor = torch.clamp(grad_clip_norm / (norm + CLIP_EPS), max=1.0)
+        grads = [g * factor.to(g.dtype) for g in grads]
+    return grads, grad_norm
+
+
+# ---------------------------------------------------------------- Dimuon v1 (openrld), §4.2
+
+
+def validate_dimuon_params(params: DimuonParams) -> None:
+    """Raise BadRequest naming the first field that is non-finite or out of range (§4.1)."""
+    for field in ("learning_rate", "grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent"):
+        value = getattr(params, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise BadRequest(f"dimuon_params.{field} must be a finite number; got {value!r}", key=field)
+    if params.learning_rate < 0:
+        raise BadRequest(f"dimuon_params.learning_rate must be >= 0; got {params.learning_rate!r}", key="learning_rate")
+    if not 0 <= params.beta1 < 1:
+        raise BadRequest(f"dimuon_params.beta1 must be in [0, 1); got {params.beta1!r}", key="beta1")
+    if params.damping <= 0:
+        raise BadRequest(f"dimuon_params.damping must be > 0; got {params.damping!r}", key="damping")
+
+
+def rank_lr_correction(rank: int, exponent: float) -> float:
+    """κ = (32 / r)^e: one learning-rate factor for every LoRA matrix (§4.2 step 6).
+
+    The sign of the exponent's effect is the spec's proposal ("relative to rank 32" is all
+    the docs say); it lives here alone so that it can be replaced in one place.
+    """
+    return (DIMUON_REFERENCE_RANK / rank) ** exponent
+
+
+def matrix_sign(x: torch.Tensor) -> torch.Tensor:
+    """K quintic Newton–Schulz steps from X₀ = X / (‖X‖_F + ε), over the last two dims.
+
+    The caller orients X so that X·Xᵀ is the small (r × r) Gram matrix.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + DIMUON_EPS)
+    for _ in range(NS_STEPS):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x
+
+
+def dimuon_direction(momentum: torch.Tensor, rank: int, damping: float, is_lora_b: bool) -> torch.Tensor:
+    """D for one matrix (or a stack [E, ·, ·] of them): §4.2 steps 3–5, in fp32.
+
+    Matrices whose momentum is all zero get D = 0 (no update this step).
+    """
+    energy = momentum.square()  # (..., m, n)
+    mu = energy.mean(dim=(-2, -1), keepdim=True)
+    live = mu > 0
+    mu = torch.where(live, mu, torch.ones_like(mu))
+    rows = energy.mean(dim=-1, keepdim=True) / mu  # ρ: (..., m, 1), averages 1
+    cols = energy.mean(dim=-2, keepdim=True) / mu  # γ: (..., 1, n), averages 1
+    y = (rows + damping).pow(-0.25) * momentum * (cols + damping).pow(-0.25)
+    # A is (r, n) and B is (m, r): B is transposed so that the Gram matrix is r × r.
+    sign = matrix_sign(y.mT).mT if is_lora_b else matrix_sign(y)
+    direction = math.sqrt(rank) * sign / (torch.linalg.matrix_norm(sign, keepdim=True) + DIMUON_EPS)
+    return torch.where(live, direction, torch.zeros_like(direction))
+
+
+class _Momentum:
+    __slots__ = ("buffer", "step")
+
+    def __init__(self, buffer: torch.Tensor, step: int) -> None:
+        self.buffer = buffer
+        self.step = step
+
+
+class Dimuon:
+    """Dimuon v1 (openrld) over the LoRA matrices of one adapter of rank `rank`."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], rank: int) -> None:
+        """Args:
+        params: name -> leaf tensor (2-D, or 3-D for stacked experts); names containing
+            "lora_B" are B matrices, the rest A matrices.
+        rank: the adapter's LoRA rank r.
+        """
+        for name, param in params.items():
+            assert param.dim() >= 2, f"Dimuon needs matrices; {name} has shape {list(param.shape)}"
+        self._params = dict(params)
+        self._rank = rank
+        self._state: dict[str, _Momentum] = {}
+
+    @property
+    def steps_done(self) -> int:
+        return max((m.step for m in self._state.values()), default=0)
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+
+    def reset(self) -> None:
+        self._state.clear()
+
+    def step(self, params: DimuonParams) -> dict[str, float]:
+        """One Dimuon step with the accumulated gradients, then clear them.
+
+        Returns and raises as `AdamW.step` does, with `validate_dimuon_params`.
+        """
+        validate_dimuon_params(params)
+        named = [(name, p) for name, p in self._params.items() if p.grad is not None]
+        metrics = {"grad_norm:mean": 0.0, "learning_rate:mean": float(params.learning_rate)}
+        if not named:
+            return metrics
+        try:
+            grads, metrics["grad_norm:mean"] = _clipped_gradients(named, params.grad_clip_norm)
+        except BadRequest:
+            self.zero_grad()
+            raise
+        scale = params.learning_rate * rank_lr_correction(self._rank, params.rank_lr_correction_exponent)
+        with torch.no_grad():
+            for (name, param), grad in zip(named, grads):
+                momentum = self._state.get(name)
+                if momentum is None:
+                    momentum = _Momentum(torch.zeros_like(grad), 0)
+                    self._state[name] = momentum
+                momentum.buffer.lerp_(grad, 1 - params.beta1)  # M = β·M + (1 − β)·G
+                momentum.step += 1
+                direction = dimuon_direction(momentum.buffer, self._rank, params.damping, "lora_B" in name)
+                work = param if param.dtype == grad.dtype else param.to(grad.dtype)
+                work.sub_(direction, alpha=scale)
+                if work is not param:
+                    param.copy_(work)
+        self.zero_grad()
+        return metrics
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """"<name>.momentum" and "<name>.step" (0-d int64) for every tensor that has stepped."""
+        flat: dict[str, torch.Tensor] = {}
+        for name, momentum in self._state.items():
+            flat[f"{name}.{MOMENTUM}"] = momentum.buffer.detach().cpu().clone()
+            flat[f"{name}.{STEP}"] = torch.tensor(momentum.step, dtype=torch.int64)
+        return flat
+
+    def load_state_tensors(self, flat: Mapping[str, torch.Tensor]) -> None:
+        """Replace the state with `flat` (the format of `state_tensors`); checked first.
+
+        Raises:
+            BadRequest: an unknown key (AdamW state included), an incomplete pair, a shape
+                that differs from the tensor's, or a negative step.
+        """
+        expected = {f"{name}.{suffix}" for name in self._params for suffix in (MOMENTUM, STEP)}
+        unknown = sorted(set(flat) - expected)
+        if unknown:
+            raise BadRequest(f"optimizer state has unknown tensors {unknown[:3]}; it is not Dimuon state of this model")
+        state: dict[str, _Momentum] = {}
+        for name, param in self._params.items():
+            keys = (f"{name}.{MOMENTUM}", f"{name}.{STEP}")
+            present = [key in flat for key in keys]
+            if not any(present):
+                continue
+            if not all(present):
+                raise BadRequest(f"optimizer state for {name!r} is incomplete: missing {keys[present.index(False)]!r}")
+            buffer, step = flat[keys[0]], flat[keys[1]]
+            if tuple(buffer.shape) != tuple(param.shape):
+                raise BadRequest(
+                    f"optimizer state {keys[0]!r} has shape {list(buffer.shape)}; expected {list(param.shape)}"
+                )
+            if step.numel() != 1 or int(step) < 0:
+                raise BadRequest(f"optimizer state {keys[1]!r} must be one count >= 0; got {step.tolist()}")
+            state[name] = _Momentum(buffer.to(device=param.device, dtype=_state_dtype(param)).clone(), int(step))
+        self._state = state
+
+
+Optimizer = AdamW | Dimuon
+
+
+def optimizer_for(family: str, params: Mapping[str, torch.Tensor], rank: int) -> Optimizer:
+    """A fresh optimizer of `family` ("adamw" or "dimuon") over `params`."""
+    if family == "adamw":
+        return AdamW(params)
+    if family == "dimuon":
+        return Dimuon(params, rank)
+    raise BadRequest(f"unsupported optimizer type {family!r}; supported: {', '.join(OPTIMIZER_FAMILIES)}")
+
+
+def family_of(params: OptimParams) -> str:
+    """"adamw" for AdamParams, "dimuon" for DimuonParams."""
+    return "dimuon" if isinstance(params, DimuonParams) else "adamw"
 
 
 def _state_dtype(param: torch.Tensor) -> torch.dtype:

@@ -1,41 +1,51 @@
-"""The torch sampling engine: one base model serving many immutable weight versions.
+"""The torch sampling engine: one base model, many immutable LoRA versions, continuous batching.
 
-`TorchSampler` owns one base model, its tokenizer, and a set of LoRA weight
-versions loaded on top of it as peft adapters. `sample(version, job)` runs one
-`SampleJob` against one version (or the bare base model, version `None`) and
-returns a `SampleResult` that follows `shared/spec/sampling.md` sections 1-3:
+`TorchSampler` owns one base model, its tokenizer, the LoRA weight versions
+loaded on it as peft adapters, and one running decode batch. It is a
+step-level scheduler, driven by its caller:
 
-- The prompt is prefilled once, in chunks so that its logits never take more
-  than `prefill_chunk_tokens` rows of memory, and its KV cache is shared by all
-  `num_samples` samples, which then decode together as one batch, token by
-  token. Finished rows leave the batch (and the cache) at once.
-- Each token is drawn from q_T: logits/T, then top-k, then top-p, then
-  renormalise. Its reported logprob is log q_T in fp32 from the same logits.
-  T = 0 is argmax (ties to the lowest id) and reports 0.0.
-- Sample i draws one uniform per step from its own CPU generator seeded from
-  (seed mod 2^64, i), so a sample's tokens do not depend on how many samples
-  share its batch, nor on which rows finished before it.
-- Prompt scoring is always the raw model at T = 1.
+- `add(request_id, version, job)` validates a `SampleJob` and queues it.
+- `step()` admits queued requests (prefill: each prompt runs once, in chunks
+  of `prefill_chunk_tokens`, and every sample's first token is drawn from
+  that one prefill), moves prefilled samples into free batch rows, runs one
+  decode forward for every running row, and retires the rows that finished.
+  It returns the requests that completed in this step.
+- `cancel(request_id)` drops a request wherever it is, freeing its rows.
+
+Rows of different requests and different versions share one forward: rows
+are left-padded to one KV width (`kv_batch.KvBatch`), and peft's mixed-batch
+forward (`adapter_names`, one name per row; "__base__" for the base model)
+applies each row's own adapter. So no request waits behind another job's
+request for more than the rows it holds.
+
+Sampling follows `shared/spec/sampling.md` sections 1-3 (the math is in
+`sampling_math`): q_T is logits/T, then top-k, then top-p, renormalised, and
+a token's logprob is log q_T in fp32 from the same logits; T = 0 is argmax and
+reports 0.0. Sample i draws one uniform per step from its own CPU generator
+seeded from (seed mod 2^64, i), so its tokens do not depend on what else
+shares the batch. Prompt scoring is always the raw model at T = 1.
+
+`prompt_cache_hit_tokens`: a request's n samples all start from its one
+prefilled KV cache, so when n > 1 and anything is generated, the whole prompt
+was reused and the request reports len(prompt); otherwise 0. Nothing is
+cached across requests.
 
 Guarantees: versions are immutable once loaded; loading a version never
-changes the shared base weights (a tensor for a base weight must equal it);
-version `None` is always the base model exactly. Nothing is cached across
-calls, so `prompt_cache_hit_tokens` is always 0.
+changes the shared base weights; version `None` is always the base model
+exactly; a version in use by a live request cannot be dropped.
 
-It never imports trio, never knows about sessions, futures or request ids, and
-is not thread-safe: the caller runs one call at a time.
+It never imports trio, never knows about sessions or futures, and is not
+thread-safe: the caller makes one call at a time.
 """
 
 from __future__ import annotations
 
-import copy
+import collections
 import dataclasses
-import hashlib
 import logging
 import math
 import secrets
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import numpy as np
@@ -46,13 +56,25 @@ import transformers
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
 from openrld.errors import BadRequest
 from openrld.gpu import models
+from openrld.gpu.kv_batch import KvBatch
+from openrld.gpu.sampling_math import (
+    TOPK_EMPTY_LOGPROB,
+    TOPK_EMPTY_TOKEN,
+    StopStringWatch,
+    draw_from,
+    empty_topk,
+    processed_logprobs,
+    stream_seed,
+    top_k_rows,
+)
+
+__all__ = ["TOPK_EMPTY_LOGPROB", "TOPK_EMPTY_TOKEN", "Finished", "TorchSampler", "TorchSamplerStatistics"]
 
 logger = logging.getLogger(__name__)
 
-TOPK_EMPTY_TOKEN = 0  # the Tinker SDK's sentinel cell: token 0 with logprob -99999.0
-TOPK_EMPTY_LOGPROB = -99999.0
 STOP = "stop"
 LENGTH = "length"
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-batch forward
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -61,137 +83,19 @@ class TorchSamplerStatistics(msgspec.Struct, frozen=True):
     samples_done: int
     tokens_generated: int
     prompt_tokens_prefilled: int
+    requests_queued: int  # added, not yet prefilled
+    requests_running: int  # prefilled, with samples in (or waiting for) batch rows
+    rows_running: int
+    decode_steps: int
+
+
+class Finished(msgspec.Struct, frozen=True):
+    request_id: str
+    result: SampleResult
 
 
 # ---------------------------------------------------------------------------
-# Pure functions of the sampling math
-
-
-def stream_seed(seed: int, index: int) -> int:
-    """The seed of sample `index`'s RNG stream: a 64-bit hash of (seed mod 2^64, index).
-
-    A hash rather than `seed + index`, so that the streams of (seed, 1) and
-    (seed + 1, 0) are unrelated.
-    """
-    key = (seed % 2**64).to_bytes(8, "little") + index.to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-
-def processed_logprobs(logits: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
-    """log q_T for each row: logits/T, then top-k, then top-p, then renormalise (T > 0).
-
-    Args:
-        logits: (R, V) float32.
-        params: temperature > 0, top_k, top_p.
-
-    Returns:
-        (R, V) float32: log q_T, -inf for tokens that top-k or top-p removed.
-    """
-    assert params.temperature > 0, f"processed_logprobs needs T > 0, got {params.temperature}"
-    scaled = logits / params.temperature
-    vocab = scaled.shape[-1]
-    limits_k = 0 < params.top_k < vocab
-    if not limits_k and params.top_p >= 1.0:
-        # Skip the sort so that the default settings give exactly log_softmax(logits/T).
-        return torch.log_softmax(scaled, dim=-1)
-    # A stable descending sort puts equal logits in id order, so ties keep the lowest ids.
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # (R, V)
-    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-    if limits_k:
-        keep[:, params.top_k :] = False
-    if params.top_p < 1.0:
-        probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
-        # Keep token j iff the mass strictly before it is < top_p: the smallest set reaching
-        # top_p, and always the first token (top_p > 0).
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep &= mass_before < params.top_p
-    sorted_logq = torch.log_softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
-    return torch.empty_like(scaled).scatter_(-1, order, sorted_logq)
-
-
-def draw_from(logq: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: for each row r, the tokens whose CDF interval holds uniforms[r].
-
-    One uniform per draw (rather than torch.multinomial) keeps each sample's
-    randomness in its own CPU generator while the arithmetic stays on the device.
-
-    Args:
-        logq: (R, V) float32 log-probabilities, -inf outside the support.
-        uniforms: (R, M) float64 in [0, 1).
-
-    Returns:
-        (R, M) int64 token ids, each with q > 0.
-    """
-    probs = logq.double().exp()  # (R, V)
-    cdf = torch.cumsum(probs, dim=-1)
-    targets = uniforms.to(cdf.device) * cdf[:, -1:]
-    # right=True gives the first token whose CDF exceeds the target; that token has q > 0.
-    tokens = torch.searchsorted(cdf, targets, right=True).clamp_(max=probs.shape[-1] - 1)
-    off_support = probs.gather(-1, tokens) == 0
-    if bool(off_support.any()):
-        # Only when rounding made target == total: take the last token of the support.
-        last = probs.shape[-1] - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1, keepdim=True)
-        tokens = torch.where(off_support, last.expand_as(tokens), tokens)
-    return tokens
-
-
-def top_k_rows(logp: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best entries of each row, by logprob descending, ties by id ascending.
-
-    Entries at -inf (outside q's support) become the sentinel (token 0, -99999.0).
-
-    Returns:
-        (token_ids int32 (R, k), logprobs float32 (R, k)).
-    """
-    assert 0 < k <= logp.shape[-1], f"k={k} must be in [1, {logp.shape[-1]}]"
-    values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
-    values, ids = values[:, :k].float().cpu().numpy(), ids[:, :k].to(torch.int32).cpu().numpy()
-    empty = np.isneginf(values)
-    ids[empty] = TOPK_EMPTY_TOKEN
-    values[empty] = TOPK_EMPTY_LOGPROB
-    return ids, values
-
-
-def _empty_topk(rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.full((rows, k), TOPK_EMPTY_TOKEN, np.int32), np.full((rows, k), TOPK_EMPTY_LOGPROB, np.float32)
-
-
-# ---------------------------------------------------------------------------
-# Per-sample state
-
-
-class StopStringWatch:
-    """Watches one sample's generated text for stop strings, one token at a time.
-
-    The text is decoded incrementally: each step decodes only the tokens since
-    the last complete character, and a tail of `longest - 1` characters is kept
-    so that a match spanning earlier tokens is still seen. Text that ends in an
-    incomplete character (U+FFFD) is checked as decoded but not committed until
-    the character completes, which is what decoding all generated tokens gives.
-    """
-
-    def __init__(self, stop_strings: tuple[str, ...], decode: Callable[[list[int]], str]) -> None:
-        self._stop_strings = stop_strings
-        self._decode = decode
-        self._keep_chars = max(len(s) for s in stop_strings) - 1
-        self._tokens: list[int] = []
-        self._prefix_offset = 0  # tokens before this are fully reflected in _tail
-        self._read_offset = 0  # tokens in [prefix, read) were committed last
-        self._tail = ""
-
-    def push(self, token: int) -> bool:
-        """Add a generated token; True when the generated text now contains a stop string."""
-        self._tokens.append(token)
-        committed = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        current = self._decode(self._tokens[self._prefix_offset :])
-        pending = current[len(committed) :]
-        window = self._tail + pending
-        if any(s in window for s in self._stop_strings):
-            return True
-        if pending and not pending.endswith("\ufffd"):
-            self._tail = window[-self._keep_chars :] if self._keep_chars else ""
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
-        return False
+# Per-request state
 
 
 @dataclasses.dataclass(slots=True)
@@ -205,6 +109,24 @@ class _Sample:
     stop_reason: str | None = None  # set once the sample is finished
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    version: str | None
+    adapter: str  # the peft adapter name of its rows
+    job: SampleJob
+    limit: int  # generated tokens allowed per sample: max_tokens and the context window
+    samples: list[_Sample]
+    prefill: transformers.DynamicCache | None = None  # batch 1, held until every sample has a row
+    pending: list[_Sample] = dataclasses.field(default_factory=list)  # first token drawn, no row yet
+    prompt_logprobs: np.ndarray | None = None
+    topk_prompt: TopK | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return all(s.stop_reason is not None for s in self.samples)
+
+
 # ---------------------------------------------------------------------------
 # The engine
 
@@ -215,10 +137,13 @@ class TorchSampler:
     Args:
         model_dir: a Hugging Face model directory with its tokenizer.
         device, dtype: where and in what the model computes (dtype: `models.pick_dtype`).
-        decode_batch_rows: at most this many samples decode together; a larger
-            request decodes in groups, each from a copy of the one prefilled cache.
-        prefill_chunk_tokens: the prompt is prefilled this many tokens at a time,
+        decode_batch_rows: at most this many samples decode together; a request
+            with more samples moves them into rows as rows free up.
+        prefill_chunk_tokens: a prompt is prefilled this many tokens at a time,
             which bounds the prompt-logits memory to (chunk, vocab).
+        prefill_tokens_per_step: one step prefills new prompts up to this many
+            tokens (always at least one prompt), so that admitting a burst of
+            requests does not stall the running rows for long.
     """
 
     def __init__(
@@ -229,8 +154,9 @@ class TorchSampler:
         *,
         decode_batch_rows: int = 256,
         prefill_chunk_tokens: int = 1024,
+        prefill_tokens_per_step: int = 2048,
     ) -> None:
-        assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1
+        assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
         self._device = device
         self._model = models.load_causal_lm(model_dir, device, dtype)
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
@@ -239,13 +165,21 @@ class TorchSampler:
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
+        self._prefill_tokens_per_step = prefill_tokens_per_step
         self._peft: peft.PeftModel | None = None  # wraps self._model once the first version loads
         self._adapters: dict[str, str] = {}  # version -> peft adapter name (versions may hold ':' and '/')
         self._adapter_counter = 0
+        self._requests: dict[str, _Request] = {}  # every live request
+        self._queued: collections.deque[_Request] = collections.deque()  # not yet prefilled
+        self._prefilled: collections.deque[_Request] = collections.deque()  # samples waiting for rows
+        self._batch = KvBatch(self._model.config, device)
+        self._rows: list[tuple[_Request, _Sample]] = []  # row r of the batch
+        self._sample_calls = 0
         self._requests_done = 0
         self._samples_done = 0
         self._tokens_generated = 0
         self._prompt_tokens_prefilled = 0
+        self._decode_steps = 0
 
     # -- versions ---------------------------------------------------------
 
@@ -270,6 +204,8 @@ class TorchSampler:
                 self._peft = peft.get_peft_model(self._model, models.lora_config(spec), adapter_name=adapter)
             else:
                 self._peft.add_adapter(adapter, models.lora_config(spec))
+        # New LoRA modules start in training mode, and peft refuses a mixed-batch forward in it.
+        self._peft.eval()
         try:
             lora_tensors = self._check_base_tensors(version, tensors)
             result = peft.set_peft_model_state_dict(self._peft, lora_tensors, adapter_name=adapter)
@@ -287,7 +223,14 @@ class TorchSampler:
         logger.info("loaded weight version=%s adapter=%s rank=%d", version, adapter, spec.rank)
 
     def drop_version(self, version: str) -> None:
-        """Free a version. Raises KeyError if it is not loaded."""
+        """Free a version.
+
+        Raises:
+            KeyError: it is not loaded.
+            ValueError: a live request samples from it.
+        """
+        if version in self.versions_in_use():
+            raise ValueError(f"weight version {version!r} is in use by a live request")
         adapter = self._adapters.pop(version)
         assert self._peft is not None
         self._peft.delete_adapter(adapter)
@@ -313,63 +256,172 @@ class TorchSampler:
                 raise ValueError(f"tensor {key!r} differs from the shared base weight")
         return lora
 
-    def _activate(self, version: str | None) -> None:
-        if self._peft is None:
-            return  # no LoRA layers exist: the model is the base model
-        tuner = self._peft.base_model
-        if version is None:
-            tuner.disable_adapter_layers()
-        else:
-            tuner.enable_adapter_layers()
-            tuner.set_adapter(self._adapters[version], inference_mode=True)
+    def versions_in_use(self) -> set[str]:
+        """Versions that a live request samples from; they cannot be dropped."""
+        return {r.version for r in self._requests.values() if r.version is not None}
 
-    # -- sampling ---------------------------------------------------------
+    def _adapter_name(self, version: str | None) -> str:
+        return BASE_ADAPTER if version is None else self._adapters[version]
 
-    def sample(self, version: str | None, job: SampleJob) -> SampleResult:
-        """Run one sampling request on `version` (None: the base model).
+    # -- scheduling -------------------------------------------------------
+
+    def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
+        """Queue one sampling request on `version` (None: the base model); `step` runs it.
 
         Raises:
             BadRequest: the job is invalid (the message names the field and the value).
             KeyError: `version` is not loaded.
+            ValueError: `request_id` is already live.
         """
         _validate(job, self._vocab, self._context)
         if version is not None and version not in self._adapters:
             raise KeyError(f"weight version {version!r} is not loaded")
-        params = job.params
-        prompt_len = len(job.prompt)
-        # Generated tokens sit at positions P .. context-1.
-        limit = self._context - prompt_len
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
-        scores_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
-        samples = self._new_samples(job)
-        prompt_logprobs: np.ndarray | None = None
-        topk_prompt: TopK | None = None
-        self._activate(version)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in the sampler")
+        limit = self._context - len(job.prompt)  # generated tokens sit at positions P .. context-1
+        if job.params.max_tokens is not None:
+            limit = min(limit, job.params.max_tokens)
+        request = _Request(
+            request_id=request_id, version=version, adapter=self._adapter_name(version), job=job,
+            limit=limit, samples=self._new_samples(job),
+        )
+        self._requests[request_id] = request
+        self._queued.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a live request and free its rows; False if it is not live (finished or unknown)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self._queued:
+            self._queued.remove(request)
+        if request in self._prefilled:
+            self._prefilled.remove(request)
+        self._keep_rows([r for r, (owner, _) in enumerate(self._rows) if owner is not request])
+        logger.info("cancelled sample request_id=%s", request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[Finished]:
+        """Admit and prefill what fits, fill free rows, decode one token for every row.
+
+        Returns:
+            The requests that completed in this step, in completion order.
+        """
+        finished: list[Finished] = []
         with torch.inference_mode():
-            if limit > 0 or scores_prompt:
-                cache, last_logits, prompt_logprobs, topk_prompt = self._prefill(job)
-                if limit > 0:
-                    self._first_step(last_logits, samples, job, limit)
-                    active = [s for s in samples if s.stop_reason is None]
-                    for start in range(0, len(active), self._decode_batch_rows):
-                        group = active[start : start + self._decode_batch_rows]
-                        is_last = start + self._decode_batch_rows >= len(active)
-                        # The last group may consume the prefilled cache; earlier ones take a copy.
-                        group_cache = cache if is_last else copy.deepcopy(cache)
-                        self._decode(group, group_cache, job, limit)
-        for s in samples:
+            self._admit(finished)
+            self._fill_rows()
+            if self._rows:
+                self._decode_step(finished)
+        return finished
+
+    def sample(self, version: str | None, job: SampleJob) -> SampleResult:
+        """Run one request alone to completion: `add`, then `step` until it finishes.
+
+        For callers without a scheduler of their own (tests, benchmarks). The
+        engine must be idle, since the results of other requests would be lost.
+
+        Raises:
+            BadRequest, KeyError: as `add`.
+        """
+        assert not self._requests, f"sample() needs an idle engine; {len(self._requests)} requests are live"
+        self._sample_calls += 1
+        request_id = f"sample-{self._sample_calls}"
+        self.add(request_id, version, job)
+        while True:
+            for done in self.step():
+                if done.request_id == request_id:
+                    return done.result
+
+    def _admit(self, finished: list[Finished]) -> None:
+        """Prefill queued requests, in arrival order, while rows and the step's prefill budget allow."""
+        budget = self._prefill_tokens_per_step
+        while self._queued:
+            request = self._queued[0]
+            waiting_rows = sum(len(r.pending) for r in self._prefilled)
+            has_room = len(self._rows) + waiting_rows < self._decode_batch_rows
+            if request.limit > 1 and not has_room:
+                break  # its samples would only wait for rows, holding a prefill cache meanwhile
+            if budget < self._prefill_tokens_per_step and len(request.job.prompt) > budget:
+                break
+            self._queued.popleft()
+            budget -= len(request.job.prompt)
+            self._prefill(request)
+            if request.pending:
+                self._prefilled.append(request)
+            else:
+                finished.append(self._finish(request))
+
+    def _fill_rows(self) -> None:
+        """Give free batch rows to prefilled samples, oldest request first."""
+        while self._prefilled and len(self._rows) < self._decode_batch_rows:
+            request = self._prefilled[0]
+            taken = request.pending[: self._decode_batch_rows - len(self._rows)]
+            assert request.prefill is not None
+            self._batch.join(request.prefill, len(taken))
+            self._rows.extend((request, s) for s in taken)
+            request.pending = request.pending[len(taken) :]
+            if not request.pending:
+                request.prefill = None
+                self._prefilled.popleft()
+
+    def _decode_step(self, finished: list[Finished]) -> None:
+        """One forward for every row (each with its own adapter), then draw, record and retire."""
+        inputs = torch.tensor([[s.tokens[-1]] for _, s in self._rows], dtype=torch.int64, device=self._device)
+        mask, positions = self._batch.mask_and_positions()
+        out = self._forward(
+            inputs, self._batch.cache, [r.adapter for r, _ in self._rows], attention_mask=mask, position_ids=positions
+        )
+        self._batch.advance()
+        self._decode_steps += 1
+        logits = out.logits[:, -1, :].float()  # (B, V)
+        by_request: dict[str, list[int]] = {}
+        for row, (request, _) in enumerate(self._rows):
+            by_request.setdefault(request.request_id, []).append(row)
+        for rows in by_request.values():
+            request = self._rows[rows[0]][0]
+            index = torch.tensor(rows, dtype=torch.int64, device=self._device)
+            self._draw(request, [self._rows[r][1] for r in rows], logits.index_select(0, index))
+        self._keep_rows([r for r, (_, s) in enumerate(self._rows) if s.stop_reason is None])
+        for request_id in by_request:
+            request = self._requests[request_id]
+            if request.is_done:
+                finished.append(self._finish(request))
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        # Finished rows leave the batch: their cache rows are dropped, not masked.
+        self._batch.keep(rows)
+        self._rows = [self._rows[r] for r in rows]
+
+    def _forward(
+        self, input_ids: torch.Tensor, cache: transformers.DynamicCache, adapters: list[str], **kwargs: object
+    ):
+        if self._peft is None:
+            return self._model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
+        return self._peft(input_ids=input_ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs)
+
+    def _finish(self, request: _Request) -> Finished:
+        del self._requests[request.request_id]
+        for s in request.samples:
             if s.stop_reason is None:
                 s.stop_reason = LENGTH  # only when limit == 0: nothing was generated
+        job = request.job
+        shared_prompt = job.num_samples > 1 and request.limit > 0
         self._requests_done += 1
-        self._samples_done += len(samples)
-        self._tokens_generated += sum(len(s.tokens) for s in samples)
-        return SampleResult(
-            sequences=[_to_sequence(s, job.topk_sample_logprobs) for s in samples],
-            prompt_logprobs=prompt_logprobs if job.prompt_logprobs else None,
-            topk_prompt=topk_prompt,
-            prompt_cache_hit_tokens=0,  # no cache survives a call
+        self._samples_done += len(request.samples)
+        self._tokens_generated += sum(len(s.tokens) for s in request.samples)
+        result = SampleResult(
+            sequences=[_to_sequence(s, job.topk_sample_logprobs) for s in request.samples],
+            prompt_logprobs=request.prompt_logprobs if job.prompt_logprobs else None,
+            topk_prompt=request.topk_prompt,
+            prompt_cache_hit_tokens=len(job.prompt) if shared_prompt else 0,
         )
+        return Finished(request_id=request.request_id, result=result)
+
+    # -- sampling ---------------------------------------------------------
 
     def _new_samples(self, job: SampleJob) -> list[_Sample]:
         params = job.params
@@ -388,23 +440,25 @@ class TorchSampler:
         # No clean-up of spaces, so that decoding more tokens only ever appends text.
         return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _prefill(self, job: SampleJob) -> tuple[transformers.DynamicCache, torch.Tensor, np.ndarray, TopK | None]:
+    def _prefill(self, request: _Request) -> None:
         """Run the prompt through the model once, chunk by chunk, scoring what the job asks.
 
-        Returns:
-            the cache (batch 1), the fp32 logits (V,) after the last prompt token,
-            raw prompt logprobs float32 (P,) with NaN where not scored, and the
-            top-k prompt rows (or None).
+        Sets the request's prompt scores, its batch-1 cache, and every sample's
+        first token (drawn from the one distribution after the last prompt
+        token); the samples still running are left in `pending`.
         """
+        job = request.job
+        scores_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
+        if request.limit == 0 and not scores_prompt:
+            return
         prompt = torch.as_tensor(job.prompt, dtype=torch.int64, device=self._device)
         prompt_len = prompt.shape[0]
-        scores_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
         first_scored = prompt_len - (job.prompt_logprobs_last_n or prompt_len - 1)  # position 0 never
         # Logits at position q predict q + 1: scoring needs rows first_scored-1 .. P-2, sampling P-1.
         first_needed = first_scored - 1 if scores_prompt else prompt_len - 1
         prompt_logprobs = np.full(prompt_len, np.nan, np.float32)
         k = job.topk_prompt_logprobs
-        topk_ids, topk_lps = _empty_topk(prompt_len, k)
+        topk_ids, topk_lps = empty_topk(prompt_len, k)
         cache = transformers.DynamicCache(config=self._model.config)
         last_logits = torch.empty(0)
         for start in range(0, prompt_len, self._prefill_chunk_tokens):
@@ -412,7 +466,7 @@ class TorchSampler:
             lo = max(start, first_needed)
             # logits_to_keep=0 would mean "all", so a chunk that needs none still keeps one row.
             keep = end - lo if lo < end else 1
-            out = self._model(input_ids=prompt[None, start:end], cache=cache, use_cache=True, logits_to_keep=keep)
+            out = self._forward(prompt[None, start:end], cache, [request.adapter], logits_to_keep=keep)
             logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
             self._prompt_tokens_prefilled += end - start
             if end == prompt_len:
@@ -425,53 +479,39 @@ class TorchSampler:
                 prompt_logprobs[lo + 1 : scored_end + 1] = picked.cpu().numpy()
                 if k > 0:
                     topk_ids[lo + 1 : scored_end + 1], topk_lps[lo + 1 : scored_end + 1] = top_k_rows(logp, k)
-        topk_prompt = TopK(token_ids=topk_ids, logprobs=topk_lps) if k > 0 else None
-        return cache, last_logits, prompt_logprobs, topk_prompt
+        request.prompt_logprobs = prompt_logprobs
+        request.topk_prompt = TopK(token_ids=topk_ids, logprobs=topk_lps) if k > 0 else None
+        if request.limit > 0:
+            self._draw(request, request.samples, last_logits[None, :])
+            request.pending = [s for s in request.samples if s.stop_reason is None]
+            if request.pending:
+                request.prefill = cache
 
-    def _first_step(self, last_logits: torch.Tensor, samples: list[_Sample], job: SampleJob, limit: int) -> None:
-        """Draw every sample's first token from the one prefilled distribution."""
+    def _draw(self, request: _Request, samples: list[_Sample], logits: torch.Tensor) -> None:
+        """Draw one token for each of `samples` and record it.
+
+        Args:
+            logits: (1, V) fp32 shared by every sample (the first token after
+                the prompt), or (len(samples), V), one row per sample.
+        """
+        params = request.job.params
         n = len(samples)
-        logits = last_logits[None, :]  # (1, V), shared by all samples
-        if job.params.temperature == 0:
-            tokens, logprobs, logq = torch.argmax(logits, dim=-1).expand(n), torch.zeros(n), None
+        shared = logits.shape[0] == 1
+        if params.temperature == 0:
+            tokens = torch.argmax(logits, dim=-1).expand(n)
+            logprobs, logq = torch.zeros(n), None
         else:
-            logq = processed_logprobs(logits, job.params)
+            logq = processed_logprobs(logits, params)
             uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in samples])
-            tokens = draw_from(logq, uniforms[None, :])[0]  # (n,)
-            logprobs = logq[0, tokens]
-        topk = self._topk_sample_rows(logq, tokens[:1], job.topk_sample_logprobs)
-        for s, token, logprob in zip(samples, tokens.tolist(), logprobs.tolist()):
-            self._record(s, token, logprob, topk, 0, job.params, limit)
-
-    def _decode(self, group: list[_Sample], cache: transformers.DynamicCache, job: SampleJob, limit: int) -> None:
-        """Decode `group` as one batch until every sample in it has finished."""
-        if not group:
-            return
-        cache.batch_repeat_interleave(len(group))
-        params = job.params
-        active = group
-        inputs = torch.tensor([s.tokens[-1] for s in active], dtype=torch.int64, device=self._device)
-        while active:
-            out = self._model(input_ids=inputs[:, None], cache=cache, use_cache=True)
-            logits = out.logits[:, -1, :].float()  # (B, V)
-            if params.temperature == 0:
-                tokens, logprobs, logq = torch.argmax(logits, dim=-1), torch.zeros(len(active)), None
+            if shared:
+                tokens = draw_from(logq, uniforms[None, :])[0]  # (n,)
+                logprobs = logq[0, tokens]
             else:
-                logq = processed_logprobs(logits, params)
-                uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in active])
-                tokens = draw_from(logq, uniforms[:, None])[:, 0]  # (B,)
+                tokens = draw_from(logq, uniforms[:, None])[:, 0]  # (n,)
                 logprobs = logq.gather(-1, tokens[:, None])[:, 0]
-            topk = self._topk_sample_rows(logq, tokens, job.topk_sample_logprobs)
-            for row, (s, token, logprob) in enumerate(zip(active, tokens.tolist(), logprobs.tolist())):
-                self._record(s, token, logprob, topk, row, params, limit)
-            still = [row for row, s in enumerate(active) if s.stop_reason is None]
-            if len(still) < len(active) and still:
-                # Finished rows leave the batch: their cache rows are dropped, not masked.
-                index = torch.tensor(still, dtype=torch.int64, device=self._device)
-                cache.batch_select_indices(index)
-                tokens = tokens[index]
-            active = [active[row] for row in still]
-            inputs = tokens
+        topk = self._topk_sample_rows(logq, tokens[:1] if shared else tokens, request.job.topk_sample_logprobs)
+        for i, (s, token, logprob) in enumerate(zip(samples, tokens.tolist(), logprobs.tolist())):
+            self._record(s, token, logprob, topk, 0 if shared else i, params, request.limit)
 
     def _topk_sample_rows(
         self, logq: torch.Tensor | None, tokens: torch.Tensor, k: int
@@ -481,7 +521,7 @@ class TorchSampler:
             return None
         if logq is not None:
             return top_k_rows(logq, k)
-        ids, lps = _empty_topk(tokens.shape[0], k)
+        ids, lps = empty_topk(tokens.shape[0], k)
         ids[:, 0] = tokens.cpu().numpy()
         lps[:, 0] = 0.0
         return ids, lps
@@ -517,6 +557,10 @@ class TorchSampler:
             samples_done=self._samples_done,
             tokens_generated=self._tokens_generated,
             prompt_tokens_prefilled=self._prompt_tokens_prefilled,
+            requests_queued=len(self._queued),
+            requests_running=len(self._requests) - len(self._queued),
+            rows_running=len(self._rows),
+            decode_steps=self._decode_steps,
         )
 
 
@@ -541,7 +585,7 @@ def _eos_ids(tokenizer: transformers.PreTrainedTokenizerBase, model: torch.nn.Mo
 def _to_sequence(s: _Sample, k: int) -> SampledSequence:
     topk = None
     if k > 0:
-        ids, lps = _empty_topk(0, k)
+        ids, lps = empty_topk(0, k)
         if s.topk_ids:
             ids, lps = np.stack(s.topk_ids), np.stack(s.topk_logprobs)
         topk = TopK(token_ids=ids, logprobs=lps)

@@ -2,8 +2,10 @@
 
 What it does: it loads the base model once (frozen, eval mode: no dropout), adds and drops
 peft LoRA adapters by name, and for one adapter at a time runs `forward_backward`
-(Tinker losses over the target-token log-probabilities, `gpu/losses.py`), `optim_step`
-(AdamW, `gpu/optim.py`), and saving and loading of its state.
+(Tinker losses over the target-token log-probabilities, `gpu/losses.py`), or
+`forward_backward_many` for several requests of that adapter in one pass, `optim_step`
+(the adapter's optimizer family, AdamW or Dimuon, fixed when it is added: `gpu/optim.py`),
+and saving and loading of its state.
 
 Guarantees:
 - a request is validated whole before any compute; a failed request (bad input or a
@@ -12,9 +14,11 @@ Guarantees:
   neither adds to nor clears them. Adapters never share weights, gradients or optimizer
   state, and clipping and the gradient norm cover one adapter only;
 - datums run as right-padded micro-batches of at most `max_batch_tokens` padded tokens,
-  never one at a time. lp = log_softmax(logits in fp32)[target] is computed over chunks
+  never one at a time, and the datums of several requests share micro-batches. lp = log_softmax(logits in fp32)[target] is computed over chunks
   of positions, with the output layer recomputed in backward, so full fp32 logits for
   every position never exist at once (nor, unless `chunked_head` is off, full logits at all);
+  with `activation_checkpointing`, decoder layers are recomputed in backward too;
+- an optim_step of the other family than the adapter's is refused and keeps the gradient;
 - adapter tensors use the keys of `peft.get_peft_model_state_dict(..., adapter_name=name,
   save_embedding_layers=False)`, which is what the sampler loads with
   `peft.set_peft_model_state_dict`.
@@ -36,11 +40,11 @@ import peft
 import torch
 import torch.utils.checkpoint
 
-from openrld.batches import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimResult, TrainDatum
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult, TrainDatum
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io, losses
 from openrld.gpu.models import load_causal_lm, lora_config, max_context, vocab_size
-from openrld.gpu.optim import AdamW
+from openrld.gpu.optim import family_of, optimizer_for
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,10 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     # Apply the output layer to hidden states chunk by chunk. Turned off (with a warning)
     # when that does not reproduce the model's own logits, e.g. an unknown logit transform.
     chunked_head: bool = True
+    # Recompute each decoder layer's activations in backward instead of keeping them:
+    # activation memory drops from O(layers × tokens) to about one layer's, for ~1/3 more
+    # compute. For long sequences; off by default.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
@@ -80,7 +88,7 @@ class TrainerState(msgspec.Struct, frozen=True):
 
     format_version: int
     lora: LoraSpec
-    optimizer: str  # "adamw"
+    optimizer: str  # "adamw" or "dimuon"
     optimizer_steps: int
     has_optimizer_state: bool
 
@@ -88,10 +96,11 @@ class TrainerState(msgspec.Struct, frozen=True):
 class _Adapter:
     """One job's adapter: its shape, its trainable tensors and its own optimizer."""
 
-    def __init__(self, spec: LoraSpec, params: dict[str, torch.nn.Parameter]) -> None:
+    def __init__(self, spec: LoraSpec, params: dict[str, torch.nn.Parameter], family: str) -> None:
         self.spec = spec
         self.params = params  # peft state-dict key (no adapter name) -> parameter
-        self.optimizer = AdamW(params)
+        self.family = family  # fixed for the adapter's life (optimizers.md §1.1)
+        self.optimizer = optimizer_for(family, params, spec.rank)
 
 
 class TorchTrainer:
@@ -116,18 +125,22 @@ class TorchTrainer:
         self._max_tokens = max_context(self._model)
         self._softcap: float | None = getattr(self._model.config, "final_logit_softcapping", None)
         self._chunked_head = config.chunked_head and self._head_reproduces_logits()
+        self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
         self._fb_calls = 0
         self._tokens = 0
 
     # ------------------------------------------------------------ adapters
 
-    def add_adapter(self, name: str, spec: LoraSpec) -> None:
-        """Add a fresh adapter. peft initialises B to zero, so it equals the base model;
-        A's random init is seeded with `spec.seed` when given (reproducible).
+    def add_adapter(self, name: str, spec: LoraSpec, optimizer: str = "adamw") -> None:
+        """Add a fresh adapter with a fresh `optimizer` ("adamw" or "dimuon"). peft
+        initialises B to zero, so it equals the base model; A's random init is seeded with
+        `spec.seed` when given (reproducible).
 
         Raises:
-            Conflict: `name` exists.  BadRequest: a name peft cannot key, or rank < 1.
+            Conflict: `name` exists.  BadRequest: a name peft cannot key, rank < 1, or an
+            unknown optimizer family.
         """
+        optimizer_for(optimizer, {}, spec.rank)  # refuse an unknown family before peft changes
         if name in self._adapters:
             raise Conflict(f"adapter {name!r} already exists")
         if not name or "." in name:
@@ -144,8 +157,8 @@ class TorchTrainer:
             else:
                 self._peft.add_adapter(name, lora_config(spec))
         self._active = None  # peft may have switched the active adapter
-        self._adapters[name] = _Adapter(spec, self._adapter_parameters(name))
-        logger.info("adapter added adapter=%s rank=%d", name, spec.rank)
+        self._adapters[name] = _Adapter(spec, self._adapter_parameters(name), optimizer)
+        logger.info("adapter added adapter=%s rank=%d optimizer=%s", name, spec.rank, optimizer)
 
     def drop_adapter(self, name: str) -> None:
         """Delete the adapter, its gradients and its optimizer state. Raises NotFound."""
@@ -192,50 +205,102 @@ class TorchTrainer:
             `losses.validate_request`, plus bad model inputs and a non-finite loss; no
             gradient is added in any of these cases.
         """
+        return self.forward_backward_many(name, [batch])[0]
+
+    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
+        """Several requests of one adapter, in one pass: their datums share micro-batches.
+
+        Each request keeps its own loss function, config, outputs and metrics; the
+        gradient added is the sum of theirs. All requests must agree on `forward_only`.
+        The call is atomic: if any request fails, nothing is added and the first error
+        is raised (the caller reruns the requests one by one to tell whose it was).
+
+        Returns:
+            One ForwardBackwardResult per request, in order.
+        Raises:
+            As `forward_backward`, for the first failing request.
+        """
         adapter = self._get(name)
-        self._check_model_inputs(batch.data)
-        request = losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self._vocab_size)
+        forward_only = batches[0].forward_only
+        assert all(b.forward_only == forward_only for b in batches), "forward_backward_many mixes forward_only"
+        requests = []
+        for batch in batches:
+            self._check_model_inputs(batch.data)
+            requests.append(
+                losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self._vocab_size)
+            )
         self._activate(name)
-        if batch.forward_only:
+        for layer in self._checkpointed_layers:
+            # transformers checkpoints a layer only while its own `training` flag is set; only
+            # the flag is set, not `.train()`, so dropout below it stays off (eval mode).
+            layer.training = True
+        if forward_only:
             guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         else:
             guard = _gradients_set_aside(list(adapter.params.values()))
-        with guard, torch.set_grad_enabled(not batch.forward_only):
-            logprobs, metrics = self._run_micro_batches(batch, request)
-        self._fb_calls += 1
-        self._tokens += sum(len(d.tokens) for d in batch.data)
-        return ForwardBackwardResult(logprobs=logprobs, metrics=metrics)
+        with guard, torch.set_grad_enabled(not forward_only):
+            results = self._run_micro_batches(batches, requests)
+        self._fb_calls += len(batches)
+        self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
+        return results
 
     def _run_micro_batches(
-        self, batch: ForwardBackwardBatch, request: losses.CheckedRequest
-    ) -> tuple[list[np.ndarray], dict[str, float]]:
-        """lp, loss and (when grad is enabled) backward, one padded micro-batch at a time."""
-        logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch.data)
-        metrics = dict.fromkeys(request.spec.metric_keys, 0.0)
-        for group in plan_micro_batches([len(d.tokens) for d in batch.data], self.config.max_batch_tokens):
-            lp = self._target_logprobs(
-                [batch.data[i].tokens for i in group], [request.inputs[i]["target_tokens"] for i in group]
-            )
-            packed = losses.pack_inputs(request, group, self.device)
-            loss, group_metrics = request.spec.fn(lp, packed.inputs, request.config, packed.segments)
-            losses.check_finite_loss(loss, batch.loss_fn)  # before backward: a bad loss adds no gradient
-            if torch.is_grad_enabled():
-                loss.backward()
-            _scatter(lp, group, request, logprobs)
-            for key, value in group_metrics.items():
-                metrics[key] += value
-        return logprobs, metrics
+        self, batches: Sequence[ForwardBackwardBatch], requests: Sequence[losses.CheckedRequest]
+    ) -> list[ForwardBackwardResult]:
+        """lp, losses and (when grad is enabled) backward, one padded micro-batch at a time.
 
-    def optim_step(self, name: str, params: AdamParams) -> OptimResult:
-        """One AdamW step on this adapter's tensors with its accumulated gradients.
+        A micro-batch may hold datums of several requests; within it each request's datums
+        sit together, so its lp is one contiguous slice and its loss one call.
+        """
+        entries = [(r, i) for r, batch in enumerate(batches) for i in range(len(batch.data))]
+        logprobs = [[np.empty(0, np.float32)] * len(batch.data) for batch in batches]
+        metrics = [dict.fromkeys(request.spec.metric_keys, 0.0) for request in requests]
+        lengths = [len(batches[r].data[i].tokens) for r, i in entries]
+        for group in plan_micro_batches(lengths, self.config.max_batch_tokens):
+            members = sorted(entries[k] for k in group)  # by request, then datum: contiguous per request
+            lp = self._target_logprobs(
+                [batches[r].data[i].tokens for r, i in members],
+                [requests[r].inputs[i]["target_tokens"] for r, i in members],
+            )
+            total: torch.Tensor | None = None
+            offset = 0
+            for r, indices in _by_request(members):
+                request = requests[r]
+                size = sum(int(request.inputs[i]["target_tokens"].size) for i in indices)
+                part = lp[offset : offset + size]
+                offset += size
+                packed = losses.pack_inputs(request, indices, self.device)
+                loss, part_metrics = request.spec.fn(part, packed.inputs, request.config, packed.segments)
+                losses.check_finite_loss(loss, batches[r].loss_fn)  # before backward: a bad loss adds no gradient
+                total = loss if total is None else total + loss
+                _scatter(part, indices, request, logprobs[r])
+                for key, value in part_metrics.items():
+                    metrics[r][key] += value
+            assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
+            if torch.is_grad_enabled():
+                total.backward()
+        return [ForwardBackwardResult(logprobs=lp_list, metrics=m) for lp_list, m in zip(logprobs, metrics)]
+
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
+        """One step of the adapter's optimizer with its accumulated gradients.
 
         Returns:
             {"grad_norm:mean", "learning_rate:mean"}.
         Raises:
-            NotFound; BadRequest for invalid params or a non-finite gradient norm (optim.py).
+            NotFound; BadRequest for params of the other family (gradients kept), invalid
+            params or a non-finite gradient norm (optim.py).
         """
         adapter = self._get(name)
-        return OptimResult(metrics=adapter.optimizer.step(params))
+        sent = family_of(params)
+        if sent != adapter.family:
+            expected = "AdamParams" if adapter.family == "adamw" else "DimuonParams"
+            version = " (version 1)" if adapter.family == "dimuon" else ""
+            raise BadRequest(
+                f"optimizer mismatch: model {name} uses {adapter.family!r}{version} but this optim_step sent "
+                f"{type(params).__name__}; send {expected}",
+                key="optimizer",
+            )
+        return OptimResult(metrics=adapter.optimizer.step(params))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ checkpoints
 
@@ -255,7 +320,7 @@ class TorchTrainer:
         state = TrainerState(
             format_version=STATE_FORMAT_VERSION,
             lora=adapter.spec,
-            optimizer="adamw",
+            optimizer=adapter.family,
             optimizer_steps=adapter.optimizer.steps_done,
             has_optimizer_state=with_optimizer,
         )
@@ -263,15 +328,24 @@ class TorchTrainer:
         lora_io.fsync_directory(directory)
         return size
 
-    def load_state(self, name: str, directory: Path, spec: LoraSpec, with_optimizer: bool) -> None:
+    def load_state(
+        self, name: str, directory: Path, spec: LoraSpec, with_optimizer: bool, optimizer: str = "adamw"
+    ) -> None:
         """Restore the adapter from `directory` (a state or sampler-weights checkpoint),
-        adding it with `spec` if absent. Without `with_optimizer` the optimizer starts fresh.
-        Accumulated gradients are dropped. On failure nothing changes.
+        adding it with `spec` and `optimizer` if absent. Without `with_optimizer` the
+        optimizer starts fresh. Accumulated gradients are dropped. On failure nothing changes.
 
         Raises:
             BadRequest: "checkpoint has no optimizer state"; a spec that differs from the
-                checkpoint's (rank or trained modules); tensors of another shape.
+                checkpoint's (rank or trained modules); tensors of another shape; an
+                `optimizer` that differs from the resident adapter's, or (with optimizer
+                state) from the checkpoint's.
         """
+        resident = self._adapters.get(name)
+        if resident is not None and resident.family != optimizer:
+            raise BadRequest(
+                f"model {name} uses optimizer {resident.family!r}; cannot load it as {optimizer!r}", key="optimizer"
+            )
         tensors, stored = lora_io.load_adapter(directory)
         for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
             if getattr(stored, field) != getattr(spec, field):
@@ -286,9 +360,17 @@ class TorchTrainer:
                 f"checkpoint has no optimizer state ({directory.name!r} holds adapter weights only)", key="optimizer"
             )
         optimizer_state = lora_io.read_tensors(optimizer_path) if with_optimizer else None
+        if with_optimizer:
+            stored_family = _stored_optimizer(directory)
+            if stored_family != optimizer:
+                raise BadRequest(
+                    f"checkpoint {directory.name!r} holds {stored_family!r} optimizer state; the model uses "
+                    f"{optimizer!r}: cannot override restored optimizer state",
+                    key="optimizer",
+                )
         is_new = name not in self._adapters
         if is_new:
-            self.add_adapter(name, spec)
+            self.add_adapter(name, spec, optimizer)
         try:
             adapter = self._adapters[name]
             _check_same_tensors(directory.name, adapter.params, tensors)
@@ -429,6 +511,18 @@ class TorchTrainer:
             logits = features.float()
         return torch.log_softmax(logits, dim=-1)[rows, tokens]
 
+    def _enable_activation_checkpointing(self) -> list[torch.nn.Module]:
+        """Turn on transformers' per-layer checkpointing (non-reentrant, so a frozen base and
+        LoRA inputs need no grad hooks); returns the layers whose flag must stay set."""
+        if not self._model.supports_gradient_checkpointing:
+            logger.warning(
+                "activation checkpointing requested but model_type=%s does not support it; running without",
+                getattr(self._model.config, "model_type", "?"),
+            )
+            return []
+        self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return [m for m in self._model.modules() if getattr(m, "gradient_checkpointing", False)]
+
     def _head_reproduces_logits(self) -> bool:
         """Whether decoder + output layer (+ soft-cap) gives the model's own logits; run once."""
         ids = torch.arange(min(16, self._vocab_size), device=self.device).unsqueeze(0)
@@ -485,6 +579,17 @@ def plan_micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[li
     return groups
 
 
+def _by_request(members: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """[(request, [datum, ...]), ...] from (request, datum) pairs already sorted by request."""
+    runs: list[tuple[int, list[int]]] = []
+    for request, datum in members:
+        if runs and runs[-1][0] == request:
+            runs[-1][1].append(datum)
+        else:
+            runs.append((request, [datum]))
+    return runs
+
+
 def _scatter(lp: torch.Tensor, group: Sequence[int], request: losses.CheckedRequest, out: list[np.ndarray]) -> None:
     """Cut a micro-batch's packed lp back into per-datum float32 arrays shaped like the targets."""
     flat = lp.detach().to("cpu", torch.float32).numpy()
@@ -494,6 +599,14 @@ def _scatter(lp: torch.Tensor, group: Sequence[int], request: losses.CheckedRequ
         size = int(np.prod(shape))
         out[index] = flat[offset : offset + size].reshape(shape).copy()
         offset += size
+
+
+def _stored_optimizer(directory: Path) -> str:
+    """The optimizer family in a state checkpoint's state.json ("adamw" when it has none)."""
+    path = directory / STATE_FILE
+    if not path.is_file():
+        return "adamw"
+    return msgspec.json.decode(path.read_bytes(), type=TrainerState).optimizer
 
 
 def _check_same_tensors(

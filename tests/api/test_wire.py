@@ -38,6 +38,7 @@ from openrld.api import proto, wire
 from openrld.api.proto import schema
 from openrld.batches import (
     AdamParams,
+    DimuonParams,
     ForwardBackwardBatch,
     ForwardBackwardResult,
     LoraSpec,
@@ -672,9 +673,13 @@ def test_optimizer_family_of_the_sdk_default_is_adamw() -> None:
     assert wire.optimizer_family(sdk.AdamOptimizerConfig().model_dump(mode="json")) == "adamw"
 
 
-def test_dimuon_optimizer_config_is_not_supported_yet() -> None:
-    with pytest.raises(NotSupportedYet, match=r"the 'dimuon' optimizer is not supported yet"):
-        wire.optimizer_family(sdk.DimuonOptimizerConfig().model_dump(mode="json"))
+def test_optimizer_family_of_the_sdk_dimuon_config_is_dimuon() -> None:
+    assert wire.optimizer_family(sdk.DimuonOptimizerConfig().model_dump(mode="json")) == "dimuon"
+
+
+def test_dimuon_config_of_another_version_is_refused() -> None:
+    with pytest.raises(BadRequest, match=r"optimizer_config\.version: dimuon version must be 1, got 2"):
+        wire.optimizer_family({"type": "dimuon", "version": 2})
 
 
 def test_unknown_optimizer_config_is_refused_listing_the_supported_ones() -> None:
@@ -713,11 +718,38 @@ def test_legacy_optim_params_key_is_accepted() -> None:
     assert wire.adam_params_from_request(decoded) == AdamParams(learning_rate=0.25)
 
 
-def test_sdk_dimuon_params_are_not_supported_yet() -> None:
-    request = sdk.OptimStepRequest(optimizer_params=sdk.DimuonParams(learning_rate=0.01), model_id=MODEL_ID, seq_id=2)
+def test_sdk_dimuon_params_become_dimuon_params_with_the_spec_defaults() -> None:
+    params = sdk.DimuonParams(learning_rate=0.01, grad_clip_norm=2.0, beta1=0.5)
+    request = sdk.OptimStepRequest(optimizer_params=params, model_id=MODEL_ID, seq_id=2)
     decoded = wire.decode_json(sdk_json(request), wire.OptimStepRequest)
-    with pytest.raises(NotSupportedYet, match=r"optimizer_params\.type: the 'dimuon' optimizer is not supported yet"):
-        wire.adam_params_from_request(decoded)
+    assert wire.adam_params_from_request(decoded) == DimuonParams(
+        learning_rate=0.01, grad_clip_norm=2.0, beta1=0.5, damping=1e-4, rank_lr_correction_exponent=0.175
+    )
+
+
+def test_dimuon_params_of_sdk_0_29_keep_damping_and_exponent() -> None:
+    body = (
+        b'{"model_id": "m", "optimizer_params": {"type": "dimuon", "learning_rate": 0.1, '
+        b'"damping": 0.01, "rank_lr_correction_exponent": 0.0}}'
+    )
+    params = wire.adam_params_from_request(wire.decode_json(body, wire.OptimStepRequest))
+    assert params == DimuonParams(learning_rate=0.1, damping=0.01, rank_lr_correction_exponent=0.0)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"beta1": 0.9}, r"optimizer_params\.learning_rate: required for dimuon"),
+        ({"learning_rate": 0.1, "weight_decay": 0.1}, r"optimizer_params\.weight_decay: not a DimuonParams field"),
+        ({"learning_rate": 0.1, "damping": 0.0}, r"optimizer_params\.damping: expected > 0, got 0\.0"),
+        ({"learning_rate": 0.1, "beta1": 1.0}, r"optimizer_params\.beta1: expected a value in \[0, 1\), got 1\.0"),
+    ],
+    ids=["no-learning-rate", "adamw-field", "zero-damping", "beta1-one"],
+)
+def test_bad_dimuon_params_are_refused_naming_the_field(params: dict, message: str) -> None:
+    body = json.dumps({"model_id": "m", "optimizer_params": {"type": "dimuon", **params}}).encode()
+    with pytest.raises(BadRequest, match=message):
+        wire.adam_params_from_request(wire.decode_json(body, wire.OptimStepRequest))
 
 
 def test_sdk_unknown_optimizer_params_are_refused_listing_the_supported_ones() -> None:

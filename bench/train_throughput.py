@@ -1,0 +1,182 @@
+"""Trainer throughput and peak memory through the API, as ratios to a bare PyTorch loop.
+
+Three batch shapes (8x128, 32x256, 4x1024 tokens). For each, the same step runs two ways
+on the tiny Llama, with the same LoRA (rank 8, same target modules and alpha), summed
+cross-entropy in fp32 and AdamW (torch.optim.AdamW, foreach=False, on the bare side):
+
+- bare: a PyTorch loop in this process, no server;
+- API:  the real SDK against a real daemon on loopback (forward_backward and optim_step
+        pipelined, as the SDK and the cookbook do).
+
+Bare and API blocks alternate, so drift in this shared machine's speed hits both.
+Printed figures, all measured in this run:
+
+    throughput ratio = bare seconds per step / API seconds per step  (target >= 0.9 per shape)
+    memory ratio     = daemon peak RSS / bare-loop peak RSS           (target <= 1.2)
+
+The bare loop's peak is that of a child process that runs only the bare loop over the
+same shapes (same imports, same model), so neither side counts the other's memory.
+
+Run: `.venv/bin/python bench/train_throughput.py` (about 2-4 minutes on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import peft
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _daemon import tiny_daemon  # noqa: E402
+
+from openrld.batches import LoraSpec  # noqa: E402
+from openrld.gpu.models import load_causal_lm, lora_config  # noqa: E402
+
+SHAPES = ((8, 128), (32, 256), (4, 1024))  # (sequences, tokens per sequence)
+RANK, LR = 8, 1e-4
+WARMUP, STEPS, ROUNDS = 1, 4, 2
+
+
+def batch_tokens(batch: int, seq_len: int) -> np.ndarray:
+    return np.random.default_rng(batch * seq_len).integers(3, 380, size=(batch, seq_len + 1))
+
+
+class BareLoop:
+    """The baseline: model, loss and optimizer with no server around them."""
+
+    def __init__(self, model_dir: Path) -> None:
+        model = load_causal_lm(model_dir, torch.device("cpu"))
+        self.model = peft.get_peft_model(model, lora_config(LoraSpec(rank=RANK)))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=LR, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=False
+        )
+
+    def steps(self, batch: int, seq_len: int, count: int) -> list[float]:
+        tokens = torch.from_numpy(batch_tokens(batch, seq_len))
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            logits = self.model(input_ids=inputs).logits.float()  # (B, T, V)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            (-logprobs.sum()).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+class ApiLoop:
+    def __init__(self, url: str) -> None:
+        import tinker
+
+        self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        self.training = self.service.create_lora_training_client(base_model="tiny-llama", rank=RANK, seed=0).result()
+
+    def steps(self, batch: int, seq_len: int, count: int) -> list[float]:
+        from tinker import types
+
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(row[:-1].tolist()),
+                loss_fn_inputs={"target_tokens": row[1:].tolist()},
+            )
+            for row in batch_tokens(batch, seq_len)
+        ]
+        adam = types.AdamParams(learning_rate=LR)
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            fb = self.training.forward_backward(data, "cross_entropy")
+            opt = self.training.optim_step(adam)
+            fb.result()
+            opt.result()
+            times.append(time.perf_counter() - start)
+        return times
+
+    def close(self) -> None:
+        self.service.close("success")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM: the process's peak resident set, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def daemon_pid() -> int:
+    """The `openrld serve` child of this process (started by tiny_daemon)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == os.getpid() and b"openrld.cli serve" in cmdline:
+            return int(entry.name)
+    raise RuntimeError("daemon process not found")
+
+
+def bare_peak_in_child(model_dir: Path) -> int:
+    """Peak RSS of a child that runs only the bare loop, two steps per shape."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--bare-peak", str(model_dir)], check=True, capture_output=True, text=True
+    )
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    with tiny_daemon() as (url, model_dir):
+        bare, api = BareLoop(model_dir), ApiLoop(url)
+        figures = []
+        for batch, seq_len in SHAPES:
+            bare_times: list[float] = []
+            api_times: list[float] = []
+            bare.steps(batch, seq_len, WARMUP)
+            api.steps(batch, seq_len, WARMUP)
+            for _ in range(ROUNDS):
+                bare_times += bare.steps(batch, seq_len, STEPS)
+                api_times += api.steps(batch, seq_len, STEPS)
+            figures.append((batch, seq_len, statistics.median(bare_times), statistics.median(api_times)))
+        daemon_peak = peak_rss_bytes(daemon_pid())
+        api.close()
+        bare_peak = bare_peak_in_child(model_dir)
+    print(f"tiny Llama, LoRA rank {RANK}, median of {ROUNDS}x{STEPS} steps per side and shape")
+    for batch, seq_len, bare_s, api_s in figures:
+        print(
+            f"{batch:>3}x{seq_len:<5} bare {bare_s * 1e3:8.1f} ms  API {api_s * 1e3:8.1f} ms  "
+            f"throughput ratio (bare/API, target >= 0.9): {bare_s / api_s:.3f}"
+        )
+    print(
+        f"peak RSS: daemon {daemon_peak / 2**20:.0f} MiB, bare loop {bare_peak / 2**20:.0f} MiB, "
+        f"memory ratio (daemon/bare, target <= 1.2): {daemon_peak / bare_peak:.3f}"
+    )
+
+
+def bare_peak_main(model_dir: Path) -> None:
+    loop = BareLoop(model_dir)
+    for batch, seq_len in SHAPES:
+        loop.steps(batch, seq_len, 2)
+    print(peak_rss_bytes(os.getpid()))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--bare-peak":
+        bare_peak_main(Path(sys.argv[2]))
+    else:
+        main()

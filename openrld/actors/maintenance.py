@@ -1,0 +1,66 @@
+"""The daemon's periodic housekeeping: checkpoint expiry and usage flushes.
+
+`run_maintenance` is a long-running task started from daemon.py. Every
+`interval_s` it deletes the checkpoints whose TTL has passed (row first, then
+files, as `Store.delete_checkpoint` guarantees), writing a
+`checkpoint_expired` audit event for each, and flushes the usage meter into
+the store. `expire_checkpoints` is the one sweep, callable on its own.
+
+It never decides a TTL (the API sets them) and never touches a checkpoint
+that has no expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime
+
+import trio
+
+from openrld.actors.usage import UsageMeter
+from openrld.errors import NotFound
+from openrld.store import Store, utc_now
+
+logger = logging.getLogger(__name__)
+
+
+def expire_checkpoints(store: Store, now: datetime) -> list[str]:
+    """Delete every checkpoint expired at `now`; returns their tinker paths."""
+    gone: list[str] = []
+    for row in store.expired_checkpoints(now):
+        try:
+            store.delete_checkpoint(row.run_id, row.kind, row.name)
+        except NotFound:
+            continue  # deleted by its owner since the query
+        store.record_audit(
+            row.owner, "checkpoint_expired",
+            {"tinker_path": row.tinker_path, "model_id": row.run_id, "actor": "openrld"},
+        )
+        logger.info("checkpoint expired tinker_path=%s owner=%s", row.tinker_path, row.owner)
+        gone.append(row.tinker_path)
+    return gone
+
+
+async def run_maintenance(
+    store: Store,
+    usage: UsageMeter,
+    *,
+    interval_s: float,
+    now: Callable[[], datetime] = utc_now,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Sweep expired checkpoints and flush usage every `interval_s`, until cancelled.
+
+    A final usage flush runs on cancel, shielded and bounded, so a clean stop
+    loses no counts.
+    """
+    task_status.started()
+    try:
+        while True:
+            expire_checkpoints(store, now())
+            usage.flush(store)
+            await trio.sleep(interval_s)
+    finally:
+        with trio.move_on_after(5, shield=True):
+            usage.flush(store)

@@ -1,0 +1,70 @@
+"""The openrl API: discovery (`GET /openrl/v1/info`) and metrics (`GET /metrics`).
+
+`/openrl/v1/info` tells a person or an agent what this node is: its version,
+the Tinker SDK version it speaks, its limits, the JSON Schema of the
+`openrl.*` settings, the losses and backends it has, the models it serves
+(the same list as `get_server_capabilities`) and its devices. It needs an API
+key, like every Tinker route that lists models.
+
+`/metrics` is the Prometheus text exposition of the node's counters and the
+actors' and store's statistics. It needs no key, so that a scraper can read
+it as Prometheus scrapes anything; it carries counts labelled by route and
+base model, never a client's ids or data.
+
+These routes only read statistics; they change nothing.
+"""
+
+from __future__ import annotations
+
+from quart import Response
+from quart_trio import QuartTrio
+
+from openrld import __version__
+from openrld.api.app import Services, caller, json_response
+from openrld.capabilities import Limits, ModelSummary, server_info
+from openrld.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
+
+
+def node_limits(services: Services) -> Limits:
+    config = services.config
+    return Limits(
+        max_batch_tokens=config.max_batch_tokens,
+        max_num_samples=config.max_num_samples,
+        max_lora_rank=config.max_lora_rank,
+        sample_queue_limit=config.sample_queue_limit,
+        max_body_bytes=config.max_body_bytes,
+        longpoll_s=config.longpoll_s,
+    )
+
+
+def served_models(services: Services) -> tuple[ModelSummary, ...]:
+    """The models get_server_capabilities lists, in the same order."""
+    return tuple(
+        ModelSummary(model_name=m.name, arch=m.arch, max_context_length=m.max_context)
+        for m in services.catalog.configured()
+    )
+
+
+def register(app: QuartTrio, services: Services) -> None:
+    @app.get("/openrl/v1/info")
+    async def info() -> Response:
+        caller(services)
+        return json_response(
+            server_info(
+                limits=node_limits(services),
+                models=served_models(services),
+                devices=services.devices,
+                is_open_mode=services.auth.is_open,
+            )
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = NodeStatistics(
+            version=__version__,
+            requests=services.metrics.statistics(),
+            futures=services.futures.statistics(),
+            groups=services.groups.statistics(),
+            store=services.store.statistics(),
+        )
+        return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)

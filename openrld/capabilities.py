@@ -1,0 +1,132 @@
+"""What this build of openrld can do, stated without importing torch.
+
+This module owns the torch-free facts that discovery publishes: the loss
+names the trainer accepts (mirroring `gpu/losses.LOSSES`, which imports
+torch and so cannot be read by `api/`; a test keeps the two equal), the
+trainer and sampler backends with whether each is built, the Tinker SDK
+version the wire protocol follows, and `ServerInfo`, the body of
+`GET /openrl/v1/info`. It guarantees that `server_info` derives every value
+from its arguments or from the single definitions it names (settings schema,
+NodeConfig, the settings module's "is it built" rule). It does no I/O, keeps
+no state, and never imports torch, trio or the HTTP framework.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from openrld import __version__
+from openrld.errors import NotSupportedYet
+from openrld.settings import JobSettings, require_supported, settings_json_schema
+
+# The SDK release whose HTTP protocol openrld serves (DESIGN.md, "Tests").
+TINKER_SDK_VERSION = "0.38.0"
+
+# Names in gpu/losses.LOSSES, in its order; tests/test_capabilities.py checks they agree.
+SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+
+# Tinker loss names that the trainer refuses with a reason (gpu/losses.NOT_SUPPORTED).
+REFUSED_LOSSES: tuple[str, ...] = ("stable_reinforce", "custom")
+
+# The trainer_backend values a client may name; "image" stands for any container image reference.
+_TRAINER_BACKENDS: tuple[tuple[str, str, str], ...] = (
+    ("pytorch", "pytorch", "PyTorch with many LoRA adapters on one resident base model"),
+    ("automodel", "automodel", "NeMo Automodel (FSDP2) for multi-GPU trainers"),
+    ("image", "registry.example/trainer:tag", "a custom trainer container image (a reference containing '/')"),
+)
+
+# Sampler engines; only the torch engine exists today (vLLM is an optional GPU extra, not built yet).
+_SAMPLER_BACKENDS: tuple[tuple[str, bool, str], ...] = (
+    ("torch", True, "PyTorch: one prefill per request, batched KV-cached decode"),
+    ("vllm", False, "vLLM engine core in its own process (GPU installs)"),
+)
+
+
+class Backend(msgspec.Struct, frozen=True):
+    name: str
+    built: bool  # False: known and validated, refused with "not supported yet" when chosen
+    description: str
+
+
+class Limits(msgspec.Struct, frozen=True):
+    """The node's runtime limits, from NodeConfig (reasons: config/openrld.toml)."""
+
+    max_batch_tokens: int
+    max_num_samples: int
+    max_lora_rank: int
+    sample_queue_limit: int
+    max_body_bytes: int
+    longpoll_s: float
+
+
+class ModelSummary(msgspec.Struct, frozen=True):
+    """One base model this node serves; the same list get_server_capabilities answers."""
+
+    model_name: str
+    arch: str
+    max_context_length: int  # the longest sequence (prompt + completion) the model takes
+
+
+class DeviceSummary(msgspec.Struct, frozen=True):
+    name: str  # "cpu", "cuda:0"
+    kind: str  # "cpu" or "cuda"
+    memory_bytes: int
+
+
+class ServerInfo(msgspec.Struct, frozen=True):
+    """The body of GET /openrl/v1/info."""
+
+    version: str
+    tinker_sdk_version: str
+    auth: str  # "open" (no key file, loopback only) or "keys"
+    limits: Limits
+    settings_schema: dict[str, object]
+    losses: tuple[str, ...]
+    refused_losses: tuple[str, ...]
+    trainer_backends: tuple[Backend, ...]
+    sampler_backends: tuple[Backend, ...]
+    models: tuple[ModelSummary, ...]
+    devices: tuple[DeviceSummary, ...]
+
+
+def _trainer_backend_is_built(example: str) -> bool:
+    # The settings module is the one place that says what is built; ask it rather than repeat it.
+    try:
+        require_supported(JobSettings(trainer_backend=example))
+    except NotSupportedYet:
+        return False
+    return True
+
+
+def trainer_backends() -> tuple[Backend, ...]:
+    return tuple(Backend(name, _trainer_backend_is_built(example), text) for name, example, text in _TRAINER_BACKENDS)
+
+
+def sampler_backends() -> tuple[Backend, ...]:
+    return tuple(Backend(name, built, text) for name, built, text in _SAMPLER_BACKENDS)
+
+
+def server_info(
+    *, limits: Limits, models: tuple[ModelSummary, ...], devices: tuple[DeviceSummary, ...], is_open_mode: bool
+) -> ServerInfo:
+    """Everything discovery publishes about this node.
+
+    Args:
+        limits: from the node config.
+        models: the models this node serves (the catalog's configured, resolvable ones).
+        devices: the compute devices the daemon resolved at startup.
+        is_open_mode: True when the node runs without a key file.
+    """
+    return ServerInfo(
+        version=__version__,
+        tinker_sdk_version=TINKER_SDK_VERSION,
+        auth="open" if is_open_mode else "keys",
+        limits=limits,
+        settings_schema=settings_json_schema(),
+        losses=SUPPORTED_LOSSES,
+        refused_losses=REFUSED_LOSSES,
+        trainer_backends=trainer_backends(),
+        sampler_backends=sampler_backends(),
+        models=models,
+        devices=devices,
+    )

@@ -1,0 +1,110 @@
+"""The running decode batch's KV cache: rows of different lengths, left-padded to one width.
+
+Continuous batching needs rows that joined at different times (and so hold
+different numbers of cached tokens) to decode together in one forward. This
+module keeps them in one `transformers.DynamicCache` of width W: row r holds
+its `lengths[r]` real positions right-aligned, and the first W - lengths[r]
+columns are padding that the attention mask hides. Keys are cached after
+RoPE, so a row's padding never shifts its positions: each decode step passes
+the row's true position (its length) as its position id.
+
+`KvBatch` knows nothing of requests, sampling or LoRA versions: rows join
+(`join`), advance one token per forward (`mask_and_positions`, `advance`) and
+leave (`keep`); columns that every row pads are trimmed away at once, so a
+long prompt that left does not make every later step pay for its width.
+Plain synchronous torch; no trio.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicLayer
+
+
+def cache_tensors(cache: transformers.DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values), (B, H, L, D)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+def check_plain_layers(cache: transformers.DynamicCache) -> None:
+    """Left-padding is only sound when every layer caches every position (no sliding window)."""
+    for layer in cache.layers:
+        assert type(layer) is DynamicLayer, f"continuous batching needs full-attention layers, got {type(layer).__name__}"
+
+
+class KvBatch:
+    """A left-padded batch of KV rows. Row order is the caller's: it indexes rows by position."""
+
+    def __init__(self, config: transformers.PretrainedConfig, device: torch.device) -> None:
+        self.cache = transformers.DynamicCache(config=config)
+        check_plain_layers(self.cache)
+        self._device = device
+        self.lengths: list[int] = []  # real cached positions per row
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return self.cache.get_seq_length() if self.lengths else 0
+
+    def join(self, source: transformers.DynamicCache, copies: int) -> None:
+        """Append `copies` rows, each a copy of `source`'s single row (all of its positions are real)."""
+        layers = cache_tensors(source)
+        assert layers[0][0].shape[0] == 1, f"join takes a batch-1 cache, got batch {layers[0][0].shape[0]}"
+        length = layers[0][0].shape[2]
+        width = max(self.width, length)
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            new_keys = _left_pad(keys, width).expand(copies, -1, -1, -1)
+            new_values = _left_pad(values, width).expand(copies, -1, -1, -1)
+            if self.lengths:
+                new_keys = torch.cat([_left_pad(layer.keys, width), new_keys])
+                new_values = torch.cat([_left_pad(layer.values, width), new_values])
+            # cat (or contiguous, for a first join) copies: the rows never alias `source`.
+            _assign(layer, new_keys.contiguous(), new_values.contiguous())
+        self.lengths.extend([length] * copies)
+
+    def mask_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next forward's attention mask (B, W + 1) and position ids (B, 1) for one new token per row."""
+        width = self.width
+        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self._device)  # (B,)
+        columns = torch.arange(width + 1, device=self._device)[None, :]  # (1, W + 1)
+        mask = (columns >= (width - lengths)[:, None]).to(torch.int64)  # padding columns are 0
+        return mask, lengths[:, None]
+
+    def advance(self) -> None:
+        """Every row cached one more position (the forward that just ran appended it)."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, in that order; then drop columns that are padding in every row."""
+        if len(rows) == len(self.lengths):
+            return
+        self.lengths = [self.lengths[r] for r in rows]
+        if not rows:
+            # Free the tensors; the next join starts from its own rows alone.
+            for layer in self.cache.layers:
+                _assign(layer, layer.keys[:0], layer.values[:0])
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=self._device)
+        self.cache.batch_select_indices(index)
+        unused = self.width - max(self.lengths)
+        if unused > 0:
+            for layer in self.cache.layers:
+                _assign(layer, layer.keys[:, :, unused:].contiguous(), layer.values[:, :, unused:].contiguous())
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, width, D) with zeros in front."""
+    missing = width - tensor.shape[2]
+    if missing == 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, missing, 0))

@@ -1,0 +1,206 @@
+"""Request counters and the Prometheus text exposition of a node's statistics.
+
+This module owns `RequestMetrics` (requests by endpoint, method and status,
+and a latency histogram per endpoint and method) and `render_prometheus`,
+which turns that plus the actors' and the store's `statistics()` into the
+Prometheus text format, version 0.0.4. It guarantees bounded label sets:
+endpoints are route templates (never raw paths, which carry ids), unknown
+methods collapse to "other", and statistics are labelled by base model only,
+never by a client's model id. It never imports the HTTP framework or torch,
+never calls into trio, and never reads a clock: callers pass the seconds
+they measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from openrld.actors.futures import FutureStatistics
+from openrld.actors.groups import GroupStatistics
+from openrld.store import StoreStatistics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Upper bounds in seconds. Submits answer in milliseconds; retrieve_future long-polls
+# hold up to longpoll_s (30 s by default, always under the SDK's 45 s), so the top
+# buckets separate a held poll from a stuck one.
+LATENCY_BUCKETS_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 45.0)
+
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+UNMATCHED_ENDPOINT = "unmatched"  # any path no route serves: one label, however many paths are probed
+
+
+class EndpointStatistics(msgspec.Struct, frozen=True):
+    endpoint: str
+    method: str
+    by_status: dict[int, int]
+    bucket_counts: tuple[int, ...]  # per LATENCY_BUCKETS_S bound, not cumulative; the last is over the top bound
+    seconds_sum: float
+
+
+class _Endpoint:
+    __slots__ = ("by_status", "bucket_counts", "seconds_sum")
+
+    def __init__(self) -> None:
+        self.by_status: dict[int, int] = {}
+        self.bucket_counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.seconds_sum = 0.0
+
+
+class RequestMetrics:
+    """Counts every answered request. Not thread-safe: used from the event loop only."""
+
+    def __init__(self) -> None:
+        self._endpoints: dict[tuple[str, str], _Endpoint] = {}
+
+    def observe(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        """Record one answered request.
+
+        Args:
+            endpoint: the route template ("/api/v1/training_runs/<run_id>"), or UNMATCHED_ENDPOINT.
+            method: the HTTP method; anything non-standard is counted as "other".
+            status: the HTTP status answered.
+            seconds: from the request's arrival to its answer.
+        """
+        method = method if method in _METHODS else "other"
+        entry = self._endpoints.get((endpoint, method))
+        if entry is None:
+            entry = self._endpoints[(endpoint, method)] = _Endpoint()
+        entry.by_status[status] = entry.by_status.get(status, 0) + 1
+        seconds = max(seconds, 0.0)
+        index = next((i for i, bound in enumerate(LATENCY_BUCKETS_S) if seconds <= bound), len(LATENCY_BUCKETS_S))
+        entry.bucket_counts[index] += 1
+        entry.seconds_sum += seconds
+
+    def statistics(self) -> list[EndpointStatistics]:
+        return [
+            EndpointStatistics(
+                endpoint=endpoint, method=method, by_status=dict(entry.by_status),
+                bucket_counts=tuple(entry.bucket_counts), seconds_sum=entry.seconds_sum,
+            )
+            for (endpoint, method), entry in sorted(self._endpoints.items())
+        ]
+
+
+class NodeStatistics(msgspec.Struct, frozen=True):
+    """Everything one scrape reports; gathered by the API from the actors and the store."""
+
+    version: str
+    requests: list[EndpointStatistics]
+    futures: FutureStatistics
+    groups: list[GroupStatistics]
+    store: StoreStatistics
+
+
+# ---------------------------------------------------------------- text format
+
+Labels = Sequence[tuple[str, str]]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _sample(name: str, labels: Labels, value: float) -> str:
+    if not labels:
+        return f"{name} {_number(value)}"
+    text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels)
+    return f"{name}{{{text}}} {_number(value)}"
+
+
+def _family(name: str, kind: str, help_text: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines.extend(_sample(name, labels, value) for labels, value in samples)
+    return lines
+
+
+def _request_lines(requests: list[EndpointStatistics]) -> list[str]:
+    lines = _family(
+        "openrld_http_requests_total", "counter", "HTTP requests answered, by endpoint, method and status.",
+        (
+            ((("endpoint", e.endpoint), ("method", e.method), ("status", str(status))), count)
+            for e in requests
+            for status, count in sorted(e.by_status.items())
+        ),
+    )
+    name = "openrld_http_request_duration_seconds"
+    lines += [f"# HELP {name} Time from a request's arrival to its answer.", f"# TYPE {name} histogram"]
+    for e in requests:
+        base = (("endpoint", e.endpoint), ("method", e.method))
+        cumulative = 0
+        for bound, count in zip(LATENCY_BUCKETS_S, e.bucket_counts):
+            cumulative += count
+            lines.append(_sample(f"{name}_bucket", (*base, ("le", _number(bound))), cumulative))
+        total = sum(e.bucket_counts)
+        lines.append(_sample(f"{name}_bucket", (*base, ("le", "+Inf")), total))
+        lines.append(_sample(f"{name}_sum", base, e.seconds_sum))
+        lines.append(_sample(f"{name}_count", base, total))
+    return lines
+
+
+def _group_lines(groups: list[GroupStatistics]) -> list[str]:
+    def per_group(value_of) -> list[tuple[Labels, float]]:
+        return [((("base_model", g.base_model),), float(value_of(g))) for g in groups]
+
+    def per_outcome(done_of, failed_of) -> list[tuple[Labels, float]]:
+        return [
+            ((("base_model", g.base_model), ("outcome", outcome)), float(value_of(g)))
+            for g in groups
+            for outcome, value_of in (("done", done_of), ("failed", failed_of))
+        ]
+
+    return [
+        *_family("openrld_trainer_jobs", "gauge", "Training jobs (LoRA adapters) on the base model's trainer.",
+                 per_group(lambda g: len(g.trainer.jobs))),
+        *_family("openrld_trainer_queue_depth", "gauge", "Training operations waiting for their turn, over all jobs.",
+                 per_group(lambda g: sum(j.waiting for j in g.trainer.jobs))),
+        *_family("openrld_trainer_busy", "gauge", "1 while the trainer runs an operation.",
+                 per_group(lambda g: g.trainer.busy)),
+        *_family("openrld_trainer_operations_total", "counter", "Training operations finished, by outcome.",
+                 per_outcome(lambda g: g.trainer.ops_done, lambda g: g.trainer.ops_failed)),
+        *_family("openrld_sampler_queue_depth", "gauge", "Sample requests queued for the base model's sampler.",
+                 per_group(lambda g: g.sampler.queue_depth)),
+        *_family("openrld_sampler_busy", "gauge", "1 while the sampler runs a batch.",
+                 per_group(lambda g: g.sampler.busy)),
+        *_family("openrld_sampler_loaded_weight_versions", "gauge", "Weight versions resident in the sampler engine.",
+                 per_group(lambda g: g.sampler.loaded_versions)),
+        *_family("openrld_sampler_requests_total", "counter", "Sample requests finished, by outcome.",
+                 per_outcome(lambda g: g.sampler.samples_done, lambda g: g.sampler.samples_failed)),
+    ]
+
+
+def render_prometheus(stats: NodeStatistics) -> str:
+    """The Prometheus text exposition (format 0.0.4) of one node's statistics."""
+    futures, store = stats.futures, stats.store
+    lines = [
+        *_family("openrld_build_info", "gauge", "Always 1; the label carries the server version.",
+                 [((("version", stats.version),), 1)]),
+        *_request_lines(stats.requests),
+        *_family("openrld_futures_pending", "gauge", "Requests accepted whose result is not ready yet.",
+                 [((), futures.pending)]),
+        *_family("openrld_futures_held", "gauge", "Results held for retrieve_future, pending or done.",
+                 [((), futures.held)]),
+        *_family("openrld_futures_completed_total", "counter", "Requests that completed.", [((), futures.completed)]),
+        *_family("openrld_futures_failed_total", "counter", "Requests that failed.", [((), futures.failed)]),
+        *_group_lines(stats.groups),
+        *_family("openrld_store_sessions", "gauge", "Sessions in the store.", [((), store.sessions)]),
+        *_family("openrld_store_training_runs", "gauge", "Training runs in the store.", [((), store.runs)]),
+        *_family("openrld_store_samplers", "gauge", "Sampling sessions in the store.", [((), store.samplers)]),
+        *_family("openrld_store_checkpoints", "gauge", "Checkpoints in the store.", [((), store.checkpoints)]),
+        *_family("openrld_store_checkpoint_bytes", "gauge", "Bytes of checkpoint files.", [((), store.checkpoint_bytes)]),
+        *_family("openrld_store_pending_requests", "gauge", "Requests logged as pending in the store.",
+                 [((), store.pending_requests)]),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,30 @@
+"""The torch-free capability facts agree with the registries they mirror."""
+
+from __future__ import annotations
+
+from openrld import capabilities
+from openrld.gpu import losses
+
+
+def test_supported_losses_are_the_trainer_loss_registry_in_order():
+    assert capabilities.SUPPORTED_LOSSES == tuple(losses.LOSSES)
+
+
+def test_refused_losses_are_the_trainer_refusals():
+    assert capabilities.REFUSED_LOSSES == tuple(losses.NOT_SUPPORTED)
+
+
+def test_only_the_pytorch_trainer_and_torch_sampler_are_built():
+    assert [(b.name, b.built) for b in capabilities.trainer_backends()] == [
+        ("pytorch", True), ("automodel", False), ("image", False),
+    ]
+    assert [(b.name, b.built) for b in capabilities.sampler_backends()] == [("torch", True), ("vllm", False)]
+
+
+def test_capabilities_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, openrld.capabilities, openrld.api.openrl, openrld.metrics; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,0 +1,113 @@
+"""Request counting and the Prometheus text exposition, as pure functions."""
+
+from __future__ import annotations
+
+import textwrap
+
+from openrld.actors.futures import FutureStatistics
+from openrld.actors.groups import GroupStatistics
+from openrld.actors.sampler import SamplerStatistics
+from openrld.actors.trainer import JobQueueStats, TrainerStatistics
+from openrld.metrics import LATENCY_BUCKETS_S, NodeStatistics, RequestMetrics, render_prometheus
+from openrld.store import StoreStatistics
+
+
+def test_observe_counts_by_status_and_buckets_latency():
+    metrics = RequestMetrics()
+    metrics.observe("/api/v1/healthz", "GET", 200, 0.004)  # first bucket (<= 0.005)
+    metrics.observe("/api/v1/healthz", "GET", 200, 0.005)  # a bound is inclusive: still the first
+    metrics.observe("/api/v1/healthz", "GET", 503, 60.0)  # over the top bound: the overflow slot
+    [stats] = metrics.statistics()
+    assert (stats.endpoint, stats.method, stats.by_status) == ("/api/v1/healthz", "GET", {200: 2, 503: 1})
+    assert stats.bucket_counts == (2,) + (0,) * (len(LATENCY_BUCKETS_S) - 1) + (1,)
+    assert stats.seconds_sum == 0.004 + 0.005 + 60.0
+
+
+def test_unknown_methods_collapse_to_one_label():
+    metrics = RequestMetrics()
+    metrics.observe("unmatched", "BREW", 405, 0.0)
+    metrics.observe("unmatched", "PROPFIND", 405, 0.0)
+    assert [(s.method, s.by_status) for s in metrics.statistics()] == [("other", {405: 2})]
+
+
+def _node(requests: RequestMetrics) -> NodeStatistics:
+    trainer = TrainerStatistics(
+        jobs=[
+            JobQueueStats(model_id="s:train:0", next_seq_id=4, waiting=2),
+            JobQueueStats(model_id="s:train:1", next_seq_id=1, waiting=1),
+        ],
+        ops_done=7, ops_failed=1, ops_combined=0, busy=True,
+    )
+    sampler = SamplerStatistics(
+        queue_depth=5, waiting=4, running=1, replicas=1, loaded_versions=2, host_versions=0,
+        samples_done=9, samples_failed=0, samples_cancelled=0, samples_refused=0, busy=False,
+    )
+    return NodeStatistics(
+        version="0.1.0",
+        requests=requests.statistics(),
+        futures=FutureStatistics(pending=3, completed=10, failed=2, held=15),
+        groups=[GroupStatistics(base_model='we"ird\\name', trainer=trainer, sampler=sampler)],
+        store=StoreStatistics(sessions=1, runs=2, samplers=3, checkpoints=4, checkpoint_bytes=5000, pending_requests=6),
+    )
+
+
+def test_render_is_the_prometheus_text_format():
+    requests = RequestMetrics()
+    requests.observe("/api/v1/asample", "POST", 429, 0.02)
+    text = render_prometheus(_node(requests))
+    lines = text.splitlines()
+    assert text.endswith("\n")
+    assert lines[:4] == [
+        "# HELP openrld_build_info Always 1; the label carries the server version.",
+        "# TYPE openrld_build_info gauge",
+        'openrld_build_info{version="0.1.0"} 1',
+        "# HELP openrld_http_requests_total HTTP requests answered, by endpoint, method and status.",
+    ]
+    assert 'openrld_http_requests_total{endpoint="/api/v1/asample",method="POST",status="429"} 1' in lines
+    base = 'endpoint="/api/v1/asample",method="POST"'
+    # 0.02 s falls in the 0.025 bucket; buckets are cumulative.
+    assert f'openrld_http_request_duration_seconds_bucket{{{base},le="0.01"}} 0' in lines
+    assert f'openrld_http_request_duration_seconds_bucket{{{base},le="0.025"}} 1' in lines
+    assert f'openrld_http_request_duration_seconds_bucket{{{base},le="+Inf"}} 1' in lines
+    assert f"openrld_http_request_duration_seconds_sum{{{base}}} 0.02" in lines
+    assert f"openrld_http_request_duration_seconds_count{{{base}}} 1" in lines
+
+
+def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
+    text = render_prometheus(_node(RequestMetrics()))
+    label = 'base_model="we\\"ird\\\\name"'
+    expected = textwrap.dedent(
+        f"""\
+        openrld_trainer_jobs{{{label}}} 2
+        openrld_trainer_queue_depth{{{label}}} 3
+        openrld_trainer_busy{{{label}}} 1
+        openrld_trainer_operations_total{{{label},outcome="done"}} 7
+        openrld_trainer_operations_total{{{label},outcome="failed"}} 1
+        openrld_sampler_queue_depth{{{label}}} 5
+        openrld_sampler_busy{{{label}}} 0
+        openrld_sampler_loaded_weight_versions{{{label}}} 2
+        openrld_sampler_requests_total{{{label},outcome="done"}} 9
+        openrld_sampler_requests_total{{{label},outcome="failed"}} 0
+        """
+    ).splitlines()
+    assert [line for line in text.splitlines() if "base_model=" in line] == expected
+
+
+def test_render_reports_futures_and_store():
+    samples = {
+        line.split(" ")[0]: line.split(" ")[1]
+        for line in render_prometheus(_node(RequestMetrics())).splitlines()
+        if not line.startswith("#") and "{" not in line
+    }
+    assert samples == {
+        "openrld_futures_pending": "3",
+        "openrld_futures_held": "15",
+        "openrld_futures_completed_total": "10",
+        "openrld_futures_failed_total": "2",
+        "openrld_store_sessions": "1",
+        "openrld_store_training_runs": "2",
+        "openrld_store_samplers": "3",
+        "openrld_store_checkpoints": "4",
+        "openrld_store_checkpoint_bytes": "5000",
+        "openrld_store_pending_requests": "6",
+    }
