@@ -29,7 +29,9 @@ test: install-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install-test
-	$(PY) bench/train_step.py
+	$(PY) bench/train_throughput.py
+	$(PY) bench/combined_forward_backward.py
+	$(PY) bench/sample_throughput.py
 	$(PY) bench/future_latency.py
 
 clean:

@@ -150,7 +150,8 @@ def _override_values(overrides: Mapping[str, object]) -> dict[str, object]:
     return values
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (open mode must not listen beyond it)."""
     if host == "localhost":
         return True
     try:
@@ -180,7 +181,7 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
     values.update(_env_values(env))
     values.update(_override_values(overrides))
     config = NodeConfig(**values)  # type: ignore[arg-type]  # every value converted to its field's type
-    if config.is_open_mode and not _is_loopback(config.host):
+    if config.is_open_mode and not is_loopback(config.host):
         raise ConfigError(
             f"host {config.host!r} is not loopback, and no api_keys_file is set: "
             "open mode (no keys) serves anyone who can connect, so it binds only to loopback"

@@ -36,7 +36,7 @@ from openrld.store import Store
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 5.0  # in-flight requests get this long to answer before they are cut
+GRACEFUL_SHUTDOWN_S = 3.0  # in-flight requests get this long to answer; pending long-polls answer 503 at once
 
 
 def _hypercorn_config(config: NodeConfig) -> hypercorn.config.Config:
@@ -68,7 +68,7 @@ async def serve(
             futures = FutureTable(store)
             groups = GroupTable(
                 nursery=nursery,
-                engines=TorchEngineFactory(device),
+                engines=TorchEngineFactory(device, max_batch_tokens=config.max_batch_tokens),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,
                 checkpoints=CheckpointWriter(store),

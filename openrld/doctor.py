@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import ipaddress
 import json
 import os
 import ssl
@@ -29,6 +28,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import msgspec
+
+from openrld.config import is_loopback
 
 PROG = "openrl-doctor"
 REQUEST_TIMEOUT_S = 30.0  # one HTTP check; a healthy node answers these in milliseconds
@@ -67,15 +68,6 @@ class _Findings:
 
 
 # ---------------------------------------------------------------- the checks
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _detail(response: httpx.Response) -> str:
@@ -127,7 +119,7 @@ def check_tls(client: httpx.Client, options: DoctorOptions, found: _Findings) ->
     parts = urlsplit(options.url)
     if parts.scheme == "https":
         return CheckResult("tls", Status.OK, "HTTPS, certificate verified")
-    if _is_loopback(parts.hostname or ""):
+    if is_loopback(parts.hostname or ""):
         return CheckResult("tls", Status.OK, "plain HTTP on loopback (fine: traffic stays on this machine)")
     return CheckResult(
         "tls", Status.WARN, f"plain HTTP to {parts.hostname}: API keys and data cross the network unencrypted",

@@ -14,16 +14,16 @@ from openrld.model_catalog import ModelEntry
 
 
 class TorchEngineFactory:
-    def __init__(self, device: torch.device, *, threads: int | None = None) -> None:
+    def __init__(self, device: torch.device, *, max_batch_tokens: int) -> None:
         self.device = device
-        if threads is not None and device.type == "cpu":
-            torch.set_num_threads(threads)
+        self.max_batch_tokens = max_batch_tokens  # the node config's limit, reported by /openrl/v1/info
 
     def trainer(self, model: ModelEntry) -> Callable[[], Any]:
         def build() -> Any:
-            from openrld.gpu.torch_trainer import TorchTrainer
+            from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
-            return TorchTrainer(model.directory, self.device)
+            config = TrainerConfig(max_batch_tokens=self.max_batch_tokens)
+            return TorchTrainer(model.directory, self.device, config=config)
 
         return build
 
