@@ -482,15 +482,26 @@ class Store:
         row = self._one("SELECT * FROM runs WHERE run_id = ?", (run_id,))
         return None if row is None else _run_row(row)
 
-    def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[RunRow], int]:
-        """A page of `owner`'s runs, newest first, and how many they have in all."""
+    def list_runs(
+        self, owner: str, limit: int, offset: int, *, accessible: bool = False
+    ) -> tuple[list[RunRow], int]:
+        """A page of `owner`'s runs, newest first, and how many there are in all.
+
+        With `accessible`, other users' runs that have a published checkpoint count too.
+        """
         limit, offset = _page(limit, offset)
+        where = "owner = ?"
+        if accessible:
+            where += " OR run_id IN (SELECT run_id FROM checkpoints WHERE public = 1)"
         rows = self._conn.execute(
-            "SELECT * FROM runs WHERE owner = ? ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",
+            f"SELECT * FROM runs WHERE {where} ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",
             (owner, limit, offset),
         )
         page = [_run_row(row) for row in rows]
-        return page, self._count("SELECT count(*) FROM runs WHERE owner = ?", (owner,))
+        return page, self._count(f"SELECT count(*) FROM runs WHERE {where}", (owner,))
+
+    def has_public_checkpoint(self, run_id: str) -> bool:
+        return self._one("SELECT 1 FROM checkpoints WHERE run_id = ? AND public = 1 LIMIT 1", (run_id,)) is not None
 
     def touch_run(self, run_id: str) -> None:
         """Set the run's last_request_time to now. Raises NotFound for an unknown run.

@@ -40,6 +40,13 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     return body
 
 
+def _access_scope() -> str:
+    scope = request.args.get("access_scope", "owned")
+    if scope not in ("owned", "accessible"):
+        raise BadRequest(f"access_scope: expected 'owned' or 'accessible', got {scope!r}")
+    return scope
+
+
 def _int_arg(name: str, default: int, low: int, high: int) -> int:
     raw = request.args.get(name)
     if raw is None:
@@ -62,7 +69,14 @@ def register(app: QuartTrio, services: Services) -> None:
             raise NotFound(f"no training run {run_id!r}")
         return run
 
-    def run_json(run: RunRow) -> dict[str, Any]:
+    def accessible_run(user: str, run_id: str) -> RunRow:
+        """The caller's run, or another user's run that has a published checkpoint."""
+        run = store.get_run(run_id)
+        if run is None or (run.owner != user and not store.has_public_checkpoint(run_id)):
+            raise NotFound(f"no training run {run_id!r}")
+        return run
+
+    def run_json(run: RunRow, user: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "training_run_id": run.run_id,
             "base_model": run.base_model,
@@ -76,7 +90,8 @@ def register(app: QuartTrio, services: Services) -> None:
             body["lora_rank"] = run.lora_rank
         for key, kind in (("last_checkpoint", "weights"), ("last_sampler_checkpoint", "sampler_weights")):
             row = store.last_checkpoint(run.run_id, kind)
-            if row is not None:
+            # Another user's run shows only what its owner published.
+            if row is not None and (run.owner == user or row.public):
                 body[key] = checkpoint_json(row)
         return body
 
@@ -85,17 +100,19 @@ def register(app: QuartTrio, services: Services) -> None:
         user = caller(services)
         limit = _int_arg("limit", 20, 1, 1000)
         offset = _int_arg("offset", 0, 0, 10**9)
-        runs, total = store.list_runs(user, limit, offset)
+        runs, total = store.list_runs(user, limit, offset, accessible=_access_scope() == "accessible")
         return json_response(
             {
-                "training_runs": [run_json(r) for r in runs],
+                "training_runs": [run_json(r, user) for r in runs],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total},
             }
         )
 
     @app.get("/api/v1/training_runs/<run_id>")
     async def get_training_run(run_id: str) -> Response:
-        return json_response(run_json(own_run(caller(services), run_id)))
+        user = caller(services)
+        run = accessible_run(user, run_id) if _access_scope() == "accessible" else own_run(user, run_id)
+        return json_response(run_json(run, user))
 
     @app.get("/api/v1/training_runs/<run_id>/checkpoints")
     async def list_checkpoints(run_id: str) -> Response:

@@ -141,6 +141,37 @@ def test_a_published_checkpoint_is_readable_but_not_changeable_by_others(daemon,
     assert http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=BOB).status_code == 404
 
 
+
+def _accessible_run_ids(http: httpx.Client) -> set[str]:
+    body = http.get("/api/v1/training_runs", params={"access_scope": "accessible"}, headers=BOB).json()
+    return {run["training_run_id"] for run in body["training_runs"]}
+
+
+def test_a_run_with_a_published_checkpoint_is_accessible_but_not_owned_by_others(http, alice):
+    name = alice["sampler_path"].rsplit("/", 1)[1]
+    run = alice["run"]
+    assert run not in _accessible_run_ids(http)
+    assert http.post(f"/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/publish", headers=ALICE).status_code == 200
+    try:
+        assert run in _accessible_run_ids(http)
+        owned = http.get("/api/v1/training_runs", headers=BOB).json()["training_runs"]
+        assert run not in {r["training_run_id"] for r in owned}
+        seen = http.get(f"/api/v1/training_runs/{run}", params={"access_scope": "accessible"}, headers=BOB).json()
+        # Only what Alice published shows: her sampler checkpoint, not her unpublished state.
+        assert seen["last_sampler_checkpoint"]["tinker_path"] == alice["sampler_path"]
+        assert "last_checkpoint" not in seen
+        assert http.get(f"/api/v1/training_runs/{run}", headers=BOB).status_code == 404
+    finally:
+        http.delete(f"/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/publish", headers=ALICE)
+    assert run not in _accessible_run_ids(http)
+
+
+def test_an_unknown_access_scope_is_400_naming_it(http):
+    response = http.get("/api/v1/training_runs", params={"access_scope": "everything"}, headers=BOB)
+    assert response.status_code == 400
+    assert "access_scope" in response.json()["detail"]
+
+
 BAD_PATHS = [
     "/etc/passwd",
     "tinker:///etc/passwd",
