@@ -122,21 +122,20 @@ def register(app: QuartTrio, services: Services) -> None:
 
     # ------------------------------------------------------------ publish, unpublish, TTL
 
-    @app.post("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
-    async def publish(run_id: str, kind: str, name: str) -> Response:
+    def set_public(run_id: str, kind: str, name: str, public: bool) -> Response:
         user = caller(services)
         row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
-        store.set_checkpoint_public(row.run_id, row.kind, row.name, True)
-        audit(user, "checkpoint_published", row)
+        store.set_checkpoint_public(row.run_id, row.kind, row.name, public)
+        audit(user, "checkpoint_published" if public else "checkpoint_unpublished", row)
         return json_response({})
+
+    @app.post("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
+    async def publish(run_id: str, kind: str, name: str) -> Response:
+        return set_public(run_id, kind, name, True)
 
     @app.delete("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
     async def unpublish(run_id: str, kind: str, name: str) -> Response:
-        user = caller(services)
-        row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
-        store.set_checkpoint_public(row.run_id, row.kind, row.name, False)
-        audit(user, "checkpoint_unpublished", row)
-        return json_response({})
+        return set_public(run_id, kind, name, False)
 
     @app.put("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/ttl")
     async def set_ttl(run_id: str, kind: str, name: str) -> Response:
