@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 import tinker
 from tinker import types
 
@@ -57,3 +58,31 @@ def test_a_future_pending_at_the_crash_answers_410(make_daemon, tiny_llama):
         response = http.post("/api/v1/retrieve_future", json={"request_id": pending["request_id"]})
     assert response.status_code == 410
     assert "restart" in response.json()["detail"]
+
+
+def test_resuming_after_kill_9_reproduces_the_losses_of_an_uninterrupted_run(make_daemon):
+    data = [_datum(list(range(60, 84))), _datum(list(range(100, 116)))]
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    def train(client, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            losses.append(client.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+            client.optim_step(adam).result()
+        return losses
+
+    daemon = make_daemon()
+    service = tinker.ServiceClient(base_url=daemon.url, api_key="tml-test")
+    training = service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=7).result()
+    train(training, 2)
+    state = training.save_state("step2").result().path
+    uninterrupted = train(training, 3)
+    train(training, 1)  # work after the checkpoint that the crash loses
+    service.close("success")
+
+    daemon.kill()
+    restarted = make_daemon(data_dir=daemon.data_dir)
+    service = tinker.ServiceClient(base_url=restarted.url, api_key="tml-test")
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    assert train(resumed, 3) == pytest.approx(uninterrupted, abs=1e-5)
+    service.close("success")
