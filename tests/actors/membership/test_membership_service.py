@@ -1,0 +1,65 @@
+"""The daemon's membership wiring: config options, seeds, the payload built from group statistics."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from openrld.actors.groups import GroupStatistics
+from openrld.actors.membership.messages import DeviceSlot, GroupLoad, NodePayload
+from openrld.actors.membership.service import advertised_host, node_payload, seed_urls
+from openrld.actors.sampler import SamplerStatistics
+from openrld.actors.trainer import JobQueueStats, TrainerStatistics
+from openrld.config import ConfigError, load_config
+
+ENV = {"HOME": "/home/alice"}
+
+
+def test_join_from_the_environment_is_comma_separated() -> None:
+    env = {**ENV, "OPENRLD_CLUSTER_SECRET": "s", "OPENRLD_JOIN": "10.0.0.1:8000, openrld.svc ,"}
+    assert load_config(None, {}, env).join == ("10.0.0.1:8000", "openrld.svc")
+
+
+def test_join_without_a_cluster_secret_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError, match="join: joining a cluster needs cluster_secret"):
+        load_config(None, {"join": ("10.0.0.1:8000",)}, ENV)
+
+
+def test_node_name_with_a_slash_is_refused() -> None:
+    with pytest.raises(ConfigError, match="node_name"):
+        load_config(None, {"node_name": "a/b"}, ENV)
+
+
+async def test_seed_without_a_port_takes_the_node_port_and_names_resolve() -> None:
+    assert await seed_urls(["127.0.0.1:9001", "127.0.0.1"], default_port=8000) == [
+        "http://127.0.0.1:9001",
+        "http://127.0.0.1:8000",
+    ]
+
+
+async def test_unresolvable_seed_is_skipped() -> None:
+    assert await seed_urls(["no-such-host.invalid:8000"], default_port=8000) == []
+
+
+def test_advertised_host_is_the_bind_host_unless_it_is_a_wildcard() -> None:
+    assert advertised_host("127.0.0.1", "") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    assert advertised_host("0.0.0.0", "") != "0.0.0.0"
+
+
+def test_payload_counts_adapters_queues_and_jobs_per_group() -> None:
+    sampler = SamplerStatistics(
+        queue_depth=4, waiting=3, running=1, replicas=1, loaded_versions=0, host_versions=0,
+        samples_done=0, samples_failed=0, samples_cancelled=0, samples_refused=0, busy=True,
+    )
+    trainer = TrainerStatistics(
+        jobs=[JobQueueStats("m-2", 5, 2), JobQueueStats("m-1", 1, 0)], ops_done=0, ops_failed=0, ops_combined=0, busy=True
+    )
+    payload = node_payload("http://n:8000", [DeviceSlot("cpu", "cpu", 100, 40)], [GroupStatistics("tiny-llama", trainer, sampler)])
+    # queue depth: 2 + 0 training ops waiting + 4 sample requests in the sampler
+    assert payload == NodePayload(
+        peer_url="http://n:8000",
+        devices=(DeviceSlot("cpu", "cpu", 100, 40),),
+        groups=(GroupLoad("tiny-llama", 2, 6),),
+        jobs=("m-1", "m-2"),
+    )
