@@ -1,0 +1,207 @@
+"""Parking and resuming a worker's device state, for the time-slicer.
+
+A parked worker gives its device back: its parameters, gradients, buffers and
+optimizer state move to pinned host memory, caches that can be recomputed (the
+sampler's KV cache) are dropped, and the device's cached blocks are released
+(`torch.cuda.empty_cache()`). Resuming copies everything back.
+
+What it owns: the move of one set of tensors between their device and the host,
+and the report of what moved. Tensors move *in place*: each tensor object keeps
+its identity and only its storage changes (`tensor.data = copy`, the way
+`torch.nn.Module._apply` moves parameters). So every holder of a tensor, a
+module, an optimizer's moment, a dict of adapter parameters, sees it move
+without being told, and the engine is the same engine after `resume`, with every
+value bit for bit what it was.
+
+It is generic over engines: an engine names the tensors it keeps on its device
+(`module_tensors` for its modules, plus its optimizer state) and the bytes of
+caches it dropped; `park` and `resume` do the rest. On a CPU device the host is
+the device, so parking moves nothing and keeps everything as it is: a correct
+no-op that still drops caches and reports.
+
+Guarantees: a tensor is moved at most once per park (shared tensors, such as
+tied embeddings, are found by identity); two distinct tensors that share one
+storage (views) are refused, since moving them apart would silently break the
+aliasing. Nothing here knows about turns, leases or trio.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class EngineParked(RuntimeError):
+    """Compute was asked of a parked engine, or park/resume out of turn: a caller bug, not a user error."""
+
+
+class CannotPark(RuntimeError):
+    """The engine holds state that parking would lose (a request mid-decode); park it between requests."""
+
+
+class ParkReport(msgspec.Struct, frozen=True):
+    device: str
+    tensors: int  # tensors in the parked set
+    bytes_held: int  # their bytes
+    bytes_moved: int  # bytes copied device -> host (0 when the device is the host)
+    cache_bytes_dropped: int  # caches dropped rather than moved (the KV cache)
+    device_bytes_freed: int  # memory_allocated before - after on a CUDA device; 0 on the CPU
+    device_bytes_reserved_after: int  # what the CUDA caching allocator still holds after empty_cache
+    seconds: float
+
+
+class ResumeReport(msgspec.Struct, frozen=True):
+    device: str
+    tensors: int
+    bytes_moved: int  # bytes copied host -> device
+    seconds: float
+
+
+class Parked:
+    """A parked engine's tensors and the device they came from; `resume` takes it back."""
+
+    def __init__(self, device: torch.device, tensors: list[torch.Tensor], report: ParkReport) -> None:
+        self.device = device
+        self.tensors = tensors
+        self.report = report
+
+
+# ---------------------------------------------------------------------------
+# Naming what lives on the device
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter, every parameter's gradient and every buffer of `module`, once each."""
+    found: list[torch.Tensor] = []
+    for param in module.parameters():
+        found.append(param)
+        if param.grad is not None:
+            found.append(param.grad)
+    found.extend(module.buffers())
+    return found
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The state tensors of a torch optimizer (exp_avg, exp_avg_sq, step, ...)."""
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def unique_tensors(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The distinct tensors among `tensors` that live on `device`, in first-seen order.
+
+    Raises:
+        ValueError: two distinct tensors share one storage (views of each other).
+    """
+    chosen: dict[int, torch.Tensor] = {}
+    storages: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        if id(tensor) in chosen or not _is_on(tensor, device):
+            continue
+        storage = tensor.untyped_storage().data_ptr()
+        other = storages.get(storage)
+        if other is not None and tensor.numel() and other.numel():
+            raise ValueError(
+                f"cannot park: a {tuple(tensor.shape)} tensor and a {tuple(other.shape)} tensor share one storage; "
+                "moving them separately would break the aliasing"
+            )
+        storages[storage] = tensor
+        chosen[id(tensor)] = tensor
+    return list(chosen.values())
+
+
+def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    if tensor.device.type != device.type:
+        return False
+    # torch.device("cuda") has no index; it means the current device.
+    return device.index is None or tensor.device.index == device.index
+
+
+# ---------------------------------------------------------------------------
+# Moving
+
+
+def relocate(tensors: Sequence[torch.Tensor], copy: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Give each tensor the storage of `copy(tensor)`, in place; return the bytes copied.
+
+    The tensor objects stay the same (their `id`, their `requires_grad`, their
+    place in modules and optimizer state); only their data moves. `copy` must
+    return a tensor of the same shape and dtype.
+    """
+    moved = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            new = copy(tensor.data)
+            assert new.shape == tensor.shape and new.dtype == tensor.dtype, (
+                f"copy changed a tensor: {tuple(tensor.shape)} {tensor.dtype} -> {tuple(new.shape)} {new.dtype}"
+            )
+            tensor.data = new
+            moved += new.numel() * new.element_size()
+    return moved
+
+
+def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+    # Pinned memory lets the copy run asynchronously and at full PCIe/NVLink speed.
+    host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def park(
+    device: torch.device, tensors: Iterable[torch.Tensor], *, cache_bytes_dropped: int = 0
+) -> Parked:
+    """Move every tensor of `tensors` that lives on `device` to pinned host memory, in place.
+
+    The caller has already dropped its caches (and says how many bytes); on a
+    CUDA device the caching allocator's free blocks are then released. On the
+    CPU nothing moves.
+
+    Returns:
+        The parked state, whose `report` says what moved and how long it took.
+    Raises:
+        ValueError: two distinct tensors share a storage (see `unique_tensors`).
+    """
+    start = time.perf_counter()
+    chosen = unique_tensors(tensors, device)
+    held = sum(t.numel() * t.element_size() for t in chosen)
+    moved = freed = reserved = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        moved = relocate(chosen, _to_pinned_host)
+        torch.cuda.synchronize(device)  # the host copies are complete before anyone reads them
+        torch.cuda.empty_cache()
+        freed = before - torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+    report = ParkReport(
+        device=str(device), tensors=len(chosen), bytes_held=held, bytes_moved=moved,
+        cache_bytes_dropped=cache_bytes_dropped, device_bytes_freed=freed,
+        device_bytes_reserved_after=reserved, seconds=time.perf_counter() - start,
+    )
+    logger.info(
+        "parked device=%s tensors=%d bytes_moved=%d device_bytes_freed=%d seconds=%.3f",
+        report.device, report.tensors, report.bytes_moved, report.device_bytes_freed, report.seconds,
+    )
+    return Parked(device, chosen, report)
+
+
+def resume(parked: Parked) -> ResumeReport:
+    """Copy a parked set back to its device, in place; the tensors are bit-identical to before `park`."""
+    start = time.perf_counter()
+    moved = 0
+    if parked.device.type == "cuda":
+        moved = relocate(parked.tensors, lambda t: t.to(parked.device, non_blocking=True))
+        torch.cuda.synchronize(parked.device)
+    report = ResumeReport(
+        device=str(parked.device), tensors=len(parked.tensors), bytes_moved=moved, seconds=time.perf_counter() - start
+    )
+    logger.info(
+        "resumed device=%s tensors=%d bytes_moved=%d seconds=%.3f",
+        report.device, report.tensors, report.bytes_moved, report.seconds,
+    )
+    return report

@@ -1,0 +1,435 @@
+"""The vLLM sampling engine: the torch sampler's interface, served by vLLM on a CUDA device.
+
+`VllmSampler` is what `sampler_backend = "vllm"` builds instead of
+`torch_sampler.TorchSampler`, and the sampler actor drives it the same way:
+`add(request_id, version, job)`, `step() -> [Finished]`, `cancel`, `has_work`,
+`load_version(version, tensors, spec)`, `drop_version`, `versions_in_use`,
+`statistics`, and `park`/`resume` for the time-slicer (here vLLM's sleep mode:
+`sleep()` offloads the weights to host memory and drops the KV cache, `wake()`
+brings them back).
+
+How a request maps onto vLLM:
+- Sample i of a request is its own vLLM request (`"<id>#<i>"`, n=1) seeded from
+  (seed, i) as the torch engine seeds it (`sampling_math.stream_seed`), so a seed
+  reproduces a request however vLLM batches it; the samples share the prompt's
+  KV through vLLM's prefix cache. Sample 0 also scores the prompt when asked.
+- Every SamplingParams field is translated by `child_params` (a pure function).
+- Logprobs follow `shared/spec/sampling.md` section 3: sampled tokens report log
+  q_T, the distribution actually sampled from (after temperature, top-k and
+  top-p, renormalised); prompt scoring reports the raw model at T = 1. vLLM V1
+  reports raw logprobs unless the engine is built with
+  `logprobs_mode="processed_logprobs"`; its `Sampler` docstring and
+  `TopKTopPSampler.forward_native` (vllm/v1/sample/sampler.py,
+  vllm/v1/sample/ops/topk_topp_sampler.py) compute that mode as
+  log_softmax(top-k/top-p-masked logits / T) in fp32, and FlashInfer's sampler is
+  not used in that mode. Prompt logprobs are `compute_logprobs(logits)`, raw,
+  whatever the mode (`_get_prompt_logprobs_dict` in vllm/v1/worker/gpu_model_runner.py).
+  T = 0 is greedy in vLLM and reports 0.0 here, as the torch engine does.
+- LoRA versions are written as peft adapter directories and loaded under unique,
+  immutable names: version k gets `openrld-v<k>` and LoRARequest int id k, never
+  reused for the life of the engine, so vLLM's adapter cache (keyed by that id)
+  can never serve an older version's weights for a newer one.
+
+Module import needs no vLLM: vLLM is imported only when an engine is built
+(`require_vllm`), and a missing package is a clear error naming it. The pure
+parts (`child_params`, `AdapterNames`, `to_sample_result`) live in
+`vllm_mapping` and are tested without vLLM on fake vLLM-shaped outputs; the
+engine itself runs in bench/gpu_check.py on a GPU. Not thread-safe; never
+imports trio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+
+import msgspec
+import torch
+import transformers
+
+from openrld.batches import LoraSpec, SampleJob, SampleResult
+from openrld.gpu import offload, torch_sampler
+from openrld.gpu.peft_export import save_peft_adapter
+from openrld.gpu.torch_sampler import Finished
+from openrld.gpu.vllm_mapping import (
+    AdapterNames,
+    ChildParams,
+    RequestOutputLike,
+    check_logprob_caps,
+    child_params,
+    generation_limit,
+    lora_tensors_only,
+    scores_prompt,
+    to_sample_result,
+    vllm_max_lora_rank,
+)
+
+logger = logging.getLogger(__name__)
+
+VLLM_PACKAGE = "vllm"
+INSTALL_HINT = (
+    "install vLLM into the daemon's environment on a CUDA machine (`pip install vllm`; it brings its own CUDA "
+    "build of torch, so give it its own virtual environment), or set sampler_backend = \"torch\""
+)
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is configured but cannot be used here (not installed, or no CUDA device)."""
+
+
+def require_vllm() -> ModuleType:
+    """Import vLLM, or raise VllmUnavailable naming the package and how to install it."""
+    try:
+        return importlib.import_module(VLLM_PACKAGE)
+    except ImportError as error:
+        raise VllmUnavailable(
+            f"sampler_backend = \"vllm\" needs the {VLLM_PACKAGE!r} package, which is not installed "
+            f"({error}); {INSTALL_HINT}"
+        ) from error
+
+
+class VllmSamplerConfig(msgspec.Struct, frozen=True):
+    """Engine knobs; the node config sets the first, the rest are vLLM's usual choices."""
+
+    # Share of the GPU's memory vLLM takes for weights and KV cache. Below vLLM's 0.9
+    # default because the LoRA trainer of the same group shares the device.
+    gpu_memory_utilization: float = 0.5
+    max_lora_rank: int = 128  # the node's max_lora_rank: vLLM sizes its LoRA buffers by it
+    max_loras: int = 8  # distinct adapters in one running batch
+    max_cpu_loras: int = 32  # adapters vLLM keeps loaded; the actor holds at most 32 per engine
+    max_logprobs: int = 20  # the largest top-k of sampled or prompt logprobs a request may ask
+    dtype: str = "auto"  # the checkpoint's dtype; "float32" for exact comparisons on tiny models
+    enforce_eager: bool = False  # True skips CUDA graph capture: faster start, slower decode
+    max_model_len: int | None = None  # None: the model's own context
+
+
+# ---------------------------------------------------------------------------
+# The engine
+
+
+class VllmSamplerStatistics(msgspec.Struct, frozen=True):
+    versions_loaded: int
+    requests_done: int
+    samples_done: int
+    tokens_generated: int
+    requests_running: int
+    is_asleep: bool
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    version: str | None
+    job: SampleJob
+    limit: int
+    children: list[str]  # vLLM request ids, in sample order; empty when nothing needs vLLM
+    outputs: dict[str, RequestOutputLike] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_done(self) -> bool:
+        return len(self.outputs) == len(self.children)
+
+
+class VllmSampler:
+    """Samples from one base model and its LoRA versions through vLLM.
+
+    Args:
+        model_dir: a Hugging Face model directory with its tokenizer.
+        device: a CUDA device; vLLM runs on cuda:0 of the process (set
+            CUDA_VISIBLE_DEVICES to move it), so only that one is accepted.
+        config: engine knobs.
+        adapter_root: where version directories are written (a fresh temporary
+            directory by default, removed by `close`).
+
+    Raises:
+        VllmUnavailable: vLLM is not installed, or `device` is not cuda:0.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        config: VllmSamplerConfig = VllmSamplerConfig(),
+        *,
+        adapter_root: Path | None = None,
+    ) -> None:
+        if device.type != "cuda" or (device.index or 0) != 0:
+            raise VllmUnavailable(
+                f"the vLLM sampler runs on the process's cuda:0; this node's device is {device} "
+                "(use sampler_backend = \"torch\", or CUDA_VISIBLE_DEVICES to choose the GPU)"
+            )
+        vllm = require_vllm()
+        self._lora_request_type = importlib.import_module(f"{VLLM_PACKAGE}.lora.request").LoRARequest
+        self._sampling_params_type = vllm.SamplingParams
+        # FINAL_ONLY: step() returns a sample once, when it has finished.
+        self._final_only = importlib.import_module(f"{VLLM_PACKAGE}.sampling_params").RequestOutputKind.FINAL_ONLY
+        self._config = config
+        self._model_dir = str(model_dir)
+        self._llm = vllm.LLM(
+            model=self._model_dir,
+            tokenizer=self._model_dir,
+            dtype=config.dtype,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_lora=True,
+            max_lora_rank=vllm_max_lora_rank(config.max_lora_rank),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_logprobs=config.max_logprobs,
+            # log q_T for sampled tokens (sampling.md 3); vLLM V1's default, raw_logprobs, is the
+            # T = 1 model. Processed = log_softmax of the temperature-scaled, top-k/top-p-masked
+            # logits: TopKTopPSampler.forward_native in vllm/v1/sample/ops/topk_topp_sampler.py.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,  # the samples of one request share the prompt's KV
+            enable_sleep_mode=True,  # sleep()/wake() for the time-slicer
+            enforce_eager=config.enforce_eager,
+            max_model_len=config.max_model_len,
+        )
+        self._engine = self._llm.llm_engine
+        model_config = self._engine.model_config
+        self._vocab = int(model_config.get_vocab_size())
+        self._context = int(model_config.max_model_len)
+        self._eos_ids = _eos_ids(self._model_dir)
+        self._names = AdapterNames()
+        self._owns_root = adapter_root is None
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="openrld-vllm-lora-")) if adapter_root is None else adapter_root
+        self._requests: dict[str, _Request] = {}
+        self._by_child: dict[str, _Request] = {}
+        self._is_asleep = False
+        self._sample_calls = 0
+        self._requests_done = 0
+        self._samples_done = 0
+        self._tokens_generated = 0
+
+    # -- versions ---------------------------------------------------------
+
+    def has_version(self, version: str | None) -> bool:
+        return version is None or version in self._names
+
+    def load_version(self, version: str, tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Write the version as a peft adapter and load it under a name never used before.
+
+        Raises:
+            ValueError: already loaded, or vLLM refused the adapter (the message says why).
+        """
+        self._require_awake("load_version")
+        slot = self._names.assign(version)
+        directory = self._adapter_root / slot.name
+        try:
+            directory.mkdir(parents=True)
+            save_peft_adapter(directory, lora_tensors_only(tensors), spec, self._model_dir)
+            if not self._engine.add_lora(self._lora_request_type(slot.name, slot.int_id, str(directory))):
+                raise ValueError("vLLM did not add it")
+        except Exception as error:  # vLLM raises plain exceptions for adapters it cannot load
+            self._names.release(version)
+            shutil.rmtree(directory, ignore_errors=True)
+            raise ValueError(f"weight version {version!r}: vLLM could not load the adapter: {error}") from error
+        logger.info("loaded weight version=%s adapter=%s id=%d rank=%d", version, slot.name, slot.int_id, spec.rank)
+
+    def drop_version(self, version: str) -> None:
+        """Unload a version and delete its files; its name stays retired.
+
+        Raises:
+            KeyError: not loaded.  ValueError: a live request samples from it.
+        """
+        if version in self.versions_in_use():
+            raise ValueError(f"weight version {version!r} is in use by a live request")
+        self._require_awake("drop_version")
+        slot = self._names.release(version)
+        self._engine.remove_lora(slot.int_id)
+        shutil.rmtree(self._adapter_root / slot.name, ignore_errors=True)
+        logger.info("dropped weight version=%s adapter=%s", version, slot.name)
+
+    def versions_in_use(self) -> set[str]:
+        return {r.version for r in self._requests.values() if r.version is not None}
+
+    # -- scheduling -------------------------------------------------------
+
+    def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
+        """Validate `job` and hand its samples to vLLM.
+
+        Raises:
+            BadRequest: invalid job (the torch engine's checks, plus the logprob caps).
+            KeyError: `version` not loaded.  ValueError: `request_id` already live.
+        """
+        torch_sampler._validate(job, self._vocab, self._context)  # the same checks as the torch engine
+        check_logprob_caps(job, self._config.max_logprobs)
+        lora = None if version is None else self._lora_request(version)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in the sampler")
+        limit = generation_limit(job, self._context)
+        if limit > 0:
+            count = job.num_samples
+        else:
+            count = 1 if scores_prompt(job) else 0  # one throwaway token carries the prompt scores
+        request = _Request(request_id, version, job, limit, [f"{request_id}#{i}" for i in range(count)])
+        prompt = {"prompt_token_ids": [int(t) for t in job.prompt]}
+        added: list[str] = []
+        try:
+            for index, child in enumerate(request.children):
+                params = self._sampling_params(child_params(job, index, limit, self._vocab))
+                self._engine.add_request(child, prompt, params, lora_request=lora)
+                added.append(child)
+        except Exception:  # vLLM refused a sample (its ValueError reaches the client as a 400)
+            if added:
+                self._engine.abort_request(added)
+            raise
+        for child in request.children:
+            self._by_child[child] = request
+        self._requests[request_id] = request
+
+    def cancel(self, request_id: str) -> bool:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        live = [child for child in request.children if child not in request.outputs]
+        if live:
+            self._engine.abort_request(live)
+        for child in request.children:
+            self._by_child.pop(child, None)
+        logger.info("cancelled sample request_id=%s", request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[Finished]:
+        """One vLLM engine step; returns the requests whose every sample finished."""
+        self._require_awake("step")
+        finished = [self._finish(r) for r in list(self._requests.values()) if r.is_done]
+        if self._by_child:
+            for output in self._engine.step():
+                request = self._by_child.get(output.request_id)
+                if request is None or not output.finished:
+                    continue  # a cancelled request's last output, or a partial one
+                request.outputs[output.request_id] = output
+                del self._by_child[output.request_id]
+                if request.is_done:
+                    finished.append(self._finish(request))
+        return finished
+
+    def sample(self, version: str | None, job: SampleJob) -> SampleResult:
+        """Run one request alone to completion (tests, benchmarks); the engine must be idle."""
+        assert not self._requests, f"sample() needs an idle engine; {len(self._requests)} requests are live"
+        self._sample_calls += 1
+        request_id = f"sample-{self._sample_calls}"
+        self.add(request_id, version, job)
+        while True:
+            for done in self.step():
+                if done.request_id == request_id:
+                    return done.result
+
+    def _finish(self, request: _Request) -> Finished:
+        del self._requests[request.request_id]
+        outputs = [request.outputs[child] for child in request.children]
+        result = to_sample_result(request.job, outputs, request.limit, self._eos_ids)
+        self._requests_done += 1
+        self._samples_done += len(result.sequences)
+        self._tokens_generated += sum(len(s.tokens) for s in result.sequences)
+        return Finished(request_id=request.request_id, result=result)
+
+    def _sampling_params(self, params: ChildParams) -> object:
+        return self._sampling_params_type(**msgspec.structs.asdict(params), output_kind=self._final_only)
+
+    def _lora_request(self, version: str) -> object:
+        slot = self._names.get(version)
+        return self._lora_request_type(slot.name, slot.int_id, str(self._adapter_root / slot.name))
+
+    # -- time-slicing -----------------------------------------------------
+
+    def sleep(self) -> offload.ParkReport:
+        """vLLM sleep mode level 1: weights (LoRA buffers included) to host memory, KV cache dropped.
+
+        Raises:
+            offload.CannotPark: requests are live (vLLM would abort them).
+            offload.EngineParked: already asleep.
+        """
+        if self._is_asleep:
+            raise offload.EngineParked("the vLLM sampler is already asleep")
+        if self._requests:
+            raise offload.CannotPark(f"the vLLM sampler has live requests {sorted(self._requests)[:4]}")
+        free_before = _free_device_bytes()
+        start = time.perf_counter()
+        # The KV cache is discarded, so no cached prefix may point into it after waking.
+        self._engine.reset_prefix_cache()
+        self._llm.sleep(level=1)
+        self._is_asleep = True
+        free_after = _free_device_bytes()
+        # vLLM does not say what it moved; the device-wide free memory is what the time-slicer needs.
+        return offload.ParkReport(
+            device="cuda:0", tensors=0, bytes_held=0, bytes_moved=0, cache_bytes_dropped=0,
+            device_bytes_freed=free_after - free_before, device_bytes_reserved_after=0, seconds=time.perf_counter() - start,
+        )
+
+    def wake(self) -> offload.ResumeReport:
+        """Bring the weights back and re-allocate the KV cache.
+
+        Raises:
+            offload.EngineParked: not asleep.
+        """
+        if not self._is_asleep:
+            raise offload.EngineParked("the vLLM sampler is not asleep")
+        start = time.perf_counter()
+        self._llm.wake_up()
+        self._is_asleep = False
+        return offload.ResumeReport(device="cuda:0", tensors=0, bytes_moved=0, seconds=time.perf_counter() - start)
+
+    # The time-slicer parks every engine the same way.
+    park = sleep
+    resume = wake
+
+    @property
+    def is_parked(self) -> bool:
+        return self._is_asleep
+
+    def _require_awake(self, operation: str) -> None:
+        if self._is_asleep:
+            raise offload.EngineParked(f"{operation} on a sleeping vLLM sampler; wake() it first")
+
+    # -- lifecycle --------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop vLLM's engine process and delete the adapter files this engine wrote."""
+        shutdown = getattr(self._engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if self._owns_root:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    def statistics(self) -> VllmSamplerStatistics:
+        return VllmSamplerStatistics(
+            versions_loaded=len(self._names),
+            requests_done=self._requests_done,
+            samples_done=self._samples_done,
+            tokens_generated=self._tokens_generated,
+            requests_running=len(self._requests),
+            is_asleep=self._is_asleep,
+        )
+
+
+def _free_device_bytes() -> int:
+    # Device-wide, since vLLM's engine runs in its own process.
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else 0
+
+
+def _eos_ids(model_dir: str) -> frozenset[int]:
+    """The tokenizer's EOS plus the generation config's (sampling.md 1.3), as the torch engine reads them."""
+    ids: set[int] = set()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    try:
+        configured = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    return frozenset(ids)

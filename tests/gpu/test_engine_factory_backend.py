@@ -1,0 +1,29 @@
+"""Which sampler engine the factory builds: torch by default, vLLM when configured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from openrld.gpu.engines import TorchEngineFactory
+from openrld.gpu.torch_sampler import TorchSampler
+from openrld.gpu.vllm_sampler import VllmSamplerConfig, VllmUnavailable
+from openrld.model_catalog import ModelEntry
+
+
+def entry(directory: Path) -> ModelEntry:
+    return ModelEntry(name="tiny-llama", directory=str(directory), arch="llama", max_context=1024)
+
+
+def test_the_factory_builds_the_torch_sampler_by_default(tiny_llama: Path) -> None:
+    factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64)
+    assert isinstance(factory.sampler(entry(tiny_llama))(), TorchSampler)
+
+
+def test_the_factory_builds_the_vllm_sampler_when_configured(tiny_llama: Path) -> None:
+    # On this CPU node the vLLM engine refuses to start, which shows the factory chose it.
+    factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, vllm=VllmSamplerConfig())
+    with pytest.raises(VllmUnavailable, match="the vLLM sampler runs on the process's cuda:0"):
+        factory.sampler(entry(tiny_llama))()
