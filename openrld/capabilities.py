@@ -17,16 +17,19 @@ import msgspec
 
 from openrld import __version__
 from openrld.errors import NotSupportedYet
+from openrld.progress import Progress
 from openrld.settings import JobSettings, require_supported, settings_json_schema
 
 # The SDK release whose HTTP protocol openrld serves (DESIGN.md, "Tests").
 TINKER_SDK_VERSION = "0.38.0"
 
 # Names in gpu/losses.LOSSES, in its order; tests/test_capabilities.py checks they agree.
-SUPPORTED_LOSSES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+SUPPORTED_LOSSES: tuple[str, ...] = (
+    "cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce",
+)
 
 # Tinker loss names that the trainer refuses with a reason (gpu/losses.NOT_SUPPORTED).
-REFUSED_LOSSES: tuple[str, ...] = ("stable_reinforce", "custom")
+REFUSED_LOSSES: tuple[str, ...] = ("custom",)
 
 # The trainer_backend values a client may name; "image" stands for any container image reference.
 _TRAINER_BACKENDS: tuple[tuple[str, str, str], ...] = (
@@ -35,10 +38,10 @@ _TRAINER_BACKENDS: tuple[tuple[str, str, str], ...] = (
     ("image", "registry.example/trainer:tag", "a custom trainer container image (a reference containing '/')"),
 )
 
-# Sampler engines; only the torch engine exists today (vLLM is an optional GPU extra, not built yet).
+# Sampler engines, chosen per node by `sampler_backend` in the node config (gpu/engines.py).
 _SAMPLER_BACKENDS: tuple[tuple[str, bool, str], ...] = (
     ("torch", True, "PyTorch: one prefill per request, batched KV-cached decode"),
-    ("vllm", False, "vLLM engine core in its own process (GPU installs)"),
+    ("vllm", True, "vLLM (sampler_backend = \"vllm\" in the node config; CUDA nodes with the vllm package)"),
 )
 
 
@@ -65,6 +68,9 @@ class ModelSummary(msgspec.Struct, frozen=True):
     model_name: str
     arch: str
     max_context_length: int  # the longest sequence (prompt + completion) the model takes
+    # Preparing the model's files (a GGUF conversion): its latest progress, final ones
+    # included; None when the model never needed preparing.
+    preparing: Progress | None = None
 
 
 class DeviceSummary(msgspec.Struct, frozen=True):

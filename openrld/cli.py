@@ -71,7 +71,11 @@ async def _serve_until_signalled(config: NodeConfig) -> None:
 def _serve(args: argparse.Namespace) -> int:
     overrides = {
         key: value
-        for key, value in (("host", args.host), ("port", args.port), ("data_dir", args.data_dir), ("device", args.device))
+        for key, value in (
+            ("host", args.host), ("port", args.port), ("data_dir", args.data_dir), ("device", args.device),
+            ("node_name", args.node_name),
+            ("join", tuple(seed.strip() for seed in args.join.split(",") if seed.strip()) if args.join else None),
+        )
         if value is not None
     }
     try:
@@ -94,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--data-dir", type=Path, help="where the database and checkpoints live")
     serve.add_argument("--config", type=Path, help="a TOML config file (see config/openrld.toml)")
     serve.add_argument("--device", help="auto, cpu or cuda:N (default auto)")
+    serve.add_argument("--node-name", help="this node's name in the cluster (default: the host name)")
+    serve.add_argument(
+        "--join", help="comma-separated HOST:PORT (or DNS names) of cluster members' APIs to join; needs cluster_secret"
+    )
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     serve.set_defaults(func=_serve)
     args = parser.parse_args(argv)

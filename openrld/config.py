@@ -12,6 +12,7 @@ startup and never holds live objects.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -19,7 +20,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -31,6 +32,12 @@ API_KEY_PREFIX = "tml-"
 # The SDK gives up on one retrieve_future poll after 45 s; holding it longer
 # than that turns every slow result into a client-side timeout and retry.
 _SDK_POLL_TIMEOUT_S = 45.0
+
+
+# A device label: what `devices` may list (gpu/devices.py says what each means).
+_DEVICE_NAME = r"^(cpu|cuda)(:[0-9]{1,3})?$"
+# A node name goes into gossip, logs and URLs: letters, digits, '.', '-', '_' (a host name fits).
+_NODE_NAME = r"^([A-Za-z0-9][A-Za-z0-9._-]{0,62})?$"
 
 
 class ConfigError(ValueError):
@@ -53,6 +60,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_keys_file: Path | None = None
     device: Annotated[str, msgspec.Meta(min_length=1)] = "auto"
+    devices: tuple[Annotated[str, msgspec.Meta(pattern=_DEVICE_NAME)], ...] = ()
+    timeslice_quantum_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
     models: dict[str, Path] = msgspec.field(default_factory=dict)
     longpoll_s: Annotated[float, msgspec.Meta(gt=0.0, lt=_SDK_POLL_TIMEOUT_S)] = 30.0
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
@@ -60,10 +69,18 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_num_samples: Annotated[int, msgspec.Meta(ge=1)] = 128
     max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 128
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
+    sampler_backend: Literal["torch", "vllm"] = "torch"
+    vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     log_json: bool = False
     jwt_auth: bool = False
     jwt_ttl_s: Annotated[int, msgspec.Meta(ge=120, le=7 * 24 * 3600)] = 3600
     maintenance_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    node_name: Annotated[str, msgspec.Meta(pattern=_NODE_NAME)] = ""  # "": the host name
+    cluster_secret: str = ""
+    join: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ()
+    gossip_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 7946
+    advertise_host: str = ""
+    gossip_timing: Literal["lan", "local"] = "lan"
 
     @property
     def is_open_mode(self) -> bool:
@@ -74,8 +91,8 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 _FIELDS = {field.name: field for field in msgspec.structs.fields(NodeConfig)}
 
 # The fields an environment variable can set: the scalars. `models` is a table
-# and belongs in the file (or a ConfigMap mounted as the file).
-_ENV_FIELDS = tuple(name for name in _FIELDS if name != "models")
+# and `devices` a list; they belong in the file (or a ConfigMap mounted as the file).
+_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices"))
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -134,6 +151,9 @@ def _env_values(env: Mapping[str, str]) -> dict[str, object]:
             text = env[var]
             if name == "api_keys_file" and text == "":
                 values[name] = None  # an empty variable is how a manifest says "open mode"
+            elif name == "join":
+                # A list in one variable: comma-separated, as --join takes it.
+                values[name] = tuple(seed.strip() for seed in text.split(",") if seed.strip())
             else:
                 values[name] = _convert_field(name, text, f"environment {var}", from_text=True)
     return values
@@ -189,6 +209,14 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
     for name in config.models:
         if not name:
             raise ConfigError("models: a model name must not be empty")
+    if config.join and not config.cluster_secret:
+        raise ConfigError("join: joining a cluster needs cluster_secret (peers authenticate with it); none is set")
+    if config.sampler_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        # Found here, at startup, rather than when the first model loads.
+        raise ConfigError(
+            "sampler_backend = \"vllm\" needs the 'vllm' package, which is not installed: install vLLM into "
+            "the daemon's environment on a CUDA machine (pip install vllm), or set sampler_backend = \"torch\""
+        )
     return config
 
 

@@ -14,18 +14,22 @@ from __future__ import annotations
 import logging
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hypercorn.config
 import hypercorn.trio
-import msgspec
 import trio
 
 from openrld.actors.checkpoints import CheckpointWriter
+from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.actors.maintenance import run_maintenance
+from openrld.actors.model_prep import prepare_models
 from openrld.actors.usage import UsageMeter
+from openrld.actors.membership.messages import DeviceSlot
+from openrld.actors.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
 from openrld.api.signing import Signer
@@ -34,8 +38,12 @@ from openrld.config import NodeConfig, load_api_keys
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
+if TYPE_CHECKING:
+    from openrld.gpu.vllm_sampler import VllmSamplerConfig
+
 logger = logging.getLogger(__name__)
 
+MODEL_CACHE_DIR = "models"  # under the data dir: GGUF conversions (see model_catalog)
 GRACEFUL_SHUTDOWN_S = 3.0  # in-flight requests get this long to answer; pending long-polls answer 503 at once
 
 
@@ -50,6 +58,29 @@ def _hypercorn_config(config: NodeConfig) -> hypercorn.config.Config:
     return hc
 
 
+def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
+    """The vLLM engine's knobs when `sampler_backend = "vllm"`; vLLM is imported only then."""
+    if config.sampler_backend != "vllm":
+        return None
+    from openrld.gpu.vllm_sampler import VllmSamplerConfig
+
+    return VllmSamplerConfig(
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization, max_lora_rank=config.max_lora_rank
+    )
+
+
+async def _open_membership(config: NodeConfig) -> ClusterMembership | None:
+    """The node's cluster membership, its gossip port bound; None without a cluster secret."""
+    if not config.cluster_secret:
+        return None
+    settings = ClusterSettings(
+        node_name=config.node_name, cluster_secret=config.cluster_secret, seeds=config.join,
+        bind_host=config.host, gossip_port=config.gossip_port, advertise_host=config.advertise_host,
+        http_port=config.port, timing=config.gossip_timing,
+    )
+    return await ClusterMembership.open(settings)
+
+
 async def serve(
     config: NodeConfig,
     *,
@@ -57,24 +88,37 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one node until `shutdown` is set (or the caller cancels); report the bound URL when ready."""
-    from openrld.gpu.devices import describe, resolve_device
+    from openrld.gpu.devices import inventory, resolve_device
     from openrld.gpu.engines import TorchEngineFactory
+    from openrld.gpu.gguf_convert import GgufConverter
 
     device = resolve_device(config.device)
+    device_records = inventory(config.devices, config.device)
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else None
     store = Store.open(Path(config.data_dir))
     try:
         async with trio.open_nursery() as nursery:
             futures = FutureTable(store)
+            catalog = ModelCatalog(
+                {name: str(path) for name, path in config.models.items()},
+                cache_dir=Path(config.data_dir) / MODEL_CACHE_DIR,
+            )
+            converter = GgufConverter(catalog.progress_board)
+            # One time-slicer per device: groups sharing a device take turns on it.
+            node_devices = await nursery.start(
+                NodeDevices([d.name for d in device_records], quantum_s=config.timeslice_quantum_s).run
+            )
             groups = GroupTable(
                 nursery=nursery,
-                engines=TorchEngineFactory(device, max_batch_tokens=config.max_batch_tokens),
+                engines=TorchEngineFactory(
+                    device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config)
+                ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,
                 checkpoints=CheckpointWriter(store),
                 sample_queue_limit=config.sample_queue_limit,
+                devices=node_devices,
             )
-            catalog = ModelCatalog({name: str(path) for name, path in config.models.items()})
             usage = UsageMeter()
             signer = Signer()
             jobs = JobTable(
@@ -83,10 +127,14 @@ async def serve(
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, interval_s=config.maintenance_interval_s))
+            # Configured GGUF models convert in the background; progress is in /openrl/v1/info.
+            await nursery.start(prepare_models, catalog, converter.ensure)
+            membership = await _open_membership(config)
             services = Services(
                 config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
                 store=store, catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
-                devices=(DeviceSummary(**msgspec.structs.asdict(describe(device))),),
+                devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
+                cluster=membership.node if membership is not None else None,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
@@ -94,9 +142,16 @@ async def serve(
                     partial(hypercorn.trio.serve, build_app(services), _hypercorn_config(config), shutdown_trigger=stop.wait)
                 )
                 logger.info(
-                    "openrld serving url=%s data_dir=%s device=%s open_mode=%s",
-                    binds[0], config.data_dir, device, keys is None,
+                    "openrld serving url=%s data_dir=%s devices=%s open_mode=%s",
+                    binds[0], config.data_dir, ",".join(d.name for d in device_records), keys is None,
                 )
+                if membership is not None:
+                    # Gossip starts once the peer API answers; it leaves the cluster when cancelled.
+                    peer_url = membership.peer_url(binds[0])
+                    slots = [DeviceSlot(d.name, d.kind, d.memory_bytes, d.free_bytes) for d in device_records]
+                    await nursery.start(
+                        membership.run, lambda: node_payload(peer_url, slots, groups.statistics())
+                    )
                 task_status.started(binds[0])
                 await stop.wait()
                 futures.close()  # pending long-polls answer 503 now, within hypercorn's graceful drain

@@ -193,7 +193,10 @@ def check_cluster(client: httpx.Client, options: DoctorOptions, found: _Findings
             "cluster", Status.FAIL, f"GET /openrl/v1/cluster answered {response.status_code}: {_detail(response)}",
             "read the node's log around this time for the cause",
         )
-    members = response.json().get("members", [])
+    view = response.json()
+    if view.get("is_clustered") is False:
+        return CheckResult("cluster", Status.OK, f"single node (no cluster_secret, so in no cluster); its devices: {devices}")
+    members = view.get("members", [])
     listed = "; ".join(f"{m.get('name', '?')}: {_describe_devices(m.get('devices', []))}" for m in members)
     return CheckResult("cluster", Status.OK, f"{len(members)} members: {listed}")
 

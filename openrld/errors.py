@@ -37,6 +37,12 @@ class InvalidToken(Unauthorized):
     """A JWT that is malformed, expired or not ours; the SDK re-exchanges its key and replays once."""
 
 
+class Forbidden(UserError):
+    """Credentials were given and are wrong: a peer whose tag does not match the cluster secret."""
+
+    status = 403
+
+
 class NotFound(UserError):
     status = 404
 

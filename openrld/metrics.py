@@ -20,6 +20,8 @@ import msgspec
 
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.membership.node import MembershipStatistics
+from openrld.actors.stability import StabilityStatistics
 from openrld.store import StoreStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,6 +96,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     futures: FutureStatistics
     groups: list[GroupStatistics]
     store: StoreStatistics
+    stability: StabilityStatistics | None = None  # stable_reinforce's sampling records (actors/stability.py)
+    membership: MembershipStatistics | None = None  # gossip; None on a node outside any cluster
 
 
 # ---------------------------------------------------------------- text format
@@ -178,6 +182,30 @@ def _group_lines(groups: list[GroupStatistics]) -> list[str]:
                  per_group(lambda g: g.sampler.loaded_versions)),
         *_family("openrld_sampler_requests_total", "counter", "Sample requests finished, by outcome.",
                  per_outcome(lambda g: g.sampler.samples_done, lambda g: g.sampler.samples_failed)),
+        *_family("openrld_sampler_replicas", "gauge", "Sampler engines draining the base model's sampling queue.",
+                 per_group(lambda g: g.sampler.replicas)),
+        *_family("openrld_sampler_replica_requests_total", "counter", "Sample requests each sampler replica finished.",
+                 [((("base_model", g.base_model), ("replica", str(i))), float(n))
+                  for g in groups for i, n in enumerate(g.sampler.requests_by_replica)]),
+        *_family("openrld_device_lease_seconds_total", "counter",
+                 "Time each worker held its device under the time-slicer's lease.",
+                 [((("base_model", g.base_model), ("worker", role), ("device", lease_of.device)), lease_of.lease.lease_s)
+                  for g in groups for role, lease_of in (("trainer", g.trainer), ("sampler", g.sampler))
+                  if lease_of.lease is not None]),
+        *_family("openrld_weight_syncs_total", "counter", "Weight syncs from trainer to sampler that landed.",
+                 per_group(lambda g: g.sampler.syncs)),
+        *_family("openrld_weight_sync_bytes_total", "counter",
+                 "Bytes those syncs moved: changed elements and their indices (delta) or whole tensors (full).",
+                 per_group(lambda g: g.sampler.sync_bytes)),
+        *_family("openrld_weight_sync_changed_fraction", "gauge",
+                 "Fraction of the weights' elements the last sync changed.",
+                 [((("base_model", g.base_model),), g.sampler.last_sync.changed_fraction)
+                  for g in groups if g.sampler.last_sync is not None]),
+        *_family("openrld_device_parks_total", "counter",
+                 "Times the time-slicer parked each worker to give its device to another.",
+                 [((("base_model", g.base_model), ("worker", role), ("device", lease_of.device)), lease_of.lease.parks)
+                  for g in groups for role, lease_of in (("trainer", g.trainer), ("sampler", g.sampler))
+                  if lease_of.lease is not None]),
     ]
 
 
@@ -202,5 +230,42 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *_family("openrld_store_checkpoint_bytes", "gauge", "Bytes of checkpoint files.", [((), store.checkpoint_bytes)]),
         *_family("openrld_store_pending_requests", "gauge", "Requests logged as pending in the store.",
                  [((), store.pending_requests)]),
+        *(_stability_lines(stats.stability) if stats.stability is not None else []),
+        *(_gossip_lines(stats.membership) if stats.membership is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _gossip_lines(gossip: MembershipStatistics) -> list[str]:
+    return [
+        *_family("openrld_gossip_members", "gauge", "Cluster members as this node sees them, by state.",
+                 [((("state", state),), count) for state, count in
+                  (("alive", gossip.alive), ("suspect", gossip.suspect), ("dead", gossip.dead), ("left", gossip.left))]),
+        *_family("openrld_gossip_awareness_score", "gauge",
+                 "Lifeguard local health: 0 is healthy; higher stretches this node's probe timeouts.",
+                 [((), gossip.awareness_score)]),
+        *_family("openrld_gossip_packets_total", "counter", "Gossip datagrams, by direction.",
+                 [((("direction", "sent"),), gossip.packets_sent), ((("direction", "received"),), gossip.packets_received)]),
+        *_family("openrld_gossip_bytes_total", "counter", "Gossip datagram bytes, by direction.",
+                 [((("direction", "sent"),), gossip.bytes_sent), ((("direction", "received"),), gossip.bytes_received)]),
+        *_family("openrld_gossip_dropped_total", "counter",
+                 "Datagrams and push-pull bodies dropped, by reason (a bad or missing cluster tag among them).",
+                 [((("reason", reason),), count) for reason, count in sorted(gossip.dropped.items())]),
+        *_family("openrld_gossip_push_pulls_total", "counter", "Full-state push-pull exchanges, by outcome.",
+                 [((("outcome", "ok"),), gossip.push_pulls_ok), ((("outcome", "failed"),), gossip.push_pulls_failed)]),
+        *_family("openrld_gossip_refutations_total", "counter",
+                 "Times this node refuted a suspicion of itself (a sign of its own packet loss or slowness).",
+                 [((), gossip.refutations)]),
+    ]
+
+
+def _stability_lines(stability: StabilityStatistics) -> list[str]:
+    return [
+        *_family("openrld_stability_records", "gauge", "Sampled sequences recorded for stable_reinforce.",
+                 [((), stability.records)]),
+        *_family("openrld_stability_recorded_tokens", "gauge", "Prompt and sampled tokens those records hold.",
+                 [((), stability.recorded_tokens)]),
+        *_family("openrld_stability_records_dropped_total", "counter",
+                 "Records dropped, by why: a day unused (expired) or past the memory bound (evicted).",
+                 [((("reason", "expired"),), stability.expired), ((("reason", "evicted"),), stability.evicted)]),
+    ]

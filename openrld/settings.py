@@ -281,17 +281,16 @@ def _check_cross_fields(settings: JobSettings, given: set[str]) -> None:
 # --- what this node has built ---------------------------------------------------------------------
 
 # For each setting, which values this node can run; later work widens a row as
-# its feature lands. Today only the defaults run. An explicit weight_sync is
-# legal only with fine_tuning_type=full (see _check_cross_fields), which the
-# first row refuses, so every explicit weight_sync is refused for now.
+# its feature lands. An explicit weight_sync is legal only with
+# fine_tuning_type=full (see _check_cross_fields).
 _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
-    "fine_tuning_type": lambda value: value is FineTuningType.LORA,
-    "weight_sync": lambda value: value is WeightSync.DELTA,
-    "exclusive": lambda value: value is False,
+    "fine_tuning_type": lambda value: True,  # full: gpu/full_trainer.py, a group per job
+    "weight_sync": lambda value: True,  # gpu/delta.py; legal only with fine_tuning_type=full
+    "exclusive": lambda value: True,  # actors/device_pool.py books devices of its own, or refuses
     "trainer_backend": lambda value: value == "pytorch",
     "trainer_gpus": lambda value: value == 1,
     "trainer_cp": lambda value: value == 1,
-    "sampler_replicas": lambda value: value == 1,
+    "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them
 }
 assert set(_IS_BUILT) == set(SETTING_KEYS), "every setting needs a row in _IS_BUILT"
 

@@ -33,6 +33,14 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "qwen3", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    """The tiny Llama as a float32 GGUF file (with its tokenizer)."""
+    from openrld.gpu.tiny_gguf import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
 class Daemon:
     """A real `openrld serve` child process."""
 

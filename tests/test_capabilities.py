@@ -18,7 +18,7 @@ def test_only_the_pytorch_trainer_and_torch_sampler_are_built():
     assert [(b.name, b.built) for b in capabilities.trainer_backends()] == [
         ("pytorch", True), ("automodel", False), ("image", False),
     ]
-    assert [(b.name, b.built) for b in capabilities.sampler_backends()] == [("torch", True), ("vllm", False)]
+    assert [(b.name, b.built) for b in capabilities.sampler_backends()] == [("torch", True), ("vllm", True)]
 
 
 def test_capabilities_does_not_import_torch():

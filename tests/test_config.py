@@ -121,8 +121,9 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path: Path) -> None:
         load_config(path, {}, ENV)
     assert str(excinfo.value) == (
         f"config file {path}: unknown key 'prot'; known keys are data_dir, host, port, api_keys_file, device, "
-        "models, longpoll_s, max_body_bytes, max_batch_tokens, max_num_samples, max_lora_rank, "
-        "sample_queue_limit, log_json, jwt_auth, jwt_ttl_s, maintenance_interval_s"
+        "devices, timeslice_quantum_s, models, longpoll_s, max_body_bytes, max_batch_tokens, max_num_samples, max_lora_rank, "
+        "sample_queue_limit, sampler_backend, vllm_gpu_memory_utilization, log_json, jwt_auth, jwt_ttl_s, "
+        "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, gossip_timing"
     )
 
 
@@ -228,3 +229,14 @@ def test_private_api_keys_file_is_not_warned_about(tmp_path: Path, caplog: pytes
     with caplog.at_level(logging.WARNING, logger="openrld.config"):
         load_api_keys(path)
     assert caplog.messages == []
+
+
+def test_devices_list_is_read_from_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", 'devices = ["cpu:0", "cpu:1"]\n')
+    assert load_config(path, {}, ENV).devices == ("cpu:0", "cpu:1")
+
+
+def test_malformed_device_label_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", 'devices = ["gpu0"]\n')
+    with pytest.raises(ConfigError, match=r"devices: .*gpu0"):
+        load_config(path, {}, ENV)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import textwrap
 
+import msgspec
+
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
+from openrld.batches import SyncStats
 from openrld.metrics import LATENCY_BUCKETS_S, NodeStatistics, RequestMetrics, render_prometheus
 from openrld.store import StoreStatistics
 
@@ -41,6 +45,7 @@ def _node(requests: RequestMetrics) -> NodeStatistics:
     sampler = SamplerStatistics(
         queue_depth=5, waiting=4, running=1, replicas=1, loaded_versions=2, host_versions=0,
         samples_done=9, samples_failed=0, samples_cancelled=0, samples_refused=0, busy=False,
+        requests_by_replica=(9,),
     )
     return NodeStatistics(
         version="0.1.0",
@@ -88,6 +93,10 @@ def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
         openrld_sampler_loaded_weight_versions{{{label}}} 2
         openrld_sampler_requests_total{{{label},outcome="done"}} 9
         openrld_sampler_requests_total{{{label},outcome="failed"}} 0
+        openrld_sampler_replicas{{{label}}} 1
+        openrld_sampler_replica_requests_total{{{label},replica="0"}} 9
+        openrld_weight_syncs_total{{{label}}} 0
+        openrld_weight_sync_bytes_total{{{label}}} 0
         """
     ).splitlines()
     assert [line for line in text.splitlines() if "base_model=" in line] == expected
@@ -111,3 +120,44 @@ def test_render_reports_futures_and_store():
         "openrld_store_checkpoint_bytes": "5000",
         "openrld_store_pending_requests": "6",
     }
+
+
+def test_render_counts_weight_syncs_and_their_bytes_with_the_last_changed_fraction():
+    node = _node(RequestMetrics())
+    [group] = node.groups
+    last = SyncStats(mode="delta", changed_fraction=0.125, bytes_moved=600, full_bytes=4000, dense_tensors=0,
+                     compute_s=0.01)
+    sampler = msgspec.structs.replace(group.sampler, syncs=3, sync_bytes=1800, last_sync=last)
+    node = msgspec.structs.replace(node, groups=[msgspec.structs.replace(group, base_model="m", sampler=sampler)])
+    lines = render_prometheus(node).splitlines()
+    assert [line for line in lines if line.startswith("openrld_weight_sync")] == [
+        'openrld_weight_syncs_total{base_model="m"} 3',
+        'openrld_weight_sync_bytes_total{base_model="m"} 1800',
+        'openrld_weight_sync_changed_fraction{base_model="m"} 0.125',
+    ]
+
+
+def test_render_reports_gossip_health_only_on_a_clustered_node():
+    assert "openrld_gossip" not in render_prometheus(_node(RequestMetrics()))
+    gossip = MembershipStatistics(
+        name="a", incarnation=2, alive=3, suspect=1, dead=1, left=0, awareness_score=2, packets_sent=100,
+        bytes_sent=9000, packets_received=90, bytes_received=8000, dropped={"bad_tag": 4}, push_pulls_ok=5,
+        push_pulls_failed=1, refutations=1, queued_broadcasts=0,
+    )
+    node = msgspec.structs.replace(_node(RequestMetrics()), membership=gossip)
+    lines = [line for line in render_prometheus(node).splitlines() if line.startswith("openrld_gossip")]
+    assert lines == [
+        'openrld_gossip_members{state="alive"} 3',
+        'openrld_gossip_members{state="suspect"} 1',
+        'openrld_gossip_members{state="dead"} 1',
+        'openrld_gossip_members{state="left"} 0',
+        "openrld_gossip_awareness_score 2",
+        'openrld_gossip_packets_total{direction="sent"} 100',
+        'openrld_gossip_packets_total{direction="received"} 90',
+        'openrld_gossip_bytes_total{direction="sent"} 9000',
+        'openrld_gossip_bytes_total{direction="received"} 8000',
+        'openrld_gossip_dropped_total{reason="bad_tag"} 4',
+        'openrld_gossip_push_pulls_total{outcome="ok"} 5',
+        'openrld_gossip_push_pulls_total{outcome="failed"} 1',
+        "openrld_gossip_refutations_total 1",
+    ]

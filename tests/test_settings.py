@@ -248,22 +248,6 @@ def test_defaults_are_supported() -> None:
     ("settings", "key", "detail"),
     [
         (
-            JobSettings(fine_tuning_type=FineTuningType.FULL),
-            "openrl.fine_tuning_type",
-            "openrl.fine_tuning_type=full is not supported yet by this node",
-        ),
-        (
-            JobSettings(fine_tuning_type=FineTuningType.FULL, weight_sync=WeightSync.FULL),
-            "openrl.fine_tuning_type",
-            "openrl.fine_tuning_type=full is not supported yet by this node",
-        ),
-        (
-            JobSettings(weight_sync=WeightSync.FULL),
-            "openrl.weight_sync",
-            "openrl.weight_sync=full is not supported yet by this node",
-        ),
-        (JobSettings(exclusive=True), "openrl.exclusive", "openrl.exclusive=true is not supported yet by this node"),
-        (
             JobSettings(trainer_backend="automodel"),
             "openrl.trainer_backend",
             "openrl.trainer_backend=automodel is not supported yet by this node",
@@ -275,18 +259,26 @@ def test_defaults_are_supported() -> None:
         ),
         (JobSettings(trainer_gpus=2), "openrl.trainer_gpus", "openrl.trainer_gpus=2 is not supported yet by this node"),
         (JobSettings(trainer_cp=2), "openrl.trainer_cp", "openrl.trainer_cp=2 is not supported yet by this node"),
-        (
-            JobSettings(sampler_replicas=4),
-            "openrl.sampler_replicas",
-            "openrl.sampler_replicas=4 is not supported yet by this node",
-        ),
     ],
-    ids=["full", "full-with-sync", "sync-full", "exclusive", "automodel", "image", "gpus", "cp", "replicas"],
+    ids=["automodel", "image", "gpus", "cp"],
 )
 def test_unbuilt_feature_is_not_supported_yet(settings: JobSettings, key: str, detail: str) -> None:
     with pytest.raises(NotSupportedYet) as excinfo:
         require_supported(settings)
     assert (excinfo.value.detail, excinfo.value.key) == (detail, key)
+
+
+@pytest.mark.parametrize("sync", [WeightSync.DELTA, WeightSync.FULL], ids=["delta", "full"])
+def test_full_fine_tuning_with_either_weight_sync_is_supported(sync: WeightSync) -> None:
+    require_supported(JobSettings(fine_tuning_type=FineTuningType.FULL, weight_sync=sync))
+
+
+def test_exclusive_jobs_are_supported() -> None:
+    require_supported(JobSettings(exclusive=True))
+
+
+def test_sampler_replicas_up_to_eight_are_supported() -> None:
+    require_supported(JobSettings(sampler_replicas=8))
 
 
 def test_schema_has_every_key_with_a_description() -> None:

@@ -1,23 +1,36 @@
 """Worker groups: one trainer and one sampler per base model on this node.
 
 Every LoRA job on a base model shares its group (many adapters, one resident
-model). A group starts on first use; concurrent first users wait for the same
-start, and a failed start is reported to each of them and retried by the next.
+model); a full fine-tuning run gets a group of its own, keyed by its run id, which
+also serves sampling from that run's checkpoints. A group starts on first use;
+concurrent first users wait for the same start, and a failed start is reported to
+each of them and retried by the next.
 The group's actors run in the table's nursery and die with it.
+
+Devices: a group's trainer and sampler are placed on the node's devices by
+`actors/device_pool.py` when the group starts (or, for an `openrl.exclusive`
+job, when the job is created: `reserve`), and each takes a lease from its
+device's time-slicer. A LoRA group's two workers share one party (they fit
+together and never park for each other); a full fine-tuning job's trainer and
+sampler are two parties, so on one device they take turns, one parked.
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Protocol
 
 import msgspec
 import trio
 
+from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
 from openrld.actors.sampler import SamplerActor, SamplerHandle, SamplerStatistics
+from openrld.actors.stability import StabilityRecords
+from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
-from openrld.errors import ServerError
+from openrld.errors import OpenrldError, ServerError
 from openrld.model_catalog import ModelEntry
 
 logger = logging.getLogger(__name__)
@@ -28,12 +41,38 @@ class EngineFactory(Protocol):
 
     def trainer(self, model: ModelEntry) -> Callable[[], Any]: ...
     def sampler(self, model: ModelEntry) -> Callable[[], Any]: ...
+    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], Any]: ...
+    def full_sampler(self, model: ModelEntry) -> Callable[[], Any]: ...
+    def on(self, device: str) -> "EngineFactory": ...
+
+
+# A full fine-tuning group's sampler holds whole copies of the weights per version, so it
+# keeps few: the newest versions are what an RL loop samples; older unnamed ones answer 410.
+FULL_LOADED_VERSIONS = 2
+FULL_HOST_VERSIONS = 4
 
 
 class Group(msgspec.Struct, frozen=True):
     model: ModelEntry
     trainer: TrainerHandle
     sampler: SamplerHandle
+    job: str | None = None  # the full fine-tuning run it serves alone; None: the base model's LoRA group
+
+
+class OwnGroup(msgspec.Struct, frozen=True):
+    """A job's own group, booked at the job's creation."""
+
+    job: str
+    full_sync: str | None  # full fine-tuning's weight_sync; None: a LoRA group of its own (exclusive)
+    is_exclusive: bool
+
+
+class _Seat(msgspec.Struct, frozen=True):
+    """Where one worker of a group runs."""
+
+    engines: Any  # an EngineFactory building on the worker's device
+    limiter: trio.CapacityLimiter
+    lease_from: Callable[[Parkable], DeviceLease] | None  # None: the node has no time-slicers
 
 
 class GroupStatistics(msgspec.Struct, frozen=True):
@@ -52,8 +91,12 @@ class GroupTable:
         futures: FutureTable,
         checkpoints: CheckpointSink,
         sample_queue_limit: int,
+        devices: NodeDevices | None = None,
     ) -> None:
         self._nursery = nursery
+        # The node's devices: placement, time-slicers, a limiter each. None: one device, `limiter`, no turns.
+        self._devices = devices
+        self._own: dict[str, OwnGroup] = {}  # group key -> how the job's own group is made
         self._engines = engines
         self._limiter = limiter
         self._futures = futures
@@ -62,26 +105,55 @@ class GroupTable:
         self._groups: dict[str, Group] = {}
         self._starting: dict[str, trio.Event] = {}
         self._start_errors: dict[str, str] = {}
+        # One node-wide store: every group's sampler records into it, the job table resolves from it.
+        self.stability = StabilityRecords()
 
-    def get_nowait(self, model: ModelEntry) -> Group | None:
-        return self._groups.get(model.directory)
+    def reserve(self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool) -> None:
+        """Book devices now for `job`'s own group (exclusive, or full fine-tuning), before it starts.
+
+        Placement is synchronous, so two jobs created at once never book one free device.
+
+        Raises:
+            BadRequest: exclusive, and no device of this node is free (key `openrl.exclusive`).
+        """
+        key = _group_key(model, job)
+        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive)
+        if self._devices is not None:
+            try:
+                self._devices.pool.place(key, exclusive=exclusive, label=f"job {job}")
+            except OpenrldError:
+                del self._own[key]
+                raise
+
+    def placement_of(self, model: ModelEntry, job: str | None = None) -> Placement | None:
+        return self._devices.pool.placement_of(_group_key(model, job)) if self._devices is not None else None
+
+    def start_state(self, model: ModelEntry, job: str | None = None) -> tuple[bool, str | None]:
+        """(is the group loading now, the error of its last failed start)."""
+        key = _group_key(model, job)
+        return key in self._starting, self._start_errors.get(key)
+
+    def get_nowait(self, model: ModelEntry, job: str | None = None) -> Group | None:
+        """The running group: `model`'s LoRA group, or with `job` that full fine-tuning run's own."""
+        return self._groups.get(_group_key(model, job))
 
     def all_groups(self) -> list[Group]:
         return list(self._groups.values())
 
-    async def get(self, model: ModelEntry) -> Group:
-        """The group for `model`, starting it if needed.
+    async def get(self, model: ModelEntry, job: str | None = None, weight_sync: str = "delta") -> Group:
+        """The group for `model` (or, with `job`, for that full fine-tuning run alone, its
+        trainer syncing weights to its sampler by `weight_sync`), starting it if needed.
 
         Raises:
             ServerError: the engines could not be built (the message says why).
         """
-        key = model.directory
+        key = _group_key(model, job)
         while key not in self._groups:
             starting = self._starting.get(key)
             if starting is None:
                 self._starting[key] = trio.Event()
                 try:
-                    self._groups[key] = await self._start(model)
+                    self._groups[key] = await self._start(model, job, weight_sync)
                     self._start_errors.pop(key, None)
                 except Exception as error:
                     logger.exception("group start failed base_model=%s", model.name)
@@ -97,22 +169,47 @@ class GroupTable:
                     )
         return self._groups[key]
 
-    async def _start(self, model: ModelEntry) -> Group:
-        logger.info("starting group base_model=%s dir=%s", model.name, model.directory)
+    def _seats(self, model: ModelEntry, job: str | None, *, is_full: bool) -> tuple[_Seat, _Seat]:
+        """Where the group's trainer and sampler run: device, engine factory, limiter, lease."""
+        key = _group_key(model, job)
+        name = model.name if job is None else f"{model.name}/{job}"
+        if self._devices is None:
+            return _Seat(self._engines, self._limiter, None), _Seat(self._engines, self._limiter, None)
+        own = self._own.get(key)
+        label = f"job {job}" if job is not None else name
+        placement = self._devices.pool.place(key, exclusive=own is not None and own.is_exclusive, label=label)
+        seats = []
+        for role, device in (("trainer", placement.trainer_device), ("sampler", placement.sampler_device)):
+            # A LoRA group's workers fit on one device together; a full fine-tuning job's take turns.
+            party = f"{name} {role}" if is_full else name
+            lease_from = partial(self._devices.slicers[device].register, f"{name} {role}", party)
+            seats.append(_Seat(self._engines.on(device), self._devices.limiters[device], lease_from))
+        return seats[0], seats[1]
+
+    async def _start(self, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
+        logger.info("starting group base_model=%s dir=%s job=%s", model.name, model.directory, job)
+        own = self._own.get(_group_key(model, job))
+        if job is not None and (own is None or own.full_sync is not None):
+            return await self._start_full(model, job, own.full_sync if own is not None else weight_sync)
+        trainer_seat, sampler_seat = self._seats(model, job, is_full=False)
+        name = model.name if job is None else f"{model.name}/{job}"
         sampler = await self._nursery.start(
             SamplerActor(
-                name=model.name,
-                build_engine=self._engines.sampler(model),
-                limiter=self._limiter,
+                name=name,
+                build_engine=sampler_seat.engines.sampler(model),
+                limiter=sampler_seat.limiter,
+                lease_from=sampler_seat.lease_from,
                 futures=self._futures,
                 queue_limit=self._sample_queue_limit,
+                stability=self.stability,
             ).run
         )
         trainer = await self._nursery.start(
             TrainerActor(
-                name=model.name,
-                build_engine=self._engines.trainer(model),
-                limiter=self._limiter,
+                name=name,
+                build_engine=trainer_seat.engines.trainer(model),
+                limiter=trainer_seat.limiter,
+                lease_from=trainer_seat.lease_from,
                 futures=self._futures,
                 checkpoints=self._checkpoints,
                 sampler=sampler,
@@ -120,8 +217,45 @@ class GroupTable:
         )
         return Group(model=model, trainer=trainer, sampler=sampler)
 
+    async def _start_full(self, model: ModelEntry, job: str, weight_sync: str) -> Group:
+        """A trainer and a sampler for one full fine-tuning run. Its sampler takes each new
+        version as it is published, in order (`eager_versions`): weight-sync payloads chain."""
+        trainer_seat, sampler_seat = self._seats(model, job, is_full=True)
+        sampler = await self._nursery.start(
+            SamplerActor(
+                name=f"{model.name}/{job}",
+                build_engine=sampler_seat.engines.full_sampler(model),
+                limiter=sampler_seat.limiter,
+                lease_from=sampler_seat.lease_from,
+                futures=self._futures,
+                queue_limit=self._sample_queue_limit,
+                stability=self.stability,
+                max_loaded_versions=FULL_LOADED_VERSIONS,
+                max_host_versions=FULL_HOST_VERSIONS,
+                eager_versions=True,
+            ).run
+        )
+        trainer = await self._nursery.start(
+            TrainerActor(
+                name=f"{model.name}/{job}",
+                build_engine=trainer_seat.engines.full_trainer(model, weight_sync),
+                limiter=trainer_seat.limiter,
+                lease_from=trainer_seat.lease_from,
+                futures=self._futures,
+                checkpoints=self._checkpoints,
+                sampler=sampler,
+            ).run
+        )
+        return Group(model=model, trainer=trainer, sampler=sampler, job=job)
+
     def statistics(self) -> list[GroupStatistics]:
         return [
             GroupStatistics(base_model=g.model.name, trainer=g.trainer.statistics(), sampler=g.sampler.statistics())
             for g in self._groups.values()
         ]
+
+
+def _group_key(model: ModelEntry, job: str | None) -> str:
+    # A LoRA group is keyed by its model directory (an absolute path); a full run's by its id,
+    # which cannot look like one.
+    return model.directory if job is None else f"full:{job}"

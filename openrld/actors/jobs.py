@@ -20,6 +20,7 @@ from openrld import ids, settings as job_settings
 from openrld.actors.checkpoints import check_ttl
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import Group, GroupTable
+from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, build_status
 from openrld.actors.sampler import Sample
 from openrld.actors.usage import UsageMeter
 from openrld.actors.trainer import (
@@ -33,7 +34,7 @@ from openrld.actors.trainer import (
     TrainOp,
 )
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SampleJob
-from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError
+from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
 from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
 
@@ -47,7 +48,7 @@ class JobInfo(msgspec.Struct, frozen=True):
     base_model: str
     tokenizer_id: str
     arch: str
-    lora: LoraSpec
+    lora: LoraSpec | None  # None: full fine-tuning
     optimizer_config: dict[str, Any]
 
 
@@ -61,13 +62,22 @@ TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the st
 
 
 class _Job:
-    __slots__ = ("model_id", "owner", "model", "lora", "requests", "touched_at")
+    __slots__ = (
+        "model_id", "owner", "model", "lora", "requests", "touched_at", "sampler_replicas", "full_sync", "is_exclusive",
+    )
 
-    def __init__(self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec) -> None:
+    def __init__(
+        self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec | None, sampler_replicas: int = 1,
+        full_sync: str | None = None, is_exclusive: bool = False,
+    ) -> None:
+        self.is_exclusive = is_exclusive  # openrl.exclusive: a group of its own on devices of its own
         self.model_id = model_id
         self.owner = owner
         self.model = model
-        self.lora = lora
+        self.lora = lora  # None: full fine-tuning
+        # Full fine-tuning: its weight_sync ("delta" or "full"); the job has a group of its own.
+        self.full_sync = full_sync
+        self.sampler_replicas = sampler_replicas  # openrl.sampler_replicas; its group runs at least this many
         self.requests: dict[int, str] = {}  # seq_id -> request_id
         self.touched_at = float("-inf")
 
@@ -76,20 +86,31 @@ class _Job:
         if len(self.requests) > SEQ_MEMORY:
             del self.requests[min(self.requests)]
 
+    @property
+    def group_job(self) -> str | None:
+        """The key of the job's own group (full fine-tuning or exclusive), else None (its base model's LoRA group)."""
+        return self.model_id if self.full_sync is not None or self.is_exclusive else None
+
 
 class _SamplingSession:
-    __slots__ = ("sampler_id", "owner", "model", "version", "source_dir", "model_path", "requests")
+    __slots__ = (
+        "sampler_id", "owner", "model", "version", "source_dir", "model_path", "requests", "inflight_model",
+        "group_job",
+    )
 
     def __init__(
         self, sampler_id: str, owner: str, model: ModelEntry, version: str | None,
-        source_dir: str | None, model_path: str | None,
+        source_dir: str | None, model_path: str | None, inflight_model: str | None = None,
+        group_job: str | None = None,
     ) -> None:
+        self.group_job = group_job  # the full fine-tuning run whose group samples it; None: the LoRA group
         self.sampler_id = sampler_id
         self.owner = owner
         self.model = model
         self.version = version
         self.source_dir = source_dir
         self.model_path = model_path
+        self.inflight_model = inflight_model  # inflight: follows this training model's published weights
         self.requests: dict[int, tuple[str, list[str]]] = {}  # seq_id -> (request_id, sequence ids)
 
 
@@ -149,10 +170,11 @@ class JobTable:
     # ------------------------------------------------------------ training jobs
 
     def create_model(
-        self, owner: str, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraSpec,
+        self, owner: str, *, session_id: str, model_seq_id: int, base_model: str, lora: LoraSpec | None,
         user_metadata: dict[str, str], optimizer_config: dict[str, Any],
     ) -> tuple[str, str]:
-        """Start a LoRA job; returns (request_id, model_id). A retry returns the first request."""
+        """Start a LoRA job, or a full fine-tuning job (openrl.fine_tuning_type=full) in a group of
+        its own; returns (request_id, model_id). A retry returns the first request."""
         session = self._session(owner, session_id)
         model_id = ids.model_id(session_id, model_seq_id)
         existing = self._jobs.get(model_id)
@@ -164,15 +186,27 @@ class JobTable:
             session.tags, session.user_metadata, user_metadata
         )
         job_settings.require_supported(job_settings_value)
-        self._check_lora(lora)
+        full_sync = _full_sync(job_settings_value)
+        if full_sync is None:
+            if lora is None:
+                raise BadRequest("create_model needs lora_config for a LoRA job (or openrl.fine_tuning_type=full)")
+            self._check_lora(lora)
+        else:
+            lora = None  # the SDK always sends a lora_config; a full job has no adapter
+            _require_full_optimizer(optimizer_config)
         model = self._catalog.resolve(base_model)
+        if job_settings_value.exclusive:  # booked now, so that a node with no free device refuses the job
+            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
         self._store.create_run(
             model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
-            lora=msgspec.to_builtins(lora), settings=job_settings.settings_to_dict(job_settings_value),
+            lora=msgspec.to_builtins(lora) if lora is not None else None,
+            settings=job_settings.settings_to_dict(job_settings_value),
             user_metadata=user_metadata, optimizer_config=optimizer_config,
         )
         request_id = self._new_request(owner, model_id, "create_model")
-        job = _Job(model_id, owner, model, lora)
+        job = _Job(
+            model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive
+        )
         job.remember(0, request_id)
         self._jobs[model_id] = job
         first = CreateAdapter(model_id, request_id, lora, optimizer=_optimizer_family(optimizer_config))
@@ -192,16 +226,24 @@ class JobTable:
         tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
         if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
-        lora = msgspec.convert(source_run.lora, LoraSpec)
+        lora = msgspec.convert(source_run.lora, LoraSpec) if source_run.lora is not None else None
         model = self._catalog.resolve(source_run.base_model)
         resumed_config = _resumed_optimizer_config(path, source_run.optimizer_config, optimizer_config, with_optimizer)
+        # A restore takes the checkpoint's fine_tuning_type (and, for full, its weight_sync).
+        full_sync = _full_sync(job_settings.settings_from_dict(source_run.settings))
+        if full_sync is not None:
+            _require_full_optimizer(resumed_config)
+        is_exclusive = job_settings.settings_from_dict(source_run.settings).exclusive
+        if is_exclusive:
+            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
         self._store.create_run(
             model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
             model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
             user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
         )
         request_id = self._new_request(owner, model_id, "load_weights")
-        job = _Job(model_id, owner, model, lora)
+        replicas = job_settings.settings_from_dict(source_run.settings).sampler_replicas
+        job = _Job(model_id, owner, model, lora, replicas, full_sync, is_exclusive)
         job.remember(0, request_id)
         self._jobs[model_id] = job
         op = LoadState(
@@ -213,11 +255,44 @@ class JobTable:
 
     async def _open_and_submit(self, job: _Job, first_op: TrainOp) -> None:
         try:
-            group = await self._groups.get(job.model)
+            group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
+            # Before the job's first op, so that its sampler replicas serve once create_model answers.
+            await group.sampler.ensure_replicas(job.sampler_replicas)
             group.trainer.open_job(job.model_id, next_seq=0)
             group.trainer.submit_nowait(first_op)
         except OpenrldError as error:
             self._futures.fail(first_op.request_id, error)
+
+    def model_status(self, owner: str, model_id: str) -> ModelStatus:
+        """GET /openrl/v1/models/{model_id}/status: the job's state, workers, queues and progress.
+
+        Raises:
+            NotFound: no such model, or not the caller's.
+        """
+        run = self._store.get_run(model_id)
+        if run is None or run.owner != owner:
+            raise NotFound(f"no model {model_id!r}")
+        settings = job_settings.settings_from_dict(run.settings)
+        checkpoint = self._store.last_checkpoint(model_id, ids.CheckpointKind.WEIGHTS)
+        job = self._jobs.get(model_id)
+        facts = JobFacts(
+            model_id=model_id, base_model=run.base_model, fine_tuning_type=settings.fine_tuning_type.value,
+            is_exclusive=settings.exclusive, is_resident=job is not None,
+            last_checkpoint=checkpoint.tinker_path if checkpoint is not None else None,
+        )
+        if job is None:
+            return build_status(facts, GroupView(False, None, None, None, None))
+        group = self._groups.get_nowait(job.model, job.group_job)
+        is_loading, start_error = self._groups.start_state(job.model, job.group_job)
+        return build_status(
+            facts,
+            GroupView(
+                is_loading=is_loading, start_error=start_error,
+                placement=self._groups.placement_of(job.model, job.group_job),
+                trainer=group.trainer.statistics() if group is not None else None,
+                sampler=group.sampler.statistics() if group is not None else None,
+            ),
+        )
 
     def job_info(self, owner: str, model_id: str) -> JobInfo:
         run = self._store.get_run(model_id)
@@ -225,8 +300,10 @@ class JobTable:
             raise NotFound(f"no model {model_id!r}")
         model = self._catalog.resolve(run.base_model)
         return JobInfo(
-            model_id=model_id, base_model=run.base_model, tokenizer_id=run.base_model, arch=model.arch,
-            lora=msgspec.convert(run.lora, LoraSpec), optimizer_config=dict(run.optimizer_config),
+            model_id=model_id, base_model=run.base_model, tokenizer_id=model.tokenizer_id or run.base_model,
+            arch=model.arch,
+            lora=msgspec.convert(run.lora, LoraSpec) if run.lora is not None else None,
+            optimizer_config=dict(run.optimizer_config),
         )
 
     def _job(self, owner: str, model_id: str) -> _Job:
@@ -246,7 +323,7 @@ class JobTable:
         first = job.requests.get(seq_id)
         if first is not None:
             return first
-        group = self._groups.get_nowait(job.model)
+        group = self._groups.get_nowait(job.model, job.group_job)
         if group is None:
             raise Conflict(f"model {model_id} is still loading; wait for create_model to finish")
         request_id = self._new_request(owner, model_id, kind)
@@ -273,6 +350,15 @@ class JobTable:
         kind = "forward" if batch.forward_only else "forward_backward"
         job = self._job(owner, model_id)
         fresh = seq_id not in job.requests
+        if fresh and batch.loss_fn == "stable_reinforce":
+            # Provenance is resolved here, where the records live; a bad span fails the
+            # request's future in its turn (losses.md §1.6), so its seq_id is not orphaned.
+            try:
+                batch = msgspec.structs.replace(
+                    batch, data=self._groups.stability.resolve(batch.data, _session_of(model_id), trio.current_time())
+                )
+            except UserError as error:
+                return self.reject(owner, model_id, seq_id, kind, error)
         request_id = self._submit_train(
             owner, model_id, seq_id, kind, lambda rid: ForwardBackward(model_id, seq_id, rid, batch)
         )
@@ -301,8 +387,6 @@ class JobTable:
     ) -> str:
         if kind not in ("snapshot", "inflight"):
             raise BadRequest(f"kind: expected 'snapshot' or 'inflight', got {kind!r}")
-        if kind == "inflight":
-            raise NotSupportedYet("save_weights_for_sampler kind='inflight' is not supported yet")
         check_ttl(ttl_seconds)
         if name is not None:
             ids.validate_name(name, "checkpoint name")
@@ -315,11 +399,18 @@ class JobTable:
         job = self._job(owner, model_id)
         session_id = model_id.split(":", 1)[0]
         sampler_id = ids.sampling_session_id(session_id, sampling_session_seq_id)
+        inflight = kind == "inflight"
+        if inflight and job.full_sync is not None:
+            raise NotSupportedYet("save_weights_for_sampler kind='inflight' is not supported yet for full fine-tuning")
         if seq_id not in job.requests:
-            self._register_sampler(owner, sampler_id, job.model, version=sampler_id, source_dir=None, model_path=None, run_id=model_id)
+            self._register_sampler(
+                owner, sampler_id, job.model, version=None if inflight else sampler_id, source_dir=None,
+                model_path=None, run_id=model_id, inflight_model=model_id if inflight else None,
+                group_job=job.group_job,
+            )
         return self._submit_train(
             owner, model_id, seq_id, "save_weights_for_sampler",
-            lambda rid: SaveForSampler(model_id, seq_id, rid, sampler_id),
+            lambda rid: SaveForSampler(model_id, seq_id, rid, sampler_id, inflight=inflight),
         )
 
     def save_weights_external(
@@ -329,6 +420,11 @@ class JobTable:
         ids.validate_name(name, "checkpoint name")
         check_ttl(ttl_seconds)
         job = self._job(owner, model_id)
+        if job.full_sync is not None:
+            raise NotSupportedYet(
+                "save_weights_external is not supported yet for full fine-tuning; save_weights_for_sampler with a "
+                "name writes the full weights as safetensors (model.safetensors)"
+            )
         return self._submit_train(
             owner, model_id, seq_id, "save_weights_external",
             lambda rid: SaveState(
@@ -342,9 +438,12 @@ class JobTable:
         tinker_path, source_dir, source_run = self._readable_checkpoint(owner, path)
         if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
-        spec = msgspec.convert(source_run.lora, LoraSpec)
+        spec = msgspec.convert(source_run.lora, LoraSpec) if source_run.lora is not None else None
         if spec != job.lora:
-            raise BadRequest(f"{path}: its LoRA config {spec} differs from model {model_id}'s {job.lora}")
+            def shape(lora: LoraSpec | None) -> str:
+                return "full fine-tuning" if lora is None else f"LoRA config {lora}"
+
+            raise BadRequest(f"{path}: its {shape(spec)} differs from model {model_id}'s {shape(job.lora)}")
         run = self._store.get_run(model_id)
         family = _optimizer_family(run.optimizer_config if run is not None else {})
         if with_optimizer and _optimizer_family(source_run.optimizer_config) != family:
@@ -379,7 +478,8 @@ class JobTable:
 
     def _register_sampler(
         self, owner: str, sampler_id: str, model: ModelEntry, *, version: str | None, source_dir: str | None,
-        model_path: str | None, run_id: str | None,
+        model_path: str | None, run_id: str | None, inflight_model: str | None = None,
+        group_job: str | None = None,
     ) -> None:
         if sampler_id in self._samplers:
             return
@@ -389,7 +489,9 @@ class JobTable:
                 sampler_id, session_id=session_id, owner=owner, base_model=model.name,
                 model_path=model_path, run_id=run_id,
             )
-        self._samplers[sampler_id] = _SamplingSession(sampler_id, owner, model, version, source_dir, model_path)
+        self._samplers[sampler_id] = _SamplingSession(
+            sampler_id, owner, model, version, source_dir, model_path, inflight_model, group_job
+        )
 
     def create_sampling_session(
         self, owner: str, *, session_id: str, sampling_session_seq_id: int, base_model: str | None,
@@ -404,7 +506,7 @@ class JobTable:
             model = self._catalog.resolve(run.base_model)
             self._register_sampler(
                 owner, sampler_id, model, version=tinker_path.uri, source_dir=str(source_dir),
-                model_path=tinker_path.uri, run_id=tinker_path.run_id,
+                model_path=tinker_path.uri, run_id=tinker_path.run_id, group_job=_full_group(run),
             )
         elif base_model is not None:
             model = self._catalog.resolve(base_model)
@@ -412,12 +514,13 @@ class JobTable:
         else:
             raise BadRequest("create_sampling_session needs base_model or model_path")
         # Load the engines now, so that the first sample does not pay for it.
-        self._nursery.start_soon(self._warm_group, self._samplers[sampler_id].model)
+        session = self._samplers[sampler_id]
+        self._nursery.start_soon(self._warm_group, session.model, session.group_job)
         return sampler_id
 
-    async def _warm_group(self, model: ModelEntry) -> None:
+    async def _warm_group(self, model: ModelEntry, group_job: str | None = None) -> None:
         try:
-            await self._groups.get(model)
+            await self._groups.get(model, group_job)
         except OpenrldError:
             pass  # the first sample reports the same error on its own future
 
@@ -430,21 +533,30 @@ class JobTable:
             raise NotFound(f"no sampling session {sampler_id!r}")
         if row.model_path is None and row.run_id is not None:
             raise Gone(f"sampling session {sampler_id} held unnamed weights lost in a restart; save them again")
+        group_job = None
         if row.model_path is not None:
-            tinker_path, source_dir, _ = self._readable_checkpoint(owner, row.model_path)
-            version, source = tinker_path.uri, str(source_dir)
+            tinker_path, source_dir, source_run = self._readable_checkpoint(owner, row.model_path)
+            version, source, group_job = tinker_path.uri, str(source_dir), _full_group(source_run)
         else:
             version, source = None, None
         model = self._catalog.resolve(row.base_model)
-        self._samplers[sampler_id] = _SamplingSession(sampler_id, owner, model, version, source, row.model_path)
+        self._samplers[sampler_id] = _SamplingSession(
+            sampler_id, owner, model, version, source, row.model_path, group_job=group_job
+        )
         return self._samplers[sampler_id]
 
     def sampler_info(self, owner: str, sampler_id: str) -> SamplerInfo:
         session = self._sampling_session(owner, sampler_id)
         return SamplerInfo(sampler_id=sampler_id, base_model=session.model.name, model_path=session.model_path)
 
-    def sample(self, owner: str, sampler_id: str, seq_id: int, job: SampleJob) -> tuple[str, list[str]]:
-        """Queue a sample; returns (request_id, sequence ids). A retried seq_id returns the first."""
+    def sample(
+        self, owner: str, sampler_id: str, seq_id: int, job: SampleJob, *, record_stability_info: bool = False
+    ) -> tuple[str, list[str]]:
+        """Queue a sample; returns (request_id, sequence ids). A retried seq_id returns the first.
+
+        With `record_stability_info`, each sequence is recorded under its id when it
+        finishes, for stable_reinforce (actors/stability.py).
+        """
         session = self._sampling_session(owner, sampler_id)
         first = session.requests.get(seq_id)
         if first is not None:
@@ -454,17 +566,21 @@ class JobTable:
                 f"prompt has {len(job.prompt)} tokens; the model's context is {session.model.max_context}"
             )
         request_id = self._new_request(owner, sampler_id, "sample")
-        op = Sample(request_id=request_id, version=session.version, job=job, source_dir=session.source_dir)
-        group = self._groups.get_nowait(session.model)
+        sequence_ids = [f"{sampler_id}:{seq_id}:{i}" for i in range(job.num_samples)]
+        op = Sample(
+            request_id=request_id, version=session.version, job=job, source_dir=session.source_dir,
+            sampler_id=sampler_id, inflight_model=session.inflight_model,
+            record_ids=tuple(sequence_ids) if record_stability_info else None,
+        )
+        group = self._groups.get_nowait(session.model, session.group_job)
         try:
             if group is None:
-                self._nursery.start_soon(self._start_and_sample, session.model, op)
+                self._nursery.start_soon(self._start_and_sample, session.model, op, session.group_job)
             else:
                 group.sampler.submit_nowait(op)
         except OpenrldError:
             self._futures.fail(request_id, Gone("not queued"))
             raise
-        sequence_ids = [f"{sampler_id}:{seq_id}:{i}" for i in range(job.num_samples)]
         self._usage.sample_submitted(
             request_id=request_id, sampler_id=sampler_id, owner=owner, base_model=session.model.name,
             prompt_tokens=len(job.prompt),
@@ -488,9 +604,9 @@ class JobTable:
                 self._futures.fail(request_id, BadRequest("sample cancelled by the client (cancel_future)"))
                 return
 
-    async def _start_and_sample(self, model: ModelEntry, op: Sample) -> None:
+    async def _start_and_sample(self, model: ModelEntry, op: Sample, group_job: str | None = None) -> None:
         try:
-            group = await self._groups.get(model)
+            group = await self._groups.get(model, group_job)
             group.sampler.submit_nowait(op)
         except OpenrldError as error:
             self._futures.fail(op.request_id, error)
@@ -508,6 +624,34 @@ class JobTable:
 
     def group_of(self, model: ModelEntry) -> Group | None:
         return self._groups.get_nowait(model)
+
+
+def _session_of(model_id: str) -> str:
+    """The ServiceClient session of a model or sampling session id ("<session>:train:<n>")."""
+    return model_id.split(":", 1)[0]
+
+
+def _full_sync(settings: job_settings.JobSettings) -> str | None:
+    """A full fine-tuning job's weight_sync ("delta" or "full"); None for a LoRA job."""
+    if settings.fine_tuning_type is not job_settings.FineTuningType.FULL:
+        return None
+    return settings.weight_sync.value
+
+
+def _full_group(run: Any) -> str | None:
+    """The group that samples a run's checkpoints: the run's own when it trained every weight."""
+    return run.run_id if run.lora is None else None
+
+
+def _require_full_optimizer(optimizer_config: dict[str, Any]) -> None:
+    """optimizers.md §1.1: Dimuon is defined on LoRA matrices, so a full job is refused it."""
+    family = _optimizer_family(optimizer_config)
+    if family != "adamw":
+        raise BadRequest(
+            f"optimizer_config.type {family!r}: dimuon needs a LoRA model (openrl.fine_tuning_type=full trains with "
+            f"adamw)",
+            key="optimizer_config",
+        )
 
 
 def _optimizer_family(config: dict[str, Any]) -> str:

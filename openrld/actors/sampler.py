@@ -11,7 +11,12 @@ first), run one `engine.step()` in its thread, resolve the requests that
 finished. Requests join and leave the running batch between steps, so a new
 request waits at most one step, never for a whole other request. With N
 replicas, N workers drain the one queue; a worker admits while its engine has
-fewer than `MAX_LIVE_PER_ENGINE` requests, so an idle replica takes the next.
+fewer than `MAX_LIVE_PER_ENGINE` requests and none holds fewer, so an idle
+replica takes the next request and the load spreads. Each replica is its own
+engine instance (`build_engine` is called once per replica), on the group's
+device limiter: on one device the replicas' steps take turns. A shared LoRA
+group runs the most replicas any of its jobs asked for (`ensure_replicas`
+grows it, and it never shrinks while the group lives).
 
 Backpressure: the queue counts every request in the sampler, waiting or
 running; past `queue_limit` a submission is refused with 429 (TooManyRequests),
@@ -25,6 +30,24 @@ adapter weights; `None` is the base model. Weights published by the trainer
 are held on the host; weights saved on disk are read when first sampled. At
 most `MAX_LOADED_VERSIONS` versions live in each engine, least recently used
 out first but never one that a live request samples from.
+
+Inflight weights (sampling.md §4.2): per training model, the newest weights
+published by an inflight save are the model's target, numbered 1, 2, ... in the
+order the trainer ran the saves (seq_id order); each number's weights are an
+immutable version named `<model_id>/inflight/<n>`. Only the newest is held on
+the host; older ones stay in engines until evicted. The save that created an
+inflight sampling session sets that session's floor (its number). A request of
+an inflight session binds at admission to the model's newest number, which is
+never below the floor, and every token of it comes from that version.
+
+Stability records: a request with `record_ids` is recorded into the shared
+`StabilityRecords` when it finishes, one record per sequence, with the version
+it was bound to (actors/stability.py).
+
+Device turns: admissions, version loads and steps run while holding the device
+lease (actors/timeslicer.py). Past its turn the sampler admits nothing new and
+lets running requests finish: it parks only between requests, since parking
+drops the KV cache.
 
 It never imports torch and never reaches into another actor.
 """
@@ -41,7 +64,9 @@ import msgspec
 import trio
 
 from openrld.actors.futures import Completed, FutureTable
-from openrld.batches import LoraSpec, SampleJob
+from openrld.actors.stability import StabilityRecord, StabilityRecords
+from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
+from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
 from openrld.errors import BadRequest, Gone, OpenrldError, ServerError, TooManyRequests
 
 logger = logging.getLogger(__name__)
@@ -49,13 +74,29 @@ logger = logging.getLogger(__name__)
 MAX_LOADED_VERSIONS = 32  # adapters resident in one engine at once
 MAX_HOST_VERSIONS = 256  # unnamed (in-memory only) versions kept for reloading
 MAX_LIVE_PER_ENGINE = 64  # requests one engine holds (the rest wait in the queue for any replica)
+MAX_REPLICAS = 8  # the openrl.sampler_replicas range (settings.py)
 
 
 class Sample(msgspec.Struct, frozen=True):
     request_id: str
-    version: str | None  # None: the base model
+    version: str | None  # None: the base model (ignored when inflight_model is set)
     job: SampleJob
     source_dir: str | None = None  # where the version's adapter lies on disk, if it does
+    sampler_id: str = ""  # the sampling session, "<session>:sample:<n>"
+    inflight_model: str | None = None  # an inflight session: this training model's newest published weights
+    record_ids: tuple[str, ...] | None = None  # record_stability_info: the sequence ids to record under
+
+
+def inflight_version_name(model_id: str, number: int) -> str:
+    """The version name of a training model's `number`-th inflight weights."""
+    return f"{model_id}/inflight/{number}"
+
+
+class _InflightTarget(msgspec.Struct, frozen=True):
+    number: int
+    version: str
+    tensors: Any
+    spec: LoraSpec
 
 
 class QueueState(enum.Enum):
@@ -77,6 +118,13 @@ class SamplerStatistics(msgspec.Struct, frozen=True):
     samples_cancelled: int
     samples_refused: int  # submissions answered 429
     busy: bool
+    requests_by_replica: tuple[int, ...] = ()  # requests each replica's engine finished
+    inflight_targets: int = 0  # training models with published inflight weights
+    device: str = ""  # the device the sampler runs on ("" when it has no device lease)
+    lease: WorkerLeaseStatistics | None = None  # its turns on that device (time-slicer)
+    last_sync: SyncStats | None = None  # full fine-tuning: the last sync that landed, with its apply time
+    syncs: int = 0  # weight syncs that landed in this sampler
+    sync_bytes: int = 0  # bytes those syncs moved (delta indices + values, or whole tensors)
 
 
 # ---------------------------------------------------------------------------
@@ -211,8 +259,16 @@ class SamplerHandle:
         """Free a request's queued or running work; False if this sampler does not hold it."""
         return self._actor.cancel(request_id)
 
-    async def publish_version(self, version: str, tensors: Any, spec: LoraSpec) -> None:
-        self._actor.host.remember(version, tensors, spec)
+    async def publish_version(self, version: str, tensors: Any, spec: LoraSpec | None) -> None:
+        self._actor.publish_version(version, tensors, spec)
+
+    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int:
+        """Make `tensors` `model_id`'s inflight target and `sampler_id`'s floor; returns its number."""
+        return self._actor.publish_inflight(model_id, sampler_id, tensors, spec)
+
+    async def ensure_replicas(self, replicas: int) -> None:
+        """Run at least `replicas` engines (at most MAX_REPLICAS); returns once they serve."""
+        await self._actor.ensure_replicas(replicas)
 
     def statistics(self) -> SamplerStatistics:
         return self._actor.statistics()
@@ -225,11 +281,14 @@ class SamplerHandle:
 class _Worker:
     """One engine and the versions it holds."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
         self.engine = engine
-        self.versions = VersionCache(MAX_LOADED_VERSIONS)
+        self.versions = VersionCache(max_loaded)
+        # Versions to load before anything else, in publish order (eager_versions only).
+        self.deliveries: deque[tuple[str, Any, Any]] = deque()
         self.live: set[str] = set()  # request ids inside the engine
         self.busy = False
+        self.requests_done = 0
         self.wake = trio.Event()  # set when there may be work for it
 
 
@@ -243,11 +302,29 @@ class SamplerActor:
         futures: FutureTable,
         queue_limit: int,
         replicas: int = 1,
+        stability: StabilityRecords | None = None,
+        max_loaded_versions: int = MAX_LOADED_VERSIONS,
+        max_host_versions: int = MAX_HOST_VERSIONS,
+        eager_versions: bool = False,
+        lease_from: Callable[[Parkable], DeviceLease] | None = None,
     ) -> None:
-        assert replicas >= 1, f"replicas must be >= 1, got {replicas}"
+        assert 1 <= replicas <= MAX_REPLICAS, f"replicas must be in 1..{MAX_REPLICAS}, got {replicas}"
         self.name = name
         self.queue = SampleQueue(queue_limit)
-        self.host = HostVersions(MAX_HOST_VERSIONS)
+        self.host = HostVersions(max_host_versions)
+        self._max_loaded = max_loaded_versions
+        # Full fine-tuning: each published version goes into every engine at once, in order,
+        # because its payload may be a delta from the one before (gpu/delta.py).
+        self._eager_versions = eager_versions
+        self._last_sync: SyncStats | None = None
+        self._syncs = 0
+        self._sync_bytes = 0
+        self.stability = stability if stability is not None else StabilityRecords()
+        self._inflight: dict[str, _InflightTarget] = {}  # training model id -> its newest inflight weights
+        self._inflight_floor: dict[str, int] = {}  # inflight sampling session id -> the number its save made
+        self._recording: dict[str, tuple[Sample, str | None]] = {}  # request id -> (op, bound version)
+        self._nursery: trio.Nursery | None = None
+        self._growing: trio.Lock | None = None
         self._build_engine = build_engine
         self._limiter = limiter
         self._futures = futures
@@ -255,6 +332,10 @@ class SamplerActor:
         self._workers: list[_Worker] = []
         self._done = 0
         self._failed = 0
+        # The device lease, taken once the engines exist (the time-slicer parks them through this actor).
+        self._lease_from = lease_from
+        self._lease: DeviceLease | NoLease = NoLease()
+        self._parked_workers: list[_Worker] = []  # replicas whose engines are parked, in park order
 
     # -- called from the API's event loop ----------------------------------
 
@@ -274,52 +355,128 @@ class SamplerActor:
         for worker in self._workers:
             worker.wake.set()
 
+    def publish_version(self, version: str, payload: Any, spec: LoraSpec | None) -> None:
+        self.host.remember(version, payload, spec)
+        if self._eager_versions:
+            for worker in self._workers:
+                worker.deliveries.append((version, payload, spec))
+            self._wake_all()
+
+    def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int:
+        previous = self._inflight.get(model_id)
+        number = 1 if previous is None else previous.number + 1
+        self._inflight[model_id] = _InflightTarget(number, inflight_version_name(model_id, number), tensors, spec)
+        self._inflight_floor[sampler_id] = number
+        logger.info("inflight weights published group=%s model_id=%s number=%d", self.name, model_id, number)
+        return number
+
+    async def ensure_replicas(self, replicas: int) -> None:
+        assert self._growing is not None and self._nursery is not None, "ensure_replicas before run"
+        async with self._growing:
+            while len(self._workers) < min(replicas, MAX_REPLICAS):
+                engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+                worker = _Worker(engine, self._max_loaded)
+                self._workers.append(worker)
+                self._nursery.start_soon(self._work, worker)
+                logger.info("sampler replica added group=%s replicas=%d", self.name, len(self._workers))
+
     # -- the loops ---------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[SamplerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         for _ in range(self._replicas):
             engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-            self._workers.append(_Worker(engine))
+            self._workers.append(_Worker(engine, self._max_loaded))
         logger.info("sampler ready group=%s replicas=%d", self.name, self._replicas)
+        if self._lease_from is not None:
+            self._lease = self._lease_from(self)
+            if not self._lease.claim_resident():  # another group holds the device: give it back now
+                await self.park()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._growing = trio.Lock()
             for worker in self._workers:
                 nursery.start_soon(self._work, worker)
             task_status.started(SamplerHandle(self))
 
     async def _work(self, worker: _Worker) -> None:
-        """Input, then step: apply cancels, admit, run one engine step, resolve what finished."""
+        """Input, then step: apply cancels, admit, run one engine step, resolve what finished.
+
+        Everything that touches the engine's device runs while holding the device
+        lease; past its turn (`is_due`) the worker admits nothing new and lets the
+        requests it runs finish, so that it can park between requests.
+        """
         while True:
             for request_id in self.queue.take_cancels(worker.live):
                 worker.engine.cancel(request_id)
                 worker.live.discard(request_id)
-            while self.queue.has_waiting() and len(worker.live) < MAX_LIVE_PER_ENGINE:
-                await self._admit(worker, self.queue.take())
-            if not worker.engine.has_work():
+                self._recording.pop(request_id, None)
+            if not self._wants_device(worker):
                 await worker.wake.wait()
                 worker.wake = trio.Event()
                 continue
-            worker.busy = True
-            try:
-                finished = await trio.to_thread.run_sync(worker.engine.step, limiter=self._limiter)
-            except Exception as error:  # a failed step fails its batch; the engine starts empty again
-                logger.exception("sampler step failed group=%s", self.name)
-                self._fail_all(worker, ServerError(f"sampling step failed: {type(error).__name__}: {error}"))
-                continue
-            finally:
-                worker.busy = False
-            for done in finished:
-                worker.live.discard(done.request_id)
-                self.queue.done(done.request_id)
-                self._done += 1
-                self._futures.resolve(done.request_id, Completed(done.result))
+            async with self._lease.hold(has_more=lambda: self._wants_device(worker)):
+                await self._turn(worker)
+
+    def _can_admit(self, worker: _Worker) -> bool:
+        return self.queue.has_waiting() and len(worker.live) < MAX_LIVE_PER_ENGINE and self._least_loaded(worker)
+
+    def _wants_device(self, worker: _Worker) -> bool:
+        return bool(worker.deliveries) or self._can_admit(worker) or worker.engine.has_work()
+
+    async def _turn(self, worker: _Worker) -> None:
+        """One step of `worker`'s engine, with the versions and requests it takes first."""
+        while worker.deliveries:
+            await self._deliver(worker, *worker.deliveries.popleft())
+        while self._can_admit(worker) and not self._lease.is_due():
+            await self._admit(worker, self.queue.take())
+        if not worker.engine.has_work():
+            return
+        worker.busy = True
+        try:
+            finished = await trio.to_thread.run_sync(worker.engine.step, limiter=self._limiter)
+        except Exception as error:  # a failed step fails its batch; the engine starts empty again
+            logger.exception("sampler step failed group=%s", self.name)
+            self._fail_all(worker, ServerError(f"sampling step failed: {type(error).__name__}: {error}"))
+            return
+        finally:
+            worker.busy = False
+        for done in finished:
+            worker.live.discard(done.request_id)
+            self.queue.done(done.request_id)
+            self._done += 1
+            worker.requests_done += 1
+            self._record(done.request_id, done.result)
+            self._futures.resolve(done.request_id, Completed(done.result))
+
+    # The time-slicer's calls (Parkable): every replica's engine moves in its worker thread.
+    async def park(self) -> bool:
+        if any(worker.live for worker in self._workers):
+            return False  # requests mid-decode would lose their KV cache; they finish first
+        for worker in self._workers:
+            if worker not in self._parked_workers:
+                await trio.to_thread.run_sync(worker.engine.park, limiter=self._limiter)
+                self._parked_workers.append(worker)
+        return True
+
+    async def resume(self) -> None:
+        # Only the engines it parked: a replica added meanwhile was built on the device.
+        while self._parked_workers:
+            worker = self._parked_workers[0]
+            await trio.to_thread.run_sync(worker.engine.resume, limiter=self._limiter)
+            self._parked_workers.pop(0)
+
+    def _least_loaded(self, worker: _Worker) -> bool:
+        # Spread requests over replicas: only a worker holding no more than any other admits.
+        return len(worker.live) <= min(len(w.live) for w in self._workers)
 
     async def _admit(self, worker: _Worker, op: Sample) -> None:
         try:
-            if op.version is not None:
-                await self._ensure_loaded(worker, op.version, op.source_dir)
+            version = self._bind(op)
+            if version is not None:
+                await self._ensure_loaded(worker, version, op.source_dir)
             # Validation and per-sample RNG set-up only: cheap enough for the event loop,
             # and the engine is idle between steps.
-            worker.engine.add(op.request_id, op.version, op.job)
+            worker.engine.add(op.request_id, version, op.job)
         except (OpenrldError, KeyError, ValueError) as error:
             self.queue.done(op.request_id)
             self._failed += 1
@@ -328,12 +485,49 @@ class SamplerActor:
             self._futures.fail(op.request_id, error)
             return
         worker.live.add(op.request_id)
+        if op.record_ids is not None:
+            self._recording[op.request_id] = (op, version)
+
+    def _bind(self, op: Sample) -> str | None:
+        """The version `op` samples from: its own, or (inflight) its model's newest published one."""
+        if op.inflight_model is None:
+            return op.version
+        target = self._inflight.get(op.inflight_model)
+        floor = self._inflight_floor.get(op.sampler_id)
+        if target is None or floor is None or target.number < floor:
+            raise Gone(
+                f"inflight sampling session {op.sampler_id}: its weights are not published on this sampler "
+                "(the daemon restarted?); save them again with save_weights_and_get_sampling_client"
+            )
+        return target.version
+
+    def _record(self, request_id: str, result: SampleResult) -> None:
+        """Keep the stability records of a finished request that asked for them."""
+        entry = self._recording.pop(request_id, None)
+        if entry is None:
+            return
+        op, version = entry
+        assert op.record_ids is not None and len(op.record_ids) == len(result.sequences)
+        now = trio.current_time()
+        params = op.job.params
+        for sequence_id, sequence in zip(op.record_ids, result.sequences):
+            self.stability.add(
+                StabilityRecord(
+                    sequence_id=sequence_id, session_id=op.sampler_id.split(":", 1)[0], sampler_id=op.sampler_id,
+                    base_model=self.name, version=version, temperature=params.temperature, top_k=params.top_k,
+                    top_p=params.top_p, prompt=op.job.prompt, tokens=sequence.tokens, logprobs=sequence.logprobs,
+                ),
+                now,
+            )
 
     async def _ensure_loaded(self, worker: _Worker, version: str, source_dir: str | None) -> None:
         if worker.versions.touch(version):
             return
+        inflight = {target.version: target for target in self._inflight.values()}
         if version in self.host.held:
             tensors, spec = self.host.held[version]
+        elif version in inflight:
+            tensors, spec = inflight[version].tensors, inflight[version].spec
         elif source_dir is not None:
             tensors, spec = await trio.to_thread.run_sync(_load_adapter, Path(source_dir))
         else:
@@ -342,9 +536,33 @@ class SamplerActor:
         for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
             await trio.to_thread.run_sync(worker.engine.drop_version, old, limiter=self._limiter)
 
+    async def _deliver(self, worker: _Worker, version: str, payload: Any, spec: LoraSpec | None) -> None:
+        """Load a just-published version into the worker's engine (eager_versions).
+
+        Evictions come first, so that a version on its way out is not copied aside by an
+        engine that patches its weights in place. A failed load (a weight-sync digest
+        mismatch among them) is logged with its traceback; requests for the version then
+        fail when they try to load it.
+        """
+        for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
+            await trio.to_thread.run_sync(worker.engine.drop_version, old, limiter=self._limiter)
+        try:
+            await trio.to_thread.run_sync(worker.engine.load_version, version, payload, spec, limiter=self._limiter)
+        except Exception:  # the sync's failure is the version's; the sampler keeps serving others
+            logger.exception("weight version delivery failed group=%s version=%s", self.name, version)
+            worker.versions.loaded.pop(version, None)
+            return
+        sync = getattr(worker.engine, "last_sync", None)  # a full sampler records it
+        # A version loaded from a checkpoint leaves the engine's last sync as it was: count it once.
+        if sync is not None and sync is not self._last_sync:
+            self._last_sync = sync
+            self._syncs += 1
+            self._sync_bytes += sync.bytes_moved
+
     def _fail_all(self, worker: _Worker, error: OpenrldError) -> None:
         for request_id in sorted(worker.live):
             worker.engine.cancel(request_id)
+            self._recording.pop(request_id, None)
             self.queue.done(request_id)
             self._failed += 1
             self._futures.fail(request_id, error)
@@ -356,7 +574,7 @@ class SamplerActor:
             queue_depth=waiting + running,
             waiting=waiting,
             running=running,
-            replicas=self._replicas,
+            replicas=len(self._workers),
             loaded_versions=sum(len(w.versions.loaded) for w in self._workers),
             host_versions=len(self.host.held),
             samples_done=self._done,
@@ -364,11 +582,19 @@ class SamplerActor:
             samples_cancelled=self.queue.cancelled,
             samples_refused=self.queue.refused,
             busy=any(w.busy for w in self._workers),
+            requests_by_replica=tuple(w.requests_done for w in self._workers),
+            inflight_targets=len(self._inflight),
+            device=self._lease.device,
+            lease=self._lease.statistics() if isinstance(self._lease, DeviceLease) else None,
+            last_sync=self._last_sync,
+            syncs=self._syncs,
+            sync_bytes=self._sync_bytes,
         )
 
 
-def _load_adapter(directory: Path) -> tuple[Any, LoraSpec]:
+def _load_adapter(directory: Path) -> tuple[Any, LoraSpec | None]:
     # Imported in the worker thread, so this module never imports torch.
-    from openrld.gpu.lora_io import load_adapter
+    # A LoRA adapter, or full-model weights (spec None) for a full fine-tuning group.
+    from openrld.gpu.full_io import load_sampler_weights
 
-    return load_adapter(directory)
+    return load_sampler_weights(directory)

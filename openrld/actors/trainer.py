@@ -17,6 +17,10 @@ Ordering guarantees:
 A failure inside an op fails that op's future and consumes its `seq_id`, so the
 job's later ops still run. The actor never imports torch: engine results pass
 through as opaque values.
+
+Device turns: each run of ops holds the device lease (actors/timeslicer.py);
+the time-slicer parks and resumes the engine through `park`/`resume` here,
+between runs, in the actor's worker thread.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import trio
 
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
-from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
+from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +54,7 @@ MAX_COMBINED_TOKENS = 65536
 class CreateAdapter(msgspec.Struct, frozen=True):
     model_id: str
     request_id: str
-    spec: LoraSpec
+    spec: LoraSpec | None  # None: full fine-tuning (no adapter)
     seq_id: int = 0
     optimizer: str = "adamw"  # the family, fixed for the job's life
 
@@ -83,12 +88,17 @@ class SaveState(msgspec.Struct, frozen=True):
 
 
 class SaveForSampler(msgspec.Struct, frozen=True):
-    """An unnamed save: the weights become a sampling session, in memory only."""
+    """An unnamed save: the weights become a sampling session, in memory only.
+
+    `inflight`: the weights are published as the model's new inflight target
+    (sampling.md §4.2) instead of a version of the session's own.
+    """
 
     model_id: str
     seq_id: int
     request_id: str
     sampling_session_id: str
+    inflight: bool = False
 
 
 class LoadState(msgspec.Struct, frozen=True):
@@ -96,7 +106,7 @@ class LoadState(msgspec.Struct, frozen=True):
     request_id: str
     source_dir: str
     source_uri: str
-    spec: LoraSpec
+    spec: LoraSpec | None  # None: full fine-tuning
     with_optimizer: bool
     seq_id: int = 0
     optimizer: str = "adamw"  # the family the job has after the load
@@ -150,6 +160,20 @@ class TrainerStatistics(msgspec.Struct, frozen=True):
     ops_failed: int
     ops_combined: int  # ops that ran in a pass shared with the next ops of their job
     busy: bool
+    device: str = ""  # the device the trainer runs on ("" when it has no device lease)
+    lease: WorkerLeaseStatistics | None = None  # its turns on that device (time-slicer)
+    progress: list[JobProgress] = []  # per job, for the model status API
+    last_sync: SyncStats | None = None  # full fine-tuning: the trainer side of the last sync
+    running_job: str | None = None  # the job whose ops run now, or wait for the device to run
+
+
+class JobProgress(msgspec.Struct, frozen=True):
+    """One job's progress on this trainer, for the model status API."""
+
+    model_id: str
+    optim_steps: int  # optim_step ops that succeeded
+    sampler_version: str | None  # the newest weights it published for sampling (a session id or a path)
+    last_error: str | None  # the detail of its newest failed op
 
 
 class _JobQueue:
@@ -222,6 +246,10 @@ class TrainerQueues:
             return run
         return []
 
+    def has_ready(self) -> bool:
+        """Whether some job's next op is here (pop_ready would answer something)."""
+        return any(job.next_seq in job.waiting for job in self._jobs.values())
+
     def has_job(self, model_id: str) -> bool:
         return model_id in self._jobs
 
@@ -258,6 +286,7 @@ class SamplerFeed(Protocol):
     """Where new sampler weights go: the group's sampler actor."""
 
     async def publish_version(self, version: str, tensors: Any, spec: LoraSpec) -> None: ...
+    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int: ...
 
 
 # ---------------------------------------------------------------- handle
@@ -296,6 +325,7 @@ class TrainerActor:
         sampler: SamplerFeed,
         specs: dict[str, LoraSpec] | None = None,
         max_combined_tokens: int = MAX_COMBINED_TOKENS,
+        lease_from: Callable[[Parkable], DeviceLease] | None = None,
     ) -> None:
         self.name = name
         self.queues = TrainerQueues()
@@ -305,7 +335,7 @@ class TrainerActor:
         self._futures = futures
         self._checkpoints = checkpoints
         self._sampler = sampler
-        self._specs: dict[str, LoraSpec] = dict(specs or {})
+        self._specs: dict[str, LoraSpec | None] = dict(specs or {})
         self._wake = trio.Event()
         self._engine: Any = None
         self._busy = False
@@ -313,9 +343,19 @@ class TrainerActor:
         self._done = 0
         self._failed = 0
         self._combined = 0
+        self._last_sync: SyncStats | None = None
+        # The device lease, taken once the engine exists (the time-slicer parks it through this actor).
+        self._lease_from = lease_from
+        self._lease: DeviceLease | NoLease = NoLease()
+        self._progress: dict[str, JobProgress] = {}
+        self._running_job: str | None = None  # whose ops run (or wait for the device) now
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+        if self._lease_from is not None:
+            self._lease = self._lease_from(self)
+            if not self._lease.claim_resident():  # another group holds the device: give it back now
+                await self._in_thread(self._engine.park)
         logger.info("trainer ready group=%s", self.name)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._input_loop)
@@ -338,28 +378,51 @@ class TrainerActor:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            self._busy = True
+            self._busy, self._running_job = True, run[0].model_id
             try:
-                if len(run) > 1 and await self._run_combined(run):
-                    continue
-                for op in run:
-                    await self._run_one(op)
+                async with self._lease.hold(has_more=self.queues.has_ready):
+                    if len(run) > 1 and await self._run_combined(run):
+                        continue
+                    for op in run:
+                        await self._run_one(op)
             finally:
-                self._busy = False
+                self._busy, self._running_job = False, None
+
+    # The time-slicer's calls (Parkable): the engine moves in this actor's worker thread.
+    async def park(self) -> bool:
+        await self._in_thread(self._engine.park)
+        return True  # the trainer parks between ops, when nothing is in flight
+
+    async def resume(self) -> None:
+        await self._in_thread(self._engine.resume)
 
     async def _run_one(self, op: TrainOp) -> None:
         try:
             value = await self._execute(op)
         except OpenrldError as error:
             self._failed += 1
+            self._note_progress(op, error=error.detail)
             self._futures.fail(op.request_id, error)
         except Exception as error:  # the op's failure is its own; the group keeps serving
             logger.exception("trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id)
             self._failed += 1
+            self._note_progress(op, error=f"{type(error).__name__}: {error}")
             self._futures.fail(op.request_id, ServerError(f"{type(error).__name__}: {error}"))
         else:
             self._done += 1
+            self._note_progress(op, value=value)
             self._futures.resolve(op.request_id, Completed(value))
+
+    def _note_progress(self, op: TrainOp, *, value: Any = None, error: str | None = None) -> None:
+        old = self._progress.get(op.model_id) or JobProgress(op.model_id, 0, None, None)
+        steps, version = old.optim_steps, old.sampler_version
+        if error is None and isinstance(op, OptimStep):
+            steps += 1
+        elif error is None and isinstance(op, SaveForSampler):
+            version = op.sampling_session_id
+        elif error is None and isinstance(op, SaveState) and op.kind == "sampler_weights":
+            version = value.path
+        self._progress[op.model_id] = JobProgress(op.model_id, steps, version, error or old.last_error)
 
     async def _run_combined(self, run: list[TrainOp]) -> bool:
         """Consecutive forward_backward ops of one job in one engine pass.
@@ -407,8 +470,18 @@ class TrainerActor:
             case Rejected():
                 raise BadRequest(op.detail)
             case SaveForSampler():
-                tensors = await self._in_thread(engine.adapter_tensors, op.model_id)
-                await self._sampler.publish_version(op.sampling_session_id, tensors, self._specs[op.model_id])
+                if op.inflight:
+                    tensors = await self._in_thread(engine.adapter_tensors, op.model_id)
+                    await self._sampler.publish_inflight(
+                        op.model_id, op.sampling_session_id, tensors, self._specs[op.model_id]
+                    )
+                else:
+                    # LoRA: the adapter tensors; full fine-tuning: a weight-sync payload (gpu/delta.py)
+                    # that chains on the previous one, so publishes keep seq_id order (they do: one op at a time).
+                    payload = await self._in_thread(engine.sampler_payload, op.model_id, op.sampling_session_id)
+                    await self._sampler.publish_version(op.sampling_session_id, payload, self._specs[op.model_id])
+                    # A full trainer records the sync it made; a LoRA one has no such attribute.
+                    self._last_sync = getattr(engine, "last_sync", None)
                 return Saved(sampling_session_id=op.sampling_session_id)
         raise AssertionError(f"unhandled op {type(op).__name__}")
 
@@ -421,8 +494,8 @@ class TrainerActor:
             tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
             size = await self._in_thread(_save_peft, staging, tensors, self._specs[op.model_id], op.base_model)
         else:
-            tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
-            size = await self._in_thread(_save_adapter, staging, tensors, self._specs[op.model_id])
+            # The engine writes what its sampler loads: a LoRA adapter or full-model weights.
+            size = await self._in_thread(self._engine.sampler_checkpoint, op.model_id, staging)
         # Shielded: once the files are written, the rename and the row land together or not at all.
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._checkpoints.commit_files, staging, final, op.overwrite)
@@ -435,7 +508,10 @@ class TrainerActor:
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(
             jobs=self.queues.statistics(), ops_done=self._done, ops_failed=self._failed,
-            ops_combined=self._combined, busy=self._busy,
+            ops_combined=self._combined, busy=self._busy, device=self._lease.device,
+            lease=self._lease.statistics() if isinstance(self._lease, DeviceLease) else None,
+            progress=list(self._progress.values()), running_job=self._running_job,
+            last_sync=self._last_sync,
         )
 
 
@@ -444,10 +520,3 @@ def _save_peft(directory: Path, tensors: Any, spec: LoraSpec, base_model: str) -
     from openrld.gpu.peft_export import save_peft_adapter
 
     return save_peft_adapter(directory, tensors, spec, base_model)
-
-
-def _save_adapter(directory: Path, tensors: Any, spec: LoraSpec) -> int:
-    # Imported here, in the worker thread, so this module never imports torch.
-    from openrld.gpu.lora_io import save_adapter
-
-    return save_adapter(directory, tensors, spec)

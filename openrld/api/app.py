@@ -20,6 +20,7 @@ from quart_trio import QuartTrio
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
+from openrld.actors.membership.node import MembershipNode
 from openrld.actors.usage import UsageMeter
 from openrld.api.auth import Authenticator
 from openrld.api.signing import Signer
@@ -51,6 +52,7 @@ class Services:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage
     signer: Signer = field(default_factory=Signer)  # signed download URLs and JWTs
+    cluster: MembershipNode | None = None  # gossip membership; None when the node has no cluster_secret
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -69,7 +71,7 @@ def caller(services: Services) -> str:
 
 
 def build_app(services: Services) -> FastPath:
-    from openrld.api import admin, lifecycle, openrl, rest, tinker
+    from openrld.api import admin, lifecycle, openrl, peer, rest, tinker
 
     app = QuartTrio("openrld")
     app.config["MAX_CONTENT_LENGTH"] = services.config.max_body_bytes
@@ -120,6 +122,7 @@ def build_app(services: Services) -> FastPath:
     lifecycle.register(app, services)
     admin.register(app, services)
     openrl.register(app, services)
+    peer.register(app, services)
     return FastPath(
         app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
     )

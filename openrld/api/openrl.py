@@ -11,6 +11,10 @@ actors' and store's statistics. It needs no key, so that a scraper can read
 it as Prometheus scrapes anything; it carries counts labelled by route and
 base model, never a client's ids or data.
 
+`/openrl/v1/models/{model_id}/status` is one training job's state, workers,
+queues and progress (actors/model_status.py); like every model route, a
+caller sees only their own models.
+
 These routes only read statistics; they change nothing.
 """
 
@@ -40,7 +44,10 @@ def node_limits(services: Services) -> Limits:
 def served_models(services: Services) -> tuple[ModelSummary, ...]:
     """The models get_server_capabilities lists, in the same order."""
     return tuple(
-        ModelSummary(model_name=m.name, arch=m.arch, max_context_length=m.max_context)
+        ModelSummary(
+            model_name=m.name, arch=m.arch, max_context_length=m.max_context,
+            preparing=services.catalog.progress(m.name),
+        )
         for m in services.catalog.configured()
     )
 
@@ -58,6 +65,10 @@ def register(app: QuartTrio, services: Services) -> None:
             )
         )
 
+    @app.get("/openrl/v1/models/<model_id>/status")
+    async def model_status(model_id: str) -> Response:
+        return json_response(services.jobs.model_status(caller(services), model_id))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = NodeStatistics(
@@ -66,5 +77,7 @@ def register(app: QuartTrio, services: Services) -> None:
             futures=services.futures.statistics(),
             groups=services.groups.statistics(),
             store=services.store.statistics(),
+            stability=services.groups.stability.statistics(),
+            membership=services.cluster.statistics() if services.cluster is not None else None,
         )
         return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)

@@ -148,12 +148,11 @@ def register(app: QuartTrio, services: Services) -> None:
     async def create_model() -> Response:
         user = caller(services)
         req = await _body(wire.CreateModelRequest)
-        if req.lora_config is None:
-            raise NotSupportedYet("create_model without lora_config (full fine-tuning) is not supported yet")
         wire.optimizer_family(req.optimizer_config)
         request_id, model_id = jobs.create_model(
             user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
-            lora=wire.lora_spec_from_config(req.lora_config),
+            # None is allowed only for openrl.fine_tuning_type=full; the job table says so otherwise.
+            lora=wire.lora_spec_from_config(req.lora_config) if req.lora_config is not None else None,
             user_metadata=_str_dict(req.user_metadata, "user_metadata"),
             optimizer_config=dict(req.optimizer_config),
         )
@@ -170,8 +169,8 @@ def register(app: QuartTrio, services: Services) -> None:
                 "model_id": info.model_id,
                 "model_data": {"arch": info.arch, "model_name": info.base_model, "tokenizer_id": info.tokenizer_id},
                 "optimizer_config": info.optimizer_config,
-                "is_lora": True,
-                "lora_rank": info.lora.rank,
+                "is_lora": info.lora is not None,
+                "lora_rank": info.lora.rank if info.lora is not None else None,
                 "model_name": info.base_model,
             }
         )
@@ -302,7 +301,10 @@ def hot_routes(services: Services) -> dict[str, Handler]:
         if req.sampling_session_id is None:
             raise BadRequest("asample needs sampling_session_id")
         job = wire.sample_job_from_request(req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS)
-        request_id, sequence_ids = jobs.sample(user, req.sampling_session_id, _seq_id(req.seq_id), job)
+        request_id, sequence_ids = jobs.sample(
+            user, req.sampling_session_id, _seq_id(req.seq_id), job,
+            record_stability_info=bool(req.record_stability_info),
+        )
         return _future(request_id, None, sequence_ids)
 
     async def retrieve_future(call: Call) -> Reply:

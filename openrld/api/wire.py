@@ -928,8 +928,9 @@ def sample_job_from_request(req: SampleRequest, *, max_num_samples: int, max_top
         max_topk: the server's cap on topk_prompt_logprobs and topk_sample_logprobs.
 
     Raises:
-        NotSupportedYet: a non-text prompt chunk, target_prompt_logprobs,
-            prompt_alt_tokens_k > 0 or record_stability_info, each named.
+        NotSupportedYet: a non-text prompt chunk, target_prompt_logprobs or
+            prompt_alt_tokens_k > 0, each named. (record_stability_info is the
+            job table's: see `JobTable.sample`.)
         BadRequest: an empty prompt or bad token id, num_samples outside
             [1, max_num_samples], a bad sampling parameter, prompt_logprobs_last_n
             without prompt_logprobs or outside [1, len(prompt) - 1], a top-k over the cap.
@@ -978,8 +979,6 @@ def _refuse_unbuilt_sampling_options(req: SampleRequest) -> None:
         )
     if req.prompt_alt_tokens_k > 0:
         raise NotSupportedYet("prompt_alt_tokens_k > 0 is not supported yet", key="prompt_alt_tokens_k")
-    if req.record_stability_info:
-        raise NotSupportedYet("record_stability_info is not supported yet", key="record_stability_info")
 
 
 def _prompt_tokens(prompt: ModelInput) -> np.ndarray:

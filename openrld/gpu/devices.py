@@ -1,19 +1,28 @@
 """The compute devices of this node: what the hardware has, or what config names.
 
-`auto` picks the first CUDA device when there is one, else the CPU. Nothing
-here knows about jobs or placement; it only answers what a device string means.
+This module owns the node's device inventory (`inventory`) and the meaning of a
+device string (`resolve_device`). A node's devices come from its config when
+the config lists them (`devices = ["cpu:0", "cpu:1"]`, for CPU nodes and
+tests), else from the hardware: every CUDA device when there is one, else the
+CPU. Each device is a `DeviceInfo` record: name, kind, total memory and the
+memory free when it was read. Nothing here knows about jobs, placement or
+turns; it never imports trio.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Sequence
 
 import msgspec
 import torch
 
 
 class DeviceInfo(msgspec.Struct, frozen=True):
-    name: str  # "cpu" or "cuda:0"
+    name: str  # "cpu", "cpu:1" or "cuda:0": the label placement and the status API use
     kind: str  # "cpu" or "cuda"
     memory_bytes: int
+    free_bytes: int  # free when the inventory was taken; a CPU device reports the host's available memory
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -24,23 +33,62 @@ def resolve_device(spec: str) -> torch.device:
     """
     if spec == "auto":
         return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
-    if spec.startswith("cpu"):
+    if spec == "cpu" or (spec.startswith("cpu:") and spec[4:].isdecimal()):
         return torch.device("cpu")  # cpu:N are placement labels; torch has one CPU device
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ValueError(f"device {spec!r}: this machine has no CUDA device")
-        device = torch.device(spec)
+        try:
+            device = torch.device(spec)
+        except RuntimeError as exc:
+            raise ValueError(f"device {spec!r}: expected cuda or cuda:N") from exc
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA devices here")
         return device
     raise ValueError(f"device {spec!r}: expected auto, cpu, cpu:N, cuda or cuda:N")
 
 
-def describe(device: torch.device) -> DeviceInfo:
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return DeviceInfo(name=str(device), kind="cuda", memory_bytes=int(props.total_memory))
-    import os
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
 
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return DeviceInfo(name="cpu", kind="cpu", memory_bytes=int(pages))
+
+def describe(device: torch.device, name: str | None = None) -> DeviceInfo:
+    """The record of one device, named `name` (default: torch's name for it; "cpu" for the CPU)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceInfo(name=name or str(device), kind="cuda", memory_bytes=int(total), free_bytes=int(free))
+    total, available = _host_memory()
+    return DeviceInfo(name=name or "cpu", kind="cpu", memory_bytes=int(total), free_bytes=int(available))
+
+
+def detected_device_names(device: str) -> list[str]:
+    """The devices a node with no `devices` list uses, from its `device` option and the hardware.
+
+    `auto` takes every CUDA device there is, else the CPU; anything else pins the node to that one device.
+    """
+    if device != "auto":
+        return [device]
+    if torch.cuda.is_available():
+        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    return ["cpu"]
+
+
+def inventory(names: Sequence[str], device: str = "auto") -> list[DeviceInfo]:
+    """The node's devices: the configured `names`, or, when there are none, what `device` detects.
+
+    Raises:
+        ValueError: a name that is malformed, named twice, or a device this machine lacks.
+    """
+    chosen = list(names) or detected_device_names(device)
+    seen: set[str] = set()
+    records: list[DeviceInfo] = []
+    for name in chosen:
+        torch_device = resolve_device(name)
+        label = str(torch_device) if name in ("auto", "cuda") else name
+        if label in seen:
+            raise ValueError(f"device {name!r} is listed twice")
+        seen.add(label)
+        records.append(describe(torch_device, label))
+    return records

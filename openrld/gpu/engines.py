@@ -6,22 +6,50 @@ builders run in the actor's worker thread and return a ready engine.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from openrld.gpu.gguf_convert import GgufConverter
 from openrld.model_catalog import ModelEntry
+
+if TYPE_CHECKING:
+    from openrld.gpu.vllm_sampler import VllmSamplerConfig
 
 
 class TorchEngineFactory:
-    def __init__(self, device: torch.device, *, max_batch_tokens: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        max_batch_tokens: int,
+        converter: GgufConverter | None = None,
+        vllm: VllmSamplerConfig | None = None,
+    ) -> None:
         self.device = device
+        self.vllm = vllm  # set: LoRA groups sample with vLLM (sampler_backend = "vllm"), else with torch
         self.max_batch_tokens = max_batch_tokens  # the node config's limit, reported by /openrl/v1/info
+        # A GGUF base model is converted on first use; whichever engine builds first converts it.
+        self.converter = converter
+
+    def on(self, device: str) -> TorchEngineFactory:
+        """This factory, building its engines on `device` (a label of the node's inventory)."""
+        from openrld.gpu.devices import resolve_device
+
+        bound = copy.copy(self)
+        bound.device = resolve_device(device)
+        return bound
+
+    def _ensure_files(self, model: ModelEntry) -> None:
+        if self.converter is not None:
+            self.converter.ensure(model)
 
     def trainer(self, model: ModelEntry) -> Callable[[], Any]:
         def build() -> Any:
             from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
+            self._ensure_files(model)
             config = TrainerConfig(max_batch_tokens=self.max_batch_tokens)
             return TorchTrainer(model.directory, self.device, config=config)
 
@@ -29,8 +57,37 @@ class TorchEngineFactory:
 
     def sampler(self, model: ModelEntry) -> Callable[[], Any]:
         def build() -> Any:
+            self._ensure_files(model)
+            if self.vllm is not None:
+                from openrld.gpu.vllm_sampler import VllmSampler
+
+                return VllmSampler(model.directory, self.device, self.vllm)
             from openrld.gpu.torch_sampler import TorchSampler
 
             return TorchSampler(model.directory, self.device)
+
+        return build
+
+    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], Any]:
+        """A trainer for one full fine-tuning job; `weight_sync` is "delta" or "full"."""
+
+        def build() -> Any:
+            from openrld.gpu.full_trainer import FullTrainer
+            from openrld.gpu.torch_trainer import TrainerConfig
+
+            self._ensure_files(model)
+            config = TrainerConfig(max_batch_tokens=self.max_batch_tokens)
+            return FullTrainer(model.directory, self.device, config=config, weight_sync=weight_sync)
+
+        return build
+
+    def full_sampler(self, model: ModelEntry) -> Callable[[], Any]:
+        """A sampler for one full fine-tuning job's weight versions."""
+
+        def build() -> Any:
+            from openrld.gpu.full_sampler import FullSampler
+
+            self._ensure_files(model)
+            return FullSampler(model.directory, self.device)
 
         return build

@@ -26,7 +26,9 @@ Guarantees:
 - the loss functions never validate: `validate_request` does, once, on the numpy inputs.
 
 It never touches a model, a device lease or the gradient buffers; the trainer does.
-`stable_reinforce` and server-side `custom` losses are refused with `NotSupportedYet`.
+`stable_reinforce` reads the sampler logprobs the server recorded (attached to each datum
+by actors/stability.py before the request reaches the trainer); server-side `custom`
+losses are refused with `NotSupportedYet`.
 """
 
 from __future__ import annotations
@@ -204,6 +206,40 @@ def gspo(
     return loss, _metrics(loss, tokens=active.sum(), clipped_tokens=clipped.sum())
 
 
+def stable_reinforce(
+    lp: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    config: Mapping[str, float],
+    segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The §3.7 proposal [P]: CISPO with bounds [0, 4] on sampled tokens, driven by the
+    server-recorded sampler logprobs q̂, plus κ times the k3 estimator of KL(q‖p).
+
+    For i ∈ T (target positions under a SampledProvenanceSpan), with Δᵢ = lpᵢ − q̂ᵢ and
+    rᵢ = exp(Δᵢ): ℓᵢ = −sg(min(rᵢ, 4))·Aᵢ·lpᵢ + κ·(rᵢ − 1 − Δᵢ); for i ∉ T, ℓᵢ = 0.
+    ∂ℓᵢ/∂lpᵢ = −min(rᵢ, 4)·Aᵢ + κ·(rᵢ − 1). κ = `kl_coeff` (default 0).
+
+    Args:
+        inputs: `advantages`, and the server-attached `sampler_logprobs` (q̂, 0 off T) and
+            `sampled_mask` (1 on T, 0 elsewhere); the client's `logprobs` is not used.
+    Returns:
+        (L, {"loss:sum", "tokens:sum" (= |T|), "kl:sum" (Σ_T rᵢ − 1 − Δᵢ), "clipped_tokens:sum"
+        (positions of T with Aᵢ ≠ 0 and rᵢ > 4)}).
+    """
+    kl_coeff = config.get("kl_coeff", STABLE_REINFORCE_DEFAULTS["kl_coeff"])
+    advantages = inputs["advantages"].to(lp.dtype)
+    sampled = inputs["sampled_mask"] != 0
+    # Δ is zeroed off T so that prompt positions (any lp, q̂ = 0) never reach exp or backward.
+    delta = torch.where(sampled, lp - inputs["sampler_logprobs"].to(lp.dtype), 0.0)
+    ratio = torch.exp(delta)
+    active = sampled & (advantages != 0)
+    policy = torch.where(active, -ratio.clamp(max=STABLE_REINFORCE_RATIO_CAP).detach() * advantages * lp, 0.0)
+    kl = torch.where(sampled, ratio - 1 - delta, 0.0)
+    loss = policy.sum() + kl_coeff * kl.sum() if kl_coeff != 0 else policy.sum()
+    clipped = active & (ratio > STABLE_REINFORCE_RATIO_CAP)
+    return loss, _metrics(loss, tokens=sampled.sum(), kl=kl.detach().sum(), clipped_tokens=clipped.sum())
+
+
 def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(A, A ≠ 0, r). Δ is zeroed where A = 0, so a huge or infinite Δ on a prompt position
     (for example a poor pad value of q) never turns into inf·0 = NaN in backward."""
@@ -257,6 +293,11 @@ PPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 CISPO_DEFAULTS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}  # §3.3: the newest tutorial's one-sided clip
 GSPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # §3.6 [P]: PPO's
 DRO_DEFAULTS = {"beta": 0.05}  # §3.5 [P]: the docs' only example
+STABLE_REINFORCE_DEFAULTS = {"kl_coeff": 0.0}  # §3.7 [P]: no default is documented
+STABLE_REINFORCE_RATIO_CAP = 4.0  # §3.7 [P]: CISPO's default upper bound
+# Inputs the server attaches to stable_reinforce datums from the stability records; a
+# client cannot send them (they are not in any loss's allowed keys).
+RECORDED_INPUTS = ("sampler_logprobs", "sampled_mask")
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 _BASIC_METRICS = ("loss:sum", "tokens:sum")
@@ -271,14 +312,14 @@ LOSSES: dict[str, LossSpec] = {
     "cispo": LossSpec(cispo, _RL_INPUTS, THRESHOLD_KEYS, CISPO_DEFAULTS, _CLIP_METRICS),
     "dro": LossSpec(dro, _RL_INPUTS, (), DRO_DEFAULTS, _BASIC_METRICS),
     "gspo": LossSpec(gspo, _RL_INPUTS + ("sequence_ratio_mask",), THRESHOLD_KEYS, GSPO_DEFAULTS, _CLIP_METRICS),
+    "stable_reinforce": LossSpec(
+        stable_reinforce, ("target_tokens", "advantages"), ("logprobs",), STABLE_REINFORCE_DEFAULTS,
+        ("loss:sum", "tokens:sum", "kl:sum", "clipped_tokens:sum"),
+    ),
 }
 
 # Known Tinker losses that this server refuses, with the reason it gives.
 NOT_SUPPORTED: dict[str, str] = {
-    "stable_reinforce": (
-        "loss_fn 'stable_reinforce' is not supported by this server yet: its objective is unpublished and it "
-        "needs sampler stability records; use 'cispo' or 'importance_sampling'"
-    ),
     "custom": (
         "server-side custom losses are not supported by this server (loss_fn 'custom'); "
         "use forward_backward_custom with custom_loss_server_side=false"
@@ -290,7 +331,7 @@ def loss_spec(loss_fn: str) -> LossSpec:
     """The registry entry for `loss_fn`.
 
     Raises:
-        NotSupportedYet: for `stable_reinforce` and `custom`.
+        NotSupportedYet: for `custom`.
         BadRequest: for any other unknown name, listing the supported ones.
     """
     spec = LOSSES.get(loss_fn)
@@ -323,7 +364,7 @@ def validate_request(
     Returns:
         The request with `target_tokens` as int64 and float inputs as float32.
     Raises:
-        NotSupportedYet: `stable_reinforce`, `custom`.
+        NotSupportedYet: `custom`.
         BadRequest: unknown loss; empty data; a missing or unknown input key; a shape
             other than (N,) (or (N, K) for cross_entropy targets, with weights alike); a
             target id outside [0, vocab_size); a non-finite or non-numeric float input;
@@ -352,6 +393,11 @@ def _resolve_config(loss_fn: str, spec: LossSpec, config: Mapping[str, float | s
         if not math.isfinite(value):
             raise BadRequest(f"loss_fn_config[{key!r}] must be finite for loss {loss_fn!r}; got {value!r}", key=key)
         resolved[key] = float(value)
+    if "kl_coeff" in resolved and resolved["kl_coeff"] < 0:
+        raise BadRequest(
+            f"loss_fn_config['kl_coeff'] must be >= 0 for loss {loss_fn!r}; got {resolved['kl_coeff']!r}",
+            key="kl_coeff",
+        )
     if "beta" in resolved and resolved["beta"] < 0:
         raise BadRequest(
             f"loss_fn_config['beta'] must be >= 0 for loss {loss_fn!r}; got {resolved['beta']!r}", key="beta"
@@ -422,12 +468,30 @@ def _check_datum(
         checked[key] = values
     if "clip_low_threshold" in spec.allowed_inputs:
         _check_thresholds(where, checked, config, n, loss_fn)
+    if loss_fn == "stable_reinforce":
+        checked.update(_recorded_inputs(where, datum, n))
     if "sequence_ratio_mask" in checked and not (checked["sequence_ratio_mask"] != 0).any():
         raise BadRequest(
             f"{where}: loss_fn_inputs['sequence_ratio_mask'] marks no position; loss {loss_fn!r} needs at least one",
             key="sequence_ratio_mask",
         )
     return checked
+
+
+def _recorded_inputs(where: str, datum: TrainDatum, n: int) -> dict[str, np.ndarray]:
+    """q̂ and the sampled-position mask from the records the server attached (actors/stability.py)."""
+    recorded = datum.recorded_logprobs
+    if recorded is None or recorded.shape != (n,):
+        raise BadRequest(
+            f"{where}: stable_reinforce needs provenance on every datum (model_input_spans and "
+            "loss_fn_input_spans naming sequences sampled with record_stability_info=True)",
+            key="loss_fn_input_spans",
+        )
+    sampled = ~np.isnan(recorded)
+    return {
+        "sampler_logprobs": np.where(sampled, recorded, 0.0).astype(np.float32),
+        "sampled_mask": sampled.astype(np.float32),
+    }
 
 
 def _check_thresholds(

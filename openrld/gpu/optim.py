@@ -153,6 +153,10 @@ class AdamW:
         if work is not param:
             param.copy_(work)
 
+    def live_state(self) -> list[torch.Tensor]:
+        """The state tensors themselves (m and v, not copies), for `offload` to move in place."""
+        return [t for moments in self._state.values() for t in (moments.exp_avg, moments.exp_avg_sq)]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state as detached CPU clones: "<name>.exp_avg", "<name>.exp_avg_sq" and
         "<name>.step" (0-d int64) for every tensor that has stepped."""
@@ -346,6 +350,10 @@ class Dimuon:
                     param.copy_(work)
         self.zero_grad()
         return metrics
+
+    def live_state(self) -> list[torch.Tensor]:
+        """The momentum tensors themselves (not copies), for `offload` to move in place."""
+        return [momentum.buffer for momentum in self._state.values()]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """"<name>.momentum" and "<name>.step" (0-d int64) for every tensor that has stepped."""

@@ -55,7 +55,7 @@ import transformers
 
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
 from openrld.errors import BadRequest
-from openrld.gpu import models
+from openrld.gpu import models, offload
 from openrld.gpu.kv_batch import KvBatch
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
@@ -180,11 +180,21 @@ class TorchSampler:
         self._tokens_generated = 0
         self._prompt_tokens_prefilled = 0
         self._decode_steps = 0
+        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this sampler
 
     # -- versions ---------------------------------------------------------
 
     def has_version(self, version: str | None) -> bool:
         return version is None or version in self._adapters
+
+    def base_weights(self) -> dict[str, torch.nn.Parameter]:
+        """The base model's parameters by name, for an owner that replaces them in place
+        between steps (full fine-tuning: `full_sampler`); LoRA versions never change them."""
+        return dict(self._model.named_parameters())
+
+    def validate(self, job: SampleJob) -> None:
+        """Raise BadRequest for a job that `add` would refuse (the message names the field)."""
+        _validate(job, self._vocab, self._context)
 
     def load_version(self, version: str, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> None:
         """Load an immutable LoRA version from the trainer's `get_peft_model_state_dict` tensors.
@@ -196,6 +206,7 @@ class TorchSampler:
         """
         if version in self._adapters:
             raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
+        self._require_resident("load_version")  # peft would create the new tensors on the host
         adapter = f"v{self._adapter_counter}"
         self._adapter_counter += 1
         # peft initialises lora_A randomly; fork so that loading never moves the global RNG.
@@ -219,6 +230,10 @@ class TorchSampler:
                 f"weight version {version!r}: tensors do not match LoraSpec {spec}: "
                 f"missing {missing[:4]}, unexpected {list(result.unexpected_keys)[:4]}"
             )
+        if self._peft.active_adapter not in self._peft.peft_config:
+            # peft keeps naming a deleted adapter active when it was the last one, and its
+            # forward looks that name up even with per-row adapter_names.
+            self._peft.set_adapter(adapter)
         self._adapters[version] = adapter
         logger.info("loaded weight version=%s adapter=%s rank=%d", version, adapter, spec.rank)
 
@@ -310,6 +325,7 @@ class TorchSampler:
         Returns:
             The requests that completed in this step, in completion order.
         """
+        self._require_resident("step")
         finished: list[Finished] = []
         with torch.inference_mode():
             self._admit(finished)
@@ -549,6 +565,51 @@ class TorchSampler:
             s.stop_reason = STOP  # also when this was the last allowed token
         elif len(s.tokens) >= limit:
             s.stop_reason = LENGTH
+
+    # -- time-slicing -----------------------------------------------------
+
+    def park(self) -> offload.ParkReport:
+        """Drop the decode batch's KV cache and move the model and every loaded version to pinned
+        host memory (a no-op move on the CPU). Queued requests stay queued; `step` refuses until
+        `resume`.
+
+        Raises:
+            offload.CannotPark: a request is mid-decode (its KV cache would be lost).
+            offload.EngineParked: already parked.
+        """
+        if self._parked is not None:
+            raise offload.EngineParked("the sampler is already parked")
+        if self._rows or self._prefilled:
+            live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
+            raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
+        dropped = sum(
+            layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+            for layer in self._batch.cache.layers
+            if layer.keys is not None and layer.values is not None
+        )
+        self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
+        self._parked = offload.park(self._device, offload.module_tensors(self._model), cache_bytes_dropped=dropped)
+        return self._parked.report
+
+    def resume(self) -> offload.ResumeReport:
+        """Copy the model and its versions back to the device, bit for bit.
+
+        Raises:
+            offload.EngineParked: not parked.
+        """
+        if self._parked is None:
+            raise offload.EngineParked("the sampler is not parked")
+        report = offload.resume(self._parked)
+        self._parked = None
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked is not None
+
+    def _require_resident(self, operation: str) -> None:
+        if self._parked is not None:
+            raise offload.EngineParked(f"{operation} on a parked sampler; resume() it first")
 
     def statistics(self) -> TorchSamplerStatistics:
         return TorchSamplerStatistics(

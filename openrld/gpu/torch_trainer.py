@@ -23,6 +23,9 @@ Guarantees:
   save_embedding_layers=False)`, which is what the sampler loads with
   `peft.set_peft_model_state_dict`.
 
+The forward pass, micro-batching, chunked log-probs and backward are `gpu/scoring.py`'s
+`BatchScorer`, shared with the full fine-tuning trainer (`gpu/full_trainer.py`).
+
 What it does not do: ordering, queueing, locking (the caller makes one call at a time),
 request ids or futures, trio. Device and dtype are explicit arguments.
 """
@@ -31,49 +34,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import peft
 import torch
-import torch.utils.checkpoint
 
-from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult, TrainDatum
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import lora_io, losses
-from openrld.gpu.models import load_causal_lm, lora_config, max_context, vocab_size
+from openrld.gpu import lora_io, offload
+from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import family_of, optimizer_for
+from openrld.gpu.scoring import BatchScorer, TrainerConfig, plan_micro_batches
+
+__all__ = ["TorchTrainer", "TrainerConfig", "TrainerStatistics", "TrainerState", "plan_micro_batches"]
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 STATE_FORMAT_VERSION = 1
-
-
-class TrainerConfig(msgspec.Struct, frozen=True):
-    """Memory knobs; the defaults suit one GPU with a ~150k vocabulary."""
-
-    # Padded tokens (batch × longest datum) per micro-batch: bounds activation memory.
-    max_batch_tokens: int = 16384
-    # fp32 logits alive at once: positions per log-softmax chunk = budget / (4 B × vocab),
-    # 256 MiB / (4 B × 152k) ≈ 440 positions; a small vocabulary fits in one chunk.
-    logits_budget_bytes: int = 256 * 1024 * 1024
-    # Positions per chunk, overriding the budget (tests use it to force many chunks).
-    logprob_chunk_positions: int | None = None
-    # Apply the output layer to hidden states chunk by chunk. Turned off (with a warning)
-    # when that does not reproduce the model's own logits, e.g. an unknown logit transform.
-    chunked_head: bool = True
-    # Recompute each decoder layer's activations in backward instead of keeping them:
-    # activation memory drops from O(layers × tokens) to about one layer's, for ~1/3 more
-    # compute. For long sequences; off by default.
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
-            raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
 
 
 class TrainerStatistics(msgspec.Struct, frozen=True):
@@ -120,14 +101,10 @@ class TorchTrainer:
         self._peft: peft.PeftModel | None = None  # created with the first adapter
         self._adapters: dict[str, _Adapter] = {}
         self._active: str | None = None
-        self._vocab_size = vocab_size(self._model)
-        self._input_vocab_size = int(self._model.get_input_embeddings().num_embeddings)
-        self._max_tokens = max_context(self._model)
-        self._softcap: float | None = getattr(self._model.config, "final_logit_softcapping", None)
-        self._chunked_head = config.chunked_head and self._head_reproduces_logits()
-        self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
+        self._scorer = BatchScorer(self._model, device, config)
         self._fb_calls = 0
         self._tokens = 0
+        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this trainer
 
     # ------------------------------------------------------------ adapters
 
@@ -141,6 +118,7 @@ class TorchTrainer:
             unknown optimizer family.
         """
         optimizer_for(optimizer, {}, spec.rank)  # refuse an unknown family before peft changes
+        self._require_resident("add_adapter")  # peft would create the new tensors on the host
         if name in self._adapters:
             raise Conflict(f"adapter {name!r} already exists")
         if not name or "." in name:
@@ -185,6 +163,10 @@ class TorchTrainer:
         state = peft.get_peft_model_state_dict(self._peft, adapter_name=name, save_embedding_layers=False)
         return {key: tensor.detach().to("cpu").clone() for key, tensor in state.items()}
 
+    def sampler_payload(self, name: str, version: str) -> dict[str, torch.Tensor]:
+        """What a new in-memory sampler version carries: the adapter tensors (CPU clones)."""
+        return self.adapter_tensors(name)
+
     def adapter_gradients(self, name: str) -> dict[str, torch.Tensor]:
         """The accumulated gradients as CPU clones (tensors without one are left out);
         for diagnostics and tests."""
@@ -221,65 +203,12 @@ class TorchTrainer:
             As `forward_backward`, for the first failing request.
         """
         adapter = self._get(name)
-        forward_only = batches[0].forward_only
-        assert all(b.forward_only == forward_only for b in batches), "forward_backward_many mixes forward_only"
-        requests = []
-        for batch in batches:
-            self._check_model_inputs(batch.data)
-            requests.append(
-                losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self._vocab_size)
-            )
+        self._require_resident("forward_backward")
         self._activate(name)
-        for layer in self._checkpointed_layers:
-            # transformers checkpoints a layer only while its own `training` flag is set; only
-            # the flag is set, not `.train()`, so dropout below it stays off (eval mode).
-            layer.training = True
-        if forward_only:
-            guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        else:
-            guard = _gradients_set_aside(list(adapter.params.values()))
-        with guard, torch.set_grad_enabled(not forward_only):
-            results = self._run_micro_batches(batches, requests)
+        results = self._scorer.forward_backward_many(batches, adapter.params.values())
         self._fb_calls += len(batches)
         self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
         return results
-
-    def _run_micro_batches(
-        self, batches: Sequence[ForwardBackwardBatch], requests: Sequence[losses.CheckedRequest]
-    ) -> list[ForwardBackwardResult]:
-        """lp, losses and (when grad is enabled) backward, one padded micro-batch at a time.
-
-        A micro-batch may hold datums of several requests; within it each request's datums
-        sit together, so its lp is one contiguous slice and its loss one call.
-        """
-        entries = [(r, i) for r, batch in enumerate(batches) for i in range(len(batch.data))]
-        logprobs = [[np.empty(0, np.float32)] * len(batch.data) for batch in batches]
-        metrics = [dict.fromkeys(request.spec.metric_keys, 0.0) for request in requests]
-        lengths = [len(batches[r].data[i].tokens) for r, i in entries]
-        for group in plan_micro_batches(lengths, self.config.max_batch_tokens):
-            members = sorted(entries[k] for k in group)  # by request, then datum: contiguous per request
-            lp = self._target_logprobs(
-                [batches[r].data[i].tokens for r, i in members],
-                [requests[r].inputs[i]["target_tokens"] for r, i in members],
-            )
-            total: torch.Tensor | None = None
-            offset = 0
-            for r, indices in _by_request(members):
-                request = requests[r]
-                size = sum(int(request.inputs[i]["target_tokens"].size) for i in indices)
-                part = lp[offset : offset + size]
-                offset += size
-                packed = losses.pack_inputs(request, indices, self.device)
-                loss, part_metrics = request.spec.fn(part, packed.inputs, request.config, packed.segments)
-                losses.check_finite_loss(loss, batches[r].loss_fn)  # before backward: a bad loss adds no gradient
-                total = loss if total is None else total + loss
-                _scatter(part, indices, request, logprobs[r])
-                for key, value in part_metrics.items():
-                    metrics[r][key] += value
-            assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
-            if torch.is_grad_enabled():
-                total.backward()
-        return [ForwardBackwardResult(logprobs=lp_list, metrics=m) for lp_list, m in zip(logprobs, metrics)]
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One step of the adapter's optimizer with its accumulated gradients.
@@ -291,6 +220,7 @@ class TorchTrainer:
             params or a non-finite gradient norm (optim.py).
         """
         adapter = self._get(name)
+        self._require_resident("optim_step")
         sent = family_of(params)
         if sent != adapter.family:
             expected = "AdamParams" if adapter.family == "adamw" else "DimuonParams"
@@ -303,6 +233,10 @@ class TorchTrainer:
         return OptimResult(metrics=adapter.optimizer.step(params))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ checkpoints
+
+    def sampler_checkpoint(self, name: str, directory: Path) -> int:
+        """Write the adapter a sampler loads (lora_io format) into the empty `directory`."""
+        return lora_io.save_adapter(directory, self.adapter_tensors(name), self._get(name).spec)
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the adapter (lora_io format), `optimizer.safetensors` when `with_optimizer`,
@@ -341,6 +275,7 @@ class TorchTrainer:
                 `optimizer` that differs from the resident adapter's, or (with optimizer
                 state) from the checkpoint's.
         """
+        self._require_resident("load_state")
         resident = self._adapters.get(name)
         if resident is not None and resident.family != optimizer:
             raise BadRequest(
@@ -388,6 +323,43 @@ class TorchTrainer:
         adapter.optimizer.zero_grad()
         logger.info("adapter loaded adapter=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
 
+    # ------------------------------------------------------------ time-slicing
+
+    def park(self) -> offload.ParkReport:
+        """Move the base model, every adapter, its gradients and its optimizer state to pinned
+        host memory and free the device (a no-op move on the CPU). Compute refuses until `resume`.
+
+        Raises:
+            offload.EngineParked: already parked.
+        """
+        if self._parked is not None:
+            raise offload.EngineParked("the trainer is already parked")
+        state = offload.module_tensors(self._model)  # peft's LoRA layers live inside this module
+        for adapter in self._adapters.values():
+            state += adapter.optimizer.live_state()
+        self._parked = offload.park(self.device, state)
+        return self._parked.report
+
+    def resume(self) -> offload.ResumeReport:
+        """Copy the parked state back to the device, bit for bit.
+
+        Raises:
+            offload.EngineParked: not parked.
+        """
+        if self._parked is None:
+            raise offload.EngineParked("the trainer is not parked")
+        report = offload.resume(self._parked)
+        self._parked = None
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked is not None
+
+    def _require_resident(self, operation: str) -> None:
+        if self._parked is not None:
+            raise offload.EngineParked(f"{operation} on a parked trainer; resume() it first")
+
     # ------------------------------------------------------------ observability
 
     def statistics(self) -> TrainerStatistics:
@@ -425,181 +397,6 @@ class TorchTrainer:
                     params[key.replace(marker, f".{part}.")] = param
         assert params, f"peft created no LoRA tensors for adapter {name!r}"
         return params
-
-    def _check_model_inputs(self, data: Sequence[TrainDatum]) -> None:
-        for index, datum in enumerate(data):
-            tokens = np.asarray(datum.tokens)
-            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-                raise BadRequest(
-                    f"datum {index}: model_input tokens must be a 1-D integer array; "
-                    f"got dtype {tokens.dtype} shape {list(tokens.shape)}",
-                    key="model_input",
-                )
-            if len(tokens) == 0:
-                raise BadRequest(f"datum {index}: model_input is empty; expected at least one token", key="model_input")
-            if len(tokens) > self._max_tokens:
-                raise BadRequest(
-                    f"datum {index}: model_input has {len(tokens)} tokens; the model's context is {self._max_tokens}",
-                    key="model_input",
-                )
-            if tokens.min() < 0 or tokens.max() >= self._input_vocab_size:
-                bad = int(np.flatnonzero((tokens < 0) | (tokens >= self._input_vocab_size))[0])
-                raise BadRequest(
-                    f"datum {index}: model_input has token id {int(tokens[bad])} at position {bad}; "
-                    f"expected ids in [0, {self._input_vocab_size})",
-                    key="model_input",
-                )
-
-    def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
-        """lp of one micro-batch in the packed layout of losses.py: (M,) float32, M = Σ targets.size.
-
-        Datums are right-padded into (B, T) with an attention mask; under causal attention the
-        padding never reaches a real position.
-        """
-        lengths = [len(t) for t in tokens]
-        ids = np.zeros((len(tokens), max(lengths)), np.int64)
-        mask = np.zeros_like(ids)
-        for row, (datum_tokens, n) in enumerate(zip(tokens, lengths)):
-            ids[row, :n] = datum_tokens
-            mask[row, :n] = 1
-        input_ids = torch.from_numpy(ids).to(self.device)
-        attention_mask = torch.from_numpy(mask).to(self.device)
-        # Without padding, no mask: attention then takes its plain causal path, which is faster.
-        model_mask = None if min(lengths) == max(lengths) else attention_mask
-        chunk = self.config.logprob_chunk_positions or max(1, self.config.logits_budget_bytes // (4 * self._vocab_size))
-        # One chunk holds every position: the model's own full logits are as cheap and simpler.
-        head_chunks = self._chunked_head and sum(lengths) > chunk
-        if head_chunks:
-            decoder = self._model.get_decoder()
-            out = decoder(input_ids=input_ids, attention_mask=model_mask, use_cache=False)
-            features = out.last_hidden_state  # (B, T, H)
-        else:
-            features = self._model(input_ids=input_ids, attention_mask=model_mask, use_cache=False).logits
-        rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
-        # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
-        offsets = np.cumsum([0] + lengths)
-        per_position = [1 if t.ndim == 1 else t.shape[1] for t in targets]
-        pair_rows = np.concatenate(
-            [np.repeat(np.arange(offsets[i], offsets[i + 1]), k) for i, k in enumerate(per_position)]
-        )
-        pair_tokens = np.concatenate([t.reshape(-1) for t in targets])
-        starts = list(range(0, len(rows), chunk))
-        # Recompute a chunk's logits in backward only when there are several chunks:
-        # then keeping every chunk's (chunk, V) fp32 alive is what the budget forbids.
-        recompute = torch.is_grad_enabled() and len(starts) > 1
-        bounds = np.searchsorted(pair_rows, starts + [len(rows)])
-        pair_rows_t = torch.from_numpy(pair_rows).to(self.device)
-        pair_tokens_t = torch.from_numpy(pair_tokens).to(self.device)
-        pieces = []
-        for start, lo, hi in zip(starts, bounds[:-1], bounds[1:]):
-            args = (rows[start : start + chunk], pair_rows_t[lo:hi] - start, pair_tokens_t[lo:hi], head_chunks)
-            if recompute:
-                pieces.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, *args, use_reentrant=False))
-            else:
-                pieces.append(self._chunk_logprobs(*args))
-        return torch.cat(pieces)
-
-    def _chunk_logprobs(
-        self, features: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, head_chunks: bool
-    ) -> torch.Tensor:
-        """log_softmax in fp32 of one chunk's logits, read at (rows, tokens)."""
-        if head_chunks:
-            logits = self._model.get_output_embeddings()(features).float()  # (c, V)
-            if self._softcap:
-                logits = torch.tanh(logits / self._softcap) * self._softcap
-        else:
-            logits = features.float()
-        return torch.log_softmax(logits, dim=-1)[rows, tokens]
-
-    def _enable_activation_checkpointing(self) -> list[torch.nn.Module]:
-        """Turn on transformers' per-layer checkpointing (non-reentrant, so a frozen base and
-        LoRA inputs need no grad hooks); returns the layers whose flag must stay set."""
-        if not self._model.supports_gradient_checkpointing:
-            logger.warning(
-                "activation checkpointing requested but model_type=%s does not support it; running without",
-                getattr(self._model.config, "model_type", "?"),
-            )
-            return []
-        self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return [m for m in self._model.modules() if getattr(m, "gradient_checkpointing", False)]
-
-    def _head_reproduces_logits(self) -> bool:
-        """Whether decoder + output layer (+ soft-cap) gives the model's own logits; run once."""
-        ids = torch.arange(min(16, self._vocab_size), device=self.device).unsqueeze(0)
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            expected = self._model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-            hidden = self._model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            logits = self._model.get_output_embeddings()(hidden).float()
-            if self._softcap:
-                logits = torch.tanh(logits / self._softcap) * self._softcap
-        tolerance = 1e-4 if expected.dtype == logits.dtype == torch.float32 and hidden.dtype == torch.float32 else 2e-2
-        if torch.allclose(logits, expected, rtol=tolerance, atol=tolerance):
-            return True
-        logger.warning(
-            "chunked output layer does not reproduce the model's logits (model_type=%s); computing full logits",
-            getattr(self._model.config, "model_type", "?"),
-        )
-        return False
-
-
-@contextlib.contextmanager
-def _gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
-    """Run one request's backward passes into fresh gradient buffers. On success the earlier
-    buffers are added back in; on any failure they are put back untouched, so a failed
-    request adds nothing (losses.md §1.6), even after some micro-batches backpropagated."""
-    earlier = [p.grad for p in params]
-    for param in params:
-        param.grad = None
-    try:
-        yield
-    except BaseException:
-        for param, grad in zip(params, earlier):
-            param.grad = grad
-        raise
-    for param, grad in zip(params, earlier):
-        if grad is not None:
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
-
-
-def plan_micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
-    """Group datum indices so that batch size × longest length ≤ max_batch_tokens.
-
-    Longest first, so that similar lengths share a batch and padding stays small; a datum
-    longer than the budget gets a batch of its own. Every index appears exactly once.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for index in order:
-        # Sorted longest first, so the group's first datum sets its padded length.
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_batch_tokens:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
-
-
-def _by_request(members: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
-    """[(request, [datum, ...]), ...] from (request, datum) pairs already sorted by request."""
-    runs: list[tuple[int, list[int]]] = []
-    for request, datum in members:
-        if runs and runs[-1][0] == request:
-            runs[-1][1].append(datum)
-        else:
-            runs.append((request, [datum]))
-    return runs
-
-
-def _scatter(lp: torch.Tensor, group: Sequence[int], request: losses.CheckedRequest, out: list[np.ndarray]) -> None:
-    """Cut a micro-batch's packed lp back into per-datum float32 arrays shaped like the targets."""
-    flat = lp.detach().to("cpu", torch.float32).numpy()
-    offset = 0
-    for index in group:
-        shape = request.inputs[index]["target_tokens"].shape
-        size = int(np.prod(shape))
-        out[index] = flat[offset : offset + size].reshape(shape).copy()
-        offset += size
-
 
 def _stored_optimizer(directory: Path) -> str:
     """The optimizer family in a state checkpoint's state.json ("adamw" when it has none)."""

@@ -612,9 +612,8 @@ def test_prompt_alt_tokens_is_not_supported_yet() -> None:
         sample_job(sample_request(prompt_alt_tokens_k=2))
 
 
-def test_record_stability_info_is_not_supported_yet() -> None:
-    with pytest.raises(NotSupportedYet, match=r"record_stability_info is not supported yet"):
-        sample_job(sample_request(record_stability_info=True))
+def test_record_stability_info_is_accepted() -> None:
+    assert sample_job(sample_request(record_stability_info=True)).num_samples == 1
 
 
 @pytest.mark.parametrize(

@@ -49,8 +49,23 @@ def node_config(objects, container, pod, tmp_path_factory) -> NodeConfig:
     """The config the pod's daemon would load: the ConfigMap's file, then the container's OPENRLD_* env."""
     path = tmp_path_factory.mktemp("k8s") / "openrld.toml"
     path.write_text(objects[("ConfigMap", "openrld-config")]["data"]["openrld.toml"])
-    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env = {e["name"]: _env_value(e, objects) for e in container["env"]}
     return load_config(path, {}, env)
+
+
+# What Kubernetes fills in for the pod's fieldRefs, for a node named gke-pool-1-abcd.
+_FIELD_VALUES = {"spec.nodeName": "gke-pool-1-abcd", "status.podIP": "10.8.0.7"}
+
+
+def _env_value(entry: dict, objects: dict) -> str:
+    """An env entry's value as the pod sees it: literal, from a Secret key, or from a pod field."""
+    if "value" in entry:
+        return entry["value"]
+    source = entry["valueFrom"]
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        return objects[("Secret", ref["name"])]["stringData"][ref["key"]]
+    return _FIELD_VALUES[source["fieldRef"]["fieldPath"]]
 
 
 def test_manifests_hold_the_five_objects_gke_needs(objects):
@@ -77,7 +92,7 @@ def test_the_command_reads_the_configmap_file(container, pod):
 def test_every_openrld_env_var_names_a_config_field(container):
     fields = {f.name for f in msgspec.structs.fields(NodeConfig)}
     names = [e["name"] for e in container["env"] if e["name"].startswith(ENV_PREFIX)]
-    assert names == ["OPENRLD_LOG_JSON"]
+    assert names == ["OPENRLD_LOG_JSON", "OPENRLD_NODE_NAME", "OPENRLD_ADVERTISE_HOST", "OPENRLD_CLUSTER_SECRET"]
     assert {name.removeprefix(ENV_PREFIX).lower() for name in names} <= fields
 
 
@@ -86,11 +101,28 @@ def test_config_serves_all_interfaces_with_keys_and_json_logs(node_config):
 
 
 def test_container_port_and_both_services_use_the_config_port(objects, container, node_config):
-    [port] = container["ports"]
-    assert (port["name"], port["containerPort"], port["protocol"]) == ("http", node_config.port, "TCP")
+    [port] = [p for p in container["ports"] if p["name"] == "http"]
+    assert (port["containerPort"], port["protocol"]) == (node_config.port, "TCP")
     for name in ("openrld", "openrld-peers"):
         [service_port] = objects[("Service", name)]["spec"]["ports"]
         assert (service_port["port"], service_port["targetPort"]) == (node_config.port, "http")
+
+
+def test_gossip_port_is_the_config_gossip_port_over_udp(container, node_config):
+    [port] = [p for p in container["ports"] if p["name"] == "gossip"]
+    assert (port["containerPort"], port["protocol"]) == (node_config.gossip_port, "UDP")
+
+
+def test_pods_join_through_the_headless_peers_service_on_the_http_port(objects, node_config):
+    peers = objects[("Service", "openrld-peers")]["metadata"]
+    assert node_config.join == (f"{peers['name']}.{peers['namespace']}.svc.cluster.local:{node_config.port}",)
+
+
+def test_member_identity_and_cluster_secret_come_from_the_pod_and_the_secret(objects, node_config):
+    secret = objects[("Secret", "openrld-secrets")]["stringData"]["cluster-secret"]
+    assert (node_config.node_name, node_config.advertise_host, node_config.cluster_secret) == (
+        "gke-pool-1-abcd", "10.8.0.7", secret
+    )
 
 
 def test_services_select_the_daemonset_pods_and_peers_are_headless(objects, pod):

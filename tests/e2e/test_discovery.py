@@ -49,11 +49,11 @@ def test_info_settings_schema_is_the_one_settings_validate_with(info):
 
 def test_info_lists_losses_and_backends(info):
     assert info["losses"] == list(SUPPORTED_LOSSES)
-    assert info["refused_losses"] == ["stable_reinforce", "custom"]
+    assert info["refused_losses"] == ["custom"]
     assert [(b["name"], b["built"]) for b in info["trainer_backends"]] == [
         ("pytorch", True), ("automodel", False), ("image", False),
     ]
-    assert [(b["name"], b["built"]) for b in info["sampler_backends"]] == [("torch", True), ("vllm", False)]
+    assert [(b["name"], b["built"]) for b in info["sampler_backends"]] == [("torch", True), ("vllm", True)]
 
 
 def test_info_models_agree_with_get_server_capabilities(shared_daemon, info):

@@ -28,7 +28,7 @@ def test_healthy_open_node_passes_every_check_and_exits_0(shared_daemon, capsys)
         "reachability": "ok", "tls": "ok", "auth": "ok", "version": "ok", "cluster": "ok", "smoke": "ok",
     }
     assert checks["auth"]["summary"] == "open mode: the node needs no key (it serves loopback only)"
-    assert checks["cluster"]["summary"].startswith("single node (this server has no cluster API")
+    assert checks["cluster"]["summary"].startswith("single node (no cluster_secret, so in no cluster)")
     assert checks["smoke"]["summary"].startswith("tiny-llama: LoRA rank 4, one step (loss ")
     assert "sampled 4 tokens, session closed" in checks["smoke"]["summary"]
 

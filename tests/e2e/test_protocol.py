@@ -124,10 +124,10 @@ def test_not_yet_supported_setting_is_refused_by_name(http):
     response = _post(
         http, "create_model",
         {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4},
-         "user_metadata": {"openrl.sampler_replicas": "2"}},
+         "user_metadata": {"openrl.trainer_backend": "automodel"}},
     )
     assert response.status_code == 400
-    assert "openrl.sampler_replicas" in response.json()["detail"]
+    assert "openrl.trainer_backend" in response.json()["detail"]
     assert "not supported yet" in response.json()["detail"]
 
 

@@ -32,6 +32,7 @@ from openrld.api.proto.schema import DType, StopReason
 from openrld.batches import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
+    ProvenanceSpan,
     SampleResult,
     TopK,
     TrainDatum,
@@ -173,14 +174,42 @@ class _CellBudget:
 
 
 def _decode_datum(where: str, datum: schema.Datum, csr_budget: _CellBudget) -> TrainDatum:
-    # Provenance spans (model_input_spans, loss_fn_input_spans) only matter to
-    # stable_reinforce, which the loss registry refuses by name until it is built.
+    # Provenance spans are decoded for every loss but only stable_reinforce reads them;
+    # the other losses accept and ignore them (losses.md §1.6).
     tokens = _decode_model_input(where, datum.model_input)
     inputs = {
         name: _decode_loss_input(f"{where}.loss_fn_inputs[{name!r}]", name, tensor, csr_budget)
         for name, tensor in sorted(datum.loss_fn_inputs.items())
     }
-    return TrainDatum(tokens=tokens, inputs=inputs)
+    return TrainDatum(
+        tokens=tokens,
+        inputs=inputs,
+        model_input_spans=_decode_spans(f"{where}.model_input_spans", datum.model_input_spans),
+        loss_fn_input_spans=_decode_spans(f"{where}.loss_fn_input_spans", datum.loss_fn_input_spans),
+    )
+
+
+def _decode_spans(where: str, spans: list[schema.ProvenanceSpan]) -> tuple[ProvenanceSpan, ...] | None:
+    """A span list, or None when the datum carries none (proto3 cannot tell [] from absent)."""
+    if not spans:
+        return None
+    decoded = []
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise BadRequest(f"{where}[{j}]: span is neither prompt_tokens nor sampled_tokens")
+        run = span.prompt_tokens if kind == "prompt_tokens" else span.sampled_tokens
+        if not run.sequence_id:
+            raise BadRequest(f"{where}[{j}]: sequence_id must be non-empty")
+        if run.offset < 0 or run.length < 0:
+            raise BadRequest(f"{where}[{j}]: offset and length must be >= 0, got {run.offset} and {run.length}")
+        decoded.append(
+            ProvenanceSpan(
+                sequence_id=run.sequence_id, offset=int(run.offset), length=int(run.length),
+                is_sampled=kind == "sampled_tokens",
+            )
+        )
+    return tuple(decoded)
 
 
 def _decode_model_input(where: str, chunks: list[schema.Chunk]) -> np.ndarray:

@@ -1,0 +1,215 @@
+"""Weight sync for full fine-tuning: what changed since the sampler's version, and a digest.
+
+The trainer keeps a host copy of the weights its sampler holds (its *shadow*). A sync
+compares the live weights with the shadow bit for bit, per tensor, and sends only the
+elements that differ: flat indices and the new values in the tensor's native dtype
+(`WeightDelta`). Where the changed elements would cost as many bytes as the whole
+tensor, the tensor goes dense instead. `weight_sync=full` sends every tensor dense
+(`full_update`). The sampler patches its live weights in place with `apply_delta` and
+compares `digest` of the result with the trainer's: equal digests mean bit-identical
+weights (up to a 64-bit hash collision); a difference is a `WeightMismatch`.
+
+Comparisons are on the bits (an integer view of each tensor), so -0.0 vs 0.0 and NaN
+payloads count as changes and nothing is lost to float equality.
+
+Pure tensor code: no trio, no files, no requests. Tensors may live on any device;
+indices and values are produced on the tensors' device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+
+import msgspec
+import torch
+
+from openrld.batches import SyncStats
+from openrld.errors import ServerError
+
+__all__ = ["SyncStats", "TensorDelta", "WeightDelta", "WeightMismatch", "apply_delta", "bits", "clone_weights",
+           "compute_delta", "digest", "full_update"]
+
+# Bits of each element reinterpreted as an integer of the same width: exact comparison.
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_BLOCK = 1 << 20  # elements hashed per block; bounds the int64 temporaries to 8 MiB
+_MASK64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads block sums across the 64 bits
+
+
+class WeightMismatch(ServerError):
+    """The sampler's weights after a sync differ from the trainer's: the sync is broken."""
+
+
+class TensorDelta(msgspec.Struct, frozen=True):
+    """One tensor's change: `indices` (flat, int32 or int64) and `values` (native dtype),
+    or `indices` None and `values` the whole tensor (dense)."""
+
+    name: str
+    indices: torch.Tensor | None
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (self.indices.nbytes if self.indices is not None else 0)
+
+
+class WeightDelta(msgspec.Struct, frozen=True):
+    """The change from `base_version` (None: the base model) to the trainer's weights."""
+
+    base_version: str | None
+    tensors: list[TensorDelta]
+    digest: int  # of the trainer's weights after the change
+    mode: str
+    changed_elements: int
+    total_elements: int
+    full_bytes: int
+    compute_s: float
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def stats(self, apply_s: float = 0.0) -> SyncStats:
+        return SyncStats(
+            mode=self.mode,
+            changed_fraction=self.changed_elements / max(1, self.total_elements),
+            bytes_moved=self.bytes_moved,
+            full_bytes=self.full_bytes,
+            dense_tensors=sum(1 for t in self.tensors if t.indices is None),
+            compute_s=self.compute_s,
+            apply_s=apply_s,
+        )
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of the tensor's bits (no copy for a contiguous tensor)."""
+    return tensor.detach().reshape(-1).view(_INT_VIEW[tensor.element_size()])
+
+
+def compute_delta(
+    current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], base_version: str | None
+) -> WeightDelta:
+    """The elements of `current` whose bits differ from `previous`, per tensor.
+
+    Args:
+        current: the trainer's weights now.
+        previous: the weights the sampler holds (same names, shapes and dtypes).
+        base_version: the version `previous` is, carried for the sampler to check.
+    Raises:
+        ValueError: the two do not have the same names, shapes and dtypes.
+    """
+    started = time.perf_counter()
+    _check_alike(current, previous)
+    tensors: list[TensorDelta] = []
+    changed_total = 0
+    for name, now in current.items():
+        now_bits, old_bits = bits(now), bits(previous[name])
+        index = torch.nonzero(now_bits != old_bits).reshape(-1)  # (changed,) int64
+        changed = index.numel()
+        changed_total += changed
+        if changed == 0:
+            continue
+        index_dtype = torch.int32 if now.numel() < 2**31 else torch.int64
+        sparse_bytes = changed * (now.element_size() + torch.empty((), dtype=index_dtype).element_size())
+        flat = now.detach().reshape(-1)
+        if sparse_bytes >= now.numel() * now.element_size():
+            tensors.append(TensorDelta(name=name, indices=None, values=flat.clone()))
+        else:
+            tensors.append(TensorDelta(name=name, indices=index.to(index_dtype), values=flat[index]))
+    return WeightDelta(
+        base_version=base_version,
+        tensors=tensors,
+        digest=digest(current),
+        mode="delta",
+        changed_elements=changed_total,
+        total_elements=sum(t.numel() for t in current.values()),
+        full_bytes=_full_bytes(current),
+        compute_s=time.perf_counter() - started,
+    )
+
+
+def full_update(current: Mapping[str, torch.Tensor], base_version: str | None) -> WeightDelta:
+    """Every tensor dense (`weight_sync=full`); `changed_elements` counts all of them."""
+    started = time.perf_counter()
+    tensors = [TensorDelta(name=name, indices=None, values=t.detach().reshape(-1).clone()) for name, t in current.items()]
+    total = sum(t.numel() for t in current.values())
+    return WeightDelta(
+        base_version=base_version,
+        tensors=tensors,
+        digest=digest(current),
+        mode="full",
+        changed_elements=total,
+        total_elements=total,
+        full_bytes=_full_bytes(current),
+        compute_s=time.perf_counter() - started,
+    )
+
+
+def apply_delta(weights: Mapping[str, torch.Tensor], change: WeightDelta) -> None:
+    """Patch `weights` in place (under no_grad); values are copied to each tensor's device.
+
+    Raises:
+        ValueError: a tensor the weights do not have, or values of another dtype or size.
+    """
+    with torch.no_grad():
+        for part in change.tensors:
+            target = weights.get(part.name)
+            if target is None:
+                raise ValueError(f"delta names tensor {part.name!r}, which the weights do not have")
+            if part.values.dtype != target.dtype:
+                raise ValueError(f"delta for {part.name!r} is {part.values.dtype}; the weight is {target.dtype}")
+            flat = target.view(-1)
+            values = part.values.to(target.device)
+            if part.indices is None:
+                if values.numel() != flat.numel():
+                    raise ValueError(f"dense delta for {part.name!r} has {values.numel()} of {flat.numel()} elements")
+                flat.copy_(values)
+            else:
+                flat[part.indices.to(target.device, torch.int64)] = values
+
+
+def digest(weights: Mapping[str, torch.Tensor]) -> int:
+    """A 64-bit hash of every tensor's name, shape, dtype and bits, position-sensitive.
+
+    Computed on the tensors' device in blocks (a position-weighted sum of the bits per
+    block), so it costs a few passes over the weights and no copy to the host.
+    """
+    total = 0
+    for name in sorted(weights):
+        tensor = weights[name]
+        header = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode()
+        value = int.from_bytes(hashlib.blake2b(header, digest_size=8).digest(), "little")
+        flat = bits(tensor)
+        weights_block = None
+        for start in range(0, flat.numel(), _DIGEST_BLOCK):
+            block = flat[start : start + _DIGEST_BLOCK].to(torch.int64)
+            if weights_block is None or weights_block.numel() != block.numel():
+                # Odd position weights: a value moved to another position changes the sum.
+                weights_block = torch.arange(block.numel(), device=block.device, dtype=torch.int64) * 2 + 1
+            block_sum = int((block * weights_block).sum()) & _MASK64  # int64 wraps: fine for a hash
+            value = ((value ^ block_sum) * _MIX + start) & _MASK64
+        total = ((total * _MIX) ^ value) & _MASK64
+    return total
+
+
+def clone_weights(weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Detached copies on `device`: the trainer's shadow of what its sampler holds."""
+    return {name: t.detach().to(device, copy=True) for name, t in weights.items()}
+
+
+def _full_bytes(weights: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def _check_alike(current: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor]) -> None:
+    if set(current) != set(previous):
+        raise ValueError(
+            f"weights differ in names: missing {sorted(set(current) - set(previous))[:3]}, "
+            f"extra {sorted(set(previous) - set(current))[:3]}"
+        )
+    for name, now in current.items():
+        old = previous[name]
+        if now.shape != old.shape or now.dtype != old.dtype:
+            raise ValueError(f"{name}: {list(now.shape)} {now.dtype} vs {list(old.shape)} {old.dtype}")

@@ -1,0 +1,325 @@
+"""The trainer engine for one full fine-tuning job: every weight of the model trains.
+
+What it does: it loads the model (eval mode: no dropout) with every parameter
+trainable, and for its one job runs `forward_backward` / `forward_backward_many`
+(the shared `gpu/scoring.py` pass: the same micro-batching, chunked log-probs and
+Tinker losses as the LoRA trainer), `optim_step` (AdamW, `gpu/optim.py`, over every
+parameter), and saving and loading of its state as full-model safetensors
+(`gpu/full_io.py`). It speaks the engine protocol of `actors/trainer.py` so that the
+same actor, queues and ordering serve it: `name` is the job's model id, and the
+LoRA spec those calls carry is ignored (there is no adapter).
+
+Guarantees:
+- the same as `torch_trainer` for one adapter: a failed request adds no gradient,
+  gradients accumulate until `optim_step`, `forward_only` leaves them alone, and an
+  optim_step of another family than the job's is refused with the gradient kept;
+- Dimuon is refused at creation: it is defined on LoRA matrices
+  (`shared/spec/optimizers.md` §1.1, "dimuon needs a LoRA model");
+- checkpoints hold the full weights (`model.safetensors`), and with optimizer state
+  the AdamW moments and step counts, so a resume continues the run exactly.
+
+What it does not do: serve more than one job (a full job gets its own group),
+ordering, queueing, locking, request ids, trio. Device and dtype are explicit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import torch
+
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
+from openrld.errors import BadRequest, Conflict, NotFound
+from openrld.gpu import delta, full_io, lora_io, offload
+from openrld.gpu.models import load_causal_lm
+from openrld.gpu.optim import AdamW, family_of
+from openrld.gpu.scoring import BatchScorer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+STATE_FORMAT_VERSION = 1
+DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
+
+
+class FullTrainerState(msgspec.Struct, frozen=True):
+    """state.json of a full fine-tuning state checkpoint."""
+
+    format_version: int
+    optimizer: str  # "adamw"
+    optimizer_steps: int
+    has_optimizer_state: bool
+    fine_tuning_type: str = "full"
+
+
+class FullTrainerStatistics(msgspec.Struct, frozen=True):
+    job: str | None
+    parameters: int  # trainable elements
+    optim_steps: int
+    forward_backward_calls: int
+    tokens: int  # model-input tokens run through forward_backward
+    weight_sync: str  # "delta" or "full"
+    synced_version: str | None  # the version the last sampler payload made
+    last_sync: delta.SyncStats | None
+
+
+class FullTrainer:
+    """Every weight of one model trains, for one job; one call at a time."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        *,
+        config: TrainerConfig = TrainerConfig(),
+        weight_sync: str = "delta",
+    ) -> None:
+        assert weight_sync in ("delta", "full"), f"weight_sync is 'delta' or 'full', got {weight_sync!r}"
+        self.device = device
+        self.config = config
+        self._model = load_causal_lm(model_dir, device, dtype)
+        # named_parameters() lists a tied weight once: it is one tensor, trained once.
+        self._params = dict(self._model.named_parameters())
+        self._scorer = BatchScorer(self._model, device, config)
+        self._weight_sync = weight_sync
+        # What the job's sampler holds: it starts on the same base weights. Only delta needs
+        # the copy (on the host), to compare against.
+        self._shadow = delta.clone_weights(self._params) if weight_sync == "delta" else None
+        self._synced_version: str | None = None  # None: the base model
+        self._last_sync: delta.SyncStats | None = None
+        self._job: str | None = None
+        self._optimizer = AdamW(self._params)
+        self._fb_calls = 0
+        self._tokens = 0
+        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this trainer
+
+    # ------------------------------------------------------------ the job
+
+    def add_adapter(self, name: str, spec: LoraSpec | None = None, optimizer: str = "adamw") -> None:
+        """Open the engine's one job, starting from the loaded weights with fresh AdamW state.
+
+        Raises:
+            Conflict: a job is already open.  BadRequest: `optimizer` is not "adamw".
+        """
+        _require_adamw(optimizer)
+        if self._job is not None:
+            raise Conflict(f"this full fine-tuning trainer already serves model {self._job}; it serves one job")
+        for param in self._params.values():
+            param.requires_grad_(True)
+        self._job = name
+        logger.info("full job opened model_id=%s parameters=%d", name, self._numel())
+
+    def has_adapter(self, name: str) -> bool:
+        return name == self._job
+
+    def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """Every parameter as a detached CPU clone, keyed by `named_parameters()` name."""
+        self._get(name)
+        return {key: p.detach().to("cpu").clone() for key, p in self._params.items()}
+
+    def live_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The parameters themselves (detached views, not copies): for weight sync,
+        which reads them between steps and must not keep them."""
+        self._get(name)
+        return {key: p.detach() for key, p in self._params.items()}
+
+    def sampler_payload(self, name: str, version: str) -> delta.WeightDelta:
+        """The change that takes the sampler from its version to these weights, as `version`.
+
+        Under weight_sync "delta", the elements whose bits changed since the last payload
+        (or since the base model); under "full", every tensor. Either carries the digest
+        of these weights, which the sampler checks after patching. Payloads chain: each one
+        applies to the version of the one before, so they must reach the sampler in order.
+        """
+        current = self.live_tensors(name)
+        if self._shadow is None:
+            change = delta.full_update(current, self._synced_version)
+        else:
+            change = delta.compute_delta(current, self._shadow, self._synced_version)
+            delta.apply_delta(self._shadow, change)  # the shadow is again what the sampler holds
+        self._synced_version = version
+        self._last_sync = change.stats()
+        logger.info(
+            "weight sync model_id=%s version=%s mode=%s changed_fraction=%.4f bytes=%d of %d",
+            name, version, change.mode, self._last_sync.changed_fraction, change.bytes_moved, change.full_bytes,
+        )
+        return change
+
+    def adapter_gradients(self, name: str) -> dict[str, torch.Tensor]:
+        """The accumulated gradients as CPU clones (tensors without one are left out)."""
+        self._get(name)
+        return {key: p.grad.detach().to("cpu").clone() for key, p in self._params.items() if p.grad is not None}
+
+    # ------------------------------------------------------------ training
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        """As `TorchTrainer.forward_backward`, for every weight of the model."""
+        return self.forward_backward_many(name, [batch])[0]
+
+    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
+        """Several requests in one pass; atomic, as `TorchTrainer.forward_backward_many`."""
+        self._get(name)
+        results = self._scorer.forward_backward_many(batches, self._params.values())
+        self._fb_calls += len(batches)
+        self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
+        return results
+
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
+        """One AdamW step over every parameter with the accumulated gradients.
+
+        Raises:
+            NotFound; BadRequest for DimuonParams (gradients kept), invalid params or a
+            non-finite gradient norm (optim.py).
+        """
+        self._get(name)
+        if family_of(params) != "adamw":
+            raise BadRequest(
+                f"optimizer mismatch: model {name} uses 'adamw' but this optim_step sent "
+                f"{type(params).__name__}; send AdamParams",
+                key="optimizer",
+            )
+        return OptimResult(metrics=self._optimizer.step(params))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ checkpoints
+
+    def sampler_checkpoint(self, name: str, directory: Path) -> int:
+        """Write the weights a sampler loads (full_io format) into the empty `directory`."""
+        return full_io.save_full(directory, self.adapter_tensors(name))
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
+        """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json`
+        into the existing, empty `directory`; every file fsynced.
+
+        Returns:
+            Total bytes written.
+        """
+        size = self.sampler_checkpoint(name, directory)
+        if with_optimizer:
+            size += lora_io.write_synced(
+                directory / OPTIMIZER_FILE, lora_io.encode_tensors(self._optimizer.state_tensors())
+            )
+        state = FullTrainerState(
+            format_version=STATE_FORMAT_VERSION,
+            optimizer="adamw",
+            optimizer_steps=self._optimizer.steps_done,
+            has_optimizer_state=with_optimizer,
+        )
+        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
+        lora_io.fsync_directory(directory)
+        return size
+
+    def load_state(
+        self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
+    ) -> None:
+        """Take the weights of `directory` (a full state or sampler-weights checkpoint),
+        opening the job `name` if it is not open. Without `with_optimizer` the optimizer
+        starts fresh. Accumulated gradients are dropped. On failure nothing changes.
+
+        Raises:
+            BadRequest: not full-model weights; tensors missing, unexpected or of another
+                shape; "checkpoint has no optimizer state"; `optimizer` is not "adamw".
+            Conflict: another job is open.
+        """
+        _require_adamw(optimizer)
+        if self._job is not None and self._job != name:
+            raise Conflict(f"this full fine-tuning trainer already serves model {self._job}; it serves one job")
+        tensors = full_io.load_full(directory)
+        _check_same_tensors(directory.name, self._params, tensors)
+        optimizer_path = directory / OPTIMIZER_FILE
+        if with_optimizer and not optimizer_path.is_file():
+            raise BadRequest(
+                f"checkpoint has no optimizer state ({directory.name!r} holds weights only)", key="optimizer"
+            )
+        restored = AdamW(self._params)
+        if with_optimizer:
+            restored.load_state_tensors(lora_io.read_tensors(optimizer_path))  # checked before anything changes
+        if self._job is None:
+            self.add_adapter(name, spec, optimizer)
+        with torch.no_grad():
+            for key, param in self._params.items():
+                param.copy_(tensors[key])
+        self._optimizer = restored
+        self._optimizer.zero_grad()
+        logger.info("full job loaded model_id=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
+
+    # ------------------------------------------------------------ time-slicing
+
+    def park(self) -> offload.ParkReport:
+        """Move the weights and the AdamW state to pinned host memory and free the device (a
+        no-op move on the CPU); the weight-sync shadow already lives on the host. Compute
+        refuses until `resume`.
+
+        Raises:
+            offload.EngineParked: already parked.
+        """
+        if self._parked is not None:
+            raise offload.EngineParked("the trainer is already parked")
+        state = offload.module_tensors(self._model) + self._optimizer.live_state()
+        self._parked = offload.park(self.device, state)
+        return self._parked.report
+
+    def resume(self) -> offload.ResumeReport:
+        """Copy the parked state back to the device, bit for bit. Raises offload.EngineParked if not parked."""
+        if self._parked is None:
+            raise offload.EngineParked("the trainer is not parked")
+        report = offload.resume(self._parked)
+        self._parked = None
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked is not None
+
+    @property
+    def last_sync(self) -> delta.SyncStats | None:
+        """The trainer side of the last weight sync (None before the first)."""
+        return self._last_sync
+
+    # ------------------------------------------------------------ observability
+
+    def statistics(self) -> FullTrainerStatistics:
+        return FullTrainerStatistics(
+            job=self._job,
+            parameters=self._numel(),
+            optim_steps=self._optimizer.steps_done,
+            forward_backward_calls=self._fb_calls,
+            tokens=self._tokens,
+            weight_sync=self._weight_sync,
+            synced_version=self._synced_version,
+            last_sync=self._last_sync,
+        )
+
+    # ------------------------------------------------------------ internals
+
+    def _get(self, name: str) -> None:
+        if name != self._job:
+            raise NotFound(f"no model {name!r} on this full fine-tuning trainer")
+        if self._parked is not None:
+            raise offload.EngineParked(f"model {name}: the trainer is parked; resume() it first")
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self._params.values())
+
+
+def _require_adamw(optimizer: str) -> None:
+    if optimizer != "adamw":
+        raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer_config")
+
+
+def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise BadRequest(
+            f"checkpoint {checkpoint!r} does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
+        )
+    for key, param in params.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise BadRequest(
+                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
+            )

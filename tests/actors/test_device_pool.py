@@ -1,0 +1,61 @@
+"""Placement of worker groups on a node's devices: free first, exclusive alone, then shared turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from openrld.actors.device_pool import DevicePool, DeviceUse, Placement
+from openrld.errors import BadRequest, ServiceUnavailable
+
+
+def test_a_group_with_two_free_devices_gets_one_for_each_worker():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2"])
+    assert pool.place("llama", exclusive=False, label="base model llama") == Placement("llama", "cpu:0", "cpu:1", False)
+
+
+def test_a_group_with_one_free_device_puts_both_workers_on_it():
+    pool = DevicePool(["cpu:0"])
+    assert pool.place("llama", exclusive=False, label="llama") == Placement("llama", "cpu:0", "cpu:0", False)
+
+
+def test_with_no_free_device_a_shared_group_joins_the_least_loaded_one():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    pool.place("a", exclusive=False, label="a")  # takes both
+    pool.place("b", exclusive=False, label="b")
+    pool.place("c", exclusive=False, label="c")
+    assert pool.statistics() == [
+        DeviceUse("cpu:0", ["a", "b"], False),
+        DeviceUse("cpu:1", ["a", "c"], False),
+    ]
+
+
+def test_placing_a_group_again_answers_its_first_placement():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    first = pool.place("a", exclusive=False, label="a")
+    assert pool.place("a", exclusive=True, label="a") == first
+
+
+def test_an_exclusive_group_with_no_free_device_is_refused_naming_the_setting():
+    pool = DevicePool(["cpu:0"])
+    pool.place("llama", exclusive=False, label="llama")
+    with pytest.raises(BadRequest) as excinfo:
+        pool.place("s:train:0", exclusive=True, label="job s:train:0")
+    assert excinfo.value.key == "openrl.exclusive"
+    assert excinfo.value.detail == (
+        "openrl.exclusive=true: job s:train:0 needs a device of its own, and every device of this node is in use "
+        "(cpu:0: llama); drop openrl.exclusive, or wait for a job to end"
+    )
+
+
+def test_no_shared_group_is_ever_placed_on_an_exclusive_device():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    pool.place("hero", exclusive=True, label="hero")
+    with pytest.raises(ServiceUnavailable, match=r"held by an exclusive job \(cpu:0: hero, cpu:1: hero\)"):
+        pool.place("llama", exclusive=False, label="base model llama")
+
+
+def test_a_released_group_frees_its_devices():
+    pool = DevicePool(["cpu:0"])
+    pool.place("hero", exclusive=True, label="hero")
+    pool.release("hero")
+    assert pool.free_devices() == ["cpu:0"]

@@ -1,0 +1,53 @@
+"""The node's device inventory: from config (CPU placement labels) or from the hardware."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from openrld.gpu.devices import DeviceInfo, detected_device_names, inventory, resolve_device
+
+HOST_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_configured_cpu_labels_are_each_a_device_with_the_host_memory():
+    records = inventory(["cpu:0", "cpu:1"])
+    assert [(r.name, r.kind, r.memory_bytes) for r in records] == [
+        ("cpu:0", "cpu", HOST_MEMORY), ("cpu:1", "cpu", HOST_MEMORY),
+    ]
+    assert all(0 < r.free_bytes <= HOST_MEMORY for r in records)
+
+
+def test_no_configured_devices_on_a_cpu_machine_is_the_one_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert [(r.name, r.kind) for r in inventory([])] == [("cpu", "cpu")]
+
+
+def test_a_pinned_device_option_is_the_only_device():
+    assert detected_device_names("cpu") == ["cpu"]
+
+
+def test_a_device_listed_twice_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"device 'cpu:1' is listed twice"):
+        inventory(["cpu:1", "cpu:1"])
+
+
+@pytest.mark.parametrize("spec", ["gpu0", "cpu:x", "cpux"], ids=["gpu0", "cpu-letter", "cpux"])
+def test_a_malformed_device_string_is_refused_naming_it(spec: str):
+    with pytest.raises(ValueError, match=f"device '{spec}'"):
+        resolve_device(spec)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_auto_takes_every_cuda_device_with_its_memory():
+    records = inventory([], "auto")
+    assert [r.name for r in records] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    for record in records:
+        free, total = torch.cuda.mem_get_info(torch.device(record.name))
+        assert isinstance(record, DeviceInfo) and record.kind == "cuda" and record.memory_bytes == total
+        assert 0 < record.free_bytes <= total
