@@ -96,7 +96,7 @@ class FullTrainer:
         self._optimizer = AdamW(self._params)
         self._fb_calls = 0
         self._tokens = 0
-        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this trainer
+        self._slot = offload.ParkSlot("trainer")  # parked while the time-slicer gives the device to another
 
     # ------------------------------------------------------------ the job
 
@@ -257,23 +257,15 @@ class FullTrainer:
         Raises:
             offload.EngineParked: already parked.
         """
-        if self._parked is not None:
-            raise offload.EngineParked("the trainer is already parked")
-        state = offload.module_tensors(self._model) + self._optimizer.live_state()
-        self._parked = offload.park(self.device, state)
-        return self._parked.report
+        return self._slot.park(self.device, offload.module_tensors(self._model) + self._optimizer.live_state())
 
     def resume(self) -> offload.ResumeReport:
         """Copy the parked state back to the device, bit for bit. Raises offload.EngineParked if not parked."""
-        if self._parked is None:
-            raise offload.EngineParked("the trainer is not parked")
-        report = offload.resume(self._parked)
-        self._parked = None
-        return report
+        return self._slot.resume()
 
     @property
     def is_parked(self) -> bool:
-        return self._parked is not None
+        return self._slot.is_parked
 
     @property
     def last_sync(self) -> delta.SyncStats | None:
@@ -299,8 +291,7 @@ class FullTrainer:
     def _get(self, name: str) -> None:
         if name != self._job:
             raise NotFound(f"no model {name!r} on this full fine-tuning trainer")
-        if self._parked is not None:
-            raise offload.EngineParked(f"model {name}: the trainer is parked; resume() it first")
+        self._slot.require_resident(f"model {name}")
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self._params.values())

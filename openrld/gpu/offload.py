@@ -205,3 +205,44 @@ def resume(parked: Parked) -> ResumeReport:
         report.device, report.tensors, report.bytes_moved, report.seconds,
     )
     return report
+
+
+class ParkSlot:
+    """One engine's parked state: whether it is parked, and the checks every engine shares.
+
+    An engine names its own state in `park` (it knows its model, adapters, optimizer and
+    caches); the slot refuses a second park, a resume when nothing is parked, and compute
+    while parked, with messages that name the engine's role.
+    """
+
+    def __init__(self, role: str) -> None:
+        self._role = role  # "trainer" or "sampler", for messages
+        self._parked: Parked | None = None
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked is not None
+
+    def check_not_parked(self) -> None:
+        """Raises EngineParked if the engine is already parked (call before dropping caches)."""
+        if self._parked is not None:
+            raise EngineParked(f"the {self._role} is already parked")
+
+    def park(self, device: torch.device, tensors: Iterable[torch.Tensor], *, cache_bytes_dropped: int = 0) -> ParkReport:
+        """`park` the engine's tensors and hold them until `resume`. Raises EngineParked if parked."""
+        self.check_not_parked()
+        self._parked = park(device, tensors, cache_bytes_dropped=cache_bytes_dropped)
+        return self._parked.report
+
+    def resume(self) -> ResumeReport:
+        """Copy the parked tensors back, bit for bit. Raises EngineParked if not parked."""
+        if self._parked is None:
+            raise EngineParked(f"the {self._role} is not parked")
+        report = resume(self._parked)
+        self._parked = None
+        return report
+
+    def require_resident(self, operation: str) -> None:
+        """Raises EngineParked if parked: compute on offloaded tensors would run on the host."""
+        if self._parked is not None:
+            raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")

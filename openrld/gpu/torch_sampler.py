@@ -180,7 +180,7 @@ class TorchSampler:
         self._tokens_generated = 0
         self._prompt_tokens_prefilled = 0
         self._decode_steps = 0
-        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this sampler
+        self._slot = offload.ParkSlot("sampler")  # parked while the time-slicer gives the device to another
 
     # -- versions ---------------------------------------------------------
 
@@ -577,8 +577,7 @@ class TorchSampler:
             offload.CannotPark: a request is mid-decode (its KV cache would be lost).
             offload.EngineParked: already parked.
         """
-        if self._parked is not None:
-            raise offload.EngineParked("the sampler is already parked")
+        self._slot.check_not_parked()
         if self._rows or self._prefilled:
             live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
@@ -588,8 +587,7 @@ class TorchSampler:
             if layer.keys is not None and layer.values is not None
         )
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
-        self._parked = offload.park(self._device, offload.module_tensors(self._model), cache_bytes_dropped=dropped)
-        return self._parked.report
+        return self._slot.park(self._device, offload.module_tensors(self._model), cache_bytes_dropped=dropped)
 
     def resume(self) -> offload.ResumeReport:
         """Copy the model and its versions back to the device, bit for bit.
@@ -597,19 +595,14 @@ class TorchSampler:
         Raises:
             offload.EngineParked: not parked.
         """
-        if self._parked is None:
-            raise offload.EngineParked("the sampler is not parked")
-        report = offload.resume(self._parked)
-        self._parked = None
-        return report
+        return self._slot.resume()
 
     @property
     def is_parked(self) -> bool:
-        return self._parked is not None
+        return self._slot.is_parked
 
     def _require_resident(self, operation: str) -> None:
-        if self._parked is not None:
-            raise offload.EngineParked(f"{operation} on a parked sampler; resume() it first")
+        self._slot.require_resident(operation)
 
     def statistics(self) -> TorchSamplerStatistics:
         return TorchSamplerStatistics(

@@ -104,7 +104,7 @@ class TorchTrainer:
         self._scorer = BatchScorer(self._model, device, config)
         self._fb_calls = 0
         self._tokens = 0
-        self._parked: offload.Parked | None = None  # set while the time-slicer has parked this trainer
+        self._slot = offload.ParkSlot("trainer")  # parked while the time-slicer gives the device to another
 
     # ------------------------------------------------------------ adapters
 
@@ -332,13 +332,10 @@ class TorchTrainer:
         Raises:
             offload.EngineParked: already parked.
         """
-        if self._parked is not None:
-            raise offload.EngineParked("the trainer is already parked")
         state = offload.module_tensors(self._model)  # peft's LoRA layers live inside this module
         for adapter in self._adapters.values():
             state += adapter.optimizer.live_state()
-        self._parked = offload.park(self.device, state)
-        return self._parked.report
+        return self._slot.park(self.device, state)
 
     def resume(self) -> offload.ResumeReport:
         """Copy the parked state back to the device, bit for bit.
@@ -346,19 +343,14 @@ class TorchTrainer:
         Raises:
             offload.EngineParked: not parked.
         """
-        if self._parked is None:
-            raise offload.EngineParked("the trainer is not parked")
-        report = offload.resume(self._parked)
-        self._parked = None
-        return report
+        return self._slot.resume()
 
     @property
     def is_parked(self) -> bool:
-        return self._parked is not None
+        return self._slot.is_parked
 
     def _require_resident(self, operation: str) -> None:
-        if self._parked is not None:
-            raise offload.EngineParked(f"{operation} on a parked trainer; resume() it first")
+        self._slot.require_resident(operation)
 
     # ------------------------------------------------------------ observability
 
