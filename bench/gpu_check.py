@@ -23,7 +23,10 @@ Checks:
   the same seeded tokens after waking).
 
 Run from the repository root: `PYTHONPATH=. python3 bench/gpu_check.py`. On the device
-machine its image lacks msgspec; carry it as a wheel (see the device README):
+machine its image lacks msgspec, and its transformers (5.17 when last run) is older than
+the 5.24 we pin, under which `gpu/kv_batch.py`'s cache handling fails (the sampler check
+then fails on the CPU too); carry both as wheels (see the device README), adding
+`transformers==5.24.0` to the download below:
     here:   echo /.whl/ >> .git/info/exclude
             python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
                 --implementation cp --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
