@@ -22,7 +22,6 @@ import msgspec
 import torch
 
 from openrld.batches import LoraSpec
-from openrld.errors import BadRequest
 from openrld.gpu import lora_io
 
 FULL_WEIGHTS = "model.safetensors"
@@ -66,17 +65,7 @@ def load_full(directory: Path) -> dict[str, torch.Tensor]:
     Raises:
         BadRequest: the directory is not full-model weights, or a file is malformed.
     """
-    meta_path = directory / FULL_META
-    if not meta_path.is_file():
-        raise BadRequest(f"checkpoint {directory.name!r} has no {FULL_META}; it is not full-model weights")
-    try:
-        meta = msgspec.json.decode(meta_path.read_bytes(), type=FullMeta)
-    except msgspec.ValidationError as error:
-        raise BadRequest(f"checkpoint {directory.name!r}: {FULL_META} is malformed: {error}") from error
-    if meta.format_version != FORMAT_VERSION:
-        raise BadRequest(
-            f"checkpoint {directory.name!r}: full-model format_version {meta.format_version}; expected {FORMAT_VERSION}"
-        )
+    lora_io.read_meta(directory, FULL_META, FullMeta, FORMAT_VERSION, kind="full-model", is_not="full-model weights")
     return lora_io.read_tensors(directory / FULL_WEIGHTS)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import msgspec
 import safetensors
@@ -28,6 +29,13 @@ from openrld.errors import BadRequest
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_META = "adapter.json"
 FORMAT_VERSION = 1
+
+
+class _Versioned(Protocol):
+    format_version: int
+
+
+_Meta = TypeVar("_Meta", bound=_Versioned)
 
 
 class AdapterMeta(msgspec.Struct, frozen=True):
@@ -61,18 +69,31 @@ def load_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpec]:
     Raises:
         BadRequest: a file is missing or malformed.
     """
-    meta_path = directory / ADAPTER_META
-    if not meta_path.is_file():
-        raise BadRequest(f"checkpoint {directory.name!r} has no {ADAPTER_META}; it is not a LoRA adapter")
-    try:
-        meta = msgspec.json.decode(meta_path.read_bytes(), type=AdapterMeta)
-    except msgspec.ValidationError as error:
-        raise BadRequest(f"checkpoint {directory.name!r}: {ADAPTER_META} is malformed: {error}") from error
-    if meta.format_version != FORMAT_VERSION:
-        raise BadRequest(
-            f"checkpoint {directory.name!r}: adapter format_version {meta.format_version}; expected {FORMAT_VERSION}"
-        )
+    meta = read_meta(directory, ADAPTER_META, AdapterMeta, FORMAT_VERSION, kind="adapter", is_not="a LoRA adapter")
     return read_tensors(directory / ADAPTER_WEIGHTS), meta.lora
+
+
+def read_meta(
+    directory: Path, filename: str, meta_type: type[_Meta], format_version: int, *, kind: str, is_not: str
+) -> _Meta:
+    """A checkpoint's JSON metadata file, decoded and its format_version checked.
+
+    Raises:
+        BadRequest: the file is missing ("... it is not <is_not>"), malformed, or of
+            another format version ("<kind> format_version ...").
+    """
+    meta_path = directory / filename
+    if not meta_path.is_file():
+        raise BadRequest(f"checkpoint {directory.name!r} has no {filename}; it is not {is_not}")
+    try:
+        meta = msgspec.json.decode(meta_path.read_bytes(), type=meta_type)
+    except msgspec.ValidationError as error:
+        raise BadRequest(f"checkpoint {directory.name!r}: {filename} is malformed: {error}") from error
+    if meta.format_version != format_version:
+        raise BadRequest(
+            f"checkpoint {directory.name!r}: {kind} format_version {meta.format_version}; expected {format_version}"
+        )
+    return meta
 
 
 def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
