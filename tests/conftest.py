@@ -42,12 +42,21 @@ def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) 
 
 
 class Daemon:
-    """A real `openrld serve` child process."""
+    """A real `openrld serve` child process.
 
-    def __init__(self, data_dir: Path, config_path: Path, log_path: Path) -> None:
+    `command_prefix` runs it under another command that then execs it, such as
+    `ip netns exec NS` (the partition test puts each daemon in its own network namespace,
+    where a fixed `port` is free, so peers can be told it before it starts).
+    """
+
+    def __init__(
+        self, data_dir: Path, config_path: Path, log_path: Path, command_prefix: tuple[str, ...] = (), port: int = 0
+    ) -> None:
         self.data_dir = data_dir
         self.config_path = config_path
         self.log_path = log_path
+        self.command_prefix = command_prefix
+        self.port = port
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
@@ -55,7 +64,8 @@ class Daemon:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(self.config_path)],
+            [*self.command_prefix, sys.executable, "-m", "openrld.cli", "serve", "--port", str(self.port),
+             "--config", str(self.config_path)],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

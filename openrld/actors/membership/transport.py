@@ -73,8 +73,16 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port_text)
 
 
-# Errors a send may meet that mean only "this datagram is lost".
-_LOSS_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EMSGSIZE})
+# Errors a send may meet that mean only "this datagram is lost". Routes and
+# firewalls answer with more than unreachable: a blackhole route gives EINVAL,
+# a prohibit route EACCES, a local firewall EPERM; none of them is this
+# node's fault, and a daemon must not stop over one.
+_LOSS_ERRNOS = frozenset(
+    {
+        errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN, errno.EMSGSIZE,
+        errno.EINVAL, errno.EACCES, errno.EPERM,
+    }
+)
 
 
 class UdpTransport:
