@@ -8,6 +8,17 @@ This module owns everything under the data dir:
     <data_dir>/tmp/                staging for checkpoint writes; emptied at open
     <data_dir>/lock                held while a Store is open
 
+With a checkpoint root shared by the cluster's nodes (`Store.open(...,
+checkpoint_root=...)`: NFS, a GCS FUSE mount), the checkpoint directories live
+there instead, as <root>/<run_id>/<kind>/<name>/, and staging moves to
+<root>/.staging/<node_id>/ so that the final rename stays on one filesystem.
+<node_id> is random, made once per data dir and kept in <data_dir>/node_id, so
+recovery at open empties this node's staging and finishes this node's
+interrupted replaces (moved aside as "<name>#old-<node_id>"), never another
+live node's. Every checkpoint directory holds a manifest
+(checkpoint_manifest.py); on a shared root, `adopt_checkpoint` turns another
+node's checkpoint into local rows from it.
+
 It guarantees:
 - What was written before a kill is there after a restart: the database runs
   in WAL mode with synchronous=FULL, and a checkpoint directory appears under
@@ -44,6 +55,14 @@ from typing import IO
 
 import msgspec
 
+from openrld.checkpoint_manifest import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    CheckpointManifest,
+    ManifestError,
+    read_manifest,
+    write_manifest,
+)
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, ServerError
 from openrld.ids import CheckpointKind, TinkerPath, parse_checkpoint_kind, validate_name
 
@@ -55,6 +74,11 @@ DB_NAME = "openrld.sqlite3"
 # A replace moves the old directory aside under this suffix. '#' can never be
 # part of a checkpoint name (ids.validate_name), so it never names a real one.
 _REPLACED_SUFFIX = "#old"
+
+# On a shared checkpoint root: the directory holding each node's staging. It
+# starts with '.', which no run id may (ids.validate_name), so it is never a run.
+SHARED_STAGING_DIR = ".staging"
+NODE_ID_FILE = "node_id"  # in the data dir: this node's name for its staging on a shared root
 
 # How long a statement waits for another connection's lock (an `openrld`
 # CLI reading the database) before failing. Short, because the caller is the
@@ -284,7 +308,8 @@ class Store:
     """SQLite metadata and checkpoint directories under one data dir. Use `Store.open`."""
 
     def __init__(
-        self, data_dir: Path, conn: sqlite3.Connection, lock_file: IO[bytes], now: Callable[[], datetime]
+        self, data_dir: Path, conn: sqlite3.Connection, lock_file: IO[bytes], now: Callable[[], datetime],
+        layout: _CheckpointLayout,
     ) -> None:
         self.data_dir = data_dir
         self._conn = conn
@@ -296,21 +321,29 @@ class Store:
         self._log.execute("PRAGMA synchronous = NORMAL")
         self._lock_file = lock_file
         self._now = now
-        self._checkpoints = data_dir / "checkpoints"
-        self._tmp = data_dir / "tmp"
+        self._checkpoints = layout.root
+        self._checkpoints_resolved = layout.resolved_root
+        self._tmp = layout.staging
+        self._replaced_suffix = layout.replaced_suffix
+        self.is_shared = layout.is_shared
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, data_dir: Path, *, now: Callable[[], datetime] = utc_now) -> Store:
+    def open(
+        cls, data_dir: Path, *, checkpoint_root: Path | None = None, now: Callable[[], datetime] = utc_now
+    ) -> Store:
         """Open (creating if needed) the store in `data_dir`, and recover from a crash.
 
         Args:
             data_dir: the node's data dir; made absolute here.
+            checkpoint_root: a directory shared by the cluster's nodes to keep
+                checkpoints in; None keeps them in <data_dir>/checkpoints.
             now: the wall clock (UTC); tests pass a fixed one.
 
         Raises:
-            ServerError: another Store holds the data dir, or its schema is not ours.
+            ServerError: another Store holds the data dir, its schema is not ours,
+                or `checkpoint_root` is not an existing directory.
         """
         data_dir = data_dir.expanduser().absolute()
         data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -321,14 +354,15 @@ class Store:
             lock_file.close()
             raise ServerError(f"data dir {data_dir} is in use by another openrld process") from None
         try:
-            _remove_staging(data_dir / "tmp")
-            (data_dir / "checkpoints").mkdir(mode=0o700, exist_ok=True)
-            _recover_replaces(data_dir / "checkpoints")
+            layout = _checkpoint_layout(data_dir, checkpoint_root)
+            _remove_staging(layout.staging)
+            layout.root.mkdir(mode=0o700, exist_ok=True)
+            _recover_replaces(layout.root, layout.replaced_suffix)
             conn = _connect(data_dir / DB_NAME)
         except BaseException:
             lock_file.close()
             raise
-        store = cls(data_dir, conn, lock_file, now)
+        store = cls(data_dir, conn, lock_file, now, layout)
         # Results lived in the dead process's memory, so a request it finished
         # but nobody read is as lost as one it never ran.
         lost = store._conn.execute(
@@ -581,8 +615,12 @@ class Store:
         public: bool = False,
         *,
         overwrite: bool = False,
+        created_at: datetime | None = None,
     ) -> CheckpointRow:
         """Record a checkpoint whose directory `commit_dir` has put in place.
+
+        `created_at` (default: now) is its manifest's, so that every node that
+        adopts the checkpoint lists the same time as this one.
 
         Raises:
             BadRequest: an unsafe run id or name, or an unknown kind.
@@ -596,7 +634,7 @@ class Store:
                 " expires_us, public) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     path.run_id, path.kind.value, path.name, owner, size_bytes,
-                    _user_metadata(user_metadata, "checkpoint"), _to_us(self._now()),
+                    _user_metadata(user_metadata, "checkpoint"), _to_us(created_at or self._now()),
                     None if expires_at is None else _to_us(expires_at), int(public),
                 ),
             )  # fmt: skip
@@ -658,55 +696,74 @@ class Store:
         directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
         if directory.exists():
             doomed = self._tmp / f"deleted-{secrets.token_hex(8)}"
-            os.rename(directory, doomed)
+            try:
+                os.rename(directory, doomed)
+            except FileNotFoundError:
+                return  # on a shared root, another node that had its row (an expiry sweep) removed it first
             shutil.rmtree(doomed)
 
     # --- checkpoint directories ---------------------------------------------------------------------
 
     def checkpoint_dir(self, run_id: str, kind: CheckpointKind | str, name: str) -> Path:
-        """<data_dir>/checkpoints/<run_id>/<kind>/<name>; it need not exist yet.
+        """<checkpoint root>/<run_id>/<kind>/<name>; it need not exist yet.
+
+        The root is <data_dir>/checkpoints, or the shared checkpoint root.
 
         Raises:
             BadRequest: an unsafe run id or name ('..', '/', an absolute path...), or an unknown kind.
-            ServerError: the path resolves outside the checkpoint root (a symlink planted in the data dir).
+            ServerError: the path resolves outside the checkpoint root (a symlink planted in it).
         """
         path = TinkerPath.of(run_id, kind, name)
         directory = self._checkpoints / path.run_id / path.kind.value / path.name
-        self._require_under(directory, self._checkpoints)
+        self._require_under(directory)
         return directory
 
     def staging_dir(self) -> Path:
-        """A fresh, empty directory under tmp/ to write a checkpoint into before `commit_dir`."""
+        """A fresh, empty directory in this node's staging (tmp/, or its own under a shared root)
+        to write a checkpoint into before `commit_dir`."""
         staging = self._tmp / f"staging-{secrets.token_hex(8)}"
         staging.mkdir(mode=0o700)
         return staging
 
-    def commit_dir(self, staging: Path, final: Path, *, replace: bool = False) -> None:
+    def commit_dir(
+        self, staging: Path, final: Path, *, replace: bool = False, manifest: CheckpointManifest | None = None
+    ) -> None:
         """Make a staging directory the checkpoint directory `final`, durably and whole.
 
-        Every file and directory in `staging` is fsynced, then it is renamed
-        to `final` and the parents are fsynced. With `replace`, an existing
-        `final` is first moved aside to "<name>#old" and removed after; if the
-        daemon dies in between, the next open puts back whichever is whole.
+        `manifest`, when given, is written into `staging` first, so that it
+        lands with the files. Every file and directory in `staging` is
+        fsynced, then it is renamed to `final` and the parents are fsynced.
+        With `replace`, an existing `final` is first moved aside to
+        "<name>#old" ("<name>#old-<node_id>" on a shared root) and removed
+        after; if the daemon dies in between, the next open puts back
+        whichever is whole.
 
         Args:
             staging: a directory from `staging_dir`.
             final: a path from `checkpoint_dir`.
+            replace: whether an existing checkpoint at `final` is replaced.
+            manifest: the checkpoint's manifest (`manifest_for`); every
+                checkpoint of a run carries one, so that another node can adopt it.
 
         Raises:
             Conflict: `final` exists and `replace` is false.
             ServerError: `staging` is not a staging dir, holds something other
-                than files and directories, or `final` escapes the checkpoint root.
+                than files and directories, `final` escapes the checkpoint root,
+                or `manifest` names another checkpoint than `final`.
         """
         if staging.parent != self._tmp or not staging.name.startswith("staging-") or not staging.is_dir():
             raise ServerError(f"{staging} is not a staging dir of this store")
-        self._require_under(final, self._checkpoints)
+        self._require_under(final)
+        if manifest is not None:
+            if self.checkpoint_dir(manifest.run_id, manifest.kind, manifest.name) != final:
+                raise ServerError(f"the manifest of {manifest.path.uri} does not belong in {final}")
+            write_manifest(staging, manifest)
         _fsync_tree(staging)
         final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.path.lexists(final):
             if not replace:
                 raise Conflict(f"checkpoint {self._uri_of(final)} already exists")
-            aside = final.with_name(final.name + _REPLACED_SUFFIX)
+            aside = final.with_name(final.name + self._replaced_suffix)
             if os.path.lexists(aside):
                 shutil.rmtree(aside)
             os.rename(final, aside)
@@ -723,14 +780,130 @@ class Store:
         run_id, kind, name = directory.relative_to(self._checkpoints).parts
         return f"tinker://{run_id}/{kind}/{name}"
 
-    def _require_under(self, path: Path, root: Path) -> None:
-        # The expected root is computed from the resolved data dir, not by
-        # resolving `root`, so a symlinked checkpoints/ is refused as well.
-        expected_root = self.data_dir.resolve() / root.relative_to(self.data_dir)
+    def _require_under(self, path: Path) -> None:
+        # The expected root was fixed at open (see _checkpoint_layout), so a
+        # symlink planted later, at any level, is refused.
+        expected_root = self._checkpoints_resolved
         resolved = path.resolve()
         if resolved != expected_root and not resolved.is_relative_to(expected_root):
             logger.error("data_dir=%s: path %s resolves to %s, outside %s", self.data_dir, path, resolved, expected_root)
             raise ServerError(f"{path} resolves outside {expected_root}; refusing to use it")
+
+    # --- manifests and adoption (a shared checkpoint root) ------------------------------------------
+
+    def manifest_for(
+        self, run_id: str, kind: CheckpointKind | str, name: str, *, size_bytes: int | None,
+        user_metadata: dict[str, str], expires_at: datetime | None,
+    ) -> CheckpointManifest:
+        """The manifest of a new checkpoint of `run_id`, from the run's row; created now.
+
+        Raises:
+            BadRequest: an unsafe name or unknown kind.
+            NotFound: no such run.
+        """
+        path = TinkerPath.of(run_id, kind, name)
+        run = self.get_run(path.run_id)
+        if run is None:
+            raise NotFound(f"training run {path.run_id!r} not found")
+        return CheckpointManifest(
+            format=MANIFEST_FORMAT, run_id=run.run_id, kind=path.kind, name=path.name, owner=run.owner,
+            session_id=run.session_id, base_model=run.base_model, model_dir=run.model_dir, lora=run.lora,
+            settings=run.settings, optimizer_config=run.optimizer_config,
+            run_user_metadata=run.user_metadata, run_created_at=run.created_at,
+            user_metadata=msgspec.convert(user_metadata, dict[str, str]), size_bytes=size_bytes,
+            created_at=self._now(), expires_at=expires_at, public=False,
+        )
+
+    def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
+        """On a shared root, the rows of a checkpoint another node wrote, inserted from its manifest.
+
+        Called when `path` has no row here. The run's row is inserted too if
+        this node lacks it. Who may read the result is the caller's check, on
+        the row's owner, exactly as for a checkpoint written here.
+
+        Returns:
+            The new checkpoint row; None when the root is not shared, there is
+            no such directory or manifest, the manifest is refused (logged: it
+            is malformed or names another checkpoint), or this node has a run
+            of that id with another owner.
+
+        Raises:
+            ServerError: the directory resolves outside the root (a planted symlink).
+        """
+        if not self.is_shared:
+            return None  # alone, a directory without a row is a checkpoint being deleted or never recorded
+        directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
+        try:
+            manifest = read_manifest(directory, path)
+        except ManifestError as exc:
+            logger.warning("checkpoint_root=%s tinker_path=%s: not adopted: %s", self._checkpoints, path.uri, exc)
+            return None
+        if manifest is None:
+            return None
+        with _transaction(self._conn):
+            run = self.get_run(manifest.run_id)
+            if run is None:
+                self._conn.execute(
+                    "INSERT INTO runs (run_id, session_id, owner, base_model, model_dir, lora, settings,"
+                    " user_metadata, optimizer_config, created_us, last_request_us)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        manifest.run_id, manifest.session_id, manifest.owner, manifest.base_model, manifest.model_dir,
+                        None if manifest.lora is None else _json(manifest.lora), _json(manifest.settings),
+                        _json(manifest.run_user_metadata), _json(manifest.optimizer_config),
+                        _to_us(manifest.run_created_at), _to_us(manifest.created_at),
+                    ),
+                )  # fmt: skip
+            elif run.owner != manifest.owner:
+                logger.warning(
+                    "checkpoint_root=%s tinker_path=%s: not adopted: its manifest's owner differs from run %s's here",
+                    self._checkpoints, path.uri, run.run_id,
+                )
+                return None
+            self._conn.execute(
+                "INSERT OR IGNORE INTO checkpoints (run_id, kind, name, owner, size_bytes, user_metadata, created_us,"
+                " expires_us, public) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    manifest.run_id, manifest.kind.value, manifest.name, manifest.owner, manifest.size_bytes,
+                    _json(manifest.user_metadata), _to_us(manifest.created_at),
+                    None if manifest.expires_at is None else _to_us(manifest.expires_at), int(manifest.public),
+                ),
+            )  # fmt: skip
+        logger.info("checkpoint_root=%s tinker_path=%s owner=%s: adopted", self._checkpoints, path.uri, manifest.owner)
+        return self.get_checkpoint(path.run_id, path.kind, path.name)
+
+    def adopt_run(self, run_id: str) -> RunRow | None:
+        """On a shared root, a run's row with each of its checkpoints under the root that this node lacks.
+
+        The REST routes that name a run call it, so that a run another node
+        wrote (a dead node's) lists here whole. Directory entries that are not
+        checkpoint names (a replace's "#old" aside) are skipped, and each
+        checkpoint is adopted as `adopt_checkpoint` does, manifest checks included.
+
+        Returns:
+            The run's row; None when the root is not shared or nothing of the run could be adopted.
+
+        Raises:
+            BadRequest: an unsafe run id.
+            ServerError: the run's directory resolves outside the root.
+        """
+        if not self.is_shared:
+            return None
+        run_dir = self._checkpoints / validate_name(run_id, "run id")
+        self._require_under(run_dir)
+        for kind in CheckpointKind:
+            try:
+                names = sorted(os.listdir(run_dir / kind.value))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                try:
+                    path = TinkerPath.of(run_id, kind, name)
+                except BadRequest:
+                    continue
+                if self.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                    self.adopt_checkpoint(path)
+        return self.get_run(run_id)
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -775,6 +948,7 @@ class Store:
         ).rowcount
         if updated == 0:
             raise NotFound(f"checkpoint {path.uri} not found")
+        self._update_manifest(path, public=public)
 
     def set_checkpoint_expiry(
         self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
@@ -787,6 +961,29 @@ class Store:
         ).rowcount
         if updated == 0:
             raise NotFound(f"checkpoint {path.uri} not found")
+        self._update_manifest(path, expires_at=expires_at)
+
+    def _update_manifest(self, path: TinkerPath, **changes: object) -> None:
+        """Rewrite a checkpoint's manifest with `changes`, so that a node adopting it later sees them.
+
+        The new manifest is written and fsynced in staging, then renamed over
+        the old one: a reader sees one or the other, whole. A checkpoint with no
+        valid manifest (written before manifests) is left as it is.
+        """
+        try:
+            directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
+            manifest = read_manifest(directory, path)
+        except (ManifestError, ServerError) as exc:  # the row changed; a planted symlink is never written through
+            logger.warning("tinker_path=%s: manifest not updated: %s", path.uri, exc)
+            return
+        if manifest is None:
+            return
+        staging = self.staging_dir()
+        write_manifest(staging, msgspec.structs.replace(manifest, **changes))
+        _fsync_tree(staging)
+        os.replace(staging / MANIFEST_NAME, directory / MANIFEST_NAME)
+        _fsync_dir(directory)
+        staging.rmdir()
 
     def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
         """Checkpoints whose expiry is at or before `now`, oldest expiry first."""
@@ -935,21 +1132,77 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
     conn.execute("COMMIT")
 
 
+class _CheckpointLayout(msgspec.Struct, frozen=True):
+    """Where a store keeps checkpoints and stages them, fixed at open."""
+
+    root: Path  # the checkpoint root as configured
+    resolved_root: Path  # what every checkpoint path must resolve under
+    staging: Path  # this node's own staging; on the root's filesystem
+    replaced_suffix: str  # the name a replace moves the old directory aside under
+    is_shared: bool
+
+
+def _checkpoint_layout(data_dir: Path, checkpoint_root: Path | None) -> _CheckpointLayout:
+    """The layout for `data_dir`, alone or on a shared root, or ServerError if the root is not a directory."""
+    if checkpoint_root is None:
+        # The resolved data dir, then "checkpoints" unresolved: a symlinked checkpoints/ is refused.
+        return _CheckpointLayout(
+            root=data_dir / "checkpoints", resolved_root=data_dir.resolve() / "checkpoints",
+            staging=data_dir / "tmp", replaced_suffix=_REPLACED_SUFFIX, is_shared=False,
+        )
+    root = checkpoint_root.expanduser().absolute()
+    # Never created here: a missing root is an unmounted share, and checkpoints
+    # written to the local disk in its place would be invisible to every other node.
+    if not root.is_dir():
+        raise ServerError(f"checkpoint_root {root} is not an existing directory (is the shared filesystem mounted?)")
+    node_id = _node_id(data_dir)
+    return _CheckpointLayout(
+        root=root, resolved_root=root.resolve(), staging=root / SHARED_STAGING_DIR / node_id,
+        replaced_suffix=f"{_REPLACED_SUFFIX}-{node_id}", is_shared=True,
+    )
+
+
+def _node_id(data_dir: Path) -> str:
+    """This data dir's node id (16 hex characters), made on first use and kept in <data_dir>/node_id.
+
+    It names this node's staging on a shared root; the data dir's lock makes
+    it one node's at a time, and it outlives restarts so recovery finds its own leftovers.
+    """
+    path = data_dir / NODE_ID_FILE
+    try:
+        node_id = path.read_text().strip()
+    except FileNotFoundError:
+        node_id = secrets.token_hex(8)
+        partial = data_dir / f"{NODE_ID_FILE}.partial"
+        with partial.open("w") as file:
+            file.write(node_id + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        os.rename(partial, path)
+        _fsync_dir(data_dir)
+        return node_id
+    if len(node_id) != 16 or any(c not in "0123456789abcdef" for c in node_id):
+        raise ServerError(f"{path} holds {node_id!r}; expected 16 lowercase hex characters (delete it to make a new one)")
+    return node_id
+
+
 def _remove_staging(tmp: Path) -> None:
-    """Empty tmp/: whatever is there was being written or deleted when the daemon died."""
+    """Empty this node's staging: whatever is there was being written or deleted when the daemon died."""
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(mode=0o700)
+    tmp.mkdir(mode=0o700, parents=True)
 
 
-def _recover_replaces(checkpoints: Path) -> None:
+def _recover_replaces(checkpoints: Path, suffix: str) -> None:
     """Finish or undo replaces a crash interrupted (see `Store.commit_dir`).
 
-    "<name>#old" next to "<name>": the new one was in place; drop the old.
-    "<name>#old" alone: the crash came between the two renames; put it back.
+    "<name><suffix>" next to "<name>": the new one was in place; drop the old.
+    "<name><suffix>" alone: the crash came between the two renames; put it back.
+    On a shared root the suffix names this node, so another node's replace in
+    progress is never touched.
     """
-    for aside in checkpoints.glob(f"*/*/*{_REPLACED_SUFFIX}"):
-        final = aside.with_name(aside.name[: -len(_REPLACED_SUFFIX)])
+    for aside in checkpoints.glob(f"*/*/*{suffix}"):
+        final = aside.with_name(aside.name[: -len(suffix)])
         if os.path.lexists(final):
             shutil.rmtree(aside)
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from openrld.actors.checkpoints import check_ttl
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response
 from openrld.api.rest import checkpoint_json
+from openrld.checkpoint_manifest import MANIFEST_NAME
 from openrld.errors import BadRequest, NotFound, ServerError
 from openrld.store import CheckpointRow, SessionRow, Store, utc_now
 
@@ -43,8 +45,11 @@ MAX_COPY_FILES = 64  # a checkpoint holds a handful of files; more means somethi
 
 
 def readable_checkpoint(store: Store, user: str, path: ids.TinkerPath) -> CheckpointRow:
-    """The checkpoint if `user` owns it or it is published; else NotFound."""
-    row = store.get_checkpoint(path.run_id, path.kind, path.name)
+    """The checkpoint if `user` owns it or it is published; else NotFound.
+
+    On a shared checkpoint root, one that another node wrote is adopted first.
+    """
+    row = store.get_checkpoint(path.run_id, path.kind, path.name) or store.adopt_checkpoint(path)
     if row is None or (row.owner != user and not row.public):
         raise NotFound(f"no checkpoint {path.uri}")
     return row
@@ -59,7 +64,7 @@ def owned_checkpoint(store: Store, user: str, path: ids.TinkerPath) -> Checkpoin
 
 
 def checkpoint_files(directory: Path) -> list[str]:
-    """The regular files directly in a checkpoint directory, sorted.
+    """The regular files directly in a checkpoint directory, sorted, less its manifest (openrld's, not the model's).
 
     Raises:
         ServerError: the directory holds a symlink, a device or a subdirectory;
@@ -70,7 +75,8 @@ def checkpoint_files(directory: Path) -> list[str]:
         mode = entry.stat(follow_symlinks=False).st_mode
         if not stat.S_ISREG(mode):
             raise ServerError(f"checkpoint dir {directory.name!r} holds {entry.name!r}, which is not a regular file")
-        names.append(entry.name)
+        if entry.name != MANIFEST_NAME:
+            names.append(entry.name)
     return sorted(names)
 
 
@@ -170,12 +176,17 @@ def register(app: QuartTrio, services: Services) -> None:
         final = store.checkpoint_dir(copy_run, source.kind, source.name)
         staging = store.staging_dir()
         size = await trio.to_thread.run_sync(_copy_checkpoint_files, source_dir, staging)
-        await trio.to_thread.run_sync(store.commit_dir, staging, final)
         metadata = dict(row.user_metadata)
         if req.destination_project_id is not None:
             metadata["project_id"] = req.destination_project_id
         expires_at = None if req.ttl_seconds is None else utc_now() + timedelta(seconds=req.ttl_seconds)
-        copied = store.add_checkpoint(copy_run, source.kind, source.name, user, size, metadata, expires_at)
+        manifest = store.manifest_for(
+            copy_run, source.kind, source.name, size_bytes=size, user_metadata=metadata, expires_at=expires_at
+        )
+        await trio.to_thread.run_sync(partial(store.commit_dir, staging, final, manifest=manifest))
+        copied = store.add_checkpoint(
+            copy_run, source.kind, source.name, user, size, metadata, expires_at, created_at=manifest.created_at
+        )
         audit(user, "checkpoint_copied", copied, source=row.tinker_path)
         return json_response({"tinker_path": copied.tinker_path})
 

@@ -64,14 +64,15 @@ def register(app: QuartTrio, services: Services) -> None:
     store = services.store
 
     def own_run(user: str, run_id: str) -> RunRow:
-        run = store.get_run(run_id)
+        # On a shared checkpoint root, what other nodes saved of the run (a dead node's, say) is adopted first.
+        run = store.adopt_run(run_id) or store.get_run(run_id)
         if run is None or run.owner != user:
             raise NotFound(f"no training run {run_id!r}")
         return run
 
     def accessible_run(user: str, run_id: str) -> RunRow:
         """The caller's run, or another user's run that has a published checkpoint."""
-        run = store.get_run(run_id)
+        run = store.adopt_run(run_id) or store.get_run(run_id)
         if run is None or (run.owner != user and not store.has_public_checkpoint(run_id)):
             raise NotFound(f"no training run {run_id!r}")
         return run
@@ -155,7 +156,8 @@ def register(app: QuartTrio, services: Services) -> None:
         user = caller(services)
         req = wire.decode_json(await request.get_data(), wire.WeightsInfoRequest)
         path = ids.parse_tinker_path(req.tinker_path)
-        row = store.get_checkpoint(path.run_id, path.kind, path.name)
+        # On a shared checkpoint root, one another node wrote is adopted first.
+        row = store.get_checkpoint(path.run_id, path.kind, path.name) or store.adopt_checkpoint(path)
         if row is None or (row.owner != user and not row.public):
             raise NotFound(f"no checkpoint {path.uri}")
         run = store.get_run(path.run_id)

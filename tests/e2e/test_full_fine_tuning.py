@@ -133,7 +133,7 @@ def test_named_sampler_checkpoint_is_full_weights_that_sample_like_the_memory_ve
     path = training.save_weights_for_sampler("full-sampler").result().path
     run_id, _, name = path.removeprefix("tinker://").partition("/sampler_weights/")
     directory = shared_daemon.data_dir / "checkpoints" / run_id / "sampler_weights" / name
-    assert sorted(p.name for p in directory.iterdir()) == ["full_model.json", "model.safetensors"]
+    assert sorted(p.name for p in directory.iterdir()) == ["checkpoint.json", "full_model.json", "model.safetensors"]
     from_disk = service.create_sampling_client(model_path=path).result()
     assert from_disk.compute_logprobs(PROMPT).result() == in_memory
 
