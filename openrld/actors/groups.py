@@ -5,7 +5,11 @@ model); a full fine-tuning run gets a group of its own, keyed by its run id, whi
 also serves sampling from that run's checkpoints. A group starts on first use;
 concurrent first users wait for the same start, and a failed start is reported to
 each of them and retried by the next.
-The group's actors run in the table's nursery and die with it.
+Each group's actors run in a cancel scope of their own, in the table's nursery.
+A job's own group ends with the job (`end`: its session finished, or its creation
+failed): its actors stop, the requests they hold fail, their device leases are
+given back, and once they have stopped its devices are free for the next job.
+A LoRA group shared by a base model's jobs lives as long as the table.
 
 Devices: a group's trainer and sampler are placed on the node's devices by
 `actors/device_pool.py` when the group starts (or, for an `openrl.exclusive`
@@ -30,7 +34,7 @@ from openrld.actors.sampler import SamplerActor, SamplerHandle, SamplerStatistic
 from openrld.actors.stability import StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
-from openrld.errors import OpenrldError, ServerError
+from openrld.errors import Gone, OpenrldError, ServerError
 from openrld.model_catalog import ModelEntry
 
 logger = logging.getLogger(__name__)
@@ -105,6 +109,10 @@ class GroupTable:
         self._groups: dict[str, Group] = {}
         self._starting: dict[str, trio.Event] = {}
         self._start_errors: dict[str, str] = {}
+        # The cancel scope of each group running or starting: `end` cancels it to stop the actors.
+        self._scopes: dict[str, trio.CancelScope] = {}
+        # Ended groups whose actors have not stopped yet: a new start of the same key waits for them.
+        self._stopping: dict[str, trio.Event] = {}
         # One node-wide store: every group's sampler records into it, the job table resolves from it.
         self.stability = StabilityRecords()
 
@@ -124,6 +132,27 @@ class GroupTable:
             except OpenrldError:
                 del self._own[key]
                 raise
+
+    def end(self, model: ModelEntry, job: str, reason: str) -> None:
+        """`job`'s own group ends: its actors stop, what they hold fails with Gone(`reason`),
+        and its devices are free once the actors have stopped (at once when it never started).
+
+        Returns at once; a later `get` of the same group waits for the stop, then starts anew.
+        """
+        key = _group_key(model, job)
+        self._own.pop(key, None)
+        scope = self._scopes.get(key)
+        if scope is None:  # booked but not started, or its start failed: only the booking to drop
+            if self._devices is not None:
+                self._devices.pool.release(key)
+            return
+        group = self._groups.pop(key, None)
+        if group is not None:
+            group.trainer.fail_pending(Gone(reason))
+            group.sampler.fail_pending(Gone(reason))
+        self._stopping.setdefault(key, trio.Event())
+        logger.info("ending group key=%s reason=%s", key, reason)
+        scope.cancel()
 
     def placement_of(self, model: ModelEntry, job: str | None = None) -> Placement | None:
         return self._devices.pool.placement_of(_group_key(model, job)) if self._devices is not None else None
@@ -149,12 +178,18 @@ class GroupTable:
         """
         key = _group_key(model, job)
         while key not in self._groups:
+            stopping = self._stopping.get(key)
+            if stopping is not None:  # its previous run was ended and still holds its devices
+                await stopping.wait()
+                continue
             starting = self._starting.get(key)
             if starting is None:
                 self._starting[key] = trio.Event()
                 try:
                     self._groups[key] = await self._start(model, job, weight_sync)
                     self._start_errors.pop(key, None)
+                except Gone:
+                    raise  # ended while it started: not a failed start
                 except Exception as error:
                     logger.exception("group start failed base_model=%s", model.name)
                     self._start_errors[key] = f"{type(error).__name__}: {error}"
@@ -187,13 +222,52 @@ class GroupTable:
         return seats[0], seats[1]
 
     async def _start(self, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
+        key = _group_key(model, job)
+        scope = self._scopes[key] = trio.CancelScope()  # registered first: `end` may come mid-start
+        return await self._nursery.start(self._run_group, key, scope, model, job, weight_sync)
+
+    async def _run_group(
+        self, key: str, scope: trio.CancelScope, model: ModelEntry, job: str | None, weight_sync: str,
+        *, task_status: trio.TaskStatus[Group] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run one group's actors until `end` cancels `scope` (or the table's nursery closes),
+        then free its devices.
+
+        Raises:
+            Gone: ended before it had started (reported by `nursery.start`).
+        """
+        started = False
+        try:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    task_status.started(await self._build(nursery, model, job, weight_sync))
+                    started = True
+        except BaseExceptionGroup as errors:
+            # A failed start comes out of the nursery wrapped; its one error is what the caller reports.
+            if started or len(errors.exceptions) != 1:
+                raise
+            raise errors.exceptions[0] from None
+        finally:
+            # Only now, with every engine call returned and the leases given back, is the device free.
+            if self._scopes.get(key) is scope:
+                del self._scopes[key]
+            if self._devices is not None:
+                self._devices.pool.release(key)
+            stopping = self._stopping.pop(key, None)
+            if stopping is not None:
+                stopping.set()
+        if not started:
+            raise Gone(f"the group of {model.name if job is None else f'job {job}'} was ended while it started")
+
+    async def _build(self, nursery: trio.Nursery, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
+        """Start the group's sampler, then its trainer, in `nursery`."""
         logger.info("starting group base_model=%s dir=%s job=%s", model.name, model.directory, job)
         own = self._own.get(_group_key(model, job))
         if job is not None and (own is None or own.full_sync is not None):
-            return await self._start_full(model, job, own.full_sync if own is not None else weight_sync)
+            return await self._start_full(nursery, model, job, own.full_sync if own is not None else weight_sync)
         trainer_seat, sampler_seat = self._seats(model, job, is_full=False)
         name = model.name if job is None else f"{model.name}/{job}"
-        sampler = await self._nursery.start(
+        sampler = await nursery.start(
             SamplerActor(
                 name=name,
                 build_engine=sampler_seat.engines.sampler(model),
@@ -204,7 +278,7 @@ class GroupTable:
                 stability=self.stability,
             ).run
         )
-        trainer = await self._nursery.start(
+        trainer = await nursery.start(
             TrainerActor(
                 name=name,
                 build_engine=trainer_seat.engines.trainer(model),
@@ -217,11 +291,11 @@ class GroupTable:
         )
         return Group(model=model, trainer=trainer, sampler=sampler)
 
-    async def _start_full(self, model: ModelEntry, job: str, weight_sync: str) -> Group:
+    async def _start_full(self, nursery: trio.Nursery, model: ModelEntry, job: str, weight_sync: str) -> Group:
         """A trainer and a sampler for one full fine-tuning run. Its sampler takes each new
         version as it is published, in order (`eager_versions`): weight-sync payloads chain."""
         trainer_seat, sampler_seat = self._seats(model, job, is_full=True)
-        sampler = await self._nursery.start(
+        sampler = await nursery.start(
             SamplerActor(
                 name=f"{model.name}/{job}",
                 build_engine=sampler_seat.engines.full_sampler(model),
@@ -235,7 +309,7 @@ class GroupTable:
                 eager_versions=True,
             ).run
         )
-        trainer = await self._nursery.start(
+        trainer = await nursery.start(
             TrainerActor(
                 name=f"{model.name}/{job}",
                 build_engine=trainer_seat.engines.full_trainer(model, weight_sync),

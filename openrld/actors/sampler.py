@@ -44,10 +44,14 @@ Stability records: a request with `record_ids` is recorded into the shared
 `StabilityRecords` when it finishes, one record per sequence, with the version
 it was bound to (actors/stability.py).
 
-Device turns: admissions, version loads and steps run while holding the device
-lease (actors/timeslicer.py). Past its turn the sampler admits nothing new and
+Device turns: building engines (loading the weights onto the device, at start
+and for each replica `ensure_replicas` adds), admissions, version loads and
+steps run while holding the device lease (actors/timeslicer.py), so a replica
+added while the sampler is parked waits for the sampler's turn and is parked
+with the others after it. Past its turn the sampler admits nothing new and
 lets running requests finish: it parks only between requests, since parking
-drops the KV cache.
+drops the KV cache. When its group ends (`fail_pending`), every request it
+holds fails, and the lease is given back as the actor stops.
 
 It never imports torch and never reaches into another actor.
 """
@@ -185,6 +189,10 @@ class SampleQueue:
             return True
         return False
 
+    def request_ids(self) -> list[str]:
+        """Every request still here, waiting or running."""
+        return [op.request_id for op in self._waiting] + sorted(self._running)
+
     def take_cancels(self, live: set[str]) -> list[str]:
         """The cancelled requests among `live` (one engine's), which that engine must now drop."""
         mine = sorted(self._cancels & live)
@@ -269,6 +277,10 @@ class SamplerHandle:
     async def ensure_replicas(self, replicas: int) -> None:
         """Run at least `replicas` engines (at most MAX_REPLICAS); returns once they serve."""
         await self._actor.ensure_replicas(replicas)
+
+    def fail_pending(self, error: OpenrldError) -> None:
+        """Fail every request the sampler still holds with `error` (its group ended)."""
+        self._actor.fail_pending(error)
 
     def statistics(self) -> SamplerStatistics:
         return self._actor.statistics()
@@ -374,7 +386,9 @@ class SamplerActor:
         assert self._growing is not None and self._nursery is not None, "ensure_replicas before run"
         async with self._growing:
             while len(self._workers) < min(replicas, MAX_REPLICAS):
-                engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+                # In the sampler's turn: while it is parked, another party holds the device.
+                async with self._lease.hold(has_more=lambda: False):
+                    engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
                 worker = _Worker(engine, self._max_loaded)
                 self._workers.append(worker)
                 self._nursery.start_soon(self._work, worker)
@@ -383,20 +397,28 @@ class SamplerActor:
     # -- the loops ---------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[SamplerHandle] = trio.TASK_STATUS_IGNORED) -> None:
-        for _ in range(self._replicas):
-            engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-            self._workers.append(_Worker(engine, self._max_loaded))
-        logger.info("sampler ready group=%s replicas=%d", self.name, self._replicas)
         if self._lease_from is not None:
             self._lease = self._lease_from(self)
-            if not self._lease.claim_resident():  # another group holds the device: give it back now
-                await self.park()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self._growing = trio.Lock()
-            for worker in self._workers:
-                nursery.start_soon(self._work, worker)
-            task_status.started(SamplerHandle(self))
+        try:
+            # Loading the weights onto the device is a turn: another party on the device parks first.
+            async with self._lease.hold(has_more=lambda: False):
+                for _ in range(self._replicas):
+                    engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+                    self._workers.append(_Worker(engine, self._max_loaded))
+            logger.info("sampler ready group=%s replicas=%d", self.name, self._replicas)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._growing = trio.Lock()
+                for worker in self._workers:
+                    nursery.start_soon(self._work, worker)
+                task_status.started(SamplerHandle(self))
+        finally:
+            self._lease.close()  # a stopped worker takes no more turns
+
+    def fail_pending(self, error: OpenrldError) -> None:
+        for request_id in self.queue.request_ids():
+            self._recording.pop(request_id, None)
+            self._futures.fail(request_id, error)  # a no-op for one that already resolved
 
     async def _work(self, worker: _Worker) -> None:
         """Input, then step: apply cancels, admit, run one engine step, resolve what finished.

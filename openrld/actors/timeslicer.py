@@ -19,7 +19,11 @@ Guarantees:
   worker of the old party is parked (its `park()` has returned), and a parked
   worker is resumed (its `resume()` has returned) before it is granted again;
 - a device with one party (an exclusive job, or a LoRA group alone on it)
-  never parks anyone.
+  never parks anyone;
+- loading is a turn too: a new worker starts parked, with nothing on the
+  device, and builds its engine while holding its first lease, so two
+  parties never both hold device memory outside their turns. Its first
+  `resume()` finds nothing to copy back and is not counted as a resume.
 
 It never runs an engine itself: `park` and `resume` are the worker's own
 calls (`Parkable`), which run the engine in the worker's thread. The
@@ -115,12 +119,14 @@ class DeviceStatistics(msgspec.Struct, frozen=True):
 class _Worker:
     __slots__ = (
         "name", "party", "is_resident", "is_transitioning", "granted_at", "lease_s", "turns", "parks", "resumes",
+        "has_loaded",
     )
 
     def __init__(self, name: str, party: str) -> None:
         self.name = name
         self.party = party
-        self.is_resident = False  # a new worker's engine is built on the device, but nothing claims it yet
+        self.is_resident = False  # a new worker has nothing on the device until its first turn builds it
+        self.has_loaded = False  # whether it ever was resident: its first resume is a load, not a resume
         self.is_transitioning = False
         self.granted_at: float | None = None
         self.lease_s = 0.0
@@ -277,7 +283,9 @@ class DeviceTurns:
         worker = self._workers[name]
         worker.is_transitioning = False
         worker.is_resident = True
-        worker.resumes += 1
+        if worker.has_loaded:
+            worker.resumes += 1
+        worker.has_loaded = True
         if self.resident_party != worker.party:
             self._turn_started_at, self._contended_at = now, -math.inf
         self.resident_party = worker.party
@@ -289,6 +297,7 @@ class DeviceTurns:
         state now, and it resumes before its first turn.
         """
         worker = self._workers[name]
+        worker.has_loaded = True  # built either way: a later resume brings back parked state
         if self.resident_party not in (None, worker.party):
             return False
         worker.is_resident = True
@@ -404,6 +413,9 @@ class NoLease:
     def claim_resident(self) -> bool:
         return True
 
+    def close(self) -> None:
+        pass
+
 
 # ---------------------------------------------------------------- actor
 
@@ -474,11 +486,13 @@ class TimeSlicer:
                     self._granted[worker].set()
                 case Park(worker=worker):
                     is_parked = await self._park(worker)
-                    self.turns.parked(worker, trio.current_time(), is_parked=is_parked)
+                    if self.turns.has_worker(worker):  # its group may have stopped meanwhile
+                        self.turns.parked(worker, trio.current_time(), is_parked=is_parked)
                     logger.info("park device=%s worker=%s parked=%s", self.device, worker, is_parked)
                 case Resume(worker=worker):
                     await self._resume(worker)
-                    self.turns.resumed(worker, trio.current_time())
+                    if self.turns.has_worker(worker):
+                        self.turns.resumed(worker, trio.current_time())
                     logger.info("resumed device=%s worker=%s", self.device, worker)
                 case Idle(until=until):
                     with trio.move_on_at(until):

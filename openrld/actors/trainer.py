@@ -18,9 +18,12 @@ A failure inside an op fails that op's future and consumes its `seq_id`, so the
 job's later ops still run. The actor never imports torch: engine results pass
 through as opaque values.
 
-Device turns: each run of ops holds the device lease (actors/timeslicer.py);
-the time-slicer parks and resumes the engine through `park`/`resume` here,
-between runs, in the actor's worker thread.
+Device turns: each run of ops holds the device lease (actors/timeslicer.py),
+and so does building the engine (loading the weights onto the device): the
+actor takes its lease first and builds in its first turn. The time-slicer
+parks and resumes the engine through `park`/`resume` here, between runs, in
+the actor's worker thread. When its group ends (`fail_pending`), every op it
+still holds fails, and the lease is given back as the actor stops.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
+from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import BadRequest, Conflict, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
@@ -270,16 +274,18 @@ def _model_tokens(op: ForwardBackward) -> int:
 class CheckpointSink(Protocol):
     """What the trainer needs of the store to publish a checkpoint atomically.
 
-    `prepare` and `record` touch the database and run on the event loop;
-    `commit_files` only fsyncs and renames, and runs in a worker thread.
+    `prepare`, `describe` and `record` touch the database and run on the event
+    loop; `commit_files` writes the manifest, fsyncs and renames, and runs in a
+    worker thread.
     """
 
     def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]: ...
-    def commit_files(self, staging: Path, final: Path, overwrite: bool) -> None: ...
-    def record(
-        self, model_id: str, kind: str, name: str, *, size_bytes: int, overwrite: bool,
-        ttl_seconds: int | None, user_metadata: dict[str, str],
-    ) -> str: ...
+    def describe(
+        self, model_id: str, kind: str, name: str, *, size_bytes: int, ttl_seconds: int | None,
+        user_metadata: dict[str, str],
+    ) -> CheckpointManifest: ...
+    def commit_files(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None: ...
+    def record(self, manifest: CheckpointManifest) -> str: ...
 
 
 class SamplerFeed(Protocol):
@@ -300,6 +306,10 @@ class TrainerHandle:
 
     def open_job(self, model_id: str, next_seq: int = 0) -> None:
         self._actor.queues.open_job(model_id, next_seq)
+
+    def fail_pending(self, error: OpenrldError) -> None:
+        """Fail every op the trainer still holds with `error` (its group ended)."""
+        self._actor.fail_pending(error)
 
     def submit_nowait(self, op: TrainOp) -> None:
         self._actor.mailbox.post(op)
@@ -349,18 +359,22 @@ class TrainerActor:
         self._lease: DeviceLease | NoLease = NoLease()
         self._progress: dict[str, JobProgress] = {}
         self._running_job: str | None = None  # whose ops run (or wait for the device) now
+        self._in_hand: list[TrainOp] = []  # the run of ops taken from the queues, until it is done
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
-        self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
         if self._lease_from is not None:
             self._lease = self._lease_from(self)
-            if not self._lease.claim_resident():  # another group holds the device: give it back now
-                await self._in_thread(self._engine.park)
-        logger.info("trainer ready group=%s", self.name)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._input_loop)
-            task_status.started(TrainerHandle(self))
-            await self._step_loop()
+        try:
+            # Loading the weights onto the device is a turn: another party on the device parks first.
+            async with self._lease.hold(has_more=lambda: False):
+                self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+            logger.info("trainer ready group=%s", self.name)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._input_loop)
+                task_status.started(TrainerHandle(self))
+                await self._step_loop()
+        finally:
+            self._lease.close()  # a stopped worker takes no more turns
 
     async def _input_loop(self) -> None:
         async for op in self.mailbox.receive:
@@ -378,7 +392,7 @@ class TrainerActor:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            self._busy, self._running_job = True, run[0].model_id
+            self._busy, self._running_job, self._in_hand = True, run[0].model_id, run
             try:
                 async with self._lease.hold(has_more=self.queues.has_ready):
                     if len(run) > 1 and await self._run_combined(run):
@@ -386,15 +400,30 @@ class TrainerActor:
                     for op in run:
                         await self._run_one(op)
             finally:
-                self._busy, self._running_job = False, None
+                self._busy, self._running_job, self._in_hand = False, None, []
+
+    def fail_pending(self, error: OpenrldError) -> None:
+        """The group ended: fail every op still here (queued, in the mailbox, or cut short)."""
+        ops = list(self._in_hand)
+        for job in self.queues.statistics():
+            ops += self.queues.close_job(job.model_id)
+        while True:
+            try:
+                ops.append(self.mailbox.receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        for op in ops:
+            self._futures.fail(op.request_id, error)  # a no-op for one that already resolved
 
     # The time-slicer's calls (Parkable): the engine moves in this actor's worker thread.
     async def park(self) -> bool:
-        await self._in_thread(self._engine.park)
+        if self._engine is not None:  # None: its first turn, the load, has not come yet
+            await self._in_thread(self._engine.park)
         return True  # the trainer parks between ops, when nothing is in flight
 
     async def resume(self) -> None:
-        await self._in_thread(self._engine.resume)
+        if self._engine is not None:  # None: nothing to bring back; the engine is built in this turn
+            await self._in_thread(self._engine.resume)
 
     async def _run_one(self, op: TrainOp) -> None:
         try:
@@ -496,13 +525,13 @@ class TrainerActor:
         else:
             # The engine writes what its sampler loads: a LoRA adapter or full-model weights.
             size = await self._in_thread(self._engine.sampler_checkpoint, op.model_id, staging)
+        manifest = self._checkpoints.describe(
+            op.model_id, op.kind, op.name, size_bytes=size, ttl_seconds=op.ttl_seconds, user_metadata=op.user_metadata
+        )
         # Shielded: once the files are written, the rename and the row land together or not at all.
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._checkpoints.commit_files, staging, final, op.overwrite)
-            uri = self._checkpoints.record(
-                op.model_id, op.kind, op.name, size_bytes=size, overwrite=op.overwrite,
-                ttl_seconds=op.ttl_seconds, user_metadata=op.user_metadata,
-            )
+            await trio.to_thread.run_sync(self._checkpoints.commit_files, staging, final, op.overwrite, manifest)
+            uri = self._checkpoints.record(manifest)
         return Saved(path=uri)
 
     def statistics(self) -> TrainerStatistics:

@@ -175,25 +175,44 @@ def apply_delta(weights: Mapping[str, torch.Tensor], change: WeightDelta) -> Non
 def digest(weights: Mapping[str, torch.Tensor]) -> int:
     """A 64-bit hash of every tensor's name, shape, dtype and bits, position-sensitive.
 
-    Computed on the tensors' device in blocks (a position-weighted sum of the bits per
-    block), so it costs a few passes over the weights and no copy to the host.
+    Computed on the tensors' device in blocks of 64-bit words of each tensor's bytes (four
+    bfloat16 or two float32 elements per word; the elements of a tail too short to fill a
+    word, one per word): a position-weighted sum of the words per block. Reading whole words
+    rather than widening each element to 64 bits is several times less memory traffic: the
+    digest runs twice per sync, and on a 135M-parameter model it was most of the sync's time.
+    It costs a few passes over the weights and no copy to the host.
     """
     total = 0
+    positions: dict[tuple[int, torch.device], torch.Tensor] = {}
     for name in sorted(weights):
         tensor = weights[name]
         header = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}".encode()
         value = int.from_bytes(hashlib.blake2b(header, digest_size=8).digest(), "little")
-        flat = bits(tensor)
-        weights_block = None
-        for start in range(0, flat.numel(), _DIGEST_BLOCK):
-            block = flat[start : start + _DIGEST_BLOCK].to(torch.int64)
-            if weights_block is None or weights_block.numel() != block.numel():
-                # Odd position weights: a value moved to another position changes the sum.
-                weights_block = torch.arange(block.numel(), device=block.device, dtype=torch.int64) * 2 + 1
-            block_sum = int((block * weights_block).sum()) & _MASK64  # int64 wraps: fine for a hash
-            value = ((value ^ block_sum) * _MIX + start) & _MASK64
+        head, tail = _words(tensor)
+        for offset, part in ((0, head), (head.numel(), tail)):
+            for start in range(0, part.numel(), _DIGEST_BLOCK):
+                block = part[start : start + _DIGEST_BLOCK]
+                key = (block.numel(), block.device)
+                if key not in positions:
+                    # Odd position weights: a word moved to another position changes the sum, and
+                    # (odd numbers being invertible mod 2^64) so does any change to a single word.
+                    positions[key] = torch.arange(block.numel(), device=block.device, dtype=torch.int64) * 2 + 1
+                block_sum = int((block * positions[key]).sum()) & _MASK64  # int64 wraps: fine for a hash
+                value = ((value ^ block_sum) * _MIX + offset + start) & _MASK64
         total = ((total * _MIX) ^ value) & _MASK64
     return total
+
+
+def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor's bits as int64: its whole 8-byte words (a view where memory allows), and
+    the elements after the last whole word, each widened to int64."""
+    flat = bits(tensor)
+    per_word = 8 // tensor.element_size()
+    whole = flat.numel() - flat.numel() % per_word
+    head = flat[:whole]
+    if head.storage_offset() % per_word:
+        head = head.clone()  # a word view needs 8-byte alignment; the words, hence the hash, are the same
+    return head.view(torch.int64), flat[whole:].to(torch.int64)
 
 
 def clone_weights(weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

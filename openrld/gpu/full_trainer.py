@@ -78,6 +78,7 @@ class FullTrainer:
         *,
         config: TrainerConfig = TrainerConfig(),
         weight_sync: str = "delta",
+        sampler_dtype: torch.dtype | None = None,
     ) -> None:
         assert weight_sync in ("delta", "full"), f"weight_sync is 'delta' or 'full', got {weight_sync!r}"
         self.device = device
@@ -87,9 +88,14 @@ class FullTrainer:
         self._params = dict(self._model.named_parameters())
         self._scorer = BatchScorer(self._model, device, config)
         self._weight_sync = weight_sync
+        # The dtype the job's sampler holds its weights in (None: the trainer's own). A sampler in
+        # bfloat16 under fp32 master weights is the usual RL setting: a sync sends the sampler's
+        # weights, that is the master weights rounded to its dtype, and only where the rounded bits
+        # changed -- most AdamW steps move an fp32 element by less than a bf16 rounding step.
+        self._sampler_dtype = sampler_dtype
         # What the job's sampler holds: it starts on the same base weights. Only delta needs
         # the copy (on the host), to compare against.
-        self._shadow = delta.clone_weights(self._params) if weight_sync == "delta" else None
+        self._shadow = delta.clone_weights(self.sampler_tensors(None)) if weight_sync == "delta" else None
         self._synced_version: str | None = None  # None: the base model
         self._last_sync: delta.SyncStats | None = None
         self._job: str | None = None
@@ -128,6 +134,17 @@ class FullTrainer:
         self._get(name)
         return {key: p.detach() for key, p in self._params.items()}
 
+    def sampler_tensors(self, name: str | None) -> dict[str, torch.Tensor]:
+        """The weights as the sampler holds them: `live_tensors` in the sampler's dtype (views
+        when it is the trainer's, new tensors otherwise). `name` None skips the job check
+        (the base weights, before a job opens)."""
+        if name is not None:
+            self._get(name)
+        live = {key: p.detach() for key, p in self._params.items()}
+        if self._sampler_dtype is None:
+            return live
+        return {key: t.to(self._sampler_dtype) for key, t in live.items()}
+
     def sampler_payload(self, name: str, version: str) -> delta.WeightDelta:
         """The change that takes the sampler from its version to these weights, as `version`.
 
@@ -135,8 +152,9 @@ class FullTrainer:
         (or since the base model); under "full", every tensor. Either carries the digest
         of these weights, which the sampler checks after patching. Payloads chain: each one
         applies to the version of the one before, so they must reach the sampler in order.
+        With a `sampler_dtype`, the payload is of the weights rounded to it (`sampler_tensors`).
         """
-        current = self.live_tensors(name)
+        current = self.sampler_tensors(name)
         if self._shadow is None:
             change = delta.full_update(current, self._synced_version)
         else:

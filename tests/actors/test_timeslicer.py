@@ -72,6 +72,21 @@ def test_a_waiter_of_another_party_parks_the_idle_resident_then_resumes():
     assert [turns.state_of("a"), turns.state_of("b")] == [LeaseState.PARKED, LeaseState.RUNNING]
 
 
+def test_a_new_workers_first_turn_parks_the_other_party_and_its_load_is_no_resume():
+    turns = DeviceTurns(QUANTUM_S)
+    turns.add_worker("a", "a")
+    turns.claim_resident("a")
+    turns.add_worker("b", "b")  # nothing on the device yet: it builds its engine in its first turn
+    assert turns.try_grant_now("b", 0.0) is False
+    turns.request("b", 0.0)
+    assert turns.next_action(0.0) == Park("a")
+    turns.parked("a", 1.0)
+    assert turns.next_action(1.0) == Resume("b")  # the worker's resume finds nothing to bring back
+    turns.resumed("b", 1.0)
+    assert turns.next_action(1.0) == Grant("b")
+    assert [(s.worker, s.parks, s.resumes) for s in turns.statistics(2.0)] == [("a", 1, 0), ("b", 0, 0)]
+
+
 def test_workers_of_one_party_take_turns_without_parking():
     turns = DeviceTurns(QUANTUM_S)
     for name in ("trainer", "sampler"):

@@ -108,6 +108,20 @@ def test_digest_covers_tensors_longer_than_one_block() -> None:
     assert delta.digest(changed) != delta.digest(base)
 
 
+def test_digest_covers_the_elements_after_the_last_whole_word() -> None:
+    base = {"w": torch.zeros(11, dtype=torch.bfloat16)}  # two 8-byte words and three elements
+    changed = {"w": base["w"].clone()}
+    changed["w"][-1] = 1.0
+    assert delta.digest(changed) != delta.digest(base)
+
+
+def test_digest_of_a_view_not_aligned_to_a_word_equals_the_digest_of_its_copy() -> None:
+    storage = torch.arange(20, dtype=torch.bfloat16)
+    view = storage[1:17]  # starts 2 bytes into the storage: its words cannot be a view
+    assert view.storage_offset() == 1
+    assert delta.digest({"w": view}) == delta.digest({"w": view.clone()})
+
+
 def test_weights_of_another_shape_are_refused() -> None:
     old = weights(torch.float32)
     new = delta.clone_weights(old)
