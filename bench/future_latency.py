@@ -51,7 +51,8 @@ class Lean:
         return json.loads(self.conn.getresponse().read())
 
 
-def lean_client(url: str) -> tuple[list[float], list[float]]:
+def lean_model(url: str) -> tuple[Lean, str]:
+    """A lean client and a ready LoRA job on the tiny Llama: (client, model id)."""
     lean = Lean(url)
     session = lean.call("POST", "/api/v1/create_session", {"tags": [], "user_metadata": {}, "sdk_version": "bench"})
     created = lean.call(
@@ -60,12 +61,17 @@ def lean_client(url: str) -> tuple[list[float], list[float]]:
     )
     while lean.call("POST", "/api/v1/retrieve_future", {"request_id": created["request_id"]}).get("type") == "try_again":
         pass
+    return lean, created["model_id"]
+
+
+def lean_client(url: str) -> tuple[list[float], list[float]]:
+    lean, model_id = lean_model(url)
     bare, future = [], []
     for i in range(WARMUP + ROUNDS):
         start = time.perf_counter()
         lean.call("GET", "/api/v1/healthz")
         middle = time.perf_counter()
-        submitted = lean.call("POST", "/api/v1/optim_step", {"model_id": created["model_id"], "seq_id": i + 1, "adam_params": {}})
+        submitted = lean.call("POST", "/api/v1/optim_step", {"model_id": model_id, "seq_id": i + 1, "adam_params": {}})
         result = lean.call("POST", "/api/v1/retrieve_future", {"request_id": submitted["request_id"]})
         end = time.perf_counter()
         assert "metrics" in result, result

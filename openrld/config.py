@@ -56,12 +56,14 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """
 
     data_dir: Path
+    checkpoint_root: Path | None = None  # None: <data_dir>/checkpoints, this node's alone
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     api_keys_file: Path | None = None
     device: Annotated[str, msgspec.Meta(min_length=1)] = "auto"
     devices: tuple[Annotated[str, msgspec.Meta(pattern=_DEVICE_NAME)], ...] = ()
     timeslice_quantum_s: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    cpu_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     models: dict[str, Path] = msgspec.field(default_factory=dict)
     longpoll_s: Annotated[float, msgspec.Meta(gt=0.0, lt=_SDK_POLL_TIMEOUT_S)] = 30.0
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
@@ -81,6 +83,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     gossip_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 7946
     advertise_host: str = ""
     gossip_timing: Literal["lan", "local"] = "lan"
+    accept_jobs: bool = True
 
     @property
     def is_open_mode(self) -> bool:
@@ -149,8 +152,9 @@ def _env_values(env: Mapping[str, str]) -> dict[str, object]:
         var = ENV_PREFIX + name.upper()
         if var in env:
             text = env[var]
-            if name == "api_keys_file" and text == "":
-                values[name] = None  # an empty variable is how a manifest says "open mode"
+            if name in ("api_keys_file", "checkpoint_root") and text == "":
+                # An empty variable is how a manifest says "unset": open mode, or no shared root.
+                values[name] = None
             elif name == "join":
                 # A list in one variable: comma-separated, as --join takes it.
                 values[name] = tuple(seed.strip() for seed in text.split(",") if seed.strip())
@@ -211,6 +215,8 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
             raise ConfigError("models: a model name must not be empty")
     if config.join and not config.cluster_secret:
         raise ConfigError("join: joining a cluster needs cluster_secret (peers authenticate with it); none is set")
+    if not config.accept_jobs and not config.cluster_secret:
+        raise ConfigError("accept_jobs = false: a node that takes no jobs relays them to a cluster; set cluster_secret")
     if config.sampler_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         # Found here, at startup, rather than when the first model loads.
         raise ConfigError(

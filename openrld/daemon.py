@@ -16,10 +16,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import hypercorn.config
 import hypercorn.trio
 import trio
 
+from openrld import ids
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
@@ -88,14 +90,16 @@ async def serve(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run one node until `shutdown` is set (or the caller cancels); report the bound URL when ready."""
-    from openrld.gpu.devices import inventory, resolve_device
+    from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory, resolve_device
     from openrld.gpu.engines import TorchEngineFactory
     from openrld.gpu.gguf_convert import GgufConverter
 
     device = resolve_device(config.device)
     device_records = inventory(config.devices, config.device)
+    threads = cpu_threads(config.cpu_threads, device_records)
+    apply_cpu_threads(threads)
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else None
-    store = Store.open(Path(config.data_dir))
+    store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
     try:
         async with trio.open_nursery() as nursery:
             futures = FutureTable(store)
@@ -121,20 +125,27 @@ async def serve(
             )
             usage = UsageMeter()
             signer = Signer()
+            membership = await _open_membership(config)
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures,
                 max_lora_rank=config.max_lora_rank, usage=usage,
+                id_tag=ids.node_tag(membership.node.name) if membership is not None else "",
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, interval_s=config.maintenance_interval_s))
             # Configured GGUF models convert in the background; progress is in /openrl/v1/info.
             await nursery.start(prepare_models, catalog, converter.ensure)
-            membership = await _open_membership(config)
+            # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon (relay.py).
+            peers = (
+                httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=64), trust_env=False)
+                if membership is not None else None
+            )
             services = Services(
                 config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
                 store=store, catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
                 cluster=membership.node if membership is not None else None,
+                peers=peers,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
@@ -142,19 +153,28 @@ async def serve(
                     partial(hypercorn.trio.serve, build_app(services), _hypercorn_config(config), shutdown_trigger=stop.wait)
                 )
                 logger.info(
-                    "openrld serving url=%s data_dir=%s devices=%s open_mode=%s",
-                    binds[0], config.data_dir, ",".join(d.name for d in device_records), keys is None,
+                    "openrld serving url=%s data_dir=%s devices=%s cpu_threads=%s open_mode=%s",
+                    binds[0], config.data_dir, ",".join(d.name for d in device_records), threads or "default",
+                    keys is None,
                 )
                 if membership is not None:
                     # Gossip starts once the peer API answers; it leaves the cluster when cancelled.
                     peer_url = membership.peer_url(binds[0])
+                    # A node that takes no jobs publishes no devices, so placement never picks it.
                     slots = [DeviceSlot(d.name, d.kind, d.memory_bytes, d.free_bytes) for d in device_records]
+                    slots = slots if config.accept_jobs else []
                     await nursery.start(
-                        membership.run, lambda: node_payload(peer_url, slots, groups.statistics())
+                        membership.run,
+                        lambda: node_payload(
+                            peer_url, slots, groups.statistics(), node_devices.pool.statistics(), jobs.home_jobs()
+                        ),
                     )
                 task_status.started(binds[0])
                 await stop.wait()
                 futures.close()  # pending long-polls answer 503 now, within hypercorn's graceful drain
             nursery.cancel_scope.cancel()
+            if peers is not None:
+                with trio.CancelScope(shield=True):
+                    await peers.aclose()
     finally:
         store.close()

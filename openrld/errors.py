@@ -76,3 +76,20 @@ class ServiceUnavailable(ServerError):
     """The daemon is shutting down; the client retries against it or another node."""
 
     status = 503
+
+
+class NoCapacity(BadRequest):
+    """This node has no device for the job (openrl.exclusive and none free); another node may.
+
+    A placer that offered the job here tries the next node (`actors/placement.py`);
+    on a node alone it is the caller's 400, naming the key.
+    """
+
+    no_capacity = True
+
+
+class NoSharedDevice(ServiceUnavailable):
+    """Every device of this node is held by an exclusive job; another node may take the job."""
+
+    no_capacity = True
+

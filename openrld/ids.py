@@ -12,6 +12,7 @@ state; the store joins validated components into paths.
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 import secrets
 
@@ -42,13 +43,50 @@ def _shown(value: object) -> str:
     return text
 
 
-def new_session_id() -> str:
-    """A fresh session id: "s-" and 16 hex characters (64 random bits).
+NODE_TAG_CHARS = 8
+
+
+def node_tag(node_name: str) -> str:
+    """The 8 hex characters a clustered node puts at the front of the ids it mints.
+
+    Any node can then tell which member minted a session or request id, and
+    relay a call for it there, without asking around (DESIGN.md: "ids carry
+    the home node as a hint; the job directory is the truth").
+    """
+    return hashlib.sha256(node_name.encode()).hexdigest()[:NODE_TAG_CHARS]
+
+
+def new_session_id(tag: str = "") -> str:
+    """A fresh session id: "s-" and 16 random hex characters (64 bits), after the minting node's `tag`.
 
     It is url- and filename-safe and contains no '/' or ':', so the ids built
     from it split unambiguously on ':'.
     """
-    return "s-" + secrets.token_hex(8)
+    return "s-" + tag + secrets.token_hex(8)
+
+
+def new_request_id(tag: str = "") -> str:
+    """A fresh future id: "r-" and 32 hex characters, the first of them the minting node's `tag`.
+
+    With a tag, 96 of the 128 bits stay random: still no collision in any
+    node's lifetime.
+    """
+    return "r-" + tag + secrets.token_hex(16 - len(tag) // 2)
+
+
+def tag_of(minted_id: str) -> str | None:
+    """The node tag a session id, request id, or id built on a session id may carry; None if it has none.
+
+    A request id's first 8 hex characters are returned whether it was minted
+    with a tag or not (the two look alike); callers look the tag up among the
+    cluster's members, where a random match is a 1 in 4 billion chance per member.
+    """
+    head = minted_id.split(":", 1)[0]
+    if head.startswith("s-") and len(head) == 2 + NODE_TAG_CHARS + 16:
+        return head[2 : 2 + NODE_TAG_CHARS]
+    if head.startswith("r-") and len(head) == 2 + 32:
+        return head[2 : 2 + NODE_TAG_CHARS]
+    return None
 
 
 def model_id(session_id: str, model_seq_id: int) -> str:
@@ -62,11 +100,6 @@ def model_id(session_id: str, model_seq_id: int) -> str:
 def sampling_session_id(session_id: str, n: int) -> str:
     """The n-th sampling session of a session (the form the SDK's docs use)."""
     return f"{session_id}:sample:{n}"
-
-
-def new_request_id() -> str:
-    """A fresh future id: "r-" and 32 hex characters (128 random bits)."""
-    return "r-" + secrets.token_hex(16)
 
 
 class CheckpointKind(enum.Enum):

@@ -88,6 +88,24 @@ class RequestMetrics:
         ]
 
 
+class RelayStatistics(msgspec.Struct, frozen=True):
+    relayed: int  # requests sent on to their home node
+    unreachable: int  # of those, the ones whose home did not answer
+    lost: int  # requests answered 410 because their home is dead or gone
+    placed: int  # jobs and samplers a placement offered and a node took
+    refused: int  # offers a node refused for want of room (the next node was tried)
+
+
+class RelayCounters:
+    """Counted by the relay (api/relay.py), read by /metrics."""
+
+    def __init__(self) -> None:
+        self.relayed = self.unreachable = self.lost = self.placed = self.refused = 0
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(self.relayed, self.unreachable, self.lost, self.placed, self.refused)
+
+
 class NodeStatistics(msgspec.Struct, frozen=True):
     """Everything one scrape reports; gathered by the API from the actors and the store."""
 
@@ -98,6 +116,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     store: StoreStatistics
     stability: StabilityStatistics | None = None  # stable_reinforce's sampling records (actors/stability.py)
     membership: MembershipStatistics | None = None  # gossip; None on a node outside any cluster
+    relay: RelayStatistics | None = None  # any-node-answers relaying; None on a node outside any cluster
 
 
 # ---------------------------------------------------------------- text format
@@ -232,8 +251,21 @@ def render_prometheus(stats: NodeStatistics) -> str:
                  [((), store.pending_requests)]),
         *(_stability_lines(stats.stability) if stats.stability is not None else []),
         *(_gossip_lines(stats.membership) if stats.membership is not None else []),
+        *(_relay_lines(stats.relay) if stats.relay is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _relay_lines(relay: RelayStatistics) -> list[str]:
+    return [
+        *_family("openrld_relayed_requests_total", "counter", "Requests relayed to their home node, by outcome.",
+                 [((("outcome", "answered"),), relay.relayed - relay.unreachable),
+                  ((("outcome", "unreachable"),), relay.unreachable)]),
+        *_family("openrld_lost_answers_total", "counter", "Requests answered 410: their home node is dead or gone.",
+                 [((), relay.lost)]),
+        *_family("openrld_placements_total", "counter", "Placement offers, by outcome (refused: no room there).",
+                 [((("outcome", "placed"),), relay.placed), ((("outcome", "refused"),), relay.refused)]),
+    ]
 
 
 def _gossip_lines(gossip: MembershipStatistics) -> list[str]:

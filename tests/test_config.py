@@ -120,10 +120,10 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as excinfo:
         load_config(path, {}, ENV)
     assert str(excinfo.value) == (
-        f"config file {path}: unknown key 'prot'; known keys are data_dir, host, port, api_keys_file, device, "
-        "devices, timeslice_quantum_s, models, longpoll_s, max_body_bytes, max_batch_tokens, max_num_samples, max_lora_rank, "
+        f"config file {path}: unknown key 'prot'; known keys are data_dir, checkpoint_root, host, port, api_keys_file, device, "
+        "devices, timeslice_quantum_s, cpu_threads, models, longpoll_s, max_body_bytes, max_batch_tokens, max_num_samples, max_lora_rank, "
         "sample_queue_limit, sampler_backend, vllm_gpu_memory_utilization, log_json, jwt_auth, jwt_ttl_s, "
-        "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, gossip_timing"
+        "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, gossip_timing, accept_jobs"
     )
 
 
@@ -240,3 +240,20 @@ def test_malformed_device_label_is_an_error_naming_it(tmp_path: Path) -> None:
     path = write(tmp_path / "openrld.toml", 'devices = ["gpu0"]\n')
     with pytest.raises(ConfigError, match=r"devices: .*gpu0"):
         load_config(path, {}, ENV)
+
+
+def test_checkpoint_root_is_unset_by_default() -> None:
+    assert load_config(None, {}, ENV).checkpoint_root is None
+
+
+def test_checkpoint_root_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", 'checkpoint_root = "/mnt/shared"\n')
+    assert (
+        load_config(path, {}, ENV).checkpoint_root,
+        load_config(path, {}, {**ENV, "OPENRLD_CHECKPOINT_ROOT": "/mnt/other"}).checkpoint_root,
+    ) == (Path("/mnt/shared"), Path("/mnt/other"))
+
+
+def test_empty_checkpoint_root_variable_means_no_shared_root(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", 'checkpoint_root = "/mnt/shared"\n')
+    assert load_config(path, {}, {**ENV, "OPENRLD_CHECKPOINT_ROOT": ""}).checkpoint_root is None

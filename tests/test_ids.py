@@ -13,6 +13,8 @@ from openrld.ids import (
     model_id,
     new_request_id,
     new_session_id,
+    node_tag,
+    tag_of,
     parse_checkpoint_id,
     parse_tinker_path,
     sampling_session_id,
@@ -35,6 +37,31 @@ def test_session_ids_differ() -> None:
 
 def test_request_id_is_r_dash_32_hex() -> None:
     assert re.fullmatch(r"r-[0-9a-f]{32}", new_request_id())
+
+
+def test_a_node_tag_is_8_hex_characters_fixed_by_the_node_name() -> None:
+    assert node_tag("node-a") == "66570ff0"  # sha256("node-a"), first 8 hex
+
+
+def test_a_tagged_session_id_carries_the_tag_before_16_random_hex() -> None:
+    session_id = new_session_id(node_tag("node-a"))
+    assert re.fullmatch(rf"s-{node_tag('node-a')}[0-9a-f]{{16}}", session_id)
+    assert validate_name(session_id, "run id") == session_id
+
+
+def test_a_tagged_request_id_keeps_the_r_dash_32_hex_form() -> None:
+    assert re.fullmatch(rf"r-{node_tag('node-a')}[0-9a-f]{{24}}", new_request_id(node_tag("node-a")))
+
+
+def test_tag_of_reads_the_tag_of_session_model_sampler_and_request_ids() -> None:
+    tag = node_tag("node-a")
+    session_id = new_session_id(tag)
+    found = [tag_of(i) for i in (session_id, f"{session_id}:train:0", f"{session_id}:sample:3", new_request_id(tag))]
+    assert found == [tag] * 4
+
+
+def test_an_untagged_session_id_has_no_tag() -> None:
+    assert (tag_of(new_session_id()), tag_of(f"{new_session_id()}:train:0"), tag_of("copy-1")) == (None, None, None)
 
 
 def test_model_id_is_the_form_the_sdk_assumes() -> None:

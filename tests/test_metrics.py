@@ -12,7 +12,7 @@ from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
-from openrld.metrics import LATENCY_BUCKETS_S, NodeStatistics, RequestMetrics, render_prometheus
+from openrld.metrics import LATENCY_BUCKETS_S, NodeStatistics, RelayStatistics, RequestMetrics, render_prometheus
 from openrld.store import StoreStatistics
 
 
@@ -160,4 +160,18 @@ def test_render_reports_gossip_health_only_on_a_clustered_node():
         'openrld_gossip_push_pulls_total{outcome="ok"} 5',
         'openrld_gossip_push_pulls_total{outcome="failed"} 1',
         "openrld_gossip_refutations_total 1",
+    ]
+
+
+def test_render_reports_relaying_and_placement_only_on_a_clustered_node():
+    assert "openrld_relayed" not in render_prometheus(_node(RequestMetrics()))
+    node = msgspec.structs.replace(_node(RequestMetrics()), relay=RelayStatistics(10, 2, 1, 4, 3))
+    names = ("openrld_relayed", "openrld_lost", "openrld_placements")
+    lines = [line for line in render_prometheus(node).splitlines() if line.startswith(names)]
+    assert lines == [
+        'openrld_relayed_requests_total{outcome="answered"} 8',
+        'openrld_relayed_requests_total{outcome="unreachable"} 2',
+        "openrld_lost_answers_total 1",
+        'openrld_placements_total{outcome="placed"} 4',
+        'openrld_placements_total{outcome="refused"} 3',
     ]

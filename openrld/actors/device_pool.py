@@ -26,7 +26,7 @@ import msgspec
 import trio
 
 from openrld.actors.timeslicer import DeviceStatistics, TimeSlicer
-from openrld.errors import BadRequest, ServiceUnavailable
+from openrld.errors import NoCapacity, NoSharedDevice
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class DevicePool:
             label: how errors name the group ("job s:train:0", "base model tiny-llama").
 
         Raises:
-            BadRequest: exclusive, and no device is free (key `openrl.exclusive`).
-            ServiceUnavailable: every device is held by an exclusive group.
+            NoCapacity (a BadRequest): exclusive, and no device is free (key `openrl.exclusive`).
+            NoSharedDevice (a ServiceUnavailable): every device is held by an exclusive group.
         """
         if key in self._placements:
             return self._placements[key]
@@ -84,7 +84,7 @@ class DevicePool:
         elif free:
             trainer = sampler = free[0]
         elif exclusive:
-            raise BadRequest(
+            raise NoCapacity(
                 f"openrl.exclusive=true: {label} needs a device of its own, and every device of this node "
                 f"is in use ({self._describe_use()}); drop openrl.exclusive, or wait for a job to end",
                 key="openrl.exclusive",
@@ -92,7 +92,7 @@ class DevicePool:
         else:
             shared = [d for d in self._devices if not self._is_exclusive(d)]
             if not shared:
-                raise ServiceUnavailable(
+                raise NoSharedDevice(
                     f"{label}: every device of this node is held by an exclusive job ({self._describe_use()})"
                 )
             trainer = sampler = min(shared, key=lambda d: (len(self._groups_on(d)), self._devices.index(d)))

@@ -58,6 +58,29 @@ class SamplerInfo(msgspec.Struct, frozen=True):
     model_path: str | None
 
 
+class HomeJob(msgspec.Struct, frozen=True):
+    """A job this node is home to, as the cluster's gossip describes it."""
+
+    model_id: str
+    owner: str
+    base_model: str
+    fine_tuning_type: str  # "lora" or "full"
+    is_exclusive: bool
+    last_checkpoint: str | None
+
+
+class SessionSnapshot(msgspec.Struct, frozen=True):
+    """A session as its home node sends it with a relayed request, for the node the job is placed on."""
+
+    session_id: str
+    owner: str
+    tags: list[str]
+    user_metadata: dict[str, str]
+    sdk_version: str
+    project_id: str | None
+    display_name: str | None
+
+
 TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the store a write per request
 
 
@@ -125,7 +148,9 @@ class JobTable:
         futures: FutureTable,
         max_lora_rank: int,
         usage: UsageMeter | None = None,
+        id_tag: str = "",
     ) -> None:
+        self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
         self._usage = usage if usage is not None else UsageMeter()
         self._nursery = nursery
         self._store = store
@@ -144,7 +169,7 @@ class JobTable:
     ) -> str:
         # Settings are validated here too, so a bad tag fails at the first call, not the first model.
         job_settings.parse_settings(tags, user_metadata, {})
-        session_id = ids.new_session_id()
+        session_id = ids.new_session_id(self._id_tag)
         self._store.create_session(
             session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version,
             project_id=project_id, display_name=display_name,
@@ -157,6 +182,57 @@ class JobTable:
             raise NotFound(f"no session {session_id!r}")
         return row
 
+    def session_snapshot(self, session_id: str) -> SessionSnapshot | None:
+        """This node's session `session_id`, to send along with a request relayed to another node."""
+        row = self._store.get_session(session_id)
+        if row is None:
+            return None
+        return SessionSnapshot(
+            session_id=row.session_id, owner=row.owner, tags=list(row.tags), user_metadata=dict(row.user_metadata),
+            sdk_version=row.sdk_version, project_id=row.project_id, display_name=row.display_name,
+        )
+
+    def mirror_session(self, snapshot: SessionSnapshot) -> None:
+        """Record another node's session here, so that jobs and samplers placed here can belong to it.
+
+        The home node keeps the heartbeats and the finish; the mirror carries
+        what settings and ownership need (tags, user_metadata, owner).
+        """
+        if self._store.get_session(snapshot.session_id) is not None:
+            return
+        self._store.create_session(
+            snapshot.session_id, owner=snapshot.owner, tags=snapshot.tags, user_metadata=snapshot.user_metadata,
+            sdk_version=snapshot.sdk_version, project_id=snapshot.project_id, display_name=snapshot.display_name,
+        )
+
+    def is_running(self, model_id: str) -> bool:
+        """Whether the job `model_id` runs on this node now."""
+        return model_id in self._jobs
+
+    def has_run(self, model_id: str) -> bool:
+        """Whether this node's store has the run `model_id`: from before a restart, or adopted from a shared root."""
+        return self._store.get_run(model_id) is not None
+
+    def is_home_to_sampler(self, sampler_id: str) -> bool:
+        return sampler_id in self._samplers or self._store.get_sampler(sampler_id) is not None
+
+    def is_home_to_session(self, session_id: str) -> bool:
+        return self._store.get_session(session_id) is not None
+
+    def home_jobs(self) -> list[HomeJob]:
+        """The jobs running here, with what the cluster should report of them if this node dies."""
+        homes = []
+        for job in self._jobs.values():
+            checkpoint = self._store.last_checkpoint(job.model_id, ids.CheckpointKind.WEIGHTS)
+            homes.append(
+                HomeJob(
+                    model_id=job.model_id, owner=job.owner, base_model=job.model.name,
+                    fine_tuning_type="full" if job.full_sync is not None else "lora", is_exclusive=job.is_exclusive,
+                    last_checkpoint=checkpoint.tinker_path if checkpoint is not None else None,
+                )
+            )
+        return homes
+
     def heartbeat(self, owner: str, session_id: str) -> None:
         row = self._session(owner, session_id)
         if row.is_finished:
@@ -166,6 +242,19 @@ class JobTable:
     def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
         self._session(owner, session_id)
         self._store.finish_session(session_id, reason, detail)
+        self._end_own_groups(session_id, f"its session {session_id} has finished ({reason})")
+
+    def _end_own_groups(self, session_id: str, why: str) -> None:
+        """The session's jobs that have a group of their own (full fine-tuning, exclusive) end:
+        their groups stop and free their devices, and their unnamed sampler weights go with them.
+        Its LoRA jobs on a shared group are left as they are."""
+        for job in [j for j in self._jobs.values() if _session_of(j.model_id) == session_id]:
+            if job.group_job is None:
+                continue
+            del self._jobs[job.model_id]
+            for sampler_id in [k for k, v in self._samplers.items() if v.group_job == job.model_id]:
+                del self._samplers[sampler_id]
+            self._groups.end(job.model, job.model_id, f"model {job.model_id} has stopped: {why}")
 
     # ------------------------------------------------------------ training jobs
 
@@ -197,12 +286,17 @@ class JobTable:
         model = self._catalog.resolve(base_model)
         if job_settings_value.exclusive:  # booked now, so that a node with no free device refuses the job
             self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
-        self._store.create_run(
-            model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
-            lora=msgspec.to_builtins(lora) if lora is not None else None,
-            settings=job_settings.settings_to_dict(job_settings_value),
-            user_metadata=user_metadata, optimizer_config=optimizer_config,
-        )
+        try:
+            self._store.create_run(
+                model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
+                lora=msgspec.to_builtins(lora) if lora is not None else None,
+                settings=job_settings.settings_to_dict(job_settings_value),
+                user_metadata=user_metadata, optimizer_config=optimizer_config,
+            )
+        except BaseException:
+            if job_settings_value.exclusive:  # no job, so no booking
+                self._groups.end(model, model_id, f"model {model_id} could not be created")
+            raise
         request_id = self._new_request(owner, model_id, "create_model")
         job = _Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive
@@ -236,11 +330,16 @@ class JobTable:
         is_exclusive = job_settings.settings_from_dict(source_run.settings).exclusive
         if is_exclusive:
             self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
-        self._store.create_run(
-            model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
-            model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
-            user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
-        )
+        try:
+            self._store.create_run(
+                model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
+                model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
+                user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
+            )
+        except BaseException:
+            if is_exclusive:  # no job, so no booking
+                self._groups.end(model, model_id, f"model {model_id} could not be created")
+            raise
         request_id = self._new_request(owner, model_id, "load_weights")
         replicas = job_settings.settings_from_dict(source_run.settings).sampler_replicas
         job = _Job(model_id, owner, model, lora, replicas, full_sync, is_exclusive)
@@ -262,6 +361,8 @@ class JobTable:
             group.trainer.submit_nowait(first_op)
         except OpenrldError as error:
             self._futures.fail(first_op.request_id, error)
+            if job.group_job is not None:  # its own group never served it: free the devices it booked
+                self._groups.end(job.model, job.model_id, f"model {job.model_id} failed to start: {error.detail}")
 
     def model_status(self, owner: str, model_id: str) -> ModelStatus:
         """GET /openrl/v1/models/{model_id}/status: the job's state, workers, queues and progress.
@@ -311,6 +412,9 @@ class JobTable:
         if job is None or job.owner != owner:
             run = self._store.get_run(model_id)
             if run is not None and run.owner == owner:
+                session = self._store.get_session(run.session_id)
+                if session is not None and session.is_finished:
+                    raise Gone(f"model {model_id} has stopped: its session {run.session_id} has finished")
                 raise Gone(
                     f"model {model_id} is not resident (the daemon restarted); resume it with "
                     f"create_training_client_from_state from its last checkpoint"
@@ -463,9 +567,15 @@ class JobTable:
     # ------------------------------------------------------------ checkpoints
 
     def _readable_checkpoint(self, owner: str, path: str):
-        """(TinkerPath, directory, run row) for a checkpoint `owner` may read, else 404."""
+        """(TinkerPath, directory, run row) for a checkpoint `owner` may read, else 404.
+
+        On a shared checkpoint root, a checkpoint another node wrote (a dead
+        node's, say) is adopted from its manifest first, so any node resumes it.
+        """
         tinker_path = ids.parse_tinker_path(path)
         row = self._store.get_checkpoint(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+        if row is None:
+            row = self._store.adopt_checkpoint(tinker_path)
         if row is None or (row.owner != owner and not row.public):
             raise NotFound(f"no checkpoint {path}")
         run = self._store.get_run(tinker_path.run_id)
@@ -532,6 +642,12 @@ class JobTable:
         if row is None or row.owner != owner:
             raise NotFound(f"no sampling session {sampler_id!r}")
         if row.model_path is None and row.run_id is not None:
+            session_row = self._store.get_session(row.session_id)
+            if session_row is not None and session_row.is_finished and row.run_id not in self._jobs:
+                raise Gone(
+                    f"sampling session {sampler_id} held unnamed weights of model {row.run_id}, which stopped "
+                    f"when its session {row.session_id} finished"
+                )
             raise Gone(f"sampling session {sampler_id} held unnamed weights lost in a restart; save them again")
         group_job = None
         if row.model_path is not None:
@@ -614,7 +730,7 @@ class JobTable:
     # ------------------------------------------------------------ helpers
 
     def _new_request(self, owner: str, model_id: str, kind: str) -> str:
-        request_id = ids.new_request_id()
+        request_id = ids.new_request_id(self._id_tag)
         self._futures.create(request_id, model_id=model_id, kind=kind, owner=owner)
         return request_id
 

@@ -13,28 +13,32 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import msgspec
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
+from openrld.actors.directory import Directory
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.usage import UsageMeter
 from openrld.api.auth import Authenticator
+from openrld.api.relay import Relay
 from openrld.api.signing import Signer
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
 from openrld.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
-from openrld.metrics import UNMATCHED_ENDPOINT, RequestMetrics
+from openrld.metrics import UNMATCHED_ENDPOINT, RelayCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
 logger = logging.getLogger(__name__)
 
 _json_encoder = msgspec.json.Encoder()
+RELAY_MARGIN_S = 30.0  # what a relayed call may take beyond the home node's long-poll
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class Services:
     usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage
     signer: Signer = field(default_factory=Signer)  # signed download URLs and JWTs
     cluster: MembershipNode | None = None  # gossip membership; None when the node has no cluster_secret
+    peers: httpx.AsyncClient | None = None  # relays requests to other members; the daemon closes it
+    relays: RelayCounters = field(default_factory=RelayCounters)  # what the relay did, for /metrics
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -70,7 +76,7 @@ def caller(services: Services) -> str:
     return services.auth.user_for(request.headers.get("X-API-Key"))
 
 
-def build_app(services: Services) -> FastPath:
+def build_app(services: Services) -> FastPath | Relay:
     from openrld.api import admin, lifecycle, openrl, peer, rest, tinker
 
     app = QuartTrio("openrld")
@@ -123,6 +129,23 @@ def build_app(services: Services) -> FastPath:
     admin.register(app, services)
     openrl.register(app, services)
     peer.register(app, services)
-    return FastPath(
+    front = FastPath(
         app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
+    )
+    if services.cluster is None or services.peers is None:
+        return front
+    return Relay(
+        front,
+        directory=Directory(services.cluster, services.jobs),
+        client=services.peers,
+        counters=services.relays,
+        secret=services.config.cluster_secret,
+        user_for=services.auth.user_for,
+        session_snapshot=services.jobs.session_snapshot,
+        mirror_session=services.jobs.mirror_session,
+        resolve_model=lambda name: services.catalog.resolve(name).name,
+        accept_jobs=services.config.accept_jobs,
+        max_body_bytes=services.config.max_body_bytes,
+        # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
+        relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
     )

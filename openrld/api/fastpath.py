@@ -21,6 +21,9 @@ from openrld.metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 
+# Beside an error that means "not here, maybe elsewhere" (errors.NoCapacity), for a node placing a job.
+NO_CAPACITY_HEADER = b"x-openrl-no-capacity"
+
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
@@ -120,6 +123,8 @@ def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
         return ((b"www-authenticate", b'ApiKey realm="openrld"'),)
     if error.status == 429:
         return ((b"retry-after", b"1"),)
+    if getattr(error, "no_capacity", False):
+        return ((NO_CAPACITY_HEADER, b"1"),)  # a placer offering the job here tries the next node
     return ()
 
 

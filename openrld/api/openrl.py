@@ -79,5 +79,6 @@ def register(app: QuartTrio, services: Services) -> None:
             store=services.store.statistics(),
             stability=services.groups.stability.statistics(),
             membership=services.cluster.statistics() if services.cluster is not None else None,
+            relay=services.relays.statistics() if services.cluster is not None else None,
         )
         return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)

@@ -31,6 +31,8 @@ class DeviceView(msgspec.Struct, frozen=True):
     kind: str
     memory_bytes: int
     free_bytes: int
+    groups: int  # worker groups placed on it
+    is_exclusive: bool  # held by an exclusive job
 
 
 class GroupView(msgspec.Struct, frozen=True):
@@ -98,7 +100,10 @@ def cluster_view(services: Services) -> ClusterView:
         ClusterMember(
             name=m.name, state=m.state.name.lower(), incarnation=m.incarnation, gossip_addr=m.addr,
             peer_url=m.peer_url,
-            devices=tuple(DeviceView(d.name, d.kind, d.memory_bytes, d.free_bytes) for d in m.payload.devices),
+            devices=tuple(
+                DeviceView(d.name, d.kind, d.memory_bytes, d.free_bytes, d.groups, d.is_exclusive)
+                for d in m.payload.devices
+            ),
             groups=tuple(GroupView(g.base_model, g.adapters, g.queue_depth) for g in m.payload.groups),
             jobs=m.payload.jobs,
             state_age_s=round(now - m.state_since_s, 3),

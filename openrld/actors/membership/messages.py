@@ -31,6 +31,8 @@ class DeviceSlot(msgspec.Struct, frozen=True, array_like=True):
     kind: str  # "cpu", "cuda"
     memory_bytes: int
     free_bytes: int
+    groups: int = 0  # worker groups placed on it (0: free for a new group)
+    is_exclusive: bool = False  # held by an exclusive job: nothing else may be placed on it
 
 
 class GroupLoad(msgspec.Struct, frozen=True, array_like=True):
@@ -41,6 +43,16 @@ class GroupLoad(msgspec.Struct, frozen=True, array_like=True):
     queue_depth: int
 
 
+class JobNote(msgspec.Struct, frozen=True, array_like=True):
+    """A job this node is home to, as the cluster reports it once the node is dead."""
+
+    owner: str
+    base_model: str
+    fine_tuning_type: str  # "lora" or "full"
+    is_exclusive: bool
+    last_checkpoint: str = ""  # the newest weights/ checkpoint's tinker path; "" when it has none
+
+
 class NodePayload(msgspec.Struct, frozen=True, array_like=True):
     """What a member tells the cluster about itself, besides being alive."""
 
@@ -48,6 +60,8 @@ class NodePayload(msgspec.Struct, frozen=True, array_like=True):
     devices: tuple[DeviceSlot, ...] = ()
     groups: tuple[GroupLoad, ...] = ()
     jobs: tuple[str, ...] = ()  # model ids this node is home to
+    # What the others need to say of a job if this node dies: keyed by model id.
+    job_notes: dict[str, "JobNote"] = msgspec.field(default_factory=dict)
 
 
 class Ping(msgspec.Struct, frozen=True, array_like=True, tag=1):

@@ -22,10 +22,12 @@ import httpx
 import msgspec
 import trio
 
+from openrld.actors.device_pool import DeviceUse
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.jobs import HomeJob
 from openrld.actors.membership.codec import secret_key
 from openrld.actors.membership.config import MembershipConfig
-from openrld.actors.membership.messages import DeviceSlot, GroupLoad, NodePayload
+from openrld.actors.membership.messages import DeviceSlot, GroupLoad, JobNote, NodePayload
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.membership.peer_client import HttpPushPull
 from openrld.actors.membership.transport import UdpTransport, format_addr, parse_addr
@@ -85,11 +87,27 @@ async def seed_urls(seeds: Sequence[str], default_port: int) -> list[str]:
     return urls
 
 
-def node_payload(peer_url: str, devices: Sequence[DeviceSlot], groups: Sequence[GroupStatistics]) -> NodePayload:
-    """This node's payload from its devices and its groups' statistics."""
+def node_payload(
+    peer_url: str,
+    devices: Sequence[DeviceSlot],
+    groups: Sequence[GroupStatistics],
+    device_use: Sequence[DeviceUse] = (),
+    home_jobs: Sequence[HomeJob] = (),
+) -> NodePayload:
+    """This node's payload from its devices, their placements, its groups' statistics and its jobs.
+
+    A node given no devices (`accept_jobs = false`) is published without any,
+    so placement never picks it.
+    """
+    use = {u.device: u for u in device_use}
     return NodePayload(
         peer_url=peer_url,
-        devices=tuple(devices),
+        devices=tuple(
+            msgspec.structs.replace(
+                d, groups=len(use[d.name].groups), is_exclusive=use[d.name].is_exclusive
+            ) if d.name in use else d
+            for d in devices
+        ),
         groups=tuple(
             GroupLoad(
                 base_model=g.base_model,
@@ -98,7 +116,11 @@ def node_payload(peer_url: str, devices: Sequence[DeviceSlot], groups: Sequence[
             )
             for g in groups
         ),
-        jobs=tuple(sorted({j.model_id for g in groups for j in g.trainer.jobs})),
+        jobs=tuple(sorted({j.model_id for g in groups for j in g.trainer.jobs} | {h.model_id for h in home_jobs})),
+        job_notes={
+            h.model_id: JobNote(h.owner, h.base_model, h.fine_tuning_type, h.is_exclusive, h.last_checkpoint or "")
+            for h in home_jobs
+        },
     )
 
 
@@ -119,7 +141,8 @@ class ClusterMembership:
         config = MembershipConfig.local() if settings.timing == "local" else MembershipConfig.lan()
         advertise = advertised_host(settings.bind_host, settings.advertise_host)
         transport = await UdpTransport.open(settings.bind_host, settings.gossip_port, advertise)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(config.push_pull_timeout_s))
+        # trust_env=False: peers talk directly; an HTTP_PROXY meant for the outside must not carry gossip.
+        client = httpx.AsyncClient(timeout=httpx.Timeout(config.push_pull_timeout_s), trust_env=False)
         node = MembershipNode(
             name=node_name_or_host_name(settings.node_name),
             config=config,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from openrld.actors.device_pool import DeviceUse
 from openrld.actors.groups import GroupStatistics
-from openrld.actors.membership.messages import DeviceSlot, GroupLoad, NodePayload
+from openrld.actors.jobs import HomeJob
+from openrld.actors.membership.messages import DeviceSlot, GroupLoad, JobNote, NodePayload
 from openrld.actors.membership.service import advertised_host, node_payload, seed_urls
+from openrld.actors.membership.transport import UdpTransport
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.config import ConfigError, load_config
@@ -63,3 +66,24 @@ def test_payload_counts_adapters_queues_and_jobs_per_group() -> None:
         groups=(GroupLoad("tiny-llama", 2, 6),),
         jobs=("m-1", "m-2"),
     )
+
+
+def test_payload_counts_groups_per_device_and_notes_each_home_job() -> None:
+    devices = [DeviceSlot("cpu:0", "cpu", 100, 40), DeviceSlot("cpu:1", "cpu", 100, 40)]
+    use = [DeviceUse("cpu:0", ["m-1"], True), DeviceUse("cpu:1", [], False)]
+    home = [HomeJob("m-1", "alice", "tiny-llama", "lora", True, "tinker://m-1/weights/s1")]
+    payload = node_payload("http://n:8000", devices, [], use, home)
+    assert (payload.devices, payload.jobs, payload.job_notes) == (
+        (DeviceSlot("cpu:0", "cpu", 100, 40, 1, True), DeviceSlot("cpu:1", "cpu", 100, 40, 0, False)),
+        ("m-1",),
+        {"m-1": JobNote("alice", "tiny-llama", "lora", True, "tinker://m-1/weights/s1")},
+    )
+
+
+async def test_a_datagram_the_kernel_refuses_is_lost_not_fatal() -> None:
+    transport = await UdpTransport.open("127.0.0.1", 0, "127.0.0.1")
+    try:
+        # Broadcast without SO_BROADCAST: sendto fails with EACCES, as behind a prohibit route.
+        await transport.send("255.255.255.255:7946", b"x")
+    finally:
+        await transport.aclose()
