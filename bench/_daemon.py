@@ -12,7 +12,16 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory
 from openrld.gpu.tiny_models import build_tiny_model
+
+
+def match_daemon_threads() -> int | None:
+    """Give this process's torch the threads a daemon with the default config takes (config `cpu_threads`),
+    so that a baseline run here and the daemon compute alike."""
+    threads = cpu_threads(0, inventory((), "cpu"))
+    apply_cpu_threads(threads)
+    return threads
 
 
 @contextlib.contextmanager

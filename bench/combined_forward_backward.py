@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,12 +28,13 @@ import threading
 import time
 from pathlib import Path
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baseline too
 import tinker
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import tiny_daemon  # noqa: E402
+from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
 
 from openrld.gpu.models import load_causal_lm  # noqa: E402
 
@@ -98,6 +99,7 @@ def clients_tokens_per_s(url: str, clients: int) -> float:
 
 def main() -> None:
     torch.manual_seed(0)
+    match_daemon_threads()
     with tiny_daemon() as (url, model_dir):
         model = load_causal_lm(model_dir, torch.device("cpu"))
         service = tinker.ServiceClient(base_url=url, api_key="tml-bench")

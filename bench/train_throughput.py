@@ -31,11 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import peft
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import tiny_daemon  # noqa: E402
+from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
 
 from openrld.batches import LoraSpec  # noqa: E402
 from openrld.gpu.models import load_causal_lm, lora_config  # noqa: E402
@@ -141,6 +142,7 @@ def bare_peak_in_child(model_dir: Path) -> int:
 
 def main() -> None:
     torch.manual_seed(0)
+    match_daemon_threads()
     with tiny_daemon() as (url, model_dir):
         bare, api = BareLoop(model_dir), ApiLoop(url)
         figures = []
@@ -169,6 +171,7 @@ def main() -> None:
 
 
 def bare_peak_main(model_dir: Path) -> None:
+    match_daemon_threads()
     loop = BareLoop(model_dir)
     for batch, seq_len in SHAPES:
         loop.steps(batch, seq_len, 2)

@@ -92,3 +92,25 @@ def inventory(names: Sequence[str], device: str = "auto") -> list[DeviceInfo]:
         seen.add(label)
         records.append(describe(torch_device, label))
     return records
+
+
+def cpu_threads(configured: int, devices: Sequence[DeviceInfo], cores: int | None = None) -> int | None:
+    """Torch's intra-op threads for this node's CPU work; None leaves torch's default (no CPU device).
+
+    `configured` > 0 is taken as it is. Otherwise each CPU device runs a trainer
+    and a sampler at once, so the cores are shared out between them: on a
+    2-core machine one thread each. More threads than that make every parallel
+    region wait for a core another engine (or another process) holds.
+    """
+    if configured > 0:
+        return configured
+    cpu_devices = sum(1 for d in devices if d.kind == "cpu")
+    if cpu_devices == 0:
+        return None
+    return max(1, (cores or os.cpu_count() or 1) // (2 * cpu_devices))
+
+
+def apply_cpu_threads(threads: int | None) -> None:
+    """Set torch's intra-op thread count for the whole process (its worker threads take it too)."""
+    if threads is not None:
+        torch.set_num_threads(threads)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 import torch
 
-from openrld.gpu.devices import DeviceInfo, detected_device_names, inventory, resolve_device
+from openrld.gpu.devices import DeviceInfo, cpu_threads, detected_device_names, inventory, resolve_device
 
 HOST_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -51,3 +52,20 @@ def test_auto_takes_every_cuda_device_with_its_memory():
         free, total = torch.cuda.mem_get_info(torch.device(record.name))
         assert isinstance(record, DeviceInfo) and record.kind == "cuda" and record.memory_bytes == total
         assert 0 < record.free_bytes <= total
+
+
+CPU = DeviceInfo("cpu", "cpu", 1, 1)
+CUDA = DeviceInfo("cuda:0", "cuda", 1, 1)
+
+
+def test_cpu_threads_share_the_cores_between_a_trainer_and_a_sampler_per_cpu_device():
+    assert [cpu_threads(0, [CPU], cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    assert cpu_threads(0, [CPU, msgspec.structs.replace(CPU, name="cpu:1")], 16) == 4
+
+
+def test_configured_cpu_threads_are_taken_as_they_are():
+    assert cpu_threads(6, [CPU], 2) == 6
+
+
+def test_a_node_without_a_cpu_device_keeps_torchs_default_threads():
+    assert cpu_threads(0, [CUDA], 64) is None
