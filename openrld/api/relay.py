@@ -8,16 +8,18 @@ session, a run id in the path), asks the job directory where that lives, and:
 - another live node: the raw request is relayed to that node's API with the
   caller's own headers (so the home node enforces the same auth), marked as
   relayed so it is never relayed twice, and its answer is passed back;
-- a dead node: the answer is at once a 410 naming the node and the last
-  checkpoint to restore from (or, for the model status route, the job's
-  `lost` status), never a hang;
+- a dead node: it is tried once with a short connect timeout (a loaded node
+  can be declared dead and still be there); if it does not answer, the
+  answer is a 410 naming the node and the last checkpoint to restore from
+  (or, for the model status route, the job's `lost` status), never a hang;
 - nowhere known: the other members are asked (`POST /openrl/peer/v1/locate`),
   and the id is answered here if none has it.
 
 `create_model` is placed: the ranked nodes (`actors/placement.py`) are offered
 the job in turn; one that has no room answers with the `x-openrl-no-capacity`
 header and the next is tried. Listing training runs or checkpoints asks every
-live member and merges the pages. A relayed request that may create something
+live member and merges the pages; a session's finish is told to every live
+member, so that jobs placed elsewhere end too. A relayed request that may create something
 at the home node carries the caller's session, signed with the cluster
 secret, so the home node can record the session it belongs to.
 
