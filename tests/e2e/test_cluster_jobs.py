@@ -154,8 +154,9 @@ def test_a_base_model_sampler_asked_of_the_front_node_runs_on_another(cluster, s
 def test_every_node_lists_the_runs_of_every_node(cluster, jobs) -> None:
     wanted = {job.model_id for job in jobs.values()}
     for daemon in cluster.values():
-        rest = tinker.ServiceClient(base_url=daemon.url, api_key=KEY).create_rest_client()
-        listed = {run.training_run_id for run in rest.list_training_runs(limit=50).result().training_runs}
+        other = tinker.ServiceClient(base_url=daemon.url, api_key=KEY)
+        listed = {run.training_run_id for run in other.create_rest_client().list_training_runs(limit=50).result().training_runs}
+        other.close("success")
         assert wanted <= listed, daemon.url
 
 
