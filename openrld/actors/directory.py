@@ -51,6 +51,7 @@ class Directory:
         self._jobs = jobs
         self.local_tag = ids.node_tag(cluster.name)
         self._records: dict[str, str] = {}  # model or sampler id -> node name, from this node's placements and relays
+        self._tags: dict[str, str] = {}  # member name -> its node tag
 
     @property
     def local_name(self) -> str:
@@ -92,9 +93,16 @@ class Directory:
         if tag is None or tag == self.local_tag:
             return LOCAL
         for member in self._cluster.members():
-            if ids.node_tag(member.name) == tag:
+            if self._tag_of(member.name) == tag:
                 return self._home(member, None)
         return UNKNOWN
+
+    def _tag_of(self, name: str) -> str:
+        # A hash per member per retrieve_future adds up in a large cluster; names do not change their tag.
+        tag = self._tags.get(name)
+        if tag is None:
+            tag = self._tags[name] = ids.node_tag(name)
+        return tag
 
     def member(self, name: str) -> Member | None:
         return self._cluster.member(name)

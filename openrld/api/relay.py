@@ -71,6 +71,8 @@ _MODEL_BODY_ROUTES = {
     "/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler",
     "/api/v1/save_weights_external", "/api/v1/get_info", "/api/v1/load_weights",
 }
+# Requests that create a job or a sampling session under the caller's session (which the home may lack).
+_CREATING_ROUTES = {"/api/v1/create_model", "/api/v1/load_weights", "/api/v1/create_sampling_session"}
 # Bodies naming a request id or a session id: their home is the node that minted the id.
 _MINTED_ID_ROUTES = {"/api/v1/retrieve_future", "/api/v1/cancel_future", "/api/v1/session_heartbeat"}
 # List routes merged from every member: (the list's key, the field it is ordered by, newest first).
@@ -478,12 +480,15 @@ class Relay:
         return Answer(response.status_code, kept, response.content)
 
     def _session_headers(self, path: str, body: bytes) -> list[tuple[str, str]]:
-        """The caller's session, signed, for requests that may create a job or sampler at the home node."""
-        ref = _ids(path, body, {}, self._max_body_bytes) if path != "/api/v1/forward_backward" else None
-        session_id = None
-        if ref is not None:
-            session_id = ref.session_id or (ref.model_id.split(":", 1)[0] if ref.model_id else None)
-        snapshot = self._session_snapshot(session_id) if session_id else None
+        """The caller's session, signed, for the requests that create a job or sampler at the home node.
+
+        Only those: every later call for the job finds the session already there,
+        so the training loop's hot calls pay no store read and no second decode.
+        """
+        if path not in _CREATING_ROUTES:
+            return []
+        ref = _ids(path, body, {})
+        snapshot = self._session_snapshot(ref.session_id) if ref is not None and ref.session_id else None
         if snapshot is None:
             return []
         value = base64.urlsafe_b64encode(msgspec.json.encode(snapshot)).decode()
