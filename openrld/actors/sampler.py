@@ -7,9 +7,11 @@ worker thread under the device's capacity limiter).
 Scheduling: the engine is a step-level scheduler (continuous batching), and
 this actor feeds it step by step. Each engine worker loops: apply the cancels
 that arrived, admit waiting requests into its engine (loading their versions
-first), run one `engine.step()` in its thread, resolve the requests that
-finished. Requests join and leave the running batch between steps, so a new
-request waits at most one step, never for a whole other request. With N
+first), run engine steps in its thread (`run_steps`: back to back until a
+request finishes, anything arrives for the actor, or `STEPS_CALL_S` passes),
+resolve the requests that finished. Requests join and leave the running batch
+between steps, so a new request waits at most one step, never for a whole
+other request. With N
 replicas, N workers drain the one queue; a worker admits while its engine has
 fewer than `MAX_LIVE_PER_ENGINE` requests and none holds fewer, so an idle
 replica takes the next request and the load spreads. Each replica is its own
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Callable
@@ -78,6 +81,10 @@ logger = logging.getLogger(__name__)
 MAX_LOADED_VERSIONS = 32  # adapters resident in one engine at once
 MAX_HOST_VERSIONS = 256  # unnamed (in-memory only) versions kept for reloading
 MAX_LIVE_PER_ENGINE = 64  # requests one engine holds (the rest wait in the queue for any replica)
+# One worker-thread call runs engine steps back to back for at most this long, so that the
+# event loop's round trip is paid per call rather than per token; anything that arrives for
+# the actor ends the call after the step that runs, so a request still joins within one step.
+STEPS_CALL_S = 0.02
 MAX_REPLICAS = 8  # the openrl.sampler_replicas range (settings.py)
 
 
@@ -348,6 +355,7 @@ class SamplerActor:
         self._lease_from = lease_from
         self._lease: DeviceLease | NoLease = NoLease()
         self._parked_workers: list[_Worker] = []  # replicas whose engines are parked, in park order
+        self._arrivals = 0  # submissions, cancels and deliveries so far
 
     # -- called from the API's event loop ----------------------------------
 
@@ -364,6 +372,7 @@ class SamplerActor:
         return True
 
     def _wake_all(self) -> None:
+        self._arrivals += 1  # read by the worker threads' `run_steps`: a plain int, set only here
         for worker in self._workers:
             worker.wake.set()
 
@@ -454,8 +463,11 @@ class SamplerActor:
         if not worker.engine.has_work():
             return
         worker.busy = True
+        seen = self._arrivals
         try:
-            finished = await trio.to_thread.run_sync(worker.engine.step, limiter=self._limiter)
+            finished = await trio.to_thread.run_sync(
+                run_steps, worker.engine, lambda: self._arrivals != seen, limiter=self._limiter
+            )
         except Exception as error:  # a failed step fails its batch; the engine starts empty again
             logger.exception("sampler step failed group=%s", self.name)
             self._fail_all(worker, ServerError(f"sampling step failed: {type(error).__name__}: {error}"))
@@ -612,6 +624,20 @@ class SamplerActor:
             syncs=self._syncs,
             sync_bytes=self._sync_bytes,
         )
+
+
+def run_steps(engine: Any, interrupted: Callable[[], bool], seconds: float = STEPS_CALL_S) -> list[Any]:
+    """Engine steps back to back in one worker-thread call (never in the event loop).
+
+    Stops after the step in which a request finished (so its future resolves at
+    once), the engine ran out of work, `interrupted()` turned true (something
+    arrived that the actor must hand the engine between steps), or `seconds` passed.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        finished = engine.step()
+        if finished or not engine.has_work() or interrupted() or time.monotonic() >= deadline:
+            return finished
 
 
 def _load_adapter(directory: Path) -> tuple[Any, LoraSpec | None]:

@@ -80,6 +80,14 @@ class KvBatch:
         mask = (columns >= (width - lengths)[:, None]).to(torch.int64)  # padding columns are 0
         return mask, lengths[:, None]
 
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache one new position per row in `layer` ((B, H, 1, D) each); returns that layer's
+        keys and values, (B, H, W + 1, D). For a forward that does not go through the cache's own
+        `update` (`fused_forward`); `advance` follows once every layer has appended."""
+        cached = self.cache.layers[layer]
+        _assign(cached, torch.cat([cached.keys, keys], dim=2), torch.cat([cached.values, values], dim=2))
+        return cached.keys, cached.values
+
     def advance(self) -> None:
         """Every row cached one more position (the forward that just ran appended it)."""
         self.lengths = [n + 1 for n in self.lengths]

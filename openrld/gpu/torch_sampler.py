@@ -56,6 +56,7 @@ import transformers
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
 from openrld.errors import BadRequest
 from openrld.gpu import models, offload
+from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import KvBatch
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
@@ -74,7 +75,6 @@ logger = logging.getLogger(__name__)
 
 STOP = "stop"
 LENGTH = "length"
-BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-batch forward
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -144,6 +144,9 @@ class TorchSampler:
         prefill_tokens_per_step: one step prefills new prompts up to this many
             tokens (always at least one prompt), so that admitting a burst of
             requests does not stall the running rows for long.
+        fused_forward: decode and prefill with `fused_forward.FusedForward` (the
+            same math as flat torch calls) where the architecture allows; False
+            keeps Hugging Face's forward for every call.
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class TorchSampler:
         decode_batch_rows: int = 256,
         prefill_chunk_tokens: int = 1024,
         prefill_tokens_per_step: int = 2048,
+        fused_forward: bool = True,
     ) -> None:
         assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
         self._device = device
@@ -163,6 +167,8 @@ class TorchSampler:
         self._vocab = models.vocab_size(self._model)
         self._context = models.max_context(self._model)
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
+        # peft injects its adapters into this same model, so the fused forward sees every version.
+        self._fused = FusedForward.for_model(self._model) if fused_forward else None
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
@@ -386,26 +392,31 @@ class TorchSampler:
 
     def _decode_step(self, finished: list[Finished]) -> None:
         """One forward for every row (each with its own adapter), then draw, record and retire."""
-        inputs = torch.tensor([[s.tokens[-1]] for _, s in self._rows], dtype=torch.int64, device=self._device)
-        mask, positions = self._batch.mask_and_positions()
-        out = self._forward(
-            inputs, self._batch.cache, [r.adapter for r, _ in self._rows], attention_mask=mask, position_ids=positions
-        )
+        inputs = torch.tensor([s.tokens[-1] for _, s in self._rows], dtype=torch.int64, device=self._device)
+        adapters = [r.adapter for r, _ in self._rows]
+        if self._fused is not None:
+            logits = self._fused.decode(inputs, self._batch, adapters).float()  # (B, V)
+        else:
+            mask, positions = self._batch.mask_and_positions()
+            cache = self._batch.cache
+            out = self._forward(inputs[:, None], cache, adapters, attention_mask=mask, position_ids=positions)
+            logits = out.logits[:, -1, :].float()
         self._batch.advance()
         self._decode_steps += 1
-        logits = out.logits[:, -1, :].float()  # (B, V)
-        by_request: dict[str, list[int]] = {}
+        # Rows that sample alike draw together, whichever request they belong to.
+        alike: dict[tuple[float, int, float], list[int]] = {}
         for row, (request, _) in enumerate(self._rows):
-            by_request.setdefault(request.request_id, []).append(row)
-        for rows in by_request.values():
-            request = self._rows[rows[0]][0]
+            params = request.job.params
+            alike.setdefault((params.temperature, params.top_k, params.top_p), []).append(row)
+        for rows in alike.values():
+            if len(rows) == len(self._rows):
+                self._draw(self._rows, logits)
+                continue
             index = torch.tensor(rows, dtype=torch.int64, device=self._device)
-            self._draw(request, [self._rows[r][1] for r in rows], logits.index_select(0, index))
+            self._draw([self._rows[r] for r in rows], logits.index_select(0, index))
+        requests = list(dict.fromkeys(request for request, _ in self._rows))
         self._keep_rows([r for r, (_, s) in enumerate(self._rows) if s.stop_reason is None])
-        for request_id in by_request:
-            request = self._requests[request_id]
-            if request.is_done:
-                finished.append(self._finish(request))
+        finished.extend(self._finish(request) for request in requests if request.is_done)
 
     def _keep_rows(self, rows: list[int]) -> None:
         # Finished rows leave the batch: their cache rows are dropped, not masked.
@@ -482,8 +493,11 @@ class TorchSampler:
             lo = max(start, first_needed)
             # logits_to_keep=0 would mean "all", so a chunk that needs none still keeps one row.
             keep = end - lo if lo < end else 1
-            out = self._forward(prompt[None, start:end], cache, [request.adapter], logits_to_keep=keep)
-            logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
+            if self._fused is not None:
+                logits = self._fused.prefill(prompt[start:end], cache, request.adapter, keep).float()
+            else:
+                out = self._forward(prompt[None, start:end], cache, [request.adapter], logits_to_keep=keep)
+                logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
             self._prompt_tokens_prefilled += end - start
             if end == prompt_len:
                 last_logits = logits[-1]
@@ -498,36 +512,38 @@ class TorchSampler:
         request.prompt_logprobs = prompt_logprobs
         request.topk_prompt = TopK(token_ids=topk_ids, logprobs=topk_lps) if k > 0 else None
         if request.limit > 0:
-            self._draw(request, request.samples, last_logits[None, :])
+            self._draw([(request, s) for s in request.samples], last_logits[None, :])
             request.pending = [s for s in request.samples if s.stop_reason is None]
             if request.pending:
                 request.prefill = cache
 
-    def _draw(self, request: _Request, samples: list[_Sample], logits: torch.Tensor) -> None:
-        """Draw one token for each of `samples` and record it.
+    def _draw(self, owners: list[tuple[_Request, _Sample]], logits: torch.Tensor) -> None:
+        """Draw one token for each sample and record it; the samples share temperature, top_k and top_p.
 
         Args:
+            owners: (request, sample) pairs, one per row of `logits` unless it has one row.
             logits: (1, V) fp32 shared by every sample (the first token after
-                the prompt), or (len(samples), V), one row per sample.
+                a prompt), or (len(owners), V), one row per sample.
         """
-        params = request.job.params
-        n = len(samples)
+        params = owners[0][0].job.params
+        n = len(owners)
         shared = logits.shape[0] == 1
         if params.temperature == 0:
             tokens = torch.argmax(logits, dim=-1).expand(n)
             logprobs, logq = torch.zeros(n), None
         else:
             logq = processed_logprobs(logits, params)
-            uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for s in samples])
+            uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for _, s in owners])
             if shared:
                 tokens = draw_from(logq, uniforms[None, :])[0]  # (n,)
                 logprobs = logq[0, tokens]
             else:
                 tokens = draw_from(logq, uniforms[:, None])[:, 0]  # (n,)
                 logprobs = logq.gather(-1, tokens[:, None])[:, 0]
-        topk = self._topk_sample_rows(logq, tokens[:1] if shared else tokens, request.job.topk_sample_logprobs)
-        for i, (s, token, logprob) in enumerate(zip(samples, tokens.tolist(), logprobs.tolist())):
-            self._record(s, token, logprob, topk, 0 if shared else i, params, request.limit)
+        k = max(request.job.topk_sample_logprobs for request, _ in owners)
+        topk = self._topk_sample_rows(logq, tokens[:1] if shared else tokens, k)
+        for i, ((request, s), token, logprob) in enumerate(zip(owners, tokens.tolist(), logprobs.tolist())):
+            self._record(request, s, token, logprob, topk, 0 if shared else i)
 
     def _topk_sample_rows(
         self, logq: torch.Tensor | None, tokens: torch.Tensor, k: int
@@ -544,26 +560,32 @@ class TorchSampler:
 
     def _record(
         self,
+        request: _Request,
         s: _Sample,
         token: int,
         logprob: float,
         topk: tuple[np.ndarray, np.ndarray] | None,
         row: int,
-        params: SamplingSpec,
-        limit: int,
     ) -> None:
-        """Append one token to a sample and decide whether it has finished, and why."""
+        """Append one token to a sample and decide whether it has finished, and why.
+
+        `topk` holds at least the request's k columns (rows that draw together share
+        the widest k asked); the best entries come first, so the first k are its own.
+        """
+        params = request.job.params
         s.tokens.append(token)
         s.logprobs.append(logprob)
-        if topk is not None:
-            s.topk_ids.append(topk[0][row])
-            s.topk_logprobs.append(topk[1][row])
+        k = request.job.topk_sample_logprobs
+        if k > 0:
+            assert topk is not None
+            s.topk_ids.append(topk[0][row, :k])
+            s.topk_logprobs.append(topk[1][row, :k])
         stops_on_id = token in params.stop_token_ids or (params.stop_at_eos and token in self._eos_ids)
         # The watch must see every token, so it is fed even when the id already stops.
         stops_on_text = s.watch is not None and s.watch.push(token)
         if stops_on_id or stops_on_text:
             s.stop_reason = STOP  # also when this was the last allowed token
-        elif len(s.tokens) >= limit:
+        elif len(s.tokens) >= request.limit:
             s.stop_reason = LENGTH
 
     # -- time-slicing -----------------------------------------------------

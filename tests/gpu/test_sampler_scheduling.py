@@ -76,6 +76,27 @@ def test_requests_of_different_versions_in_one_batch_sample_as_alone(sampler: To
         assert_same_samples(together[rid], alone[rid])
 
 
+def test_rows_drawn_together_keep_their_own_top_k_sample_logprobs(sampler: TorchSampler) -> None:
+    """Rows that sample alike draw in one call with the widest k asked; each keeps its own k columns."""
+    wide = SampleJob(prompt=np.array([5, 6, 7]), num_samples=1, topk_sample_logprobs=5, params=job([0]).params)
+    narrow = SampleJob(prompt=np.array([8, 9]), num_samples=2, topk_sample_logprobs=2, params=job([0]).params)
+    plain = SampleJob(prompt=np.array([10, 11, 12, 13]), num_samples=1, params=job([0]).params)
+    alone = {
+        "wide": sampler.sample("a", wide), "narrow": sampler.sample(None, narrow), "plain": sampler.sample("b", plain)
+    }
+    sampler.add("wide", "a", wide)
+    sampler.add("narrow", None, narrow)
+    sampler.add("plain", "b", plain)
+    together = run_until_idle(sampler)
+    for rid, k in (("wide", 5), ("narrow", 2)):
+        for x, y in zip(together[rid].sequences, alone[rid].sequences):
+            assert x.topk.token_ids.shape == (8, k)
+            np.testing.assert_array_equal(x.topk.token_ids, y.topk.token_ids)
+            np.testing.assert_allclose(x.topk.logprobs, y.topk.logprobs, rtol=0, atol=1e-5)
+    assert together["plain"].sequences[0].topk is None
+    assert_same_samples(together["plain"], alone["plain"])
+
+
 def test_request_joining_a_running_batch_samples_as_alone(sampler: TorchSampler) -> None:
     (first_id, first_version, first), (late_id, late_version, late) = REQUESTS[0], REQUESTS[2]
     alone_first, alone_late = sampler.sample(first_version, first), sampler.sample(late_version, late)

@@ -1,0 +1,192 @@
+"""The sampler's forwards of a Llama-family model as flat sequences of torch calls.
+
+A decode step feeds one token per row through the whole model, and a prefill
+feeds one short prompt. Hugging Face's forward spends most of such a call in
+Python around the arithmetic (module calls, mask builders, output
+dataclasses, cache bookkeeping): on a small model it costs several times its
+matmuls. `FusedForward` runs the same math as plain functional calls on the
+model's own parameters, so it sees every change to them (full fine-tuning's
+in-place syncs, parking) and holds no copy.
+
+What it covers: decoder-only models whose layers are pre-norm RMSNorm,
+rotary attention with grouped KV heads over every position (no sliding
+window), and a gated SiLU MLP; optionally per-head q/k norms (Qwen3) and qkv
+biases (Qwen2). That is Llama, Mistral, Qwen2 and Qwen3, and so SmolLM2.
+`for_model` answers None for anything else, and the caller keeps Hugging
+Face's forward.
+
+LoRA: when peft has injected adapters, a target linear computes its base
+output once for every row and adds each row's own adapter, B(A x) * scaling,
+over the rows that name it, as peft's mixed-batch forward does; "__base__"
+rows get no adapter.
+
+Plain synchronous torch; never imports trio. The caller runs it under
+`torch.inference_mode()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import peft
+import torch
+import torch.nn.functional as F
+import transformers
+
+from openrld.gpu.kv_batch import KvBatch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in a mixed-batch forward
+
+# (adapter name, the rows that use it or None for every row)
+AdapterRows = list[tuple[str, torch.Tensor | None]]
+# (layer, new keys, new values) -> that layer's cached keys and values, the new ones appended
+Append = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `FusedForward` cannot run this model, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED_TYPES:
+        return f"model type {config.model_type!r} is not one of {sorted(SUPPORTED_TYPES)}"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return f"layer types {sorted(set(layer_types))}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    return None
+
+
+class FusedForward:
+    """The decode step and the prefill of one loaded model; build with `for_model`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        # Modules are looked up at each call, not held: peft swaps target linears for its own.
+        self._decoder = model.model
+        attention = self._decoder.layers[0].self_attn
+        self._heads = model.config.num_attention_heads
+        self._kv_heads = model.config.num_key_value_heads
+        self._head_dim = attention.head_dim
+        self._scaling = attention.scaling
+        self._qk_norm = hasattr(attention, "q_norm")
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> FusedForward | None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            logger.info("fused forward off for this model: %s", reason)
+            return None
+        return cls(model)
+
+    def decode(self, tokens: torch.Tensor, batch: KvBatch, adapters: list[str]) -> torch.Tensor:
+        """One token per row; each layer of `batch` grows by one column (the caller then
+        calls `batch.advance()`).
+
+        Args:
+            tokens: (B,) int64, each row's newest token (not yet cached).
+            adapters: each row's peft adapter name, BASE_ADAPTER for none.
+
+        Returns:
+            (B, V) logits in the model's dtype.
+        """
+        mask, positions = batch.mask_and_positions()
+        attend = mask.bool()[:, None, None, :]  # (B, 1, 1, W + 1): padding columns are False
+        rows = adapter_rows(adapters, tokens.device)
+        return self._forward(tokens[:, None], positions, attend, batch.append, rows, keep=1)[:, 0]
+
+    def prefill(
+        self, tokens: torch.Tensor, cache: transformers.DynamicCache, adapter: str, keep: int
+    ) -> torch.Tensor:
+        """One chunk of one prompt, after the positions `cache` already holds, which it appends to.
+
+        Args:
+            tokens: (T,) int64.
+            keep: how many of the chunk's last positions to compute logits for.
+
+        Returns:
+            (keep, V) logits in the model's dtype.
+        """
+        cached, length = cache.get_seq_length(), tokens.shape[0]
+        positions = torch.arange(cached, cached + length, device=tokens.device)[None, :]  # (1, T)
+        columns = torch.arange(cached + length, device=tokens.device)
+        attend = (columns[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, L + T): causal
+        rows = [(adapter, None)]
+        append: Append = lambda layer, keys, values: cache.update(keys, values, layer)  # noqa: E731
+        return self._forward(tokens[None, :], positions, attend, append, rows, keep)[0]
+
+    def _forward(self, tokens, positions, attend, append: Append, rows: AdapterRows, keep: int) -> torch.Tensor:
+        decoder = self._decoder
+        hidden = F.embedding(tokens, decoder.embed_tokens.weight)  # (B, T, E)
+        cos, sin = decoder.rotary_emb(hidden, positions)  # (B, T, D) each
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+        for index, layer in enumerate(decoder.layers):
+            x = _rms(layer.input_layernorm, hidden)
+            hidden = hidden + self._attention(index, layer.self_attn, x, attend, cos, sin, append, rows)
+            hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), rows)
+        return _linear(self._model.lm_head, _rms(decoder.norm, hidden[:, -keep:]), rows)
+
+    def _attention(self, index, attention, x, attend, cos, sin, append: Append, rows) -> torch.Tensor:
+        b, t = x.shape[:2]
+        q = _linear(attention.q_proj, x, rows).view(b, t, self._heads, self._head_dim)
+        k = _linear(attention.k_proj, x, rows).view(b, t, self._kv_heads, self._head_dim)
+        v = _linear(attention.v_proj, x, rows).view(b, t, self._kv_heads, self._head_dim)
+        if self._qk_norm:
+            q, k = _rms(attention.q_norm, q), _rms(attention.k_norm, k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        keys, values = append(index, _rotate(k, cos, sin), v)
+        out = F.scaled_dot_product_attention(
+            _rotate(q, cos, sin), keys, values, attn_mask=attend, scale=self._scaling,
+            enable_gqa=self._heads != self._kv_heads,
+        )  # (B, H, T, D)
+        return _linear(attention.o_proj, out.transpose(1, 2).reshape(b, t, self._heads * self._head_dim), rows)
+
+    def _mlp(self, mlp, x, rows) -> torch.Tensor:
+        return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x, rows)) * _linear(mlp.up_proj, x, rows), rows)
+
+
+def adapter_rows(adapters: list[str], device: torch.device) -> AdapterRows:
+    """Group row indices by adapter; one adapter for the whole batch needs no index."""
+    first = adapters[0]
+    if all(name == first for name in adapters):
+        return [(first, None)]
+    groups: dict[str, list[int]] = {}
+    for row, name in enumerate(adapters):
+        groups.setdefault(name, []).append(row)
+    return [(name, torch.tensor(index, dtype=torch.int64, device=device)) for name, index in groups.items()]
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:
+    if not isinstance(module, peft.tuners.lora.Linear):
+        return F.linear(x, module.weight, module.bias)
+    base = module.base_layer
+    out = F.linear(x, base.weight, base.bias)
+    for adapter, index in rows:
+        if adapter == BASE_ADAPTER or adapter not in module.lora_A:
+            continue
+        assert adapter not in module.lora_variant, f"adapter {adapter!r} is not plain LoRA"
+        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+        scaling = module.scaling[adapter]
+        if index is None:
+            out += F.linear(F.linear(x.to(a.dtype), a), b).mul_(scaling).to(out.dtype)
+        else:
+            delta = F.linear(F.linear(x.index_select(0, index).to(a.dtype), a), b).mul_(scaling)
+            out.index_add_(0, index, delta.to(out.dtype))
+    return out
+
+
+def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
