@@ -5,19 +5,24 @@ on the tiny Llama, with the same LoRA (rank 8, same target modules and alpha), s
 cross-entropy in fp32 and AdamW (torch.optim.AdamW, foreach=False, on the bare side):
 
 - bare: a PyTorch loop in this process, no server;
-- API:  the real SDK against a real daemon on loopback (forward_backward and optim_step
-        pipelined, as the SDK and the cookbook do).
+- API pipelined: the real SDK against a real daemon on loopback, each step's
+        forward_backward and optim_step submitted together and the next step submitted
+        before the previous step's results are read, as tinker-cookbook's pipelined
+        supervised loop does: the trainer's throughput, with the client keeping it fed;
+- API lock-step: the same, but each step's results are read before the next step is
+        submitted, so every step also pays the client's and the HTTP round trip's latency.
 
 Bare and API blocks alternate, so drift in this shared machine's speed hits both.
 Printed figures, all measured in this run:
 
-    throughput ratio = bare seconds per step / API seconds per step  (target >= 0.9 per shape)
-    memory ratio     = daemon peak RSS / bare-loop peak RSS           (target <= 1.2)
+    throughput ratio = bare seconds per step / API pipelined seconds per step  (target >= 0.9 per shape)
+    lock-step ratio  = bare seconds per step / API lock-step seconds per step  (no target: latency-bound)
+    memory ratio     = daemon peak RSS / bare-loop peak RSS                    (target <= 1.2)
 
 The bare loop's peak is that of a child process that runs only the bare loop over the
 same shapes (same imports, same model), so neither side counts the other's memory.
 
-Run: `.venv/bin/python bench/train_throughput.py` (about 2-4 minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/train_throughput.py` (about 3-5 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -83,7 +88,15 @@ class ApiLoop:
         self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         self.training = self.service.create_lora_training_client(base_model="tiny-llama", rank=RANK, seed=0).result()
 
-    def steps(self, batch: int, seq_len: int, count: int) -> list[float]:
+    def steps(self, batch: int, seq_len: int, count: int, pipelined: bool) -> list[float]:
+        """Seconds per step, `count` of them.
+
+        Lock-step: each step's forward_backward and optim_step are submitted together and
+        both results are read before the next step (a latency-bound loop). Pipelined: the
+        next step is submitted before the previous one's results are read, as
+        tinker-cookbook's pipelined supervised loop does, so the trainer never waits for the
+        client; a step's time is the interval between consecutive completions.
+        """
         from tinker import types
 
         data = [
@@ -94,14 +107,30 @@ class ApiLoop:
             for row in batch_tokens(batch, seq_len)
         ]
         adam = types.AdamParams(learning_rate=LR)
+
+        def submit():
+            return self.training.forward_backward(data, "cross_entropy"), self.training.optim_step(adam)
+
+        def wait(futures) -> None:
+            for future in futures:
+                future.result()
+
         times = []
+        if not pipelined:
+            for _ in range(count):
+                start = time.perf_counter()
+                wait(submit())
+                times.append(time.perf_counter() - start)
+            return times
+        in_flight = submit()
+        wait_started = time.perf_counter()
         for _ in range(count):
-            start = time.perf_counter()
-            fb = self.training.forward_backward(data, "cross_entropy")
-            opt = self.training.optim_step(adam)
-            fb.result()
-            opt.result()
-            times.append(time.perf_counter() - start)
+            following = submit()
+            wait(in_flight)
+            done = time.perf_counter()
+            times.append(done - wait_started)
+            in_flight, wait_started = following, done
+        wait(in_flight)
         return times
 
     def close(self) -> None:
@@ -147,22 +176,24 @@ def main() -> None:
         bare, api = BareLoop(model_dir), ApiLoop(url)
         figures = []
         for batch, seq_len in SHAPES:
-            bare_times: list[float] = []
-            api_times: list[float] = []
+            times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": []}
             bare.steps(batch, seq_len, WARMUP)
-            api.steps(batch, seq_len, WARMUP)
+            api.steps(batch, seq_len, WARMUP, pipelined=False)
             for _ in range(ROUNDS):
-                bare_times += bare.steps(batch, seq_len, STEPS)
-                api_times += api.steps(batch, seq_len, STEPS)
-            figures.append((batch, seq_len, statistics.median(bare_times), statistics.median(api_times)))
+                times["bare"] += bare.steps(batch, seq_len, STEPS)
+                times["pipelined"] += api.steps(batch, seq_len, STEPS, pipelined=True)
+                times["lock-step"] += api.steps(batch, seq_len, STEPS, pipelined=False)
+            figures.append((batch, seq_len, {key: statistics.median(values) for key, values in times.items()}))
         daemon_peak = peak_rss_bytes(daemon_pid())
         api.close()
         bare_peak = bare_peak_in_child(model_dir)
     print(f"tiny Llama, LoRA rank {RANK}, median of {ROUNDS}x{STEPS} steps per side and shape")
-    for batch, seq_len, bare_s, api_s in figures:
+    for batch, seq_len, median in figures:
+        bare_s, pipelined_s, lock_step_s = median["bare"], median["pipelined"], median["lock-step"]
         print(
-            f"{batch:>3}x{seq_len:<5} bare {bare_s * 1e3:8.1f} ms  API {api_s * 1e3:8.1f} ms  "
-            f"throughput ratio (bare/API, target >= 0.9): {bare_s / api_s:.3f}"
+            f"{batch:>3}x{seq_len:<5} bare {bare_s * 1e3:7.1f} ms  API pipelined {pipelined_s * 1e3:7.1f} ms  "
+            f"throughput ratio (bare/API, target >= 0.9): {bare_s / pipelined_s:.3f}   "
+            f"lock-step {lock_step_s * 1e3:7.1f} ms, ratio {bare_s / lock_step_s:.3f}"
         )
     print(
         f"peak RSS: daemon {daemon_peak / 2**20:.0f} MiB, bare loop {bare_peak / 2**20:.0f} MiB, "

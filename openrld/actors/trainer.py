@@ -12,7 +12,9 @@ Ordering guarantees:
 - jobs take fair turns: round-robin over the jobs whose next op is ready;
 - a job's consecutive forward_backward ops that are all here (the chunks of one SDK
   call, or calls pipelined before an optim_step) run as one engine pass, up to
-  `MAX_COMBINED_TOKENS`: fewer, fuller micro-batches, and the same result.
+  `MAX_COMBINED_TOKENS`: fewer, fuller micro-batches, and the same result; an
+  optim_step already here right after them runs in the same worker-thread call,
+  which saves a pipelining client a round trip through the event loop per step.
 
 A failure inside an op fails that op's future and consumes its `seq_id`, so the
 job's later ops still run. The actor never imports torch: engine results pass
@@ -223,7 +225,8 @@ class TrainerQueues:
         ForwardBackward with the same `forward_only`, and keep the model-input tokens of
         the run within `max_combined_tokens` (0: never combine). The engine runs such a
         run as one pass, which is what seq_id order would give anyway: nothing between
-        them changes the weights.
+        them changes the weights. When combining, an OptimStep that is the job's next op
+        ends the run (it runs after the pass, in seq_id order).
         """
         for _ in range(len(self._turns)):
             model_id = self._turns[0]
@@ -245,6 +248,9 @@ class TrainerQueues:
                     ):
                         break
                     tokens += _model_tokens(following)
+                    run.append(job.waiting.pop(job.next_seq))
+                    job.next_seq += 1
+                if max_combined_tokens > 0 and isinstance(job.waiting.get(job.next_seq), OptimStep):
                     run.append(job.waiting.pop(job.next_seq))
                     job.next_seq += 1
             return run
@@ -428,19 +434,25 @@ class TrainerActor:
     async def _run_one(self, op: TrainOp) -> None:
         try:
             value = await self._execute(op)
-        except OpenrldError as error:
-            self._failed += 1
-            self._note_progress(op, error=error.detail)
-            self._futures.fail(op.request_id, error)
-        except Exception as error:  # the op's failure is its own; the group keeps serving
-            logger.exception("trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id)
-            self._failed += 1
-            self._note_progress(op, error=f"{type(error).__name__}: {error}")
-            self._futures.fail(op.request_id, ServerError(f"{type(error).__name__}: {error}"))
+        except Exception as error:
+            self._settle_failed(op, error)
         else:
-            self._done += 1
-            self._note_progress(op, value=value)
-            self._futures.resolve(op.request_id, Completed(value))
+            self._settle(op, value)
+
+    def _settle(self, op: TrainOp, value: Any) -> None:
+        self._done += 1
+        self._note_progress(op, value=value)
+        self._futures.resolve(op.request_id, Completed(value))
+
+    def _settle_failed(self, op: TrainOp, error: Exception) -> None:
+        self._failed += 1
+        if not isinstance(error, OpenrldError):  # the op's failure is its own; the group keeps serving
+            logger.error(
+                "trainer op failed group=%s model_id=%s seq_id=%s", self.name, op.model_id, op.seq_id, exc_info=error
+            )
+            error = ServerError(f"{type(error).__name__}: {error}")
+        self._note_progress(op, error=error.detail)
+        self._futures.fail(op.request_id, error)
 
     def _note_progress(self, op: TrainOp, *, value: Any = None, error: str | None = None) -> None:
         old = self._progress.get(op.model_id) or JobProgress(op.model_id, 0, None, None)
@@ -454,24 +466,32 @@ class TrainerActor:
         self._progress[op.model_id] = JobProgress(op.model_id, steps, version, error or old.last_error)
 
     async def _run_combined(self, run: list[TrainOp]) -> bool:
-        """Consecutive forward_backward ops of one job in one engine pass.
+        """Consecutive forward_backward ops of one job in one engine pass, and the optim_step
+        that may end the run, in one worker-thread call.
 
         Returns False when the pass failed as a whole (it added nothing): the caller then
         runs the ops one by one, so that each failure lands on its own request.
         """
-        batches = [op.batch for op in run if isinstance(op, ForwardBackward)]
-        assert len(batches) == len(run), "only ForwardBackward ops are combined"
+        step = run[-1] if isinstance(run[-1], OptimStep) else None
+        passes = run[:-1] if step is not None else run
+        batches = [op.batch for op in passes if isinstance(op, ForwardBackward)]
+        assert len(batches) == len(passes), "only ForwardBackward ops share a pass"
+        params = step.params if step is not None else None
         try:
-            results = await self._in_thread(self._engine.forward_backward_many, run[0].model_id, batches)
+            results, stepped = await self._in_thread(_pass_then_step, self._engine, run[0].model_id, batches, params)
         except OpenrldError:
             return False
         except Exception:  # rerun one by one: each op then fails, or succeeds, on its own
             logger.exception("combined forward_backward failed group=%s model_id=%s", self.name, run[0].model_id)
             return False
-        self._combined += len(run)
-        for op, value in zip(run, results):
-            self._done += 1
-            self._futures.resolve(op.request_id, Completed(value))
+        self._combined += len(passes)
+        for op, value in zip(passes, results):
+            self._settle(op, value)
+        if step is not None:
+            if isinstance(stepped, Exception):
+                self._settle_failed(step, stepped)
+            else:
+                self._settle(step, stepped)
         return True
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -542,6 +562,18 @@ class TrainerActor:
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
         )
+
+
+def _pass_then_step(engine: Any, model_id: str, batches: list[ForwardBackwardBatch], params: Any) -> tuple[Any, Any]:
+    """In the worker thread: one forward_backward pass, then the optim_step after it (params
+    not None). The step's failure is returned, not raised: the pass's results stand."""
+    results = engine.forward_backward_many(model_id, batches)
+    if params is None:
+        return results, None
+    try:
+        return results, engine.optim_step(model_id, params)
+    except Exception as error:
+        return results, error
 
 
 def _save_peft(directory: Path, tensors: Any, spec: LoraSpec, base_model: str) -> int:

@@ -22,14 +22,23 @@ def _seq_ids(run) -> list[int]:
     return [op.seq_id for op in run]
 
 
-def test_consecutive_forward_backwards_of_a_job_pop_as_one_run_up_to_the_optim_step():
+def test_consecutive_forward_backwards_of_a_job_pop_as_one_run_ending_with_the_optim_step():
     queues = TrainerQueues()
     queues.open_job("m")
-    for op in (_fb("m", 2), _step("m", 3), _fb("m", 0), _fb("m", 1)):
+    for op in (_fb("m", 2), _step("m", 3), _fb("m", 0), _fb("m", 1), _fb("m", 4)):
         queues.push(op)
-    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [0, 1, 2]
-    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [3]
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [0, 1, 2, 3]
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [4]
     assert queues.pop_ready(max_combined_tokens=1000) == []
+
+
+def test_an_optim_step_alone_pops_alone():
+    queues = TrainerQueues()
+    queues.open_job("m")
+    queues.push(_step("m", 0))
+    queues.push(_step("m", 1))
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [0]
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=1000)) == [1]
 
 
 def test_a_run_stops_at_a_gap_in_seq_ids():
@@ -65,7 +74,10 @@ def test_a_zero_budget_never_combines():
     queues.open_job("m")
     queues.push(_fb("m", 0))
     queues.push(_fb("m", 1))
+    queues.push(_step("m", 2))
     assert _seq_ids(queues.pop_ready(max_combined_tokens=0)) == [0]
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=0)) == [1]
+    assert _seq_ids(queues.pop_ready(max_combined_tokens=0)) == [2]
 
 
 def test_runs_never_mix_jobs_and_jobs_take_turns():

@@ -61,6 +61,18 @@ def test_adam_params_on_a_dimuon_model_fail_and_the_corrected_step_succeeds(serv
     assert metrics["grad_norm:mean"] > 0
 
 
+def test_a_mismatched_step_pipelined_behind_forward_backwards_fails_alone(service):
+    """Submitted without waiting, the step may run in one worker call with the passes before it."""
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=2, optimizer=DIMUON).result()
+    passes = [training.forward_backward([_datum()], "cross_entropy") for _ in range(2)]
+    wrong = training.optim_step(types.AdamParams(learning_rate=0.05))
+    assert [p.result().metrics["loss:sum"] > 0 for p in passes] == [True, True]
+    with pytest.raises(tinker.TinkerError, match=r"optimizer mismatch: model \S+ uses 'dimuon' \(version 1\)"):
+        wrong.result()
+    metrics = training.optim_step(types.DimuonParams(learning_rate=0.05)).result().metrics
+    assert metrics["grad_norm:mean"] > 0
+
+
 def test_resume_with_optimizer_keeps_dimuon_and_continues_the_run(service, dimuon_state):
     path, uninterrupted_loss = dimuon_state
     resumed = service.create_training_client_from_state_with_optimizer(path).result()
