@@ -75,6 +75,10 @@ class FusedForward:
         self._head_dim = attention.head_dim
         self._scaling = attention.scaling
         self._qk_norm = hasattr(attention, "q_norm")
+        # Dynamic and LongRoPE recompute their frequencies from the positions in the module's
+        # forward; every other rope type keeps them fixed, and its cos/sin are computed here.
+        rope_type = getattr(self._decoder.rotary_emb, "rope_type", "default")
+        self._fixed_rope = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedForward | None:
@@ -123,13 +127,23 @@ class FusedForward:
     def _forward(self, tokens, positions, attend, append: Append, rows: AdapterRows, keep: int) -> torch.Tensor:
         decoder = self._decoder
         hidden = F.embedding(tokens, decoder.embed_tokens.weight)  # (B, T, E)
-        cos, sin = decoder.rotary_emb(hidden, positions)  # (B, T, D) each
+        cos, sin = self._rope(hidden, positions)  # (B, T, D) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
         for index, layer in enumerate(decoder.layers):
             x = _rms(layer.input_layernorm, hidden)
             hidden = hidden + self._attention(index, layer.self_attn, x, attend, cos, sin, append, rows)
             hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), rows)
         return _linear(self._model.lm_head, _rms(decoder.norm, hidden[:, -keep:]), rows)
+
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self._decoder.rotary_emb
+        if not self._fixed_rope:
+            return rotary(hidden, positions)
+        # What the rotary module's forward computes, without its per-call wrappers.
+        freqs = positions[..., None].float() * rotary.inv_freq.float()
+        angles = torch.cat((freqs, freqs), dim=-1)
+        scale = rotary.attention_scaling
+        return (angles.cos() * scale).to(hidden.dtype), (angles.sin() * scale).to(hidden.dtype)
 
     def _attention(self, index, attention, x, attend, cos, sin, append: Append, rows) -> torch.Tensor:
         b, t = x.shape[:2]

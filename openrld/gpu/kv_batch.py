@@ -47,6 +47,8 @@ class KvBatch:
         check_plain_layers(self.cache)
         self._device = device
         self.lengths: list[int] = []  # real cached positions per row
+        # Per layer: (keys, values) buffers whose first W columns the cache's tensors view (`append`).
+        self._room: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.cache.layers)
 
     @property
     def rows(self) -> int:
@@ -83,9 +85,22 @@ class KvBatch:
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache one new position per row in `layer` ((B, H, 1, D) each); returns that layer's
         keys and values, (B, H, W + 1, D). For a forward that does not go through the cache's own
-        `update` (`fused_forward`); `advance` follows once every layer has appended."""
+        `update` (`fused_forward`); `advance` follows once every layer has appended.
+
+        The position is written in place into spare columns kept behind the layer's tensors,
+        so a step copies one column rather than the whole cache (what `update`'s cat does).
+        Whatever replaced the layer's tensors since (join, keep, an `update`) is noticed, and
+        the next append copies them into fresh room once.
+        """
         cached = self.cache.layers[layer]
-        _assign(cached, torch.cat([cached.keys, keys], dim=2), torch.cat([cached.values, values], dim=2))
+        width = cached.keys.shape[2]
+        room = self._room[layer]
+        if room is None or width == room[0].shape[2] or not _is_prefix(cached.keys, room[0]):
+            room = self._room[layer] = _grow(cached.keys, cached.values)
+        room_keys, room_values = room
+        room_keys[:, :, width] = keys[:, :, 0]
+        room_values[:, :, width] = values[:, :, 0]
+        _assign(cached, room_keys[:, :, : width + 1], room_values[:, :, : width + 1])
         return cached.keys, cached.values
 
     def advance(self) -> None:
@@ -108,6 +123,23 @@ class KvBatch:
         if unused > 0:
             for layer in self.cache.layers:
                 _assign(layer, layer.keys[:, :, unused:].contiguous(), layer.values[:, :, unused:].contiguous())
+
+
+def _is_prefix(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether `view` is `buffer[:, :, :W]` for some W (so columns W.. of buffer are free)."""
+    return view.data_ptr() == buffer.data_ptr() and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
+
+
+def _grow(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers holding `keys` and `values` (B, H, W, D) in their first W columns, with room for
+    as many again (at least 32): appends copy the cache once per doubling, not once per step."""
+    batch, heads, width, dim = keys.shape
+    capacity = width + max(32, width)
+    room_keys = keys.new_empty((batch, heads, capacity, dim))
+    room_values = values.new_empty((batch, heads, capacity, values.shape[3]))
+    room_keys[:, :, :width] = keys
+    room_values[:, :, :width] = values
+    return room_keys, room_values
 
 
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:

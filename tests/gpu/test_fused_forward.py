@@ -86,6 +86,32 @@ def test_decode_step_matches_the_model_forward_on_left_padded_rows(model_dir: Pa
         torch.testing.assert_close(values, layer.values, rtol=0, atol=1e-5)
 
 
+def test_many_decode_steps_append_in_place_and_match_the_model_forward_at_every_step(model_dir: Path) -> None:
+    """40 steps cross the first spare-room boundary (6 cached columns + 32 spare)."""
+    model = models.load_causal_lm(model_dir, CPU)
+
+    def forward(ids, cache, adapters, **kwargs):
+        return model(input_ids=ids, cache=cache, use_cache=True, **kwargs).logits
+
+    adapters = [BASE_ADAPTER] * len(PROMPTS)
+    fused = FusedForward.for_model(model)
+    moved = 0
+    with torch.inference_mode():
+        batch = left_padded_batch(forward, model.config, adapters)
+        reference = copy.deepcopy(batch)
+        for step in range(40):
+            tokens = torch.tensor([step % 50 + 3, step % 7 + 3, step % 11 + 3])
+            before = batch.cache.layers[0].keys.data_ptr() if step else None
+            logits = fused.decode(tokens, batch, adapters)
+            expected = reference_step(forward, reference, tokens, adapters)
+            batch.advance()
+            reference.advance()
+            torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+            moved += before is not None and batch.cache.layers[0].keys.data_ptr() != before
+    assert moved == 1  # the cache was copied once, when its first room ran out
+    torch.testing.assert_close(batch.cache.layers[1].values, reference.cache.layers[1].values, rtol=0, atol=1e-5)
+
+
 def test_each_row_gets_its_own_adapter_as_in_peft_mixed_batch_forward(model_dir: Path) -> None:
     wrapped = lora_model(model_dir, {"a": LoraSpec(rank=4), "b": LoraSpec(rank=2, train_mlp=False)})
 
