@@ -124,6 +124,48 @@ class FusedForward:
         append: Append = lambda layer, keys, values: cache.update(keys, values, layer)  # noqa: E731
         return self._forward(tokens[None, :], positions, attend, append, rows, keep)[0]
 
+    def prefill_many(
+        self, prompts: list[torch.Tensor], adapters: list[str], keep: int
+    ) -> tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Several whole prompts in one forward, left-padded to the longest.
+
+        Args:
+            prompts: (P_r,) int64 each, none empty.
+            adapters: each prompt's peft adapter name.
+            keep: logits for each prompt's last `keep` positions (keep <= every P_r).
+
+        Returns:
+            (N, keep, V) logits in the model's dtype, and each prompt's own KV cache: per
+            layer (keys, values), (1, heads, P_r, D), views of the batch's tensors.
+        """
+        device = prompts[0].device
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        width = int(lengths.max())
+        pads = width - lengths  # (N,)
+        tokens = torch.zeros((len(prompts), width), dtype=torch.int64, device=device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, width - len(prompt) :] = prompt
+        columns = torch.arange(width, device=device)
+        positions = (columns[None, :] - pads[:, None]).clamp_(min=0)  # (N, T)
+        causal = columns[None, :] <= columns[:, None]  # (T, T)
+        real = columns[None, :] >= pads[:, None]  # (N, T): key column holds a prompt token
+        # A padding query attends to itself alone, so that no row of the softmax is empty;
+        # what it computes is never read.
+        attend = ((causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device))[:, None]
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def append(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            layers.append((keys, values))
+            return keys, values
+
+        logits = self._forward(tokens, positions, attend, append, adapter_rows(adapters, device), keep)
+        caches = [
+            [(keys[row : row + 1, :, width - len(prompt) :], values[row : row + 1, :, width - len(prompt) :])
+             for keys, values in layers]
+            for row, prompt in enumerate(prompts)
+        ]
+        return logits, caches
+
     def _forward(self, tokens, positions, attend, append: Append, rows: AdapterRows, keep: int) -> torch.Tensor:
         decoder = self._decoder
         hidden = F.embedding(tokens, decoder.embed_tokens.weight)  # (B, T, E)

@@ -22,7 +22,10 @@ import transformers
 from transformers.cache_utils import DynamicLayer
 
 
-def cache_tensors(cache: transformers.DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+KvLayers = list[tuple[torch.Tensor, torch.Tensor]]  # each layer's (keys, values), (B, H, L, D)
+
+
+def cache_tensors(cache: transformers.DynamicCache) -> KvLayers:
     """Each layer's (keys, values), (B, H, L, D)."""
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -58,9 +61,8 @@ class KvBatch:
     def width(self) -> int:
         return self.cache.get_seq_length() if self.lengths else 0
 
-    def join(self, source: transformers.DynamicCache, copies: int) -> None:
-        """Append `copies` rows, each a copy of `source`'s single row (all of its positions are real)."""
-        layers = cache_tensors(source)
+    def join(self, layers: KvLayers, copies: int) -> None:
+        """Append `copies` rows, each a copy of the single row of `layers` (all of its positions are real)."""
         assert layers[0][0].shape[0] == 1, f"join takes a batch-1 cache, got batch {layers[0][0].shape[0]}"
         length = layers[0][0].shape[2]
         width = max(self.width, length)
@@ -127,7 +129,8 @@ class KvBatch:
 
 def _is_prefix(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     """Whether `view` is `buffer[:, :, :W]` for some W (so columns W.. of buffer are free)."""
-    return view.data_ptr() == buffer.data_ptr() and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
+    same_start = view.data_ptr() == buffer.data_ptr()
+    return same_start and view.shape[:2] == buffer.shape[:2] and view.stride() == buffer.stride()
 
 
 def _grow(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,7 +57,7 @@ from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, 
 from openrld.errors import BadRequest
 from openrld.gpu import models, offload
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
-from openrld.gpu.kv_batch import KvBatch
+from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_tensors
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
     TOPK_EMPTY_TOKEN,
@@ -117,7 +117,7 @@ class _Request:
     job: SampleJob
     limit: int  # generated tokens allowed per sample: max_tokens and the context window
     samples: list[_Sample]
-    prefill: transformers.DynamicCache | None = None  # batch 1, held until every sample has a row
+    prefill: KvLayers | None = None  # batch 1, held until every sample has a row
     pending: list[_Sample] = dataclasses.field(default_factory=list)  # first token drawn, no row yet
     prompt_logprobs: np.ndarray | None = None
     topk_prompt: TopK | None = None
@@ -125,6 +125,56 @@ class _Request:
     @property
     def is_done(self) -> bool:
         return all(s.stop_reason is not None for s in self.samples)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _PromptWork:
+    """What prefilling one request's prompt computes, filled in chunk by chunk (`take`)."""
+
+    prompt: torch.Tensor  # (P,) int64 on the device
+    first_needed: int  # the first position whose logits are needed
+    scores: bool  # prompt logprobs or top-k prompt logprobs were asked for
+    k: int  # top-k prompt logprobs
+    logprobs: np.ndarray  # (P,) float32, NaN where not scored
+    topk_ids: np.ndarray
+    topk_lps: np.ndarray
+    last_logits: torch.Tensor | None = None  # (V,) after the last prompt token
+
+    @classmethod
+    def of(cls, request: _Request, device: torch.device) -> _PromptWork | None:
+        """None when the request needs no forward at all (nothing to generate or score)."""
+        job = request.job
+        scores = job.prompt_logprobs or job.topk_prompt_logprobs > 0
+        if request.limit == 0 and not scores:
+            return None
+        prompt = torch.as_tensor(job.prompt, dtype=torch.int64, device=device)
+        prompt_len = prompt.shape[0]
+        first_scored = prompt_len - (job.prompt_logprobs_last_n or prompt_len - 1)  # position 0 never
+        # Logits at position q predict q + 1: scoring needs rows first_scored-1 .. P-2, sampling P-1.
+        first_needed = first_scored - 1 if scores else prompt_len - 1
+        k = job.topk_prompt_logprobs
+        topk_ids, topk_lps = empty_topk(prompt_len, k)
+        logprobs = np.full(prompt_len, np.nan, np.float32)
+        return cls(prompt, first_needed, scores, k, logprobs, topk_ids, topk_lps)
+
+    def take(self, logits: torch.Tensor, lo: int, end: int) -> None:
+        """Score one chunk: `logits` (end - lo, V) fp32 for positions lo .. end-1 (one row,
+        position end-1, when lo >= end)."""
+        prompt_len = len(self.prompt)
+        if end == prompt_len:
+            self.last_logits = logits[-1]
+        scored_end = min(end, prompt_len - 1)  # position P-1 predicts no prompt token
+        if not self.scores or lo >= scored_end:
+            return
+        logp = torch.log_softmax(logits[: scored_end - lo], dim=-1)  # (n, V), rows lo .. scored_end-1
+        targets = self.prompt[lo + 1 : scored_end + 1]
+        self.logprobs[lo + 1 : scored_end + 1] = logp.gather(-1, targets[:, None])[:, 0].cpu().numpy()
+        if self.k > 0:
+            self.topk_ids[lo + 1 : scored_end + 1], self.topk_lps[lo + 1 : scored_end + 1] = top_k_rows(logp, self.k)
+
+
+def _prompt_len(request: _Request) -> int:
+    return len(request.job.prompt)
 
 
 # ---------------------------------------------------------------------------
@@ -361,9 +411,11 @@ class TorchSampler:
     def _admit(self, finished: list[Finished]) -> None:
         """Prefill queued requests, in arrival order, while rows and the step's prefill budget allow."""
         budget = self._prefill_tokens_per_step
+        admitted: list[_Request] = []
         while self._queued:
             request = self._queued[0]
-            waiting_rows = sum(len(r.pending) for r in self._prefilled)
+            # Admitted requests not yet prefilled count with all their samples.
+            waiting_rows = sum(len(r.pending) for r in self._prefilled) + sum(r.job.num_samples for r in admitted)
             has_room = len(self._rows) + waiting_rows < self._decode_batch_rows
             if request.limit > 1 and not has_room:
                 break  # its samples would only wait for rows, holding a prefill cache meanwhile
@@ -371,11 +423,34 @@ class TorchSampler:
                 break
             self._queued.popleft()
             budget -= len(request.job.prompt)
-            self._prefill(request)
+            admitted.append(request)
+        for group in self._prefill_groups(admitted):
+            if len(group) == 1:
+                self._prefill(group[0])
+            else:
+                self._prefill_together(group)
+        for request in admitted:
             if request.pending:
                 self._prefilled.append(request)
             else:
                 finished.append(self._finish(request))
+
+    def _prefill_groups(self, requests: list[_Request]) -> list[list[_Request]]:
+        """Requests whose prompts share one fused forward (each fits one prefill chunk, and the
+        group's padded tokens fit one chunk too); every other request is a group of its own."""
+        if self._fused is None:
+            return [[r] for r in requests]
+        short = sorted((r for r in requests if len(r.job.prompt) <= self._prefill_chunk_tokens), key=_prompt_len)
+        groups = [[r] for r in requests if len(r.job.prompt) > self._prefill_chunk_tokens]
+        together: list[_Request] = []
+        for request in short:  # ascending length: the newest member is the longest
+            if together and (len(together) + 1) * len(request.job.prompt) > self._prefill_chunk_tokens:
+                groups.append(together)
+                together = []
+            together.append(request)
+        if together:
+            groups.append(together)
+        return groups
 
     def _fill_rows(self) -> None:
         """Give free batch rows to prefilled samples, oldest request first."""
@@ -474,23 +549,14 @@ class TorchSampler:
         first token (drawn from the one distribution after the last prompt
         token); the samples still running are left in `pending`.
         """
-        job = request.job
-        scores_prompt = job.prompt_logprobs or job.topk_prompt_logprobs > 0
-        if request.limit == 0 and not scores_prompt:
+        work = _PromptWork.of(request, self._device)
+        if work is None:
             return
-        prompt = torch.as_tensor(job.prompt, dtype=torch.int64, device=self._device)
-        prompt_len = prompt.shape[0]
-        first_scored = prompt_len - (job.prompt_logprobs_last_n or prompt_len - 1)  # position 0 never
-        # Logits at position q predict q + 1: scoring needs rows first_scored-1 .. P-2, sampling P-1.
-        first_needed = first_scored - 1 if scores_prompt else prompt_len - 1
-        prompt_logprobs = np.full(prompt_len, np.nan, np.float32)
-        k = job.topk_prompt_logprobs
-        topk_ids, topk_lps = empty_topk(prompt_len, k)
+        prompt, prompt_len = work.prompt, len(work.prompt)
         cache = transformers.DynamicCache(config=self._model.config)
-        last_logits = torch.empty(0)
         for start in range(0, prompt_len, self._prefill_chunk_tokens):
             end = min(start + self._prefill_chunk_tokens, prompt_len)
-            lo = max(start, first_needed)
+            lo = max(start, work.first_needed)
             # logits_to_keep=0 would mean "all", so a chunk that needs none still keeps one row.
             keep = end - lo if lo < end else 1
             if self._fused is not None:
@@ -499,20 +565,34 @@ class TorchSampler:
                 out = self._forward(prompt[None, start:end], cache, [request.adapter], logits_to_keep=keep)
                 logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
             self._prompt_tokens_prefilled += end - start
-            if end == prompt_len:
-                last_logits = logits[-1]
-            scored_end = min(end, prompt_len - 1)  # position P-1 predicts no prompt token
-            if scores_prompt and lo < scored_end:
-                logp = torch.log_softmax(logits[: scored_end - lo], dim=-1)  # (n, V), rows lo .. scored_end-1
-                targets = prompt[lo + 1 : scored_end + 1]
-                picked = logp.gather(-1, targets[:, None])[:, 0]
-                prompt_logprobs[lo + 1 : scored_end + 1] = picked.cpu().numpy()
-                if k > 0:
-                    topk_ids[lo + 1 : scored_end + 1], topk_lps[lo + 1 : scored_end + 1] = top_k_rows(logp, k)
-        request.prompt_logprobs = prompt_logprobs
-        request.topk_prompt = TopK(token_ids=topk_ids, logprobs=topk_lps) if k > 0 else None
+            work.take(logits, lo, end)
+        self._prefilled_into(request, work, cache_tensors(cache))
+
+    def _prefill_together(self, requests: list[_Request]) -> None:
+        """`_prefill` for several requests whose whole prompts share one fused forward."""
+        works = [(request, _PromptWork.of(request, self._device)) for request in requests]
+        works = [(request, work) for request, work in works if work is not None]
+        if not works:
+            return
+        assert self._fused is not None
+        needed = [len(work.prompt) - work.first_needed for _, work in works]
+        logits, caches = self._fused.prefill_many(
+            [work.prompt for _, work in works], [request.adapter for request, _ in works], max(needed)
+        )
+        for (request, work), rows, own, cache in zip(works, needed, logits.float(), caches):
+            self._prompt_tokens_prefilled += len(work.prompt)
+            work.take(own[len(own) - rows :], work.first_needed, len(work.prompt))
+            self._prefilled_into(request, work, cache)
+
+    def _prefilled_into(self, request: _Request, work: _PromptWork, cache: KvLayers) -> None:
+        """Record a finished prefill: the prompt's scores, the first token of every sample, and
+        the cache the samples still running will decode from."""
+        job = request.job
+        request.prompt_logprobs = work.logprobs
+        if job.topk_prompt_logprobs:
+            request.topk_prompt = TopK(token_ids=work.topk_ids, logprobs=work.topk_lps)
         if request.limit > 0:
-            self._draw([(request, s) for s in request.samples], last_logits[None, :])
+            self._draw([(request, s) for s in request.samples], work.last_logits[None, :])
             request.pending = [s for s in request.samples if s.stop_reason is None]
             if request.pending:
                 request.prefill = cache

@@ -21,7 +21,7 @@ import transformers
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
 from openrld.gpu import models
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward, unsupported_reason
-from openrld.gpu.kv_batch import KvBatch
+from openrld.gpu.kv_batch import KvBatch, cache_tensors
 from openrld.gpu.tiny_models import build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
 
@@ -40,7 +40,7 @@ def left_padded_batch(forward, config, adapters: list[str]) -> KvBatch:
     for prompt, adapter in zip(PROMPTS, adapters):
         cache = transformers.DynamicCache(config=config)
         forward(torch.tensor([prompt]), cache, [adapter])
-        batch.join(cache, 1)
+        batch.join(cache_tensors(cache), 1)
     return batch
 
 
@@ -161,6 +161,23 @@ def test_prefill_in_chunks_matches_the_model_forward_and_fills_the_same_cache(mo
     for layer, reference in zip(cache.layers, reference_cache.layers):
         torch.testing.assert_close(layer.keys, reference.keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(layer.values, reference.values, rtol=0, atol=1e-5)
+
+
+def test_prompts_prefilled_together_match_each_prefilled_alone(model_dir: Path) -> None:
+    wrapped = lora_model(model_dir, {"a": LoraSpec(rank=4)})
+    fused = FusedForward.for_model(wrapped.base_model.model)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    adapters = ["a", BASE_ADAPTER, "a"]
+    with torch.inference_mode():
+        logits, caches = fused.prefill_many(prompts, adapters, keep=2)
+        for row, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+            cache = transformers.DynamicCache(config=wrapped.config)
+            alone = fused.prefill(prompt, cache, adapter, keep=2)
+            torch.testing.assert_close(logits[row], alone, rtol=0, atol=1e-5)
+            for (keys, values), (alone_keys, alone_values) in zip(caches[row], cache_tensors(cache)):
+                assert keys.shape == alone_keys.shape == (1, wrapped.config.num_key_value_heads, len(prompt), 16)
+                torch.testing.assert_close(keys, alone_keys, rtol=0, atol=1e-5)
+                torch.testing.assert_close(values, alone_values, rtol=0, atol=1e-5)
 
 
 def test_models_outside_the_llama_family_keep_the_hugging_face_forward() -> None:

@@ -97,6 +97,29 @@ def test_rows_drawn_together_keep_their_own_top_k_sample_logprobs(sampler: Torch
     assert_same_samples(together["plain"], alone["plain"])
 
 
+def test_prompts_scored_in_one_prefill_score_as_alone(sampler: TorchSampler) -> None:
+    """Requests admitted in one step share a prefill forward; their prompt scores do not change."""
+    jobs = {
+        "all": ("a", SampleJob(np.array([5, 6, 7, 8, 9, 10]), 1, job([0]).params, prompt_logprobs=True)),
+        "last-2": (None, SampleJob(
+            np.array([20, 21, 22, 23]), 2, job([0]).params, prompt_logprobs=True, prompt_logprobs_last_n=2
+        )),
+        "top-3": ("b", SampleJob(np.array([30, 31, 32]), 1, job([0], max_tokens=0).params, topk_prompt_logprobs=3)),
+    }
+    alone = {rid: sampler.sample(version, j) for rid, (version, j) in jobs.items()}
+    for rid, (version, j) in jobs.items():
+        sampler.add(rid, version, j)
+    together = run_until_idle(sampler)
+    for rid in jobs:
+        assert_same_samples(together[rid], alone[rid])
+    for rid in ("all", "last-2"):
+        np.testing.assert_allclose(together[rid].prompt_logprobs, alone[rid].prompt_logprobs, rtol=0, atol=1e-5)
+    last_two = together["last-2"].prompt_logprobs
+    assert np.isnan(last_two[:2]).all() and not np.isnan(last_two[2:]).any()
+    np.testing.assert_array_equal(together["top-3"].topk_prompt.token_ids, alone["top-3"].topk_prompt.token_ids)
+    np.testing.assert_allclose(together["top-3"].topk_prompt.logprobs, alone["top-3"].topk_prompt.logprobs, atol=1e-5)
+
+
 def test_request_joining_a_running_batch_samples_as_alone(sampler: TorchSampler) -> None:
     (first_id, first_version, first), (late_id, late_version, late) = REQUESTS[0], REQUESTS[2]
     alone_first, alone_late = sampler.sample(first_version, first), sampler.sample(late_version, late)
