@@ -100,9 +100,9 @@ class KvBatch:
         if room is None or width == room[0].shape[2] or not _is_prefix(cached.keys, room[0]):
             room = self._room[layer] = _grow(cached.keys, cached.values)
         room_keys, room_values = room
-        room_keys[:, :, width] = keys[:, :, 0]
-        room_values[:, :, width] = values[:, :, 0]
-        _assign(cached, room_keys[:, :, : width + 1], room_values[:, :, : width + 1])
+        room_keys.select(2, width).copy_(keys.select(2, 0))
+        room_values.select(2, width).copy_(values.select(2, 0))
+        _assign(cached, room_keys.narrow(2, 0, width + 1), room_values.narrow(2, 0, width + 1))
         return cached.keys, cached.values
 
     def advance(self) -> None:
