@@ -84,7 +84,9 @@ MAX_LIVE_PER_ENGINE = 64  # requests one engine holds (the rest wait in the queu
 # One worker-thread call runs engine steps back to back for at most this long, so that the
 # event loop's round trip is paid per call rather than per token; anything that arrives for
 # the actor ends the call after the step that runs, so a request still joins within one step.
-STEPS_CALL_S = 0.02
+# The bound is how late a device turn that ended is noticed (turns last seconds:
+# `timeslice_quantum_s`), and how long a group's end waits for the call.
+STEPS_CALL_S = 0.1
 MAX_REPLICAS = 8  # the openrl.sampler_replicas range (settings.py)
 
 
