@@ -27,6 +27,7 @@ Plain synchronous torch; never imports trio. The caller runs it under
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import peft
@@ -79,6 +80,7 @@ class FusedForward:
         # forward; every other rope type keeps them fixed, and its cos/sin are computed here.
         rope_type = getattr(self._decoder.rotary_emb, "rope_type", "default")
         self._fixed_rope = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) by position
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedForward | None:
@@ -99,10 +101,10 @@ class FusedForward:
         Returns:
             (B, V) logits in the model's dtype.
         """
-        mask, positions = batch.mask_and_positions()
-        attend = mask.bool()[:, None, None, :]  # (B, 1, 1, W + 1): padding columns are False
+        attend, positions = batch.attend_and_positions()
         rows = adapter_rows(adapters, tokens.device)
-        return self._forward(tokens[:, None], positions, attend, batch.append, rows, keep=1)[:, 0]
+        end = max(batch.lengths) + 1
+        return self._forward(tokens[:, None], positions, end, attend, batch.append, rows, keep=1)[:, 0]
 
     def prefill(
         self, tokens: torch.Tensor, cache: transformers.DynamicCache, adapter: str, keep: int
@@ -122,7 +124,7 @@ class FusedForward:
         attend = (columns[None, :] <= positions[0, :, None])[None, None]  # (1, 1, T, L + T): causal
         rows = [(adapter, None)]
         append: Append = lambda layer, keys, values: cache.update(keys, values, layer)  # noqa: E731
-        return self._forward(tokens[None, :], positions, attend, append, rows, keep)[0]
+        return self._forward(tokens[None, :], positions, cached + length, attend, append, rows, keep)[0]
 
     def prefill_many(
         self, prompts: list[torch.Tensor], adapters: list[str], keep: int
@@ -132,7 +134,8 @@ class FusedForward:
         Args:
             prompts: (P_r,) int64 each, none empty.
             adapters: each prompt's peft adapter name.
-            keep: logits for each prompt's last `keep` positions (keep <= every P_r).
+            keep: logits for the batch's last `keep` positions (for a prompt shorter than
+                that, the first rows are padding's and meaningless).
 
         Returns:
             (N, keep, V) logits in the model's dtype, and each prompt's own KV cache: per
@@ -158,7 +161,7 @@ class FusedForward:
             layers.append((keys, values))
             return keys, values
 
-        logits = self._forward(tokens, positions, attend, append, adapter_rows(adapters, device), keep)
+        logits = self._forward(tokens, positions, width, attend, append, adapter_rows(adapters, device), keep)
         caches = [
             [(keys[row : row + 1, :, width - len(prompt) :], values[row : row + 1, :, width - len(prompt) :])
              for keys, values in layers]
@@ -166,26 +169,42 @@ class FusedForward:
         ]
         return logits, caches
 
-    def _forward(self, tokens, positions, attend, append: Append, rows: AdapterRows, keep: int) -> torch.Tensor:
+    def _forward(
+        self, tokens, positions, end: int, attend, append: Append, rows: AdapterRows, keep: int
+    ) -> torch.Tensor:
+        """`end`: one past the largest position in `positions` (known without reading them)."""
         decoder = self._decoder
         hidden = F.embedding(tokens, decoder.embed_tokens.weight)  # (B, T, E)
-        cos, sin = self._rope(hidden, positions)  # (B, T, D) each
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D): broadcast over heads
+        # Additive once here: attention would turn a bool mask into one in every layer.
+        attend = torch.zeros(attend.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~attend, -math.inf)
+        cos, sin = self._rope(hidden, positions, end)  # (B, T, D) each
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
         for index, layer in enumerate(decoder.layers):
             x = _rms(layer.input_layernorm, hidden)
             hidden = hidden + self._attention(index, layer.self_attn, x, attend, cos, sin, append, rows)
             hidden = hidden + self._mlp(layer.mlp, _rms(layer.post_attention_layernorm, hidden), rows)
         return _linear(self._model.lm_head, _rms(decoder.norm, hidden[:, -keep:]), rows)
 
-    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         rotary = self._decoder.rotary_emb
         if not self._fixed_rope:
             return rotary(hidden, positions)
-        # What the rotary module's forward computes, without its per-call wrappers.
-        freqs = positions[..., None].float() * rotary.inv_freq.float()
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or (table[0].dtype, table[0].device) != (hidden.dtype, hidden.device):
+            rows = max(end, 2 * table[0].shape[0] if table is not None else 256)  # doubling: rebuilt rarely
+            table = self._rope_table = self._rope_rows(rows)
+        cos, sin = table
+        return cos[positions], sin[positions]
+
+    def _rope_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0 .. count-1, (count, D): what the rotary module's forward
+        computes for them, once, rather than on every call."""
+        rotary = self._decoder.rotary_emb
+        positions = torch.arange(count, device=rotary.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * rotary.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)
-        scale = rotary.attention_scaling
-        return (angles.cos() * scale).to(hidden.dtype), (angles.sin() * scale).to(hidden.dtype)
+        dtype = self._decoder.embed_tokens.weight.dtype
+        return (angles.cos() * rotary.attention_scaling).to(dtype), (angles.sin() * rotary.attention_scaling).to(dtype)
 
     def _attention(self, index, attention, x, attend, cos, sin, append: Append, rows) -> torch.Tensor:
         b, t = x.shape[:2]
@@ -194,10 +213,11 @@ class FusedForward:
         v = _linear(attention.v_proj, x, rows).view(b, t, self._kv_heads, self._head_dim)
         if self._qk_norm:
             q, k = _rms(attention.q_norm, q), _rms(attention.k_norm, k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        keys, values = append(index, _rotate(k, cos, sin), v)
+        # One rotation for the query and key heads together: fewer calls than two.
+        q, k = _rotate(torch.cat((q, k), dim=2), cos, sin).split((self._heads, self._kv_heads), dim=2)
+        keys, values = append(index, k.transpose(1, 2), v.transpose(1, 2))  # (B, heads, T, D)
         out = F.scaled_dot_product_attention(
-            _rotate(q, cos, sin), keys, values, attn_mask=attend, scale=self._scaling,
+            q.transpose(1, 2), keys, values, attn_mask=attend, scale=self._scaling,
             enable_gqa=self._heads != self._kv_heads,
         )  # (B, H, T, D)
         return _linear(attention.o_proj, out.transpose(1, 2).reshape(b, t, self._heads * self._head_dim), rows)
@@ -238,6 +258,8 @@ def _linear(module: torch.nn.Module, x: torch.Tensor, rows: AdapterRows) -> torc
 
 def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+    if x.dtype == torch.float32:  # nothing to cast: one fused call
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
 

@@ -84,6 +84,14 @@ class KvBatch:
         mask = (columns >= (width - lengths)[:, None]).to(torch.int64)  # padding columns are 0
         return mask, lengths[:, None]
 
+    def attend_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mask_and_positions` for torch's attention: a bool mask (B, 1, 1, W + 1), True where a row
+        may attend."""
+        width = self.width
+        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self._device)  # (B,)
+        columns = torch.arange(width + 1, device=self._device)
+        return (columns >= (width - lengths)[:, None])[:, None, None, :], lengths[:, None]
+
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache one new position per row in `layer` ((B, H, 1, D) each); returns that layer's
         keys and values, (B, H, W + 1, D). For a forward that does not go through the cache's own
