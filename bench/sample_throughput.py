@@ -39,7 +39,7 @@ from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
 from openrld.gpu.models import load_causal_lm  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS = 32, 64
-ROUNDS, REPEATS, CLIENTS = 3, 3, 4
+ROUNDS, REPEATS, CLIENTS = 5, 3, 4
 PROMPT = [(7 * i) % 370 + 5 for i in range(PROMPT_TOKENS)]
 
 

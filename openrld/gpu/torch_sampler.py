@@ -7,16 +7,20 @@ step-level scheduler, driven by its caller:
 - `add(request_id, version, job)` validates a `SampleJob` and queues it.
 - `step()` admits queued requests (prefill: each prompt runs once, in chunks
   of `prefill_chunk_tokens`, and every sample's first token is drawn from
-  that one prefill), moves prefilled samples into free batch rows, runs one
-  decode forward for every running row, and retires the rows that finished.
-  It returns the requests that completed in this step.
+  that one prefill; prompts admitted in one step that each fit a chunk share
+  one left-padded forward), moves prefilled samples into free batch rows,
+  runs one decode forward for every running row, and retires the rows that
+  finished. It returns the requests that completed in this step.
 - `cancel(request_id)` drops a request wherever it is, freeing its rows.
 
 Rows of different requests and different versions share one forward: rows
-are left-padded to one KV width (`kv_batch.KvBatch`), and peft's mixed-batch
-forward (`adapter_names`, one name per row; "__base__" for the base model)
-applies each row's own adapter. So no request waits behind another job's
-request for more than the rows it holds.
+are left-padded to one KV width (`kv_batch.KvBatch`), and each row gets its
+own adapter ("__base__" for the base model). For Llama-family models the
+forwards are `fused_forward.FusedForward`, the same math as flat torch calls;
+other models run Hugging Face's forward with peft's mixed-batch
+`adapter_names`. So no request waits behind another job's request for more
+than the rows it holds. Rows that sample alike (temperature, top_k, top_p)
+draw together, whichever request they belong to.
 
 Sampling follows `shared/spec/sampling.md` sections 1-3 (the math is in
 `sampling_math`): q_T is logits/T, then top-k, then top-p, renormalised, and
