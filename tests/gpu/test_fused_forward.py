@@ -112,33 +112,22 @@ def test_many_decode_steps_append_in_place_and_match_the_model_forward_at_every_
     torch.testing.assert_close(batch.cache.layers[1].values, reference.cache.layers[1].values, rtol=0, atol=1e-5)
 
 
-def test_each_row_gets_its_own_adapter_as_in_peft_mixed_batch_forward(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    "row_adapters", [["a", BASE_ADAPTER, "b"], ["a", "a", "a"]], ids=["mixed", "one-for-all"]
+)
+def test_each_row_gets_its_own_adapter_as_in_peft_mixed_batch_forward(
+    model_dir: Path, row_adapters: list[str]
+) -> None:
     wrapped = lora_model(model_dir, {"a": LoraSpec(rank=4), "b": LoraSpec(rank=2, train_mlp=False)})
 
     def forward(ids, cache, adapters, **kwargs):
         return wrapped(input_ids=ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs).logits
 
-    adapters = ["a", BASE_ADAPTER, "b"]
     tokens = torch.tensor([3, 4, 5])
     with torch.inference_mode():
-        batch = left_padded_batch(forward, wrapped.config, adapters)
-        expected = reference_step(forward, copy.deepcopy(batch), tokens, adapters)
-        logits = FusedForward.for_model(wrapped.base_model.model).decode(tokens, batch, adapters)
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
-
-
-def test_one_adapter_for_every_row_matches_peft(model_dir: Path) -> None:
-    wrapped = lora_model(model_dir, {"a": LoraSpec(rank=4)})
-
-    def forward(ids, cache, adapters, **kwargs):
-        return wrapped(input_ids=ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs).logits
-
-    adapters = ["a"] * len(PROMPTS)
-    tokens = torch.tensor([3, 4, 5])
-    with torch.inference_mode():
-        batch = left_padded_batch(forward, wrapped.config, adapters)
-        expected = reference_step(forward, copy.deepcopy(batch), tokens, adapters)
-        logits = FusedForward.for_model(wrapped.base_model.model).decode(tokens, batch, adapters)
+        batch = left_padded_batch(forward, wrapped.config, row_adapters)
+        expected = reference_step(forward, copy.deepcopy(batch), tokens, row_adapters)
+        logits = FusedForward.for_model(wrapped.base_model.model).decode(tokens, batch, row_adapters)
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
 
 
