@@ -190,7 +190,8 @@ class FusedForward:
         if not self._fixed_rope:
             return rotary(hidden, positions)
         table = self._rope_table
-        if table is None or table[0].shape[0] < end or (table[0].dtype, table[0].device) != (hidden.dtype, hidden.device):
+        stale = table is None or (table[0].dtype, table[0].device) != (hidden.dtype, hidden.device)
+        if stale or table[0].shape[0] < end:
             rows = max(end, 2 * table[0].shape[0] if table is not None else 256)  # doubling: rebuilt rarely
             table = self._rope_table = self._rope_rows(rows)
         cos, sin = table

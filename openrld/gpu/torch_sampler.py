@@ -57,7 +57,7 @@ import peft
 import torch
 import transformers
 
-from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
+from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, TopK
 from openrld.errors import BadRequest
 from openrld.gpu import models, offload
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
