@@ -102,6 +102,7 @@ class FusedForward:
             (B, V) logits in the model's dtype.
         """
         attend, positions = batch.attend_and_positions()
+        attend = attend[:, None, None, :]  # (B, 1, 1, W + 1): the same columns for every head and query
         rows = adapter_rows(adapters, tokens.device)
         end = max(batch.lengths) + 1
         return self._forward(tokens[:, None], positions, end, attend, batch.append, rows, keep=1)[:, 0]

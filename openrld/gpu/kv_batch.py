@@ -76,21 +76,18 @@ class KvBatch:
             _assign(layer, new_keys.contiguous(), new_values.contiguous())
         self.lengths.extend([length] * copies)
 
-    def mask_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next forward's attention mask (B, W + 1) and position ids (B, 1) for one new token per row."""
-        width = self.width
-        lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self._device)  # (B,)
-        columns = torch.arange(width + 1, device=self._device)[None, :]  # (1, W + 1)
-        mask = (columns >= (width - lengths)[:, None]).to(torch.int64)  # padding columns are 0
-        return mask, lengths[:, None]
-
     def attend_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`mask_and_positions` for torch's attention: a bool mask (B, 1, 1, W + 1), True where a row
-        may attend."""
+        """The next forward's attention mask (B, W + 1), True where a row may attend (padding
+        columns are False), and position ids (B, 1), for one new token per row."""
         width = self.width
         lengths = torch.tensor(self.lengths, dtype=torch.int64, device=self._device)  # (B,)
         columns = torch.arange(width + 1, device=self._device)
-        return (columns >= (width - lengths)[:, None])[:, None, None, :], lengths[:, None]
+        return columns >= (width - lengths)[:, None], lengths[:, None]
+
+    def mask_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend_and_positions` with the mask as Hugging Face takes it: int64, padding 0."""
+        attend, positions = self.attend_and_positions()
+        return attend.to(torch.int64), positions
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache one new position per row in `layer` ((B, H, 1, D) each); returns that layer's
