@@ -105,6 +105,13 @@ class Daemon:
         return self.log_path.read_text()
 
 
+def write_api_keys(path: Path, users_by_key: dict[str, str]) -> Path:
+    """An API key file (key = user), readable by its owner only, as the daemon requires."""
+    path.write_text("".join(f'"{key}" = "{user}"\n' for key, user in users_by_key.items()))
+    path.chmod(0o600)
+    return path
+
+
 def write_config(path: Path, data_dir: Path, models: dict[str, Path], extra: str = "") -> Path:
     table = "\n".join(f'"{name}" = "{directory}"' for name, directory in models.items())
     path.write_text(

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Daemon, write_config  # the suite's real-daemon helpers
+from conftest import Daemon, write_config, write_api_keys  # the suite's real-daemon helpers
 
 from openrld.doctor import Status, main
 
@@ -51,9 +51,7 @@ def test_report_is_readable_text_with_one_line_per_check(shared_daemon):
 def key_daemon(tmp_path_factory, tiny_llama):
     """A key-mode daemon shared by this module's auth tests (one start instead of one per test)."""
     root = tmp_path_factory.mktemp("key-daemon")
-    keys = root / "keys.toml"
-    keys.write_text(f'"{KEY}" = "alice"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "keys.toml", {KEY: "alice"})
     config = write_config(root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, f'api_keys_file = "{keys}"')
     daemon = Daemon(root / "data", config, root / "daemon.log").start()
     yield daemon

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from conftest import Daemon, write_config
+from conftest import Daemon, write_config, write_api_keys
 from tinker import types
 
 ALICE = {"X-API-Key": "tml-alice-key"}
@@ -29,9 +29,7 @@ SECRET = "top secret outside the data dir"
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     root = tmp_path_factory.mktemp("isolation")
-    keys = root / "keys.toml"
-    keys.write_text('"tml-alice-key" = "alice"\n"tml-bob-key" = "bob"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "keys.toml", {"tml-alice-key": "alice", "tml-bob-key": "bob"})
     config = write_config(
         root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama},
         f'longpoll_s = 3.0\napi_keys_file = "{keys}"\nmaintenance_interval_s = 0.2',

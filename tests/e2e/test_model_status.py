@@ -15,7 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Daemon, write_config
+from tests.conftest import Daemon, write_config, write_api_keys
 
 HEADERS = {"X-API-Key": "tml-test"}
 PROMPT = types.ModelInput.from_ints([7, 8, 9, 10])
@@ -72,9 +72,7 @@ def sliced_daemon(tmp_path_factory, tiny_llama, tiny_qwen3):
 def keyed_daemon(tmp_path_factory, tiny_llama, tiny_qwen3):
     """Three devices and two users (alice: tml-alice, bob: tml-bob)."""
     root = tmp_path_factory.mktemp("keys")
-    keys = root / "keys.toml"
-    keys.write_text('"tml-alice" = "alice"\n"tml-bob" = "bob"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "keys.toml", {"tml-alice": "alice", "tml-bob": "bob"})
     daemon = _own_daemon(
         tmp_path_factory, tiny_llama, tiny_qwen3, "keyed",
         f'devices = ["cpu:0", "cpu:1", "cpu:2"]\napi_keys_file = "{keys}"',

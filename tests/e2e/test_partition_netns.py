@@ -36,7 +36,7 @@ import httpx
 import msgspec
 import pytest
 
-from conftest import Daemon, write_config  # the suite's real-daemon helpers
+from conftest import Daemon, write_config, write_api_keys  # the suite's real-daemon helpers
 from openrld.actors.membership.config import (
     MembershipConfig,
     detection_bound,
@@ -199,9 +199,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
         pytest.skip(f"network namespaces unavailable: {exc}")
     root = tmp_path_factory.mktemp("partition")
     # Off loopback, a daemon serves only with an API key file (open mode is loopback-only).
-    keys = root / "api-keys.toml"
-    keys.write_text(f'"{API_KEY}" = "partition-test"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "api-keys.toml", {API_KEY: "partition-test"})
     network = BridgedNamespaces(NODES)
     daemons: dict[str, Daemon] = {}
     try:

@@ -28,7 +28,7 @@ import safetensors.torch
 import tinker
 import tinker.lib.public_interfaces as public_interfaces
 import torch
-from conftest import Daemon, write_config
+from conftest import Daemon, write_config, write_api_keys
 from tinker import types
 
 ALICE = "tml-alice-key"
@@ -51,9 +51,7 @@ def public_methods() -> list[str]:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     root = tmp_path_factory.mktemp("methods")
-    keys = root / "keys.toml"
-    keys.write_text(f'"{ALICE}" = "alice"\n"{BOB}" = "bob"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "keys.toml", {ALICE: "alice", BOB: "bob"})
     # The model is named by its directory, so the SDK's get_tokenizer loads it offline.
     config = write_config(
         root / "openrld.toml", root / "data", {str(tiny_llama): tiny_llama},

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 import tinker
-from conftest import Daemon, write_config
+from conftest import Daemon, write_config, write_api_keys
 from tinker import types
 
 ALICE = "tml-alice-key"
@@ -63,9 +63,7 @@ def _start(root: Path, name: str, models: dict[str, Path], keys: Path, shared: P
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     root = tmp_path_factory.mktemp("shared-root")
-    keys = root / "keys.toml"
-    keys.write_text(f'"{ALICE}" = "alice"\n"{BOB}" = "bob"\n')
-    keys.chmod(0o600)
+    keys = write_api_keys(root / "keys.toml", {ALICE: "alice", BOB: "bob"})
     shared = root / "checkpoints"
     shared.mkdir()
     models = {"tiny-llama": tiny_llama}
