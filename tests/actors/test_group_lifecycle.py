@@ -27,19 +27,10 @@ from openrld.batches import AdamParams, SampleJob, SamplingSpec
 from openrld.errors import BadRequest, ServerError
 from openrld.gpu.engines import TorchEngineFactory
 from openrld.model_catalog import ModelEntry
+from tests.actors.test_sampler_replicas import MemoryLog
 
 OWNER = "u"
 DEVICE = "cpu:0"
-
-
-class MemoryLog:
-    """The request log the future table writes to (the store, in the daemon)."""
-
-    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
-        pass
-
-    def request_state(self, request_id: str) -> str | None:
-        return None
 
 
 class NoCheckpoints:
