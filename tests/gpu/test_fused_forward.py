@@ -169,6 +169,30 @@ def test_prompts_prefilled_together_match_each_prefilled_alone(model_dir: Path) 
                 torch.testing.assert_close(values, alone_values, rtol=0, atol=1e-5)
 
 
+def test_bfloat16_decode_and_prefill_match_the_model_forward(model_dir: Path) -> None:
+    """The bf16 path (RMSNorm in fp32, cast back, as Hugging Face does), at torch's bf16 tolerance."""
+    model = models.load_causal_lm(model_dir, CPU, torch.bfloat16)
+    torch.manual_seed(5)
+    with torch.no_grad():  # a fresh model's norm weights are all 1, which would hide their use
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    fused = FusedForward.for_model(model)
+    prompt = torch.tensor(PROMPTS[0])
+    with torch.inference_mode():
+        expected = model(input_ids=torch.cat([prompt, torch.tensor([7])])[None]).logits[0, -1]
+        cache = transformers.DynamicCache(config=model.config)
+        fused.prefill(prompt, cache, BASE_ADAPTER, keep=1)
+        batch = KvBatch(model.config, CPU)
+        batch.join(cache_tensors(cache), 1)
+        decoded = fused.decode(torch.tensor([7]), batch, [BASE_ADAPTER])[0]
+        whole = transformers.DynamicCache(config=model.config)
+        prefilled = fused.prefill(torch.cat([prompt, torch.tensor([7])]), whole, BASE_ADAPTER, keep=1)[0]
+    assert decoded.dtype == prefilled.dtype == torch.bfloat16
+    torch.testing.assert_close(decoded, expected)
+    torch.testing.assert_close(prefilled, expected)
+
+
 def test_models_outside_the_llama_family_keep_the_hugging_face_forward() -> None:
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
     assert unsupported_reason(gpt2) == "model type 'gpt2' is not one of ['llama', 'mistral', 'qwen2', 'qwen3']"
