@@ -1,7 +1,7 @@
 """The node daemon: one trio root nursery holding the store, the actors and the HTTP front.
 
 `serve(config)` opens the store, starts the future table, the group and job
-tables and hypercorn, and reports the bound address through `task_status`
+tables and the HTTP server (`api/http1.py`), and reports the bound address through `task_status`
 only once the server accepts connections. Shutdown is a cancel of that
 nursery: the server stops taking requests, pending long-polls answer 503, and
 the store is closed after every actor has stopped, so no half-written
@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
-import hypercorn.config
-import hypercorn.trio
 import trio
 
 from openrld import ids
@@ -35,6 +33,7 @@ from openrld.actors.membership.messages import DeviceSlot
 from openrld.actors.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
+from openrld.api.http1 import Http1Settings, Server
 from openrld.api.signing import Signer
 from openrld.capabilities import DeviceSummary
 from openrld.config import NodeConfig, load_api_keys
@@ -48,17 +47,6 @@ logger = logging.getLogger(__name__)
 
 MODEL_CACHE_DIR = "models"  # under the data dir: GGUF conversions (see model_catalog)
 GRACEFUL_SHUTDOWN_S = 3.0  # in-flight requests get this long to answer; pending long-polls answer 503 at once
-
-
-def _hypercorn_config(config: NodeConfig) -> hypercorn.config.Config:
-    hc = hypercorn.config.Config()
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = GRACEFUL_SHUTDOWN_S
-    hc.keep_alive_timeout = 75.0  # longer than the SDK's 45 s long-poll, so polls reuse connections
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    return hc
 
 
 def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
@@ -150,9 +138,8 @@ async def serve(
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
-                binds = await front.start(
-                    partial(hypercorn.trio.serve, build_app(services), _hypercorn_config(config), shutdown_trigger=stop.wait)
-                )
+                http = Server(build_app(services), Http1Settings(graceful_s=GRACEFUL_SHUTDOWN_S))
+                binds = await front.start(http.serve, config.host, config.port, stop)
                 logger.info(
                     "openrld serving url=%s data_dir=%s devices=%s cpu_threads=%s open_mode=%s",
                     binds[0], config.data_dir, ",".join(d.name for d in device_records), threads or "default",
@@ -176,7 +163,7 @@ async def serve(
                 gc.freeze()
                 task_status.started(binds[0])
                 await stop.wait()
-                futures.close()  # pending long-polls answer 503 now, within hypercorn's graceful drain
+                futures.close()  # pending long-polls answer 503 now, within the server's graceful drain
             nursery.cancel_scope.cancel()
             if peers is not None:
                 with trio.CancelScope(shield=True):

@@ -1,0 +1,357 @@
+"""HTTP/1.1 for the daemon's ASGI app: h11 for the protocol, trio for the sockets.
+
+Each connection is one task: it reads a request, calls the app inline, writes
+the reply, and waits for the next request on the same connection. The SDK keeps
+its connections alive and never pipelines, so that is all the concurrency a
+connection needs. h11 owns the protocol (framing, keep-alive, chunked bodies,
+what may follow what); this module moves bytes and translates between h11's
+events and ASGI's messages.
+
+Why not hypercorn, which served the app before: per request it spawns a task
+for the app, restarts an idle-timeout task twice, and takes a lock and a
+shielded scope for each write. On the training and sampling loop's small POSTs
+that cost ~1.5 ms of event-loop time per request against ~0.5 ms here
+(`bench/http_server.py`), on the thread whose GIL the model's step thread needs.
+
+Shutdown drains as hypercorn's did: stop accepting, close idle connections,
+give requests in flight `graceful_s` to answer, then cancel what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import Awaitable, Callable
+from urllib.parse import unquote_to_bytes
+
+import h11
+import msgspec
+import trio
+
+logger = logging.getLogger(__name__)
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+RECEIVE_BYTES = 64 * 1024
+UNREAD_BODY_BYTES = 1 << 20  # after a reply, read at most this much of a body the app left, then close
+LINGER_S = 2.0  # closing with a body still arriving: how long to drain it so that the reply is not reset
+
+
+class Http1Settings(msgspec.Struct, frozen=True):
+    keep_alive_s: float = 75.0  # an idle connection closes after this; longer than the SDK's 45 s long-poll
+    graceful_s: float = 3.0  # at shutdown, requests in flight get this long to answer
+    max_head_bytes: int = 64 * 1024  # request line and headers; a longer head is refused with 431
+
+
+class Server:
+    """Serves one ASGI app on TCP listeners until `stop` is set, then drains."""
+
+    def __init__(self, app: ASGIApp, settings: Http1Settings = Http1Settings()) -> None:
+        self._app = app
+        self._settings = settings
+        self._lifespan_state: dict = {}
+        self._idle: set[trio.CancelScope] = set()  # connections waiting for their next request
+        self._in_flight = 0
+        self._draining = False
+        self._drained = trio.Event()
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        stop: trio.Event,
+        *,
+        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Start the app's lifespan, bind, report the bound URLs, serve until `stop`, drain, shut the app down."""
+        lifespan = _Lifespan(self._app, self._lifespan_state)
+        async with trio.open_nursery() as outer:
+            await outer.start(lifespan.run)
+            listeners = await trio.open_tcp_listeners(port, host=host)
+            async with trio.open_nursery() as connections:
+                async with trio.open_nursery() as accepting:
+                    serve = partial(trio.serve_listeners, self._connection, listeners, handler_nursery=connections)
+                    accepting.start_soon(serve)
+                    task_status.started([_url(listener) for listener in listeners])
+                    await stop.wait()
+                    accepting.cancel_scope.cancel()
+                for listener in listeners:
+                    await listener.aclose()
+                await self._drain()
+                connections.cancel_scope.cancel()
+            await lifespan.shutdown()
+            outer.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
+        """Close idle connections, and give the requests in flight `graceful_s` to answer."""
+        self._draining = True
+        for scope in self._idle:
+            scope.cancel()
+        if self._in_flight:
+            with trio.move_on_after(self._settings.graceful_s):
+                await self._drained.wait()
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=self._settings.max_head_bytes)
+        client, local = _addresses(stream)
+        try:
+            while not self._draining:
+                request = await self._next_request(connection, stream)
+                if request is None:
+                    return
+                scope = _scope(request, client, local, self._lifespan_state)
+                self._in_flight += 1
+                try:
+                    await _Exchange(connection, stream, lambda: self._draining).run(self._app, scope)
+                finally:
+                    self._in_flight -= 1
+                    if self._draining and not self._in_flight:
+                        self._drained.set()
+                if connection.our_state is not h11.DONE or connection.their_state is not h11.DONE:
+                    break  # the reply was cut short, or one side asked to close
+                connection.start_next_cycle()
+            if connection.their_state is h11.SEND_BODY:
+                await _linger(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _next_request(self, connection: h11.Connection, stream: trio.SocketStream) -> h11.Request | None:
+        """The next request's head; None once the client closed, idled out, or sent something that is not HTTP."""
+        with trio.move_on_after(self._settings.keep_alive_s) as idle:
+            self._idle.add(idle)
+            try:
+                while True:
+                    try:
+                        event = connection.next_event()
+                    except h11.RemoteProtocolError as error:
+                        await _refuse(connection, stream, error.error_status_hint, f"bad HTTP request: {error}")
+                        return None
+                    if isinstance(event, h11.Request):
+                        if _head_bytes(event) > self._settings.max_head_bytes:
+                            # h11 checks only a head still incomplete; one that arrived whole is checked here.
+                            detail = f"request head over {self._settings.max_head_bytes} bytes"
+                            await _refuse(connection, stream, 431, detail)
+                            return None
+                        return event
+                    if event is not h11.NEED_DATA:
+                        return None  # ConnectionClosed
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                    self._idle.discard(idle)  # a request is arriving: a drain lets it finish
+                    connection.receive_data(data)
+            finally:
+                self._idle.discard(idle)
+        return None
+
+
+class _Exchange:
+    """One request and its reply: the `receive` and `send` of one ASGI call."""
+
+    def __init__(self, connection: h11.Connection, stream: trio.SocketStream, draining: Callable[[], bool]) -> None:
+        self._connection = connection
+        self._stream = stream
+        self._draining = draining
+        self._response: h11.Response | None = None  # from http.response.start, sent with the first body
+        self._body_read = False
+        self._held = None  # an event read ahead while looking for the body's end
+        self._over = trio.Event()
+
+    async def run(self, app: ASGIApp, scope: dict) -> None:
+        try:
+            await app(scope, self._receive, self._send)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise  # the client went away mid-reply: its connection ends, quietly
+        except Exception:  # one request's failure is its own; the connection closes if its reply was cut short
+            logger.exception("unhandled error in the app path=%s", scope["path"])
+        finally:
+            self._over.set()
+        if self._connection.our_state is h11.SEND_RESPONSE:  # the app failed or returned before answering
+            self._response = h11.Response(status_code=500, headers=[(b"content-length", b"0")])
+            await self._send({"type": "http.response.body", "body": b""})
+        await self._discard_unread_body()
+
+    async def _discard_unread_body(self) -> None:
+        """Read the rest of a body the app did not read (a refused upload), up to UNREAD_BODY_BYTES.
+
+        Then the connection can carry on; past the limit it closes. Either way the client gets its
+        reply: a socket closed with unread input resets, which can destroy a reply still in flight.
+        """
+        left = UNREAD_BODY_BYTES
+        while self._connection.their_state is h11.SEND_BODY and self._connection.our_state is h11.DONE and left > 0:
+            message = await self._receive()
+            left -= len(message.get("body", b""))
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _receive(self) -> dict:
+        if self._body_read:
+            await self._over.wait()  # ASGI: after the body, the next message is the end of the exchange
+            return {"type": "http.disconnect"}
+        if self._connection.client_is_waiting_for_100_continue:
+            await self._stream.send_all(self._connection.send(h11.InformationalResponse(status_code=100, headers=[])))
+        event = await self._next_body_event()
+        if isinstance(event, h11.Data):
+            # A body that arrived whole goes up as one message, as most do.
+            following = self._next_parsed()
+            if isinstance(following, h11.EndOfMessage):
+                self._body_read = True
+                return {"type": "http.request", "body": bytes(event.data), "more_body": False}
+            self._held = following
+            return {"type": "http.request", "body": bytes(event.data), "more_body": True}
+        self._body_read = True
+        if isinstance(event, h11.EndOfMessage):
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.disconnect"}  # the client closed mid-body
+
+    async def _next_body_event(self) -> h11.Data | h11.EndOfMessage | h11.ConnectionClosed:
+        event, self._held = self._held, None
+        if event is None:
+            event = self._next_parsed()
+        while event is h11.NEED_DATA:
+            self._connection.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
+            event = self._next_parsed()
+        return event
+
+    def _next_parsed(self) -> object:
+        """h11's next event from what has arrived: NEED_DATA when it needs more bytes."""
+        try:
+            return self._connection.next_event()
+        except h11.RemoteProtocolError:
+            return h11.ConnectionClosed()  # a malformed body ends the exchange as a disconnect would
+
+    async def _send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if self._draining():
+                headers.append((b"connection", b"close"))
+            self._response = h11.Response(status_code=message["status"], headers=headers)
+            return
+        state = self._connection.our_state
+        writable = state is h11.SEND_RESPONSE or state is h11.SEND_BODY
+        if message["type"] != "http.response.body" or self._response is None or not writable:
+            return  # a body before the start, or after the end: nothing to write
+        data = self._connection.send(self._response) if state is h11.SEND_RESPONSE else b""
+        body = message.get("body", b"")
+        if body:
+            data += self._connection.send(h11.Data(data=body))
+        if not message.get("more_body", False):
+            data += self._connection.send(h11.EndOfMessage())
+        await self._stream.send_all(data)
+
+
+class _Lifespan:
+    """ASGI's lifespan protocol, so that the app's startup and shutdown hooks run.
+
+    An app that returns from the lifespan scope (or raises on it) does not speak
+    the protocol; it then needs no start or stop, and nothing waits for it.
+    """
+
+    def __init__(self, app: ASGIApp, state: dict) -> None:
+        self._app = app
+        self._state = state
+        self._to_app_send, self._to_app = trio.open_memory_channel[dict](math.inf)
+        self._started = trio.Event()
+        self._stopped = trio.Event()
+        self._failure: str | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the app's lifespan task; report started once the app has answered startup."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._app_task)
+            self._to_app_send.send_nowait({"type": "lifespan.startup"})
+            await self._started.wait()
+            if self._failure is not None:
+                raise RuntimeError(f"the app failed to start: {self._failure}")
+            task_status.started()
+
+    async def shutdown(self) -> None:
+        self._to_app_send.send_nowait({"type": "lifespan.shutdown"})
+        await self._stopped.wait()
+
+    async def _app_task(self) -> None:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": self._state}
+        try:
+            await self._app(scope, self._to_app.receive, self._from_app)
+        except Exception:
+            logger.debug("the app does not take the lifespan scope", exc_info=True)
+        finally:
+            self._started.set()
+            self._stopped.set()
+
+    async def _from_app(self, message: dict) -> None:
+        kind = message["type"]
+        if kind.endswith(".failed"):
+            self._failure = message.get("message", "")
+        if kind.startswith("lifespan.startup."):
+            self._started.set()
+        elif kind.startswith("lifespan.shutdown."):
+            self._stopped.set()
+
+
+def _scope(
+    request: h11.Request, client: tuple[str, int] | None, local: tuple[str, int] | None, lifespan_state: dict
+) -> dict:
+    path, _, query = request.target.partition(b"?")
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": request.http_version.decode(),
+        "method": request.method.decode(),
+        "scheme": "http",
+        "path": unquote_to_bytes(path).decode("utf-8", "surrogateescape") if b"%" in path else path.decode("latin-1"),
+        "raw_path": path,
+        "query_string": query,
+        "root_path": "",
+        "headers": list(request.headers),
+        "client": client,
+        "server": local,
+        "state": dict(lifespan_state),
+    }
+
+
+async def _linger(stream: trio.SocketStream) -> None:
+    """Close the way out, then discard what the client still sends for a moment before the socket closes.
+
+    Closing a socket with unread input sends a reset, and a reset can destroy the
+    reply still on its way to a client that is busy sending a body nobody reads.
+    """
+    await stream.send_eof()
+    with trio.move_on_after(LINGER_S):
+        while await stream.receive_some(RECEIVE_BYTES):
+            pass
+
+
+def _head_bytes(request: h11.Request) -> int:
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + len(b": \r\n") for name, value in request.headers)
+
+
+async def _refuse(connection: h11.Connection, stream: trio.SocketStream, status: int, detail: str) -> None:
+    """Answer a request that never reaches the app, and close: h11 could not parse it, or its head is too long."""
+    if connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return
+    body = msgspec.json.encode({"detail": detail})
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    data = connection.send(h11.Response(status_code=status, headers=headers))
+    data += connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage())
+    await stream.send_all(data)
+
+
+def _addresses(stream: trio.SocketStream) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    try:
+        peer, local = stream.socket.getpeername(), stream.socket.getsockname()
+    except OSError:
+        return None, None
+    return (peer[0], peer[1]), (local[0], local[1])
+
+
+def _url(listener: trio.SocketListener) -> str:
+    host, port = listener.socket.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
