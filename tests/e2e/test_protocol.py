@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 
 import httpx
 import pytest
@@ -139,6 +140,26 @@ def test_malformed_protobuf_is_400_and_the_daemon_keeps_serving(http):
     assert response.status_code == 400
     assert "detail" in response.json()
     assert http.get("/api/v1/healthz").json()["status"] == "ok"
+
+
+def test_bytes_that_are_not_http_are_400_and_the_daemon_keeps_serving(shared_daemon, http):
+    host, port = shared_daemon.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall(b"\x16\x03\x01 a TLS hello is not HTTP\r\n\r\n")
+        reply = raw.makefile("rb").read()
+    assert reply.startswith(b"HTTP/1.1 400 ")
+    assert b"bad HTTP request" in reply
+    assert http.get("/api/v1/healthz").json()["status"] == "ok"
+
+
+def test_a_body_over_the_limit_is_413_and_its_connection_serves_the_next_request(make_daemon):
+    daemon = make_daemon("max_body_bytes = 4096")
+    with httpx.Client(base_url=daemon.url, timeout=60) as client:
+        refused = client.post("/api/v1/forward_backward", content=b"x" * 20_000, headers=HEADERS)
+        after = client.get("/api/v1/healthz")
+    assert refused.status_code == 413
+    assert refused.json()["detail"] == "request body over 4096 bytes"
+    assert after.json()["status"] == "ok"
 
 
 @pytest.mark.parametrize(
