@@ -7,6 +7,7 @@ app, and speaks HTTP to it as raw bytes, reading replies with an h11 client.
 from __future__ import annotations
 
 import contextlib
+import socket
 from typing import AsyncIterator
 
 import h11
@@ -57,6 +58,11 @@ class Client:
     @classmethod
     async def open(cls, port: int) -> Client:
         return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    @classmethod
+    async def open_url(cls, url: str) -> Client:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return cls(await trio.open_tcp_stream(host.strip("[]"), int(port)))
 
     async def send(self, raw: bytes) -> None:
         await self.stream.send_all(raw)
@@ -305,3 +311,24 @@ async def test_a_drain_cancels_a_request_that_outlasts_the_grace() -> None:
         with trio.fail_after(5):
             await cancelled.wait()
         assert await client.closed()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_an_ipv6_listener_reports_its_url_with_brackets() -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(Server(echo).serve, "::1", 0, stop)
+        assert urls[0].startswith("http://[::1]:")
+        client = await Client.open_url(urls[0])
+        await client.send(post("/v6", b""))
+        assert (await client.reply())[0] == 200
+        stop.set()
