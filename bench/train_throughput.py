@@ -10,19 +10,23 @@ cross-entropy in fp32 and AdamW (torch.optim.AdamW, foreach=False, on the bare s
         before the previous step's results are read, as tinker-cookbook's pipelined
         supervised loop does: the trainer's throughput, with the client keeping it fed;
 - API lock-step: the same, but each step's results are read before the next step is
-        submitted, so every step also pays the client's and the HTTP round trip's latency.
+        submitted, so every step also pays the client's and the HTTP round trip's latency;
+- engine: the daemon's trainer engine (`TorchTrainer`, the same forward_backward and
+        optim_step calls the trainer actor makes) in this process, no server: what the
+        daemon's compute costs before any HTTP, SDK or event loop is around it.
 
 Bare and API blocks alternate, so drift in this shared machine's speed hits both.
 Printed figures, all measured in this run:
 
     throughput ratio = bare seconds per step / API pipelined seconds per step  (target >= 0.9 per shape)
     lock-step ratio  = bare seconds per step / API lock-step seconds per step  (no target: latency-bound)
+    engine ratio     = bare seconds per step / engine seconds per step         (no target: it splits the gap)
     memory ratio     = daemon peak RSS / bare-loop peak RSS                    (target <= 1.2)
 
 The bare loop's peak is that of a child process that runs only the bare loop over the
 same shapes (same imports, same model), so neither side counts the other's memory.
 
-Run: `.venv/bin/python bench/train_throughput.py` (about 3-5 minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/train_throughput.py` (about 4-6 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
 
-from openrld.batches import LoraSpec  # noqa: E402
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum  # noqa: E402
 from openrld.gpu.models import load_causal_lm, lora_config  # noqa: E402
+from openrld.gpu.torch_trainer import TorchTrainer  # noqa: E402
 
 SHAPES = ((8, 128), (32, 256), (4, 1024))  # (sequences, tokens per sequence)
 RANK, LR = 8, 1e-4
@@ -77,6 +82,27 @@ class BareLoop:
             (-logprobs.sum()).backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+class EngineLoop:
+    """The daemon's trainer engine in this process: the calls the trainer actor makes, without the server."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.engine = TorchTrainer(model_dir, torch.device("cpu"))
+        self.engine.add_adapter("bench", LoraSpec(rank=RANK, seed=0))
+
+    def steps(self, batch: int, seq_len: int, count: int) -> list[float]:
+        data = [
+            TrainDatum(tokens=row[:-1], inputs={"target_tokens": row[1:]}) for row in batch_tokens(batch, seq_len)
+        ]
+        request = ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            self.engine.forward_backward_many("bench", [request])
+            self.engine.optim_step("bench", AdamParams(learning_rate=LR))
             times.append(time.perf_counter() - start)
         return times
 
@@ -173,16 +199,18 @@ def main() -> None:
     torch.manual_seed(0)
     match_daemon_threads()
     with tiny_daemon() as (url, model_dir):
-        bare, api = BareLoop(model_dir), ApiLoop(url)
+        bare, engine, api = BareLoop(model_dir), EngineLoop(model_dir), ApiLoop(url)
         figures = []
         for batch, seq_len in SHAPES:
-            times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": []}
+            times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": [], "engine": []}
             bare.steps(batch, seq_len, WARMUP)
+            engine.steps(batch, seq_len, WARMUP)
             api.steps(batch, seq_len, WARMUP, pipelined=False)
             for _ in range(ROUNDS):
                 times["bare"] += bare.steps(batch, seq_len, STEPS)
                 times["pipelined"] += api.steps(batch, seq_len, STEPS, pipelined=True)
                 times["lock-step"] += api.steps(batch, seq_len, STEPS, pipelined=False)
+                times["engine"] += engine.steps(batch, seq_len, STEPS)
             figures.append((batch, seq_len, {key: statistics.median(values) for key, values in times.items()}))
         daemon_peak = peak_rss_bytes(daemon_pid())
         api.close()
@@ -190,10 +218,12 @@ def main() -> None:
     print(f"tiny Llama, LoRA rank {RANK}, median of {ROUNDS}x{STEPS} steps per side and shape")
     for batch, seq_len, median in figures:
         bare_s, pipelined_s, lock_step_s = median["bare"], median["pipelined"], median["lock-step"]
+        engine_s = median["engine"]
         print(
             f"{batch:>3}x{seq_len:<5} bare {bare_s * 1e3:7.1f} ms  API pipelined {pipelined_s * 1e3:7.1f} ms  "
             f"throughput ratio (bare/API, target >= 0.9): {bare_s / pipelined_s:.3f}   "
-            f"lock-step {lock_step_s * 1e3:7.1f} ms, ratio {bare_s / lock_step_s:.3f}"
+            f"lock-step {lock_step_s * 1e3:7.1f} ms, ratio {bare_s / lock_step_s:.3f}   "
+            f"engine {engine_s * 1e3:7.1f} ms, ratio {bare_s / engine_s:.3f}"
         )
     print(
         f"peak RSS: daemon {daemon_peak / 2**20:.0f} MiB, bare loop {bare_peak / 2**20:.0f} MiB, "
