@@ -123,6 +123,7 @@ class Server:
         """The next request's head; None once the client closed, idled out, or sent something that is not HTTP."""
         with trio.move_on_after(self._settings.keep_alive_s) as idle:
             self._idle.add(idle)
+            received = 0
             try:
                 while True:
                     try:
@@ -131,16 +132,18 @@ class Server:
                         await _refuse(connection, stream, error.error_status_hint, f"bad HTTP request: {error}")
                         return None
                     if isinstance(event, h11.Request):
-                        if _head_bytes(event) > self._settings.max_head_bytes:
-                            # h11 checks only a head still incomplete; one that arrived whole is checked here.
-                            detail = f"request head over {self._settings.max_head_bytes} bytes"
-                            await _refuse(connection, stream, 431, detail)
+                        # h11 bounds a head still incomplete; one that arrived whole in a large read is
+                        # measured here (the usual head came in a read under the limit: nothing to count).
+                        limit = self._settings.max_head_bytes
+                        if received > limit and _head_bytes(event) > limit:
+                            await _refuse(connection, stream, 431, f"request head over {limit} bytes")
                             return None
                         return event
                     if event is not h11.NEED_DATA:
                         return None  # ConnectionClosed
                     data = await stream.receive_some(RECEIVE_BYTES)
                     self._idle.discard(idle)  # a request is arriving: a drain lets it finish
+                    received += len(data)
                     connection.receive_data(data)
             finally:
                 self._idle.discard(idle)
