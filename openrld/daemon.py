@@ -1,8 +1,8 @@
 """The node daemon: one trio root nursery holding the store, the actors and the HTTP front.
 
 `serve(config)` opens the store, starts the future table, the group and job
-tables and the HTTP server (`api/http1.py`), and reports the bound address through `task_status`
-only once the server accepts connections. Shutdown is a cancel of that
+tables and the HTTP server (`api/http1.py`), and reports the bound address
+through `task_status` only once the server accepts connections. Shutdown is a cancel of that
 nursery: the server stops taking requests, pending long-polls answer 503, and
 the store is closed after every actor has stopped, so no half-written
 checkpoint is ever visible (checkpoints are written to a staging directory
