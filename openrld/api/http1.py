@@ -115,6 +115,8 @@ class Server:
                 await _linger(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away
+        except Exception:  # a bug here ends this connection, never the server
+            logger.exception("HTTP connection failed client=%s", client)
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()

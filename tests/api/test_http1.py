@@ -332,3 +332,37 @@ async def test_an_ipv6_listener_reports_its_url_with_brackets() -> None:
         await client.send(post("/v6", b""))
         assert (await client.reply())[0] == 200
         stop.set()
+
+
+async def test_a_reply_head_h11_refuses_becomes_a_500_and_the_connection_carries_on() -> None:
+    async def invalid(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/invalid":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"bad header", b"x")]})
+            await send({"type": "http.response.body", "body": b"never sent"})
+            return
+        await echo(scope, receive, send)
+
+    async with serving(invalid) as (port, _):
+        client = await Client.open(port)
+        await client.send(post("/invalid", b""))
+        assert await client.reply() == (500, {b"content-length": b"0"}, b"")
+        await client.send(post("/after", b""))
+        assert (await client.reply())[0] == 200
+
+
+async def test_an_app_failing_mid_reply_closes_that_connection_and_the_server_keeps_serving() -> None:
+    async def failing_midway(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/midway":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100")]})
+            await send({"type": "http.response.body", "body": b"only part", "more_body": True})
+            raise RuntimeError("boom")
+        await echo(scope, receive, send)
+
+    async with serving(failing_midway) as (port, _):
+        cut = await Client.open(port)
+        await cut.send(post("/midway", b""))
+        with pytest.raises(h11.RemoteProtocolError, match="without sending complete message body"):
+            await cut.reply()
+        fresh = await Client.open(port)
+        await fresh.send(post("/after", b""))
+        assert (await fresh.reply())[0] == 200
