@@ -128,8 +128,8 @@ def main() -> None:
         sdk_via_a, sdk_via_b = alternate(
             args.blocks, lambda: sdk_steps(training_a, steps), lambda: sdk_steps(training_b, steps)
         )
-        service_a.close("success")
-        service_b.close("success")
+        service_a.close("success").result()
+        service_b.close("success").result()
 
     def line(what: str, a: list[float], b: list[float]) -> None:
         ma, mb = statistics.median(a), statistics.median(b)

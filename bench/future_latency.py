@@ -93,7 +93,7 @@ def through_sdk(url: str) -> list[float]:
         training.optim_step(types.AdamParams()).result()
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
-    service.close("success")
+    service.close("success").result()
     return times
 
 

@@ -92,7 +92,7 @@ def clients_tokens_per_s(url: str, clients: int) -> float:
         t.join()
     seconds = time.perf_counter() - start
     for service in services:
-        service.close("success")
+        service.close("success").result()
     assert sum(counts) == clients * REPEATS * NEW_TOKENS
     return sum(counts) / seconds
 
@@ -113,7 +113,7 @@ def main() -> None:
                 figures.setdefault(f"api{batch}", []).append(api_tokens_per_s(sampling, batch))
             figures.setdefault("one", []).append(clients_tokens_per_s(url, 1))
             figures.setdefault("many", []).append(clients_tokens_per_s(url, CLIENTS))
-        service.close("success")
+        service.close("success").result()
     median = {key: statistics.median(values) for key, values in figures.items()}
     print(f"prompt {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens per sample, medians of {ROUNDS} rounds")
     for batch, target in ((1, 1.0), (8, 1.5)):

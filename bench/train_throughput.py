@@ -160,7 +160,7 @@ class ApiLoop:
         return times
 
     def close(self) -> None:
-        self.service.close("success")
+        self.service.close("success").result()
 
 
 def peak_rss_bytes(pid: int) -> int:

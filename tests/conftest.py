@@ -80,6 +80,9 @@ class Daemon:
             match = re.match(r"openrld listening on (\S+)", line)
             if match:
                 self.url = match.group(1)
+                # A restart comes back on this port, as a node with a configured port does, so
+                # that clients made before it (and their session heartbeats) still reach it.
+                self.port = int(self.url.rsplit(":", 1)[1])
                 return self
         self.stop()
         raise RuntimeError(f"daemon did not start; log:\n{self.log_path.read_text()[-4000:]}")

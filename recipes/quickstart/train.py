@@ -180,4 +180,4 @@ def train(config: QuickstartConfig, *, on_step: Callable[[StepRecord], None] | N
                     break
         return records
     finally:
-        service.close("success")
+        service.close("success").result()

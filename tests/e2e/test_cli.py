@@ -33,7 +33,7 @@ def saved(shared_daemon):
     state = training.save_state("cli-state").result().path
     sampler = training.save_weights_for_sampler("cli-sampler").result().path
     doomed = training.save_weights_for_sampler("cli-doomed").result().path
-    service.close("success")
+    service.close("success").result()
     return training.model_id, state, sampler, doomed
 
 

@@ -99,7 +99,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_qwe
 def service(cluster: dict[str, Daemon]):
     client = tinker.ServiceClient(base_url=cluster["node-a"].url, api_key=KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_every_node_lists_the_runs_of_every_node(cluster, jobs) -> None:
     for daemon in cluster.values():
         other = tinker.ServiceClient(base_url=daemon.url, api_key=KEY)
         listed = {run.training_run_id for run in other.create_rest_client().list_training_runs(limit=50).result().training_runs}
-        other.close("success")
+        other.close("success").result()
         assert wanted <= listed, daemon.url
 
 

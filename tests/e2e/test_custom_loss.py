@@ -30,7 +30,7 @@ def squared_logprobs(data: list[types.Datum], logprobs: list[torch.Tensor]) -> t
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def test_forward_backward_custom_reports_the_loss_and_the_surrogate(service):

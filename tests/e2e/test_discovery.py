@@ -113,7 +113,7 @@ def test_metrics_reports_the_trainer_queue_of_a_started_group(shared_daemon):
         service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=0).result()
         samples = _metrics(shared_daemon.url)
     finally:
-        service.close("success")
+        service.close("success").result()
     assert samples['openrld_trainer_queue_depth{base_model="tiny-qwen3"}'] == 0
     assert samples['openrld_sampler_queue_depth{base_model="tiny-qwen3"}'] == 0
     assert samples["openrld_store_sessions"] >= 1

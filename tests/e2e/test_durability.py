@@ -26,7 +26,7 @@ def test_tinker_paths_still_work_after_kill_9_and_restart(make_daemon):
     loss = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
     prompt = types.ModelInput.from_ints([40, 41, 42, 43])
     logprobs = service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
-    service.close("success")
+    service.close("success").result()
 
     daemon.kill()
     restarted = make_daemon(data_dir=daemon.data_dir)
@@ -34,7 +34,7 @@ def test_tinker_paths_still_work_after_kill_9_and_restart(make_daemon):
     resumed = service.create_training_client_from_state_with_optimizer(state_path).result()
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss
     assert service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result() == logprobs
-    service.close("success")
+    service.close("success").result()
 
 
 def test_a_future_pending_at_the_crash_answers_410(make_daemon, tiny_llama):
@@ -78,11 +78,11 @@ def test_resuming_after_kill_9_reproduces_the_losses_of_an_uninterrupted_run(mak
     state = training.save_state("step2").result().path
     uninterrupted = train(training, 3)
     train(training, 1)  # work after the checkpoint that the crash loses
-    service.close("success")
+    service.close("success").result()
 
     daemon.kill()
     restarted = make_daemon(data_dir=daemon.data_dir)
     service = tinker.ServiceClient(base_url=restarted.url, api_key="tml-test")
     resumed = service.create_training_client_from_state_with_optimizer(state).result()
     assert train(resumed, 3) == pytest.approx(uninterrupted, abs=1e-5)
-    service.close("success")
+    service.close("success").result()

@@ -38,7 +38,7 @@ DATA = [_datum(30), _datum(50)]
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def _full_client(service, **metadata: str):
@@ -180,7 +180,7 @@ def test_full_checkpoints_survive_kill_9_resume_and_sample_as_before(make_daemon
     sampler_path = training.save_weights_for_sampler("step1").result().path
     before = service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(PROMPT).result()
     uninterrupted = [_step(training) for _ in range(2)]
-    service.close("success")
+    service.close("success").result()
 
     daemon.kill()
     restarted = make_daemon(data_dir=daemon.data_dir)
@@ -189,4 +189,4 @@ def test_full_checkpoints_survive_kill_9_resume_and_sample_as_before(make_daemon
     assert [_step(resumed) for _ in range(2)] == pytest.approx(uninterrupted, abs=1e-5, rel=0)
     after = service.create_sampling_client(model_path=sampler_path).result().compute_logprobs(PROMPT).result()
     assert after == before
-    service.close("success")
+    service.close("success").result()

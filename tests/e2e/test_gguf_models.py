@@ -27,7 +27,7 @@ def gguf_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny
 def service(gguf_daemon):
     client = tinker.ServiceClient(base_url=gguf_daemon.url, api_key="tml-test")
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def _greedy(service, base_model: str) -> types.SampledSequence:

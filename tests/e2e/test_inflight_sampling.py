@@ -27,7 +27,7 @@ AGREE_ATOL = 1e-3  # sampler vs trainer logprobs (issue 04)
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def scored(sampler: tinker.SamplingClient) -> np.ndarray:

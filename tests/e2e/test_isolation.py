@@ -56,7 +56,7 @@ def alice(daemon: Daemon):
     del sampling
     yield {"run": run_id, "session": session_id, "state": state, "sampler_path": sampler_path,
            "external": external, "sampler_id": sampler_id}
-    service.close("success")  # before the daemon stops, or its heartbeat complains at exit
+    service.close("success").result()  # before the daemon stops, or its heartbeat complains at exit
 
 
 @pytest.fixture
@@ -126,10 +126,10 @@ def test_a_published_checkpoint_is_readable_but_not_changeable_by_others(daemon,
         bob = tinker.ServiceClient(base_url=daemon.url, api_key=BOB["X-API-Key"])
         prompt = types.ModelInput.from_ints([40, 41, 42])
         bob_logprobs = bob.create_sampling_client(model_path=path).result().compute_logprobs(prompt).result()
-        bob.close("success")
+        bob.close("success").result()
         alice_service = tinker.ServiceClient(base_url=daemon.url, api_key=ALICE["X-API-Key"])
         assert bob_logprobs == alice_service.create_sampling_client(model_path=path).result().compute_logprobs(prompt).result()
-        alice_service.close("success")
+        alice_service.close("success").result()
         copy = http.post("/api/v1/copy_weights", json={"source_path": path}, headers=BOB)
         assert copy.status_code == 200
         assert http.post("/api/v1/weights_info", json={"tinker_path": copy.json()["tinker_path"]}, headers=ALICE).status_code == 404
@@ -289,7 +289,7 @@ def test_a_tampered_or_expired_download_url_answers_404(http, alice):
 def test_the_daemon_deletes_a_checkpoint_when_its_ttl_passes(daemon, http, alice):
     service = tinker.ServiceClient(base_url=daemon.url, api_key=ALICE["X-API-Key"])
     path = service.create_training_client_from_state(alice["state"]).result().save_state("short-lived", ttl_seconds=3600).result().path
-    service.close("success")
+    service.close("success").result()
     run, _, _, name = path[len("tinker://"):].partition("/")[0], None, None, path.rsplit("/", 1)[1]
     # The SDK's shortest TTL is an hour; move this one's expiry into the past instead of waiting.
     with sqlite3.connect(daemon.data_dir / "openrld.sqlite3", timeout=5) as db:

@@ -55,7 +55,7 @@ def _own_daemon(tmp_path_factory, tiny_llama: Path, tiny_qwen3: Path, name: str,
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key="tml-test")
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_two_groups_on_one_device_park_and_resume_in_turns(sliced_daemon):
     _train_step(training)  # ... and gives it back
     resumed = _status(sliced_daemon, training.model_id).json()
     metrics = httpx.get(f"{sliced_daemon.url}/metrics", timeout=30).text
-    service.close("success")
+    service.close("success").result()
     assert 'openrld_device_parks_total{base_model="tiny-llama",worker="trainer",device="cpu:0"} 1' in metrics
     assert [(parked[r]["device"], parked[r]["state"], parked[r]["parks"]) for r in ("trainer", "sampler")] == [
         ("cpu:0", "parked", 1), ("cpu:0", "parked", 1),
@@ -185,7 +185,7 @@ def test_a_full_fine_tuning_jobs_trainer_and_sampler_take_turns_on_one_device(sl
     after_sampling = _workers(sampled)
     _train_step(training)
     after_training = _workers(_status(sliced_daemon, training.model_id).json())
-    service.close("success")
+    service.close("success").result()
     # Sampling parked the trainer; training again parked the sampler and resumed the trainer.
     assert (after_sampling["trainer"]["state"], after_sampling["sampler"]["state"]) == ("parked", "resident")
     assert (after_training["trainer"]["state"], after_training["sampler"]["state"]) == ("resident", "parked")
@@ -202,7 +202,7 @@ def test_a_user_sees_only_their_own_models_status(keyed_daemon):
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4).result()
     theirs = _status(keyed_daemon, training.model_id, "tml-bob")
     mine = _status(keyed_daemon, training.model_id, "tml-alice").json()
-    service.close("success")
+    service.close("success").result()
     assert (theirs.status_code, theirs.json()) == (404, {"detail": f"no model {training.model_id!r}"})
     # Three free devices: the LoRA group's trainer and sampler took one each.
     assert [(w["role"], w["device"]) for w in mine["workers"]] == [("trainer", "cpu:0"), ("sampler", "cpu:1")]
@@ -219,7 +219,7 @@ def test_an_exclusive_job_takes_the_free_device_and_the_next_is_refused(keyed_da
         service.create_lora_training_client(
             base_model="tiny-qwen3", rank=4, user_metadata={"openrl.exclusive": "true"}
         ).result()
-    service.close("success")
+    service.close("success").result()
     assert (body["is_exclusive"], body["step"], [w["device"] for w in body["workers"]]) == (True, 1, ["cpu:2", "cpu:2"])
     assert f"cpu:2: job {hero.model_id}" in str(excinfo.value)
     assert "openrl.exclusive=true" in str(excinfo.value)
@@ -236,6 +236,6 @@ def test_a_job_dropped_by_a_restart_is_lost_and_names_its_last_checkpoint(make_d
     daemon.stop()
     daemon.start()
     body = _status(daemon, training.model_id).json()
-    service.close("success")  # the session outlives the restart
+    service.close("success").result()  # the session outlives the restart
     assert (body["state"], body["last_checkpoint"], body["workers"]) == ("lost", path, [])
     assert body["waiting_for"] == f"a restore with create_training_client_from_state (last checkpoint: {path})"

@@ -22,7 +22,7 @@ def _datum() -> types.Datum:
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ REQUESTS = 6
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def sampler_metric(daemon, name: str, base_model: str) -> dict[str, float]:

@@ -122,7 +122,7 @@ def test_sdk_resubmits_refused_samples_and_loses_none(daemon: Daemon) -> None:
         together = [f.result(timeout=300) for f in futures]
         alone = [sampling.sample(prompt, 1, params(seed)).result(timeout=300) for seed in range(6)]
     finally:
-        service.close("success")
+        service.close("success").result()
     for got, expected in zip(together, alone):
         assert got.sequences[0].tokens == expected.sequences[0].tokens
         np.testing.assert_allclose(got.sequences[0].logprobs, expected.sequences[0].logprobs, rtol=0, atol=1e-5)

@@ -269,7 +269,7 @@ def test_every_public_sdk_method_does_its_job(daemon: Daemon, tiny_llama: Path, 
     ok("RestClient.publish_checkpoint_from_tinker_path", lambda: expect(
         bob_service.create_sampling_client(model_path=sampler_path).sample(prompt, 1, params).result().sequences[0].tokens
         == greedy, "bob samples the published checkpoint"))
-    bob_service.close("success")
+    bob_service.close("success").result()
     ok("RestClient.unpublish_checkpoint_from_tinker_path", lambda: (
         rest.unpublish_checkpoint_from_tinker_path(sampler_path).result(), published(sampler_path, False)))
     ok("RestClient.publish_checkpoint_from_tinker_path_async", lambda: (

@@ -85,7 +85,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
         with httpx.Client(base_url=a.url, headers={"X-API-Key": ALICE}, timeout=60) as http:
             checkpoints = http.get(f"/api/v1/training_runs/{run_id}/checkpoints").json()["checkpoints"]
             run = http.get(f"/api/v1/training_runs/{run_id}").json()
-        service.close("success")
+        service.close("success").result()
         a.kill()
         b = _start(root, "b", models, keys, shared)
         yield b, DeadNode(state_path, sampler_path, at_save, loss, after_step, checkpoints, run)
@@ -100,7 +100,7 @@ def alice_on_b(nodes):
     b, _ = nodes
     service = tinker.ServiceClient(base_url=b.url, api_key=ALICE)
     yield service
-    service.close("success")
+    service.close("success").result()
 
 
 def test_state_with_optimizer_resumes_exactly_where_the_dead_node_left_off(nodes, alice_on_b) -> None:
@@ -163,4 +163,4 @@ def test_another_user_gets_404_on_the_surviving_node(nodes) -> None:
         with pytest.raises(tinker.NotFoundError):
             bob.create_training_client_from_state(dead.state_path).result()
     finally:
-        bob.close("success")
+        bob.close("success").result()

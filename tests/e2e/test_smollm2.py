@@ -47,5 +47,5 @@ def test_smollm2_by_its_hub_id_converts_and_answers_three_plus_four(tmp_path: Pa
         assert "7" in reply, reply
         assert "stage=ready" in daemon.log()
     finally:
-        service.close("success")
+        service.close("success").result()
         daemon.stop()

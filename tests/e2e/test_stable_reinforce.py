@@ -25,7 +25,7 @@ PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11, stop=[])
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_another_sessions_sequence_is_refused(training, shared_daemon):
         with pytest.raises(tinker.TinkerError, match=f"names sequence_id '{foreign.sequence_id}', which this session"):
             training.forward([rl_datum(foreign, 1.0)], "stable_reinforce").result()
     finally:
-        other.close("success")
+        other.close("success").result()
 
 
 def test_nonzero_advantage_on_the_prompt_is_refused(training):

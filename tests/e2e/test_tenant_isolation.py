@@ -58,7 +58,7 @@ JOBS = (Job(rank=8, seed=0, loss_fn="cross_entropy"), Job(rank=4, seed=1, loss_f
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def _train(service: tinker.ServiceClient, data_dir: Path, job: Job, name: str) -> Outcome:

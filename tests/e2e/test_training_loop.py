@@ -28,7 +28,7 @@ def _datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum
 def service(shared_daemon):
     client = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     yield client
-    client.close("success")
+    client.close("success").result()
 
 
 def test_sft_halves_the_loss_within_a_few_dozen_steps(service, tiny_llama):
