@@ -18,6 +18,12 @@ import trio
 from openrld.api.http1 import UNREAD_BODY_BYTES, Http1Settings, Server
 
 
+async def answer(send, status: int, headers: list, body: bytes = b"", *, more_body: bool = False) -> None:
+    """An ASGI reply: its start, then one body message."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
+
+
 async def echo(scope: dict, receive, send) -> None:
     """Answers with what it saw: method, path, query, the body's parts and one header."""
     if scope["type"] != "http":
@@ -35,8 +41,7 @@ async def echo(scope: dict, receive, send) -> None:
         "client_host": scope["client"][0],
     }
     body = msgspec.json.encode(seen)
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await answer(send, 200, [(b"content-length", str(len(body)).encode())], body)
 
 
 @contextlib.asynccontextmanager
@@ -191,8 +196,7 @@ async def test_a_body_the_app_did_not_read_is_skipped_and_the_connection_carries
         if scope["type"] != "http":
             return
         if scope["path"] == "/refuse":  # answers before reading, as a 413 for an oversized body does
-            await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
-            await send({"type": "http.response.body", "body": b""})
+            await answer(send, 413, [(b"content-length", b"0")])
             return
         await echo(scope, receive, send)
 
@@ -208,8 +212,7 @@ async def test_a_body_the_app_did_not_read_is_skipped_and_the_connection_carries
 async def test_a_connection_closes_after_a_reply_to_a_body_over_the_unread_limit() -> None:
     async def refusing(scope, receive, send):
         if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"0")]})
-            await send({"type": "http.response.body", "body": b""})
+            await answer(send, 413, [(b"content-length", b"0")])
 
     async with serving(refusing) as (port, _):
         client = await Client.open(port)
@@ -337,8 +340,7 @@ async def test_an_ipv6_listener_reports_its_url_with_brackets() -> None:
 async def test_a_reply_head_h11_refuses_becomes_a_500_and_the_connection_carries_on() -> None:
     async def invalid(scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/invalid":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"bad header", b"x")]})
-            await send({"type": "http.response.body", "body": b"never sent"})
+            await answer(send, 200, [(b"bad header", b"x")], b"never sent")
             return
         await echo(scope, receive, send)
 
@@ -353,8 +355,7 @@ async def test_a_reply_head_h11_refuses_becomes_a_500_and_the_connection_carries
 async def test_an_app_failing_mid_reply_closes_that_connection_and_the_server_keeps_serving() -> None:
     async def failing_midway(scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/midway":
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100")]})
-            await send({"type": "http.response.body", "body": b"only part", "more_body": True})
+            await answer(send, 200, [(b"content-length", b"100")], b"only part", more_body=True)
             raise RuntimeError("boom")
         await echo(scope, receive, send)
 
