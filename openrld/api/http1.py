@@ -10,7 +10,7 @@ events and ASGI's messages.
 Why not hypercorn, which served the app before: per request it spawns a task
 for the app, restarts an idle-timeout task twice, and takes a lock and a
 shielded scope for each write. On the training and sampling loop's small POSTs
-that cost ~1.5 ms of event-loop time per request against ~0.5 ms here
+that cost 1.6-1.8 ms of event-loop CPU per request against 0.6-0.75 ms here
 (`bench/http_server.py`), on the thread whose GIL the model's step thread needs.
 
 Shutdown drains as hypercorn's did: stop accepting, close idle connections,
