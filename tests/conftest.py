@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -82,7 +83,7 @@ class Daemon:
                 self.url = match.group(1)
                 # A restart comes back on this port, as a node with a configured port does, so
                 # that clients made before it (and their session heartbeats) still reach it.
-                self.port = int(self.url.rsplit(":", 1)[1])
+                self.port = urlsplit(self.url).port
                 return self
         self.stop()
         raise RuntimeError(f"daemon did not start; log:\n{self.log_path.read_text()[-4000:]}")

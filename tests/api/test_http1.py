@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
 import h11
 import msgspec
@@ -49,7 +50,7 @@ async def serving(app, settings: Http1Settings = Http1Settings()) -> AsyncIterat
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(Server(app, settings).serve, "127.0.0.1", 0, stop)
-        yield int(urls[0].rsplit(":", 1)[1]), stop
+        yield urlsplit(urls[0]).port, stop
         stop.set()
 
 
@@ -66,8 +67,8 @@ class Client:
 
     @classmethod
     async def open_url(cls, url: str) -> Client:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        return cls(await trio.open_tcp_stream(host.strip("[]"), int(port)))
+        parts = urlsplit(url)
+        return cls(await trio.open_tcp_stream(parts.hostname, parts.port))
 
     async def send(self, raw: bytes) -> None:
         await self.stream.send_all(raw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -143,8 +144,8 @@ def test_malformed_protobuf_is_400_and_the_daemon_keeps_serving(http):
 
 
 def test_bytes_that_are_not_http_are_400_and_the_daemon_keeps_serving(shared_daemon, http):
-    host, port = shared_daemon.url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as raw:
+    address = urlsplit(shared_daemon.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as raw:
         raw.sendall(b"\x16\x03\x01 a TLS hello is not HTTP\r\n\r\n")
         reply = raw.makefile("rb").read()
     assert reply.startswith(b"HTTP/1.1 400 ")
