@@ -201,7 +201,10 @@ class BatchScorer:
             features = out.last_hidden_state  # (B, T, H)
         else:
             features = self._model(input_ids=input_ids, attention_mask=model_mask, use_cache=False).logits
-        rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
+        if model_mask is None:  # every position is real: a view, where a mask would gather a copy
+            rows = features.reshape(-1, features.shape[-1])  # (P, H) or (P, V), datum by datum
+        else:
+            rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
         # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
         offsets = np.cumsum([0] + lengths)
         per_position = [1 if t.ndim == 1 else t.shape[1] for t in targets]
