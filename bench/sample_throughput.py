@@ -72,7 +72,7 @@ def api_tokens_per_s(sampling: tinker.SamplingClient, batch: int) -> float:
 def clients_tokens_per_s(url: str, clients: int) -> float:
     """Total tokens/s of `clients` SDK clients, each with REPEATS batch-1 samples in flight."""
     services = [tinker.ServiceClient(base_url=url, api_key="tml-bench") for _ in range(clients)]
-    samplers = [s.create_sampling_client(base_model="tiny-llama") for s in services]
+    samplers = [s.create_sampling_client(base_model="tiny-llama").result() for s in services]
     for sampling in samplers:
         sampling.sample(tinker.ModelInput.from_ints(PROMPT), 1, params()).result()  # connections warm
     counts = [0] * clients
@@ -103,7 +103,7 @@ def main() -> None:
     with tiny_daemon() as (url, model_dir):
         model = load_causal_lm(model_dir, torch.device("cpu"))
         service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
-        sampling = service.create_sampling_client(base_model="tiny-llama")
+        sampling = service.create_sampling_client(base_model="tiny-llama").result()
         api_tokens_per_s(sampling, 1)  # warm-up: model load, first connections
         hf_tokens_per_s(model, 1)
         figures: dict[str, list[float]] = {}

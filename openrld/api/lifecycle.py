@@ -34,7 +34,6 @@ from openrld import ids
 from openrld.actors.checkpoints import check_ttl
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response
-from openrld.api.rest import checkpoint_json
 from openrld.checkpoint_manifest import MANIFEST_NAME
 from openrld.errors import BadRequest, NotFound, ServerError
 from openrld.store import CheckpointRow, SessionRow, Store, utc_now

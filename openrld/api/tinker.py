@@ -76,7 +76,6 @@ def _outcome_reply(request_id: str, outcome: Completed | Failed | None, queue_st
 
 def register(app: QuartTrio, services: Services) -> None:
     jobs = services.jobs
-    config = services.config
 
     # ------------------------------------------------------------ bootstrap
 

@@ -141,7 +141,7 @@ def test_sampling_through_a_runs_at_the_home_node(jobs) -> None:
 
 
 def test_a_base_model_sampler_asked_of_the_front_node_runs_on_another(cluster, service) -> None:
-    sampler = service.create_sampling_client(base_model="tiny-qwen3")
+    sampler = service.create_sampling_client(base_model="tiny-qwen3").result()
     result = sampler.sample(
         types.ModelInput.from_ints([1, 5, 9]), num_samples=1,
         sampling_params=types.SamplingParams(max_tokens=3, temperature=1.0, seed=3),

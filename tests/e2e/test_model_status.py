@@ -158,7 +158,7 @@ def test_two_groups_on_one_device_park_and_resume_in_turns(sliced_daemon):
     service = tinker.ServiceClient(base_url=sliced_daemon.url, api_key="tml-test")
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
     _train_step(training)
-    other = service.create_sampling_client(base_model="tiny-qwen3")
+    other = service.create_sampling_client(base_model="tiny-qwen3").result()
     other.sample(PROMPT, num_samples=1, sampling_params=GREEDY).result()  # the qwen group takes the device
     parked = _workers(_status(sliced_daemon, training.model_id).json())
     _train_step(training)  # ... and gives it back

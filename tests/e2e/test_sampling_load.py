@@ -112,7 +112,7 @@ def test_sdk_resubmits_refused_samples_and_loses_none(daemon: Daemon) -> None:
     # resubmits the same seq_id until each is accepted. Each must equal the same request run alone.
     service = tinker.ServiceClient(base_url=daemon.url, api_key="tml-test")
     try:
-        sampling = service.create_sampling_client(base_model="tiny-qwen3")
+        sampling = service.create_sampling_client(base_model="tiny-qwen3").result()
         prompt = tinker.ModelInput.from_ints(PROMPT)
 
         def params(seed: int) -> tinker.SamplingParams:

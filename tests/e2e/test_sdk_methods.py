@@ -16,7 +16,6 @@ import asyncio
 import importlib
 import json
 import pkgutil
-import sqlite3
 import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -123,14 +122,15 @@ def test_every_public_sdk_method_does_its_job(daemon: Daemon, tiny_llama: Path, 
     ok("ServiceClient.get_server_capabilities_async", lambda: capabilities(_await(service.get_server_capabilities_async())))
     training = service.create_lora_training_client(base_model=model, rank=4, seed=0).result()
     ok("ServiceClient.create_lora_training_client", lambda: expect(training.get_info().lora_rank == 4, "rank"))
-    second = ok(
+    ok(
         "ServiceClient.create_lora_training_client_async",
-        lambda: _await(service.create_lora_training_client_async(base_model=model, rank=2)),
+        lambda: expect(_await(service.create_lora_training_client_async(base_model=model, rank=2)).get_info().lora_rank == 2, "rank"),
     )
     ok("ServiceClient.get_console_url", lambda: expect(isinstance(service.get_console_url(), str), "url"))
     ok("ServiceClient.get_telemetry", lambda: service.get_telemetry())
-    base_sampler = ok(
-        "ServiceClient.create_sampling_client", lambda: service.create_sampling_client(base_model=model).result()
+    ok(
+        "ServiceClient.create_sampling_client",
+        lambda: expect(len(service.create_sampling_client(base_model=model).result().sample(prompt, 1, params).result().sequences) == 1, "one sequence"),
     )
     ok("ServiceClient.create_sampling_client_async", lambda: _await(service.create_sampling_client_async(base_model=model)))
 
@@ -171,8 +171,9 @@ def test_every_public_sdk_method_does_its_job(daemon: Daemon, tiny_llama: Path, 
     external = ok("TrainingClient.save_weights_external", lambda: training.save_weights_external("ext-1").result().path)
     ok("TrainingClient.save_weights_external_async", lambda: expect(
         _await(training.save_weights_external_async("ext-2")).path.endswith("/external_weights/ext-2"), "path"))
-    trained_sampler = ok(
-        "TrainingClient.save_weights_and_get_sampling_client", lambda: training.save_weights_and_get_sampling_client()
+    ok(
+        "TrainingClient.save_weights_and_get_sampling_client",
+        lambda: training.save_weights_and_get_sampling_client().sample(prompt, 1, params).result(),
     )
     ok("TrainingClient.save_weights_and_get_sampling_client_async", lambda: _await(
         training.save_weights_and_get_sampling_client_async()).sample(prompt, 1, params).result())
