@@ -92,6 +92,7 @@ async def serve(
     try:
         async with trio.open_nursery() as nursery:
             futures = FutureTable(store)
+            await nursery.start(futures.run_log)
             catalog = ModelCatalog(
                 {name: str(path) for name, path in config.models.items()},
                 cache_dir=Path(config.data_dir) / MODEL_CACHE_DIR,

@@ -48,7 +48,7 @@ import secrets
 import shutil
 import sqlite3
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO
@@ -198,6 +198,11 @@ class RequestState(enum.StrEnum):
     PENDING = "pending"
     DONE = "done"
     LOST = "lost"  # pending when the daemon stopped; its result will never come
+
+
+class RequestFinish(msgspec.Struct, frozen=True):
+    request_id: str
+    finished: datetime
 
 
 class StoreStatistics(msgspec.Struct, frozen=True):
@@ -365,13 +370,14 @@ class Store:
         store = cls(data_dir, conn, lock_file, now, layout)
         # Results lived in the dead process's memory, so a request it finished
         # but nobody read is as lost as one it never ran.
-        lost = store._conn.execute(
-            "UPDATE requests SET state = ?, finished_us = ? WHERE state != ?",
+        pending = store._count("SELECT count(*) FROM requests WHERE state = ?", (RequestState.PENDING,))
+        store._conn.execute(
+            "UPDATE requests SET state = ?, finished_us = coalesce(finished_us, ?) WHERE state != ?",
             (RequestState.LOST, _to_us(now()), RequestState.LOST),
-        ).rowcount
+        )
         store.prune_requests(now() - REQUEST_LOG_KEEP)
-        if lost:
-            logger.warning("data_dir=%s: %d requests pending at the last stop are now lost", data_dir, lost)
+        if pending:
+            logger.warning("data_dir=%s: %d requests pending at the last stop are now lost", data_dir, pending)
         return store
 
     def close(self) -> None:
@@ -908,7 +914,11 @@ class Store:
     # --- requests -----------------------------------------------------------------------------------
 
     def record_request(self, request_id: str, model_id: str, kind: str) -> None:
-        """Note a request whose future is pending. Raises Conflict if the id is taken."""
+        """Note a request whose future is pending. Raises Conflict if the id is taken.
+
+        On the request's own path, before its id is answered: a daemon killed later answers
+        the id with 410, on which the SDK resubmits the request (404 would fail the client).
+        """
         try:
             self._log.execute(
                 "INSERT INTO requests (request_id, model_id, kind, state, created_us) VALUES (?, ?, ?, ?, ?)",
@@ -917,14 +927,14 @@ class Store:
         except sqlite3.IntegrityError:
             raise Conflict(f"request {request_id!r} already exists") from None
 
-    def finish_request(self, request_id: str) -> None:
-        """Note that a pending request's result is in. Raises NotFound for an unknown id."""
-        updated = self._conn.execute(
-            "UPDATE requests SET state = ?, finished_us = ? WHERE request_id = ? AND state = ?",
-            (RequestState.DONE, _to_us(self._now()), request_id, RequestState.PENDING),
-        ).rowcount
-        if updated == 0 and self.request_state(request_id) is None:
-            raise NotFound(f"request {request_id!r} not found")
+    def finish_requests(self, finished: Sequence[RequestFinish]) -> None:
+        """Note, in one transaction, that these requests' results are in (the future table
+        batches them off the request path). An unknown or already finished id changes nothing."""
+        with _transaction(self._log):
+            self._log.executemany(
+                "UPDATE requests SET state = ?, finished_us = ? WHERE request_id = ? AND state = ?",
+                [(RequestState.DONE, _to_us(r.finished), r.request_id, RequestState.PENDING) for r in finished],
+            )
 
     def request_state(self, request_id: str) -> RequestState | None:
         row = self._one("SELECT state FROM requests WHERE request_id = ?", (request_id,))

@@ -15,6 +15,7 @@ from openrld.errors import BadRequest, Conflict, Gone, NotFound, ServerError
 from openrld.ids import CheckpointKind
 from openrld.store import (
     CheckpointRow,
+    RequestFinish,
     RequestState,
     RunRow,
     SamplerRow,
@@ -496,20 +497,33 @@ def test_reopen_drops_the_old_copy_of_a_finished_replace(store: Store, clock: Cl
     store.close()
 
 
+def finish(*request_ids: str, at: datetime = T0) -> list[RequestFinish]:
+    return [RequestFinish(r, at) for r in request_ids]
+
+
 def test_every_request_of_the_last_process_is_lost_after_reopen(store: Store, clock: Clock) -> None:
     # A finished result lived in the dead process's memory too: unread, it is as lost.
     store.record_request("r-pending", RUN, "forward_backward")
     store.record_request("r-done", RUN, "optim_step")
-    store.finish_request("r-done")
+    store.finish_requests(finish("r-done"))
     store = reopen(store, clock)
     assert (store.request_state("r-pending"), store.request_state("r-done")) == (RequestState.LOST, RequestState.LOST)
     store.close()
 
 
+def test_reopen_warns_of_the_pending_requests_only(store: Store, clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
+    store.record_request("r-pending", RUN, "forward_backward")
+    store.record_request("r-done", RUN, "optim_step")
+    store.finish_requests(finish("r-done"))
+    store = reopen(store, clock)
+    store.close()
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == ["1 requests pending at the last stop are now lost"]
+
+
 def test_request_states_read_as_their_strings(store: Store) -> None:
     store.record_request("r-1", RUN, "sample")
     assert store.request_state("r-1") == "pending"
-    store.finish_request("r-1")
+    store.finish_requests(finish("r-1"))
     assert store.request_state("r-1") == "done"
 
 
@@ -517,9 +531,16 @@ def test_unknown_request_has_no_state(store: Store) -> None:
     assert store.request_state("r-none") is None
 
 
-def test_finish_unknown_request_is_not_found(store: Store) -> None:
-    with pytest.raises(NotFound):
-        store.finish_request("r-none")
+def test_finishing_an_unknown_request_logs_nothing(store: Store) -> None:
+    store.finish_requests(finish("r-none"))
+    assert store.request_state("r-none") is None
+
+
+def test_a_request_finished_twice_keeps_its_first_finish(store: Store, clock: Clock) -> None:
+    store.record_request("r-1", RUN, "sample")
+    store.finish_requests(finish("r-1", at=T0 + timedelta(seconds=2)))
+    store.finish_requests(finish("r-1", at=T0 + timedelta(seconds=9)))
+    assert store.session_requests(RUN.split(":")[0]) == [("r-1", RUN, "sample", T0, T0 + timedelta(seconds=2))]
 
 
 def test_duplicate_request_id_is_a_conflict(store: Store) -> None:
@@ -530,11 +551,11 @@ def test_duplicate_request_id_is_a_conflict(store: Store) -> None:
 
 def test_prune_requests_forgets_old_finished_ones_only(store: Store, clock: Clock) -> None:
     store.record_request("r-old", RUN, "sample")
-    store.finish_request("r-old")
+    store.finish_requests(finish("r-old"))
     store.record_request("r-pending", RUN, "sample")
     clock.advance(60)
     store.record_request("r-new", RUN, "sample")
-    store.finish_request("r-new")
+    store.finish_requests(finish("r-new", at=clock.now))
     assert store.prune_requests(T0 + timedelta(seconds=30)) == 1
     assert [store.request_state(r) for r in ("r-old", "r-pending", "r-new")] == [None, "pending", "done"]
 

@@ -5,24 +5,31 @@ id at once; the actor that does the work resolves it here with `Completed` or
 `Failed`, and `retrieve_future` long-polls it with `wait`. Results stay for
 `keep_s` after completion, so a client that retries a poll still finds them.
 
-The table is plain trio state, touched only from the event loop. It records
-every request id in the store too, so a daemon restarted after a crash answers
-a future of the previous process (whose result lived only in its memory) with
-a clear `Gone`, never an endless poll.
+The table is plain trio state, touched only from the event loop. It logs every
+request in the store too: its start at once, so that a daemon restarted after a
+crash answers a future of the previous process (whose result lived only in its
+memory) with a clear `Gone`, on which the SDK resubmits it; its finish in
+batches, one transaction every LOG_FLUSH_S (`run_log`), for the session trace
+and the pending-request gauge, so that no result waits for a database write.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Callable, Protocol
 
 import msgspec
 import trio
 
 from openrld.errors import Gone, NotFound, ServiceUnavailable
+from openrld.store import RequestFinish, utc_now
 
 logger = logging.getLogger(__name__)
+
+LOG_FLUSH_S = 0.25
 
 
 class Completed(msgspec.Struct, frozen=True):
@@ -39,6 +46,7 @@ Outcome = Completed | Failed
 
 class RequestLog(Protocol):
     def record_request(self, request_id: str, model_id: str, kind: str) -> None: ...
+    def finish_requests(self, finished: Sequence[RequestFinish]) -> None: ...
     def request_state(self, request_id: str) -> str | None: ...
 
 
@@ -65,8 +73,13 @@ class FutureStatistics(msgspec.Struct, frozen=True):
 class FutureTable:
     """Request id -> outcome, with long-polling waiters."""
 
-    def __init__(self, log: RequestLog, *, keep_s: float = 600.0, max_held: int = 100_000) -> None:
+    def __init__(
+        self, log: RequestLog, *, keep_s: float = 600.0, max_held: int = 100_000,
+        now: Callable[[], datetime] = utc_now,
+    ) -> None:
         self._log = log
+        self._now = now
+        self._finished: list[RequestFinish] = []  # not yet in the log
         self._keep_s = keep_s
         self._max_held = max_held
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -94,6 +107,7 @@ class FutureTable:
             return  # already resolved (a cancel raced the result), or pruned
         entry.outcome = outcome
         entry.done_at = trio.current_time()
+        self._finished.append(RequestFinish(request_id, self._now()))
         self._queue_probes.pop(request_id, None)
         entry.done.set()
         if isinstance(outcome, Failed):
@@ -104,6 +118,25 @@ class FutureTable:
     def fail(self, request_id: str, error: Exception, category: str = "server") -> None:
         detail = getattr(error, "detail", None) or f"{type(error).__name__}: {error}"
         self.resolve(request_id, Failed(detail=detail, category=getattr(error, "category", category)))
+
+    async def run_log(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Log the finished requests every LOG_FLUSH_S until cancelled, then once more."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(LOG_FLUSH_S)
+                self._write_log()
+        finally:
+            self._write_log()
+
+    def _write_log(self) -> None:
+        if not self._finished:
+            return
+        finished, self._finished = self._finished, []
+        try:
+            self._log.finish_requests(finished)
+        except Exception:  # the log is bookkeeping: a failed write must not stop the futures
+            logger.exception("request log write failed; %d finishes not logged", len(finished))
 
     def owner_of(self, request_id: str) -> str | None:
         entry = self._entries.get(request_id)

@@ -1,10 +1,13 @@
-"""The daemon's periodic housekeeping: checkpoint expiry and usage flushes.
+"""The daemon's periodic housekeeping: checkpoint expiry, usage flushes, request-log pruning.
 
 `run_maintenance` is a long-running task started from daemon.py. Every
 `interval_s` it deletes the checkpoints whose TTL has passed (row first, then
 files, as `Store.delete_checkpoint` guarantees), writing a
-`checkpoint_expired` audit event for each, and flushes the usage meter into
-the store. `expire_checkpoints` is the one sweep, callable on its own.
+`checkpoint_expired` audit event for each, flushes the usage meter into
+the store, and forgets logged requests that finished over REQUEST_LOG_KEEP
+ago: a busy node logs tens of requests a second, and before this the table
+only shrank at a restart. `expire_checkpoints` is the one sweep, callable on
+its own.
 
 It never decides a TTL (the API sets them) and never touches a checkpoint
 that has no expiry.
@@ -20,7 +23,7 @@ import trio
 
 from openrld.actors.usage import UsageMeter
 from openrld.errors import NotFound
-from openrld.store import Store, utc_now
+from openrld.store import REQUEST_LOG_KEEP, Store, utc_now
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ async def run_maintenance(
     now: Callable[[], datetime] = utc_now,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Sweep expired checkpoints and flush usage every `interval_s`, until cancelled.
+    """Sweep expired checkpoints, flush usage and prune the request log every `interval_s`, until cancelled.
 
     A final usage flush runs on cancel, shielded and bounded, so a clean stop
     loses no counts.
@@ -60,6 +63,7 @@ async def run_maintenance(
         while True:
             expire_checkpoints(store, now())
             usage.flush(store)
+            store.prune_requests(now() - REQUEST_LOG_KEEP)
             await trio.sleep(interval_s)
     finally:
         with trio.move_on_after(5, shield=True):

@@ -1,14 +1,18 @@
-"""The expiry sweep deletes exactly the checkpoints whose TTL has passed, and audits each."""
+"""Housekeeping: the expiry sweep deletes exactly the checkpoints whose TTL has passed, and audits
+each; usage flushes; the request log forgets what finished over REQUEST_LOG_KEEP ago."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 
-from openrld.actors.maintenance import expire_checkpoints
+import trio
+
+from openrld.actors.maintenance import expire_checkpoints, run_maintenance
 from openrld.actors.usage import UsageMeter
 from openrld.ids import CheckpointKind
-from openrld.store import Store
+from openrld.store import REQUEST_LOG_KEEP, RequestFinish, Store
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -48,3 +52,15 @@ def test_usage_counts_sampled_tokens_once_per_request(tmp_path: Path) -> None:
     assert sorted((r.kind, r.tokens, r.session_id, r.bucket_start) for r in rows) == [
         ("sampling_prefill", 7, "s-1", T0), ("sampling_sample", 5, "s-1", T0), ("training", 19, "s-1", T0),
     ]
+
+
+async def test_a_sweep_forgets_requests_finished_over_the_keep_ago(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "data", now=lambda: T0) as store:
+        for request_id, finished in (("r-old", T0), ("r-recent", T0 + timedelta(hours=2))):
+            store.record_request(request_id, "s-1:train:0", "optim_step")
+            store.finish_requests([RequestFinish(request_id, finished)])
+        async with trio.open_nursery() as nursery:
+            now = lambda: T0 + REQUEST_LOG_KEEP + timedelta(hours=1)  # noqa: E731
+            await nursery.start(partial(run_maintenance, store, UsageMeter(), interval_s=3600, now=now))
+            nursery.cancel_scope.cancel()
+        assert (store.request_state("r-old"), store.request_state("r-recent")) == (None, "done")

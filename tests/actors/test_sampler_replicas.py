@@ -28,6 +28,9 @@ class MemoryLog:
     def record_request(self, request_id: str, model_id: str, kind: str) -> None:
         pass
 
+    def finish_requests(self, finished: object) -> None:
+        pass
+
     def request_state(self, request_id: str) -> str | None:
         return None
 
