@@ -39,6 +39,7 @@ test: install-test
 
 bench: install-test
 	$(PY) bench/train_throughput.py
+	$(PY) bench/trainer_isolation.py
 	$(PY) bench/combined_forward_backward.py
 	$(PY) bench/sample_throughput.py
 	$(PY) bench/future_latency.py
