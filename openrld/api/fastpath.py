@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
+from openrld.api.http1 import ASGIApp
 from openrld.errors import InvalidToken, OpenrldError
 from openrld.metrics import RequestMetrics
 
@@ -23,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 # Beside an error that means "not here, maybe elsewhere" (errors.NoCapacity), for a node placing a job.
 NO_CAPACITY_HEADER = b"x-openrl-no-capacity"
-
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 
 
 class Call(msgspec.Struct, frozen=True):
