@@ -11,6 +11,9 @@ cross-entropy in fp32 and AdamW (torch.optim.AdamW, foreach=False, on the bare s
         supervised loop does: the trainer's throughput, with the client keeping it fed;
 - API lock-step: the same, but each step's results are read before the next step is
         submitted, so every step also pays the client's and the HTTP round trip's latency;
+- API pipelined, trainer process: the same as API pipelined, against a second daemon
+        configured with `trainer_process = true`, whose LoRA trainer runs in a process of
+        its own (gpu/engine_process.py) instead of a thread of the daemon's;
 - engine: the daemon's trainer engine (`TorchTrainer`, the same forward_backward and
         optim_step calls the trainer actor makes) in this process, no server: what the
         daemon's compute costs before any HTTP, SDK or event loop is around it.
@@ -20,8 +23,12 @@ Printed figures, all measured in this run:
 
     throughput ratio = bare seconds per step / API pipelined seconds per step  (target >= 0.9 per shape)
     lock-step ratio  = bare seconds per step / API lock-step seconds per step  (no target: latency-bound)
+    process ratio    = bare seconds per step / API pipelined seconds per step, trainer process
     engine ratio     = bare seconds per step / engine seconds per step         (no target: it splits the gap)
     memory ratio     = daemon peak RSS / bare-loop peak RSS                    (target <= 1.2)
+                       and, for the trainer-process daemon, the sum of its own peak and its
+                       trainer process's (an upper bound: the peaks need not coincide, and
+                       pages of torch's libraries that both map count twice)
 
 The bare loop's peak is that of a child process that runs only the bare loop over the
 same shapes (same imports, same model), so neither side counts the other's memory.
@@ -171,8 +178,9 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
-def daemon_pid() -> int:
-    """The `openrld serve` child of this process (started by tiny_daemon)."""
+def children(parent: int, command: bytes) -> list[int]:
+    """The pids of `parent`'s child processes whose command line holds `command`."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -181,10 +189,19 @@ def daemon_pid() -> int:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == os.getpid() and b"openrld.cli serve" in cmdline:
-            return int(entry.name)
-    raise RuntimeError("daemon process not found")
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and command in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def daemon_pid(model_dir: Path | None = None) -> int:
+    """The `openrld serve` child of this process (started by tiny_daemon); with several, the one
+    whose config sits beside `model_dir`."""
+    config = b"openrld.cli serve" if model_dir is None else str(model_dir.parent / "openrld.toml").encode()
+    pids = children(os.getpid(), config)
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one daemon process, found {pids}")
+    return pids[0]
 
 
 def bare_peak_in_child(model_dir: Path) -> int:
@@ -198,36 +215,48 @@ def bare_peak_in_child(model_dir: Path) -> int:
 def main() -> None:
     torch.manual_seed(0)
     match_daemon_threads()
-    with tiny_daemon() as (url, model_dir):
+    with tiny_daemon() as (url, model_dir), tiny_daemon("trainer_process = true") as (process_url, process_model):
         bare, engine, api = BareLoop(model_dir), EngineLoop(model_dir), ApiLoop(url)
+        process_api = ApiLoop(process_url)
         figures = []
         for batch, seq_len in SHAPES:
-            times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": [], "engine": []}
+            times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": [], "engine": [], "process": []}
             bare.steps(batch, seq_len, WARMUP)
             engine.steps(batch, seq_len, WARMUP)
             api.steps(batch, seq_len, WARMUP, pipelined=False)
+            process_api.steps(batch, seq_len, WARMUP, pipelined=False)
             for _ in range(ROUNDS):
                 times["bare"] += bare.steps(batch, seq_len, STEPS)
                 times["pipelined"] += api.steps(batch, seq_len, STEPS, pipelined=True)
+                times["process"] += process_api.steps(batch, seq_len, STEPS, pipelined=True)
                 times["lock-step"] += api.steps(batch, seq_len, STEPS, pipelined=False)
                 times["engine"] += engine.steps(batch, seq_len, STEPS)
             figures.append((batch, seq_len, {key: statistics.median(values) for key, values in times.items()}))
-        daemon_peak = peak_rss_bytes(daemon_pid())
+        daemon_peak = peak_rss_bytes(daemon_pid(model_dir))
+        process_daemon = daemon_pid(process_model)
+        (trainer_process,) = children(process_daemon, b"openrld.gpu.engine_process")
+        process_peaks = peak_rss_bytes(process_daemon), peak_rss_bytes(trainer_process)
         api.close()
+        process_api.close()
         bare_peak = bare_peak_in_child(model_dir)
     print(f"tiny Llama, LoRA rank {RANK}, median of {ROUNDS}x{STEPS} steps per side and shape")
     for batch, seq_len, median in figures:
         bare_s, pipelined_s, lock_step_s = median["bare"], median["pipelined"], median["lock-step"]
-        engine_s = median["engine"]
+        engine_s, process_s = median["engine"], median["process"]
         print(
             f"{batch:>3}x{seq_len:<5} bare {bare_s * 1e3:7.1f} ms  API pipelined {pipelined_s * 1e3:7.1f} ms  "
             f"throughput ratio (bare/API, target >= 0.9): {bare_s / pipelined_s:.3f}   "
+            f"trainer process {process_s * 1e3:7.1f} ms, ratio {bare_s / process_s:.3f}   "
             f"lock-step {lock_step_s * 1e3:7.1f} ms, ratio {bare_s / lock_step_s:.3f}   "
             f"engine {engine_s * 1e3:7.1f} ms, ratio {bare_s / engine_s:.3f}"
         )
     print(
         f"peak RSS: daemon {daemon_peak / 2**20:.0f} MiB, bare loop {bare_peak / 2**20:.0f} MiB, "
         f"memory ratio (daemon/bare, target <= 1.2): {daemon_peak / bare_peak:.3f}"
+    )
+    print(
+        f"peak RSS with trainer_process: daemon {process_peaks[0] / 2**20:.0f} MiB + trainer process "
+        f"{process_peaks[1] / 2**20:.0f} MiB, memory ratio (sum/bare): {sum(process_peaks) / bare_peak:.3f}"
     )
 
 

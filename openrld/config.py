@@ -73,6 +73,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
     sampler_backend: Literal["torch", "vllm"] = "torch"
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
+    trainer_process: bool = False
     log_json: bool = False
     jwt_auth: bool = False
     jwt_ttl_s: Annotated[int, msgspec.Meta(ge=120, le=7 * 24 * 3600)] = 3600

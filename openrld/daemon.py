@@ -105,7 +105,8 @@ async def serve(
             groups = GroupTable(
                 nursery=nursery,
                 engines=TorchEngineFactory(
-                    device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config)
+                    device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config),
+                    trainer_process=config.trainer_process, cpu_threads=threads,
                 ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,

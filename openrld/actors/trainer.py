@@ -381,6 +381,15 @@ class TrainerActor:
                 await self._step_loop()
         finally:
             self._lease.close()  # a stopped worker takes no more turns
+            await self._close_engine()
+
+    async def _close_engine(self) -> None:
+        # An engine in a process of its own (gpu/engine_process.py) stops that process; the
+        # others hold nothing that outlives them.
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(close)
 
     async def _input_loop(self) -> None:
         async for op in self.mailbox.receive:
@@ -478,7 +487,9 @@ class TrainerActor:
         assert len(batches) == len(passes), "only ForwardBackward ops share a pass"
         params = step.params if step is not None else None
         try:
-            results, stepped = await self._in_thread(_pass_then_step, self._engine, run[0].model_id, batches, params)
+            results, stepped = await self._in_thread(
+                self._engine.forward_backward_then_step, run[0].model_id, batches, params
+            )
         except OpenrldError:
             return False
         except Exception:  # rerun one by one: each op then fails, or succeeds, on its own
@@ -562,18 +573,6 @@ class TrainerActor:
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
         )
-
-
-def _pass_then_step(engine: Any, model_id: str, batches: list[ForwardBackwardBatch], params: Any) -> tuple[Any, Any]:
-    """In the worker thread: one forward_backward pass, then the optim_step after it (params
-    not None). The step's failure is returned, not raised: the pass's results stand."""
-    results = engine.forward_backward_many(model_id, batches)
-    if params is None:
-        return results, None
-    try:
-        return results, engine.optim_step(model_id, params)
-    except Exception as error:
-        return results, error
 
 
 def _save_peft(directory: Path, tensors: Any, spec: LoraSpec, base_model: str) -> int:

@@ -7,6 +7,8 @@ builders run in the actor's worker thread and return a ready engine.
 from __future__ import annotations
 
 import copy
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -26,12 +28,18 @@ class TorchEngineFactory:
         max_batch_tokens: int,
         converter: GgufConverter | None = None,
         vllm: VllmSamplerConfig | None = None,
+        trainer_process: bool = False,
+        cpu_threads: int | None = None,
     ) -> None:
         self.device = device
         self.vllm = vllm  # set: LoRA groups sample with vLLM (sampler_backend = "vllm"), else with torch
         self.max_batch_tokens = max_batch_tokens  # the node config's limit, reported by /openrl/v1/info
         # A GGUF base model is converted on first use; whichever engine builds first converts it.
         self.converter = converter
+        # set: each LoRA trainer runs in a process of its own (gpu/engine_process.py), with
+        # `cpu_threads` torch threads, as this process has
+        self.trainer_process = trainer_process
+        self.cpu_threads = cpu_threads
 
     def on(self, device: str) -> TorchEngineFactory:
         """This factory, building its engines on `device` (a label of the node's inventory)."""
@@ -47,11 +55,15 @@ class TorchEngineFactory:
 
     def trainer(self, model: ModelEntry) -> Callable[[], Any]:
         def build() -> Any:
-            from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
-
             self._ensure_files(model)
-            config = TrainerConfig(max_batch_tokens=self.max_batch_tokens)
-            return TorchTrainer(model.directory, self.device, config=config)
+            if not self.trainer_process:
+                return _build_trainer(model.directory, self.device, self.max_batch_tokens)
+            from openrld.gpu.engine_process import TrainerProcess
+
+            return TrainerProcess(
+                partial(_build_trainer, model.directory, self.device, self.max_batch_tokens),
+                threads=self.cpu_threads, name=f"openrld-trainer {model.name}",
+            )
 
         return build
 
@@ -91,3 +103,10 @@ class TorchEngineFactory:
             return FullSampler(model.directory, self.device)
 
         return build
+
+
+def _build_trainer(model_dir: Path, device: torch.device, max_batch_tokens: int) -> Any:
+    # Module-level: a trainer process is handed this (pickled) to build its engine.
+    from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
+
+    return TorchTrainer(model_dir, device, config=TrainerConfig(max_batch_tokens=max_batch_tokens))

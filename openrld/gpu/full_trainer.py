@@ -36,7 +36,7 @@ from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import delta, full_io, lora_io, offload
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.optim import AdamW, family_of
-from openrld.gpu.scoring import BatchScorer, TrainerConfig
+from openrld.gpu.scoring import BatchScorer, TrainerConfig, pass_then_step
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,12 @@ class FullTrainer:
         self._fb_calls += len(batches)
         self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
         return results
+
+    def forward_backward_then_step(
+        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
+    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+        """`forward_backward_many`, then `optim_step` with `params` unless None: see `scoring.pass_then_step`."""
+        return pass_then_step(self, name, batches, params)
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One AdamW step over every parameter with the accumulated gradients.

@@ -46,7 +46,7 @@ from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io, offload
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import family_of, optimizer_for
-from openrld.gpu.scoring import BatchScorer, TrainerConfig, plan_micro_batches
+from openrld.gpu.scoring import BatchScorer, TrainerConfig, pass_then_step, plan_micro_batches
 
 __all__ = ["TorchTrainer", "TrainerConfig", "TrainerStatistics", "TrainerState", "plan_micro_batches"]
 
@@ -209,6 +209,12 @@ class TorchTrainer:
         self._fb_calls += len(batches)
         self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
         return results
+
+    def forward_backward_then_step(
+        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
+    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+        """`forward_backward_many`, then `optim_step` with `params` unless None: see `scoring.pass_then_step`."""
+        return pass_then_step(self, name, batches, params)
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One step of the adapter's optimizer with its accumulated gradients.

@@ -1,0 +1,158 @@
+"""`trainer_process = true`: LoRA trainers in processes of their own, driven by the real SDK.
+
+The numbers must be those of the in-process trainer (the `shared_daemon`, default config):
+the engine is the same code with the same torch thread count, so losses are compared with `==`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from conftest import Daemon, write_config
+from tinker import types
+
+API_KEY = "tml-test"
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+    )
+
+
+def engine_processes(daemon_pid: int) -> list[int]:
+    """The daemon's children that run a trainer engine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == daemon_pid and b"openrld.gpu.engine_process" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def train(service: tinker.ServiceClient, steps: int, seed: int) -> tuple[tinker.TrainingClient, list[float]]:
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=seed).result()
+    rng = np.random.default_rng(seed)
+    data = [datum(list(rng.integers(3, 300, size=20))) for _ in range(3)]
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        training.optim_step(ADAM).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return training, losses
+
+
+def start_process_daemon(root: Path, tiny_llama: Path) -> Daemon:
+    config = write_config(root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, "trainer_process = true")
+    return Daemon(root / "data", config, root / "daemon.log").start()
+
+
+@pytest.fixture(scope="module")
+def process_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
+    daemon = start_process_daemon(tmp_path_factory.mktemp("trainer-process"), tiny_llama)
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def service(process_daemon):
+    client = tinker.ServiceClient(base_url=process_daemon.url, api_key=API_KEY)
+    yield client
+    client.close("success").result()
+
+
+def test_training_in_a_process_gives_the_in_process_trainers_losses(service, shared_daemon):
+    in_process = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
+    try:
+        _, expected = train(in_process, steps=4, seed=11)
+    finally:
+        in_process.close("success").result()
+    _, losses = train(service, steps=4, seed=11)
+    assert losses == expected
+    assert losses[-1] < losses[0]
+
+
+def test_the_trainer_runs_in_a_child_of_the_daemon(service, process_daemon):
+    train(service, steps=1, seed=12)
+    assert len(engine_processes(process_daemon.proc.pid)) == 1
+
+
+def test_a_sampler_takes_the_weights_the_process_trained(service):
+    training, _ = train(service, steps=2, seed=13)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = [7, 8, 9, 10]
+    result = sampler.sample(
+        types.ModelInput.from_ints(prompt), num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[]),
+    ).result()
+    tokens = list(result.sequences[0].tokens)
+    forward = training.forward([datum(prompt + tokens)], "cross_entropy").result()
+    forward_lp = np.asarray(forward.loss_fn_outputs[0]["logprobs"].tolist())[len(prompt) - 1 :]
+    np.testing.assert_allclose(np.asarray(result.sequences[0].logprobs), forward_lp, atol=1e-3)
+
+
+def test_a_state_saved_by_the_process_resumes_the_run(service):
+    training, _ = train(service, steps=2, seed=14)
+    state = training.save_state("process-state").result().path
+    _, continued = train_more(training, seed=14)
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    _, again = train_more(resumed, seed=14)
+    assert again == continued
+
+
+def train_more(training: tinker.TrainingClient, seed: int) -> tuple[tinker.TrainingClient, list[float]]:
+    rng = np.random.default_rng(seed + 100)
+    data = [datum(list(rng.integers(3, 300, size=20))) for _ in range(3)]
+    losses = []
+    for _ in range(2):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(ADAM).result()
+    return training, losses
+
+
+def test_a_killed_trainer_process_fails_its_jobs_calls_and_the_daemon_serves_on(tmp_path: Path, tiny_llama: Path):
+    daemon = start_process_daemon(tmp_path, tiny_llama)
+    client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    try:
+        training, _ = train(client, steps=1, seed=15)
+        (engine,) = engine_processes(daemon.proc.pid)
+        os.kill(engine, signal.SIGKILL)
+        with pytest.raises(tinker.RequestFailedError) as raised:
+            training.forward_backward([datum([3, 4, 5, 6])], "cross_entropy").result()
+        assert (
+            "trainer process openrld-trainer tiny-llama died (exit status -9); the weights and optimizer "
+            "state it held are gone: resume from a saved state" in str(raised.value)
+        )
+        # The daemon answers on: the base model still samples.
+        sampler = client.create_sampling_client(base_model="tiny-llama").result()
+        sampled = sampler.sample(
+            types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)
+        ).result()
+        assert len(sampled.sequences[0].tokens) == 2
+    finally:
+        client.close("success").result()
+        daemon.stop()
+
+
+def test_a_stopped_daemon_leaves_no_trainer_process(tmp_path: Path, tiny_llama: Path):
+    daemon = start_process_daemon(tmp_path, tiny_llama)
+    client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    train(client, steps=1, seed=16)
+    client.close("success").result()
+    (engine,) = engine_processes(daemon.proc.pid)
+    assert daemon.stop() == 0
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{engine}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{engine}").exists()
