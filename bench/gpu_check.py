@@ -15,6 +15,9 @@ Checks:
 - offload.sampler_round_trip: a TorchSampler parked and resumed samples the same
   seeded tokens and logprobs as before.
 - offload.throughput: park/resume of a ~100M-parameter bf16 model: GB/s each way.
+- engine_process.cuda_trainer: a TorchTrainer on cuda in a process of its own
+  (`trainer_process = true`) trains as the in-process one does (losses within 1e-5),
+  hands back adapter tensors on the device, and parks and resumes through the pipe.
 - vllm.*: a tiny random Llama (head_dim 64) served by VllmSampler: sampled-token and
   prompt logprobs at T = 1 against the trainer's forward (1e-3 in fp32; 5e-2 if vLLM
   must run it in bf16), T = 0.7 logprobs against log_softmax(logits / 0.7), a seed
@@ -159,6 +162,39 @@ def check_training_across_park(model_dir: Path, device: torch.device) -> str:
     a, b = trainer.adapter_tensors("a"), trainer.adapter_tensors("b")
     require(all(bit_equal(a[k], b[k]) for k in a), "adapter weights differ after training across a park")
     return f"4 steps, losses {['%.6f' % x for x in losses_a]} identical with and without a park"
+
+
+def check_trainer_process(model_dir: Path, device: torch.device) -> str:
+    from functools import partial
+
+    from openrld.gpu.engine_process import TrainerProcess
+    from openrld.gpu.engines import _build_trainer
+
+    start = time.perf_counter()
+    remote = TrainerProcess(partial(_build_trainer, model_dir, device, 8192), threads=None, name="gpu-check")
+    started = time.perf_counter() - start
+    try:
+        local = TorchTrainer(model_dir, device)
+        batch, adam = sft_batch(model_dir), AdamParams(learning_rate=1e-2)
+        losses: list[list[float]] = [[], []]
+        for engine, out in zip((remote, local), losses):
+            engine.add_adapter("a", SPEC)
+            for _ in range(3):
+                results, _ = engine.forward_backward_then_step("a", [batch], adam)
+                out.append(results[0].metrics["loss:sum"])
+        require(np.allclose(losses[0], losses[1], rtol=0, atol=1e-5), f"losses differ: {losses[0]} vs {losses[1]}")
+        tensors = remote.adapter_tensors("a")
+        require(all(t.device == torch.device(device) for t in tensors.values()), "adapter tensors left the device")
+        parked = remote.park()
+        remote.resume()
+        require(parked.bytes_moved > 0, "park moved nothing")
+        after, _ = remote.forward_backward_then_step("a", [batch], None)
+        return (
+            f"started in {started:.1f} s, losses {['%.6f' % x for x in losses[0]]} as in process, "
+            f"parked {gb(parked.bytes_moved)}, loss after resume {after[0].metrics['loss:sum']:.6f}"
+        )
+    finally:
+        remote.close()
 
 
 def check_sampler_round_trip(model_dir: Path, device: torch.device) -> str:
@@ -347,6 +383,7 @@ def main() -> int:
             "offload.training_across_park": lambda: check_training_across_park(tiny, device),
             "offload.sampler_round_trip": lambda: check_sampler_round_trip(tiny, device),
             "offload.throughput": lambda: check_throughput(root, device),
+            "engine_process.cuda_trainer": lambda: check_trainer_process(tiny, device),
         }
         for name, check in offload_checks.items():
             report.run(name, check if has_cuda else _skip("no CUDA device here"))
