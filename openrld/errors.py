@@ -72,6 +72,11 @@ class ServerError(OpenrldError):
     category = "server"
 
 
+class EngineLost(ServerError):
+    """An engine in a process of its own died (killed, out of memory), and the weights and
+    optimizer state it held went with it (`gpu/engine_process.py`)."""
+
+
 class ServiceUnavailable(ServerError):
     """The daemon is shutting down; the client retries against it or another node."""
 

@@ -26,6 +26,11 @@ actor takes its lease first and builds in its first turn. The time-slicer
 parks and resumes the engine through `park`/`resume` here, between runs, in
 the actor's worker thread. When its group ends (`fail_pending`), every op it
 still holds fails, and the lease is given back as the actor stops.
+
+A lost engine (`EngineLost`: a trainer in a process of its own that died) is
+replaced by a new one at once, so that the group trains on. The jobs whose
+adapters it held are lost with it: their ops fail with that error until the job
+loads a state (`load_state`) or the client creates a new model.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
 from openrld.checkpoint_manifest import CheckpointManifest
-from openrld.errors import BadRequest, Conflict, OpenrldError, ServerError
+from openrld.errors import BadRequest, Conflict, EngineLost, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -366,6 +371,7 @@ class TrainerActor:
         self._progress: dict[str, JobProgress] = {}
         self._running_job: str | None = None  # whose ops run (or wait for the device) now
         self._in_hand: list[TrainOp] = []  # the run of ops taken from the queues, until it is done
+        self._lost: dict[str, EngineLost] = {}  # model_id -> the loss of the engine that held its adapter
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
@@ -381,12 +387,13 @@ class TrainerActor:
                 await self._step_loop()
         finally:
             self._lease.close()  # a stopped worker takes no more turns
-            await self._close_engine()
+            await self._close_engine(self._engine)
 
-    async def _close_engine(self) -> None:
+    @staticmethod
+    async def _close_engine(engine: Any) -> None:
         # An engine in a process of its own (gpu/engine_process.py) stops that process; the
         # others hold nothing that outlives them.
-        close = getattr(self._engine, "close", None)
+        close = getattr(engine, "close", None)
         if close is not None:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(close)
@@ -443,10 +450,27 @@ class TrainerActor:
     async def _run_one(self, op: TrainOp) -> None:
         try:
             value = await self._execute(op)
+        except EngineLost as error:
+            self._settle_failed(op, error)
+            await self._replace_engine(error)
         except Exception as error:
             self._settle_failed(op, error)
         else:
             self._settle(op, value)
+
+    async def _replace_engine(self, error: EngineLost) -> None:
+        """The engine died with every adapter it held: build another, and mark those jobs lost."""
+        for model_id in self._specs:
+            self._lost.setdefault(model_id, error)
+        logger.error("trainer engine lost group=%s jobs=%d: %s", self.name, len(self._specs), error.detail)
+        lost, self._engine = self._engine, None
+        await self._close_engine(lost)
+        try:
+            self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+        except Exception:  # the next op finds no engine, fails, and this is tried again
+            logger.exception("trainer engine rebuild failed group=%s", self.name)
+            return
+        logger.info("trainer engine rebuilt group=%s", self.name)
 
     def _settle(self, op: TrainOp, value: Any) -> None:
         self._done += 1
@@ -486,10 +510,17 @@ class TrainerActor:
         batches = [op.batch for op in passes if isinstance(op, ForwardBackward)]
         assert len(batches) == len(passes), "only ForwardBackward ops share a pass"
         params = step.params if step is not None else None
+        if run[0].model_id in self._lost:
+            return False
         try:
             results, stepped = await self._in_thread(
                 self._engine.forward_backward_then_step, run[0].model_id, batches, params
             )
+        except EngineLost as error:
+            for op in run:
+                self._settle_failed(op, error)
+            await self._replace_engine(error)
+            return True
         except OpenrldError:
             return False
         except Exception:  # rerun one by one: each op then fails, or succeeds, on its own
@@ -510,6 +541,11 @@ class TrainerActor:
 
     async def _execute(self, op: TrainOp) -> Any:
         engine = self._engine
+        lost = self._lost.get(op.model_id)
+        if lost is not None and not isinstance(op, (CreateAdapter, LoadState)):
+            raise ServerError(lost.detail)  # not EngineLost: the engine now in place is alive
+        if engine is None:
+            raise EngineLost(f"the trainer of {self.name} could not be rebuilt after its engine was lost")
         match op:
             case ForwardBackward():
                 return await self._in_thread(engine.forward_backward, op.model_id, op.batch)
@@ -518,12 +554,14 @@ class TrainerActor:
             case CreateAdapter():
                 await self._in_thread(engine.add_adapter, op.model_id, op.spec, op.optimizer)
                 self._specs[op.model_id] = op.spec
+                self._lost.pop(op.model_id, None)
                 return Created(model_id=op.model_id)
             case LoadState():
                 await self._in_thread(
                     engine.load_state, op.model_id, Path(op.source_dir), op.spec, op.with_optimizer, op.optimizer
                 )
                 self._specs[op.model_id] = op.spec
+                self._lost.pop(op.model_id, None)
                 return Loaded(model_id=op.model_id, path=op.source_uri)
             case SaveState():
                 return await self._save_state(op)

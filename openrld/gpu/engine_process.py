@@ -17,8 +17,8 @@ trainer actor calls it as it would call the engine, from its worker thread.
 What it does not do:
 - full fine-tuning: a full trainer hands its sampler whole weight deltas, which would
   cross the pipe at every sync; it stays in the daemon's process;
-- restart a dead child: a call after the child died raises `EngineDied`, and so does
-  every later one; the group's ops fail with it and the group is rebuilt by its next job;
+- restart a dead child: a call after the child died raises `EngineLost`, and so does
+  every later one; the trainer actor then builds a new engine (actors/trainer.py);
 - trio: the calls block their thread, as the engine's own do.
 
 The child ignores SIGINT and SIGTERM: a Ctrl-C or systemd's stop reaches the whole
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import os
 import pickle
 import signal
 import socket
@@ -43,15 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
-from openrld.errors import OpenrldError
+from openrld.errors import EngineLost, OpenrldError
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # a step in flight finishes first; past this the child is killed
-
-
-class EngineDied(RuntimeError):
-    """The engine's process is gone (killed, out of memory); the engine's state went with it."""
 
 
 class TrainerProcess:
@@ -151,7 +148,7 @@ class TrainerProcess:
     def _call(self, method: str, *args: Any) -> Any:
         with self._lock:
             if not self._stop.alive:
-                raise EngineDied(f"trainer process {self.name} was closed")
+                raise EngineLost(f"trainer process {self.name} was closed")
             try:
                 self._conn.send_bytes(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
             except OSError as error:
@@ -167,9 +164,9 @@ class TrainerProcess:
             raise value
         return value
 
-    def _died(self) -> EngineDied:
+    def _died(self) -> EngineLost:
         self._stop()
-        return EngineDied(
+        return EngineLost(
             f"trainer process {self.name} died (exit status {self._process.returncode}); "
             "the weights and optimizer state it held are gone: resume from a saved state"
         )
@@ -231,3 +228,7 @@ def _reply(conn: multiprocessing.connection.Connection, ok: bool, value: Any) ->
 
 if __name__ == "__main__":
     _serve(multiprocessing.connection.Connection(int(sys.argv[1])))
+    # The engine's state goes with the process; tearing torch's down would only take seconds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

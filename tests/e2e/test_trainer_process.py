@@ -121,28 +121,57 @@ def train_more(training: tinker.TrainingClient, seed: int) -> tuple[tinker.Train
     return training, losses
 
 
-def test_a_killed_trainer_process_fails_its_jobs_calls_and_the_daemon_serves_on(tmp_path: Path, tiny_llama: Path):
+LOST = (
+    "trainer process openrld-trainer tiny-llama died (exit status -9); the weights and optimizer "
+    "state it held are gone: resume from a saved state"
+)
+
+
+@pytest.fixture
+def killed(tmp_path: Path, tiny_llama: Path):
+    """(client, training client, its state saved before the kill, daemon): its trainer process was
+    SIGKILLed after two steps, and the kill has been seen by one forward_backward."""
     daemon = start_process_daemon(tmp_path, tiny_llama)
     client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
-    try:
-        training, _ = train(client, steps=1, seed=15)
-        (engine,) = engine_processes(daemon.proc.pid)
-        os.kill(engine, signal.SIGKILL)
-        with pytest.raises(tinker.RequestFailedError) as raised:
-            training.forward_backward([datum([3, 4, 5, 6])], "cross_entropy").result()
-        assert (
-            "trainer process openrld-trainer tiny-llama died (exit status -9); the weights and optimizer "
-            "state it held are gone: resume from a saved state" in str(raised.value)
-        )
-        # The daemon answers on: the base model still samples.
-        sampler = client.create_sampling_client(base_model="tiny-llama").result()
-        sampled = sampler.sample(
-            types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)
-        ).result()
-        assert len(sampled.sequences[0].tokens) == 2
-    finally:
-        client.close("success").result()
-        daemon.stop()
+    training, _ = train(client, steps=2, seed=15)
+    state = training.save_state("before-the-kill").result().path
+    (engine,) = engine_processes(daemon.proc.pid)
+    os.kill(engine, signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as raised:
+        training.forward_backward([datum([3, 4, 5, 6])], "cross_entropy").result()
+    assert LOST in str(raised.value)
+    yield client, training, state, daemon
+    client.close("success").result()
+    daemon.stop()
+
+
+def test_a_lost_jobs_later_calls_fail_with_the_same_error(killed):
+    _, training, _, _ = killed
+    with pytest.raises(tinker.RequestFailedError) as raised:
+        training.optim_step(ADAM).result()
+    assert LOST in str(raised.value)
+
+
+def test_a_new_trainer_process_takes_the_place_of_the_killed_one(killed):
+    client, _, _, daemon = killed
+    _, losses = train(client, steps=2, seed=16)
+    assert len(losses) == 2
+    assert len(engine_processes(daemon.proc.pid)) == 1
+
+
+def test_a_lost_job_resumes_from_its_saved_state(killed):
+    client, training, state, _ = killed
+    training.load_state_with_optimizer(state).result()
+    _, resumed = train_more(training, seed=15)
+    _, from_state = train_more(client.create_training_client_from_state_with_optimizer(state).result(), seed=15)
+    assert resumed == from_state
+
+
+def test_the_daemon_samples_on_after_the_kill(killed):
+    client, _, _, _ = killed
+    sampler = client.create_sampling_client(base_model="tiny-llama").result()
+    sampled = sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(sampled.sequences[0].tokens) == 2
 
 
 def test_a_stopped_daemon_leaves_no_trainer_process(tmp_path: Path, tiny_llama: Path):

@@ -17,7 +17,8 @@ import torch
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
-from openrld.gpu.engine_process import EngineDied, TrainerProcess
+from openrld.errors import EngineLost
+from openrld.gpu.engine_process import TrainerProcess
 from openrld.gpu.engines import _build_trainer
 
 CPU = torch.device("cpu")
@@ -107,9 +108,9 @@ def test_a_killed_process_fails_the_next_call_and_every_later_one(tiny_llama: Pa
     engine = TrainerProcess(partial(_build_trainer, tiny_llama, CPU, 4096), threads=1, name="doomed")
     os.kill(engine.pid, signal.SIGKILL)
     died = r"trainer process doomed died \(exit status -9\); the weights and optimizer state it held are gone"
-    with pytest.raises(EngineDied, match=died):
+    with pytest.raises(EngineLost, match=died):
         engine.adapter_names()
-    with pytest.raises(EngineDied, match="trainer process doomed was closed"):
+    with pytest.raises(EngineLost, match="trainer process doomed was closed"):
         engine.adapter_names()
 
 
@@ -126,7 +127,7 @@ def test_close_stops_the_child(tiny_llama: Path):
     engine.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    with pytest.raises(EngineDied, match="was closed"):
+    with pytest.raises(EngineLost, match="was closed"):
         engine.adapter_names()
 
 

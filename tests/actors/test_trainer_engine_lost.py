@@ -1,0 +1,188 @@
+"""The trainer actor when its engine is lost (a trainer process that died): it builds another,
+the jobs the dead one held fail until they load a state, and other jobs train on.
+
+The engine is a stand-in (the edge: a process killed by the kernel); tests/e2e/test_trainer_process.py
+kills a real trainer process under the real SDK.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from openrld.actors.futures import Completed, Failed, FutureTable
+from openrld.actors.trainer import CreateAdapter, ForwardBackward, LoadState, OptimStep, TrainerActor
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
+from openrld.errors import EngineLost
+from tests.actors.test_sampler_replicas import MemoryLog
+
+SPEC = LoraSpec(rank=2)
+BATCH = ForwardBackwardBatch(data=[], loss_fn="cross_entropy", loss_config={}, forward_only=False)
+DIED = "trainer process t died (exit status -9); the weights and optimizer state it held are gone"
+
+
+class StandInEngine:
+    """Adapters by name; `dies` makes its next engine call raise EngineLost, as a killed process's would."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.adapters: set[str] = set()
+        self.dies = False
+        self.closed = False
+
+    def _call(self) -> None:
+        if self.dies:
+            raise EngineLost(DIED)
+
+    def add_adapter(self, name: str, spec: LoraSpec, optimizer: str) -> None:
+        self._call()
+        self.adapters.add(name)
+
+    def load_state(self, name: str, directory: Any, spec: LoraSpec, with_optimizer: bool, optimizer: str) -> None:
+        self._call()
+        self.adapters.add(name)
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> str:
+        self._call()
+        return f"engine {self.number} stepped {name}"
+
+    def forward_backward_then_step(self, name: str, batches: list, params: Any) -> tuple[list[str], Any]:
+        self._call()
+        return [f"engine {self.number} stepped {name}"] * len(batches), None
+
+    def optim_step(self, name: str, params: Any) -> str:
+        self._call()
+        return f"engine {self.number} optimised {name}"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Trainer:
+    """A TrainerActor on stand-in engines, its futures, and one helper per op."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.engines: list[StandInEngine] = []
+        self.futures = FutureTable(MemoryLog())
+        self.actor = TrainerActor(
+            name="t", build_engine=self._build, limiter=trio.CapacityLimiter(1), futures=self.futures,
+            checkpoints=None, sampler=None,  # type: ignore[arg-type]  # no op here saves
+        )
+        self._nursery = nursery
+        self._count = 0
+        self._seq: dict[str, int] = {}
+
+    def _build(self) -> StandInEngine:
+        self.engines.append(StandInEngine(len(self.engines) + 1))
+        return self.engines[-1]
+
+    async def start(self) -> None:
+        self.handle = await self._nursery.start(self.actor.run)
+
+    async def submit(self, model_id: str, make: Any) -> Any:
+        """Submit the op `make(request_id, seq_id)` for `model_id`; its outcome."""
+        self._count += 1
+        request_id = f"r{self._count}"
+        seq = self._seq.get(model_id)
+        if seq is None:
+            self.handle.open_job(model_id)
+            seq = 0
+        self._seq[model_id] = seq + 1
+        self.futures.create(request_id, model_id=model_id, kind="op", owner="u")
+        self.handle.submit_nowait(make(request_id, seq))
+        outcome = await self.futures.wait(request_id, owner="u", hold_s=10)
+        return outcome.value if isinstance(outcome, Completed) else outcome
+
+    async def create(self, model_id: str) -> Any:
+        return await self.submit(model_id, lambda r, s: CreateAdapter(model_id, r, SPEC, seq_id=s))
+
+    async def step(self, model_id: str) -> Any:
+        return await self.submit(model_id, lambda r, s: ForwardBackward(model_id, s, r, BATCH))
+
+    async def optim(self, model_id: str) -> Any:
+        return await self.submit(model_id, lambda r, s: OptimStep(model_id, s, r, AdamParams()))
+
+    async def load(self, model_id: str) -> Any:
+        return await self.submit(
+            model_id, lambda r, s: LoadState(model_id, r, "/state", "tinker://state", SPEC, True, seq_id=s)
+        )
+
+
+def with_trainer(body: Any) -> None:
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                trainer = Trainer(nursery)
+                await trainer.start()
+                await body(trainer)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_the_op_that_meets_the_dead_engine_fails_with_its_error():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        trainer.engines[0].dies = True
+        assert await trainer.step("a") == Failed(detail=DIED, category="server")
+
+    with_trainer(body)
+
+
+def test_a_new_engine_replaces_the_dead_one_and_the_old_one_is_closed():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        trainer.engines[0].dies = True
+        await trainer.step("a")
+        await trainer.create("b")  # runs after the replacement
+        assert [e.number for e in trainer.engines] == [1, 2]
+        assert trainer.engines[0].closed is True
+        assert trainer.engines[1].closed is False
+
+    with_trainer(body)
+
+
+def test_the_lost_jobs_later_ops_fail_with_the_same_detail():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        trainer.engines[0].dies = True
+        await trainer.step("a")
+        assert await trainer.optim("a") == Failed(detail=DIED, category="server")
+        assert await trainer.step("a") == Failed(detail=DIED, category="server")
+        assert len(trainer.engines) == 2
+
+    with_trainer(body)
+
+
+def test_a_job_created_after_the_loss_trains_on_the_new_engine():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        trainer.engines[0].dies = True
+        await trainer.step("a")
+        await trainer.create("b")
+        assert await trainer.step("b") == "engine 2 stepped b"
+
+    with_trainer(body)
+
+
+def test_a_lost_job_that_loads_a_state_trains_again():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        trainer.engines[0].dies = True
+        await trainer.step("a")
+        await trainer.load("a")
+        assert await trainer.step("a") == "engine 2 stepped a"
+
+    with_trainer(body)
+
+
+def test_every_job_the_dead_engine_held_is_lost():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        await trainer.create("b")
+        trainer.engines[0].dies = True
+        await trainer.step("a")
+        assert await trainer.step("b") == Failed(detail=DIED, category="server")
+
+    with_trainer(body)
