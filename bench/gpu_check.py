@@ -168,10 +168,10 @@ def check_trainer_process(model_dir: Path, device: torch.device) -> str:
     from functools import partial
 
     from openrld.gpu.engine_process import TrainerProcess
-    from openrld.gpu.engines import _build_trainer
+    from openrld.gpu.engines import build_lora_trainer
 
     start = time.perf_counter()
-    remote = TrainerProcess(partial(_build_trainer, model_dir, device, 8192), threads=None, name="gpu-check")
+    remote = TrainerProcess(partial(build_lora_trainer, model_dir, device, 8192), threads=None, name="gpu-check")
     started = time.perf_counter() - start
     try:
         local = TorchTrainer(model_dir, device)

@@ -109,6 +109,20 @@ class Daemon:
         return self.log_path.read_text()
 
 
+def engine_processes(parent: int) -> list[int]:
+    """The pids of `parent`'s child processes that run an engine (gpu/engine_process.py)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"openrld.gpu.engine_process" in command:
+            found.append(int(entry.name))
+    return found
+
+
 def write_api_keys(path: Path, users_by_key: dict[str, str]) -> Path:
     """An API key file (key = user), readable by its owner only, as the daemon requires."""
     path.write_text("".join(f'"{key}" = "{user}"\n' for key, user in users_by_key.items()))

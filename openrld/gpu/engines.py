@@ -57,11 +57,11 @@ class TorchEngineFactory:
         def build() -> Any:
             self._ensure_files(model)
             if not self.trainer_process:
-                return _build_trainer(model.directory, self.device, self.max_batch_tokens)
+                return build_lora_trainer(model.directory, self.device, self.max_batch_tokens)
             from openrld.gpu.engine_process import TrainerProcess
 
             return TrainerProcess(
-                partial(_build_trainer, model.directory, self.device, self.max_batch_tokens),
+                partial(build_lora_trainer, model.directory, self.device, self.max_batch_tokens),
                 threads=self.cpu_threads, name=f"openrld-trainer {model.name}",
             )
 
@@ -105,8 +105,8 @@ class TorchEngineFactory:
         return build
 
 
-def _build_trainer(model_dir: Path, device: torch.device, max_batch_tokens: int) -> Any:
-    # Module-level: a trainer process is handed this (pickled) to build its engine.
+def build_lora_trainer(model_dir: Path, device: torch.device, max_batch_tokens: int) -> Any:
+    """A LoRA trainer engine; module-level, so that a trainer process can be handed it, pickled."""
     from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
     return TorchTrainer(model_dir, device, config=TrainerConfig(max_batch_tokens=max_batch_tokens))

@@ -7,7 +7,8 @@ kills a real trainer process under the real SDK.
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import trio
 
@@ -30,29 +31,34 @@ class StandInEngine:
         self.adapters: set[str] = set()
         self.dies = False
         self.closed = False
+        self.calls: list[str] = []
+        self.gate: threading.Event | None = None  # set: add_adapter holds the engine until it opens
 
-    def _call(self) -> None:
+    def _call(self, method: str) -> None:
+        self.calls.append(method)
         if self.dies:
             raise EngineLost(DIED)
 
     def add_adapter(self, name: str, spec: LoraSpec, optimizer: str) -> None:
-        self._call()
+        self._call("add_adapter")
         self.adapters.add(name)
+        if self.gate is not None:
+            self.gate.wait(10)
 
     def load_state(self, name: str, directory: Any, spec: LoraSpec, with_optimizer: bool, optimizer: str) -> None:
-        self._call()
+        self._call("load_state")
         self.adapters.add(name)
 
     def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> str:
-        self._call()
+        self._call("forward_backward")
         return f"engine {self.number} stepped {name}"
 
     def forward_backward_then_step(self, name: str, batches: list, params: Any) -> tuple[list[str], Any]:
-        self._call()
+        self._call("forward_backward_then_step")
         return [f"engine {self.number} stepped {name}"] * len(batches), None
 
     def optim_step(self, name: str, params: Any) -> str:
-        self._call()
+        self._call("optim_step")
         return f"engine {self.number} optimised {name}"
 
     def close(self) -> None:
@@ -109,6 +115,16 @@ class Trainer:
         )
 
 
+async def lose_engine(trainer: Trainer, *jobs: str) -> Any:
+    """Create `jobs` (default "a") on the first engine, kill it, and let the first job's step
+    meet it; that step's outcome."""
+    jobs = jobs or ("a",)
+    for job in jobs:
+        await trainer.create(job)
+    trainer.engines[0].dies = True
+    return await trainer.step(jobs[0])
+
+
 def with_trainer(body: Any) -> None:
     async def main() -> None:
         with trio.fail_after(30):
@@ -123,18 +139,14 @@ def with_trainer(body: Any) -> None:
 
 def test_the_op_that_meets_the_dead_engine_fails_with_its_error():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        trainer.engines[0].dies = True
-        assert await trainer.step("a") == Failed(detail=DIED, category="server")
+        assert await lose_engine(trainer) == Failed(detail=DIED, category="server")
 
     with_trainer(body)
 
 
 def test_a_new_engine_replaces_the_dead_one_and_the_old_one_is_closed():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        trainer.engines[0].dies = True
-        await trainer.step("a")
+        await lose_engine(trainer)
         await trainer.create("b")  # runs after the replacement
         assert [e.number for e in trainer.engines] == [1, 2]
         assert trainer.engines[0].closed is True
@@ -145,9 +157,7 @@ def test_a_new_engine_replaces_the_dead_one_and_the_old_one_is_closed():
 
 def test_the_lost_jobs_later_ops_fail_with_the_same_detail():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        trainer.engines[0].dies = True
-        await trainer.step("a")
+        await lose_engine(trainer)
         assert await trainer.optim("a") == Failed(detail=DIED, category="server")
         assert await trainer.step("a") == Failed(detail=DIED, category="server")
         assert len(trainer.engines) == 2
@@ -157,9 +167,7 @@ def test_the_lost_jobs_later_ops_fail_with_the_same_detail():
 
 def test_a_job_created_after_the_loss_trains_on_the_new_engine():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        trainer.engines[0].dies = True
-        await trainer.step("a")
+        await lose_engine(trainer)
         await trainer.create("b")
         assert await trainer.step("b") == "engine 2 stepped b"
 
@@ -168,9 +176,7 @@ def test_a_job_created_after_the_loss_trains_on_the_new_engine():
 
 def test_a_lost_job_that_loads_a_state_trains_again():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        trainer.engines[0].dies = True
-        await trainer.step("a")
+        await lose_engine(trainer)
         await trainer.load("a")
         assert await trainer.step("a") == "engine 2 stepped a"
 
@@ -179,10 +185,53 @@ def test_a_lost_job_that_loads_a_state_trains_again():
 
 def test_every_job_the_dead_engine_held_is_lost():
     async def body(trainer: Trainer) -> None:
-        await trainer.create("a")
-        await trainer.create("b")
-        trainer.engines[0].dies = True
-        await trainer.step("a")
+        await lose_engine(trainer, "a", "b")
         assert await trainer.step("b") == Failed(detail=DIED, category="server")
+
+    with_trainer(body)
+
+
+async def step_and_optim_queued_together(
+    trainer: Trainer, model_id: str, before_release: Callable[[], None] = lambda: None
+) -> list[Any]:
+    """A forward_backward and an optim_step submitted while the engine is busy with another job's
+    op, so that both are queued when the actor next takes work, as a pipelining client's are (they
+    then run as one engine call); `before_release` runs just before the engine is free. Their outcomes."""
+    engine = trainer.engines[-1]
+    engine.gate = threading.Event()
+    outcomes: list[Any] = [None, None]
+
+    async def record(index: int, call: Any) -> None:
+        outcomes[index] = await call(model_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trainer.create, "busy")
+        await trio.sleep(0.05)  # the engine holds "busy"'s op
+        nursery.start_soon(record, 0, trainer.step)
+        await trio.lowlevel.checkpoint()  # the step takes its seq_id first
+        nursery.start_soon(record, 1, trainer.optim)
+        await trio.sleep(0.05)  # both are queued behind it
+        before_release()
+        engine.gate.set()
+    return outcomes
+
+
+def test_a_pass_and_step_that_meet_the_dead_engine_both_fail():
+    async def body(trainer: Trainer) -> None:
+        await trainer.create("a")
+        first = trainer.engines[0]
+        outcomes = await step_and_optim_queued_together(trainer, "a", lambda: setattr(first, "dies", True))
+        failed = Failed(detail=DIED, category="server")
+        assert outcomes == [failed, failed]
+        assert first.calls == ["add_adapter", "add_adapter", "forward_backward_then_step"]
+
+    with_trainer(body)
+
+
+def test_a_lost_jobs_pipelined_pass_and_step_both_fail():
+    async def body(trainer: Trainer) -> None:
+        await lose_engine(trainer)
+        failed = Failed(detail=DIED, category="server")
+        assert await step_and_optim_queued_together(trainer, "a") == [failed, failed]
 
     with_trainer(body)

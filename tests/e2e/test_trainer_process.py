@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tinker
-from conftest import Daemon, write_config
+from conftest import Daemon, engine_processes, write_config
 from tinker import types
 
 API_KEY = "tml-test"
@@ -25,20 +25,6 @@ def datum(tokens: list[int]) -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
     )
-
-
-def engine_processes(daemon_pid: int) -> list[int]:
-    """The daemon's children that run a trainer engine."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == daemon_pid and b"openrld.gpu.engine_process" in command:
-            found.append(int(entry.name))
-    return found
 
 
 def train(service: tinker.ServiceClient, steps: int, seed: int) -> tuple[tinker.TrainingClient, list[float]]:
@@ -127,11 +113,13 @@ LOST = (
 )
 
 
-@pytest.fixture
-def killed(tmp_path: Path, tiny_llama: Path):
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     """(client, training client, its state saved before the kill, daemon): its trainer process was
-    SIGKILLed after two steps, and the kill has been seen by one forward_backward."""
-    daemon = start_process_daemon(tmp_path, tiny_llama)
+    SIGKILLed after two steps, and the kill has been seen by one forward_backward. One daemon for
+    the tests below (each start costs a daemon and two trainer processes); only the last of them
+    brings the lost job back."""
+    daemon = start_process_daemon(tmp_path_factory.mktemp("killed"), tiny_llama)
     client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
     training, _ = train(client, steps=2, seed=15)
     state = training.save_state("before-the-kill").result().path
@@ -159,19 +147,19 @@ def test_a_new_trainer_process_takes_the_place_of_the_killed_one(killed):
     assert len(engine_processes(daemon.proc.pid)) == 1
 
 
+def test_the_daemon_samples_on_after_the_kill(killed):
+    client, _, _, _ = killed
+    sampler = client.create_sampling_client(base_model="tiny-llama").result()
+    sampled = sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(sampled.sequences[0].tokens) == 2
+
+
 def test_a_lost_job_resumes_from_its_saved_state(killed):
     client, training, state, _ = killed
     training.load_state_with_optimizer(state).result()
     _, resumed = train_more(training, seed=15)
     _, from_state = train_more(client.create_training_client_from_state_with_optimizer(state).result(), seed=15)
     assert resumed == from_state
-
-
-def test_the_daemon_samples_on_after_the_kill(killed):
-    client, _, _, _ = killed
-    sampler = client.create_sampling_client(base_model="tiny-llama").result()
-    sampled = sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
-    assert len(sampled.sequences[0].tokens) == 2
 
 
 def test_a_stopped_daemon_leaves_no_trainer_process(tmp_path: Path, tiny_llama: Path):

@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import engine_processes
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
 from openrld.errors import EngineLost
 from openrld.gpu.engine_process import TrainerProcess
-from openrld.gpu.engines import _build_trainer
+from openrld.gpu.engines import build_lora_trainer
 
 CPU = torch.device("cpu")
 SPEC = LoraSpec(rank=4, seed=3)
@@ -32,24 +33,10 @@ def batch(seed: int, rows: int = 3, length: int = 9) -> ForwardBackwardBatch:
     return ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
 
 
-def engine_children() -> set[int]:
-    """The pids of the engine processes this process started that still run."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == os.getpid() and b"openrld.gpu.engine_process" in command:
-            found.add(int(entry.name))
-    return found
-
-
 @pytest.fixture(scope="module")
 def engines(tiny_llama: Path):
     """(in a child process, in this one), each with adapter "a"; the child is stopped after the module."""
-    build = partial(_build_trainer, tiny_llama, CPU, 4096)
+    build = partial(build_lora_trainer, tiny_llama, CPU, 4096)
     remote = TrainerProcess(build, threads=torch.get_num_threads(), name="test")
     local = build()
     for engine in (remote, local):
@@ -105,7 +92,7 @@ def test_a_property_of_the_engine_reads_through(engines):
 
 
 def test_a_killed_process_fails_the_next_call_and_every_later_one(tiny_llama: Path):
-    engine = TrainerProcess(partial(_build_trainer, tiny_llama, CPU, 4096), threads=1, name="doomed")
+    engine = TrainerProcess(partial(build_lora_trainer, tiny_llama, CPU, 4096), threads=1, name="doomed")
     os.kill(engine.pid, signal.SIGKILL)
     died = r"trainer process doomed died \(exit status -9\); the weights and optimizer state it held are gone"
     with pytest.raises(EngineLost, match=died):
@@ -115,14 +102,14 @@ def test_a_killed_process_fails_the_next_call_and_every_later_one(tiny_llama: Pa
 
 
 def test_a_failed_build_raises_its_error_and_leaves_no_process(tmp_path: Path):
-    before = engine_children()
+    before = engine_processes(os.getpid())
     with pytest.raises(OSError):
-        TrainerProcess(partial(_build_trainer, tmp_path / "missing", CPU, 4096), threads=1, name="unbuilt")
-    assert engine_children() == before
+        TrainerProcess(partial(build_lora_trainer, tmp_path / "missing", CPU, 4096), threads=1, name="unbuilt")
+    assert engine_processes(os.getpid()) == before
 
 
 def test_close_stops_the_child(tiny_llama: Path):
-    engine = TrainerProcess(partial(_build_trainer, tiny_llama, CPU, 4096), threads=1, name="closed")
+    engine = TrainerProcess(partial(build_lora_trainer, tiny_llama, CPU, 4096), threads=1, name="closed")
     pid = engine.pid
     engine.close()
     with pytest.raises(ProcessLookupError):
