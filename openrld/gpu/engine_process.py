@@ -49,6 +49,8 @@ from openrld.errors import EngineLost, OpenrldError
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # a step in flight finishes first; past this the child is killed
+MALLOC_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: smaller blocks come from the heap, and are kept
+MALLOC_TRIM_THRESHOLD = 2**30  # free heap at the top is given back only past this
 
 
 class TrainerProcess:
@@ -62,7 +64,7 @@ class TrainerProcess:
             # Its stdout is the daemon's stderr: the daemon's stdout says where it listens, and nothing else.
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "openrld.gpu.engine_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=2,
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=2, env=_child_environment(),
             )
         self.name = name
         self._conn = multiprocessing.connection.Connection(ours.detach())
@@ -170,6 +172,21 @@ class TrainerProcess:
             f"trainer process {self.name} died (exit status {self._process.returncode}); "
             "the weights and optimizer state it held are gone: resume from a saved state"
         )
+
+
+def _child_environment() -> dict[str, str]:
+    """The daemon's environment, with glibc's malloc told to keep the engine's working set.
+
+    The engine runs on the child's main thread, in glibc's main arena, which handed the freed
+    activations of each step back to the kernel and faulted them in again the next: at 4x1024
+    tokens, 9,000 page faults and 26 ms of kernel time a step, against 1 and none with these
+    (the daemon's trainer thread has an arena of its own, which gives back less). An operator's
+    own settings win.
+    """
+    env = dict(os.environ)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(MALLOC_TRIM_THRESHOLD))
+    return env
 
 
 def _stop(process: subprocess.Popen, conn: multiprocessing.connection.Connection, name: str) -> None:

@@ -19,6 +19,7 @@ from conftest import engine_processes
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
 from openrld.errors import EngineLost
+from openrld.gpu import engine_process
 from openrld.gpu.engine_process import TrainerProcess
 from openrld.gpu.engines import build_lora_trainer
 
@@ -124,3 +125,15 @@ def test_a_fault_in_the_child_carries_the_childs_traceback(engines, tmp_path: Pa
     with pytest.raises(OSError) as raised:
         remote.save_state("a", tmp_path / "taken" / "state", True)
     assert "in save_state" in raised.value.__notes__[0]
+
+
+def test_the_child_keeps_its_working_set_in_mallocs_heap(engines):
+    remote, _ = engines
+    environment = Path(f"/proc/{remote.pid}/environ").read_bytes().split(b"\0")
+    assert b"MALLOC_MMAP_THRESHOLD_=33554432" in environment
+    assert b"MALLOC_TRIM_THRESHOLD_=1073741824" in environment
+
+
+def test_an_operators_malloc_setting_wins(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert engine_process._child_environment()["MALLOC_TRIM_THRESHOLD_"] == "131072"
