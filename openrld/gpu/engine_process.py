@@ -3,12 +3,12 @@
 Why: in the daemon's process the engine's Python shares one GIL with the event loop.
 A forward and backward pass of a small model is thousands of short torch calls, and
 each one that finds the GIL taken by the loop (decoding the next request, answering a
-long-poll) waits for it. On a 2-core node that cost the 8x128 training step 10-20%
-against a bare loop; `bench/trainer_isolation.py` measured the engine in a child
-process under the same traffic at 0.92-0.97. vLLM's v1 engine runs its EngineCore in a
-process of its own for the same reason.
+long-poll) waits for it. On a 2-core node the 8x128 training step ran at 0.66-0.83 of a
+bare loop's speed in the daemon's process, and at 0.70-0.95 in a process of its own
+(`bench/train_throughput.py`, twelve paired runs). vLLM's v1 engine runs its EngineCore
+in a process of its own for the same reason.
 
-What it does: `TrainerProcess` starts a spawned child that builds the engine (a
+What it does: `TrainerProcess` starts a child interpreter that builds the engine (a
 `TorchTrainer`) and then answers one call at a time over a pipe: the method's name and
 arguments in, its value or its exception out, both pickled (tensors as bytes, never
 shared memory, so that nothing outlives a call). It has the trainer's methods, so the
@@ -54,7 +54,7 @@ MALLOC_TRIM_THRESHOLD = 2**30  # free heap at the top is given back only past th
 
 
 class TrainerProcess:
-    """A `TorchTrainer` built and run in a spawned child process; one call at a time."""
+    """A `TorchTrainer` built and run in a child process; one call at a time."""
 
     def __init__(self, build: Callable[[], Any], *, threads: int | None, name: str) -> None:
         # A fresh interpreter, not fork (which would copy the daemon's threads' held locks) nor
