@@ -17,8 +17,7 @@ import torch
 from conftest import engine_processes
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
-from openrld.errors import BadRequest, Conflict
-from openrld.errors import EngineLost
+from openrld.errors import BadRequest, Conflict, EngineLost
 from openrld.gpu import engine_process
 from openrld.gpu.engine_process import TrainerProcess
 from openrld.gpu.engines import build_lora_trainer
