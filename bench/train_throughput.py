@@ -33,7 +33,7 @@ Printed figures, all measured in this run:
 The bare loop's peak is that of a child process that runs only the bare loop over the
 same shapes (same imports, same model), so neither side counts the other's memory.
 
-Run: `.venv/bin/python bench/train_throughput.py` (about 4-6 minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/train_throughput.py` (about 7 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
