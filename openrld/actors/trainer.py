@@ -510,8 +510,8 @@ class TrainerActor:
         batches = [op.batch for op in passes if isinstance(op, ForwardBackward)]
         assert len(batches) == len(passes), "only ForwardBackward ops share a pass"
         params = step.params if step is not None else None
-        if run[0].model_id in self._lost:
-            return False
+        if run[0].model_id in self._lost or self._engine is None:
+            return False  # one by one: each op then fails with its own error
         try:
             results, stepped = await self._in_thread(
                 self._engine.forward_backward_then_step, run[0].model_id, batches, params

@@ -77,9 +77,13 @@ class Trainer:
         )
         self._nursery = nursery
         self._count = 0
+        self.failing_builds = 0  # the next builds that raise
         self._seq: dict[str, int] = {}
 
     def _build(self) -> StandInEngine:
+        if self.failing_builds:
+            self.failing_builds -= 1
+            raise OSError("out of memory")
         self.engines.append(StandInEngine(len(self.engines) + 1))
         return self.engines[-1]
 
@@ -233,5 +237,17 @@ def test_a_lost_jobs_pipelined_pass_and_step_both_fail():
         await lose_engine(trainer)
         failed = Failed(detail=DIED, category="server")
         assert await step_and_optim_queued_together(trainer, "a") == [failed, failed]
+
+    with_trainer(body)
+
+
+def test_a_failed_rebuild_fails_the_next_op_which_tries_again():
+    async def body(trainer: Trainer) -> None:
+        trainer.failing_builds = 1
+        await lose_engine(trainer)
+        unbuilt = "the trainer of t could not be rebuilt after its engine was lost"
+        assert await trainer.create("b") == Failed(detail=unbuilt, category="server")
+        await trainer.create("c")
+        assert await trainer.step("c") == "engine 2 stepped c"
 
     with_trainer(body)
