@@ -61,20 +61,23 @@ class KvBatch:
     def width(self) -> int:
         return self.cache.get_seq_length() if self.lengths else 0
 
-    def join(self, layers: KvLayers, copies: int) -> None:
-        """Append `copies` rows, each a copy of the single row of `layers` (all of its positions are real)."""
-        assert layers[0][0].shape[0] == 1, f"join takes a batch-1 cache, got batch {layers[0][0].shape[0]}"
-        length = layers[0][0].shape[2]
-        width = max(self.width, length)
-        for layer, (keys, values) in zip(self.cache.layers, layers):
-            new_keys = _left_pad(keys, width).expand(copies, -1, -1, -1)
-            new_values = _left_pad(values, width).expand(copies, -1, -1, -1)
-            if self.lengths:
-                new_keys = torch.cat([_left_pad(layer.keys, width), new_keys])
-                new_values = torch.cat([_left_pad(layer.values, width), new_values])
-            # cat (or contiguous, for a first join) copies: the rows never alias `source`.
-            _assign(layer, new_keys.contiguous(), new_values.contiguous())
-        self.lengths.extend([length] * copies)
+    def join(self, joining: list[tuple[KvLayers, int]]) -> None:
+        """Append rows: for each (layers, copies), `copies` copies of the single row of `layers`
+        (all of its positions are real). One copy of the batch for all of them, however many
+        requests take rows in one step."""
+        for layers, _ in joining:
+            assert layers[0][0].shape[0] == 1, f"join takes batch-1 caches, got batch {layers[0][0].shape[0]}"
+        width = max([self.width] + [layers[0][0].shape[2] for layers, _ in joining])
+        for index, layer in enumerate(self.cache.layers):
+            keys = [_left_pad(layer.keys, width)] if self.lengths else []
+            values = [_left_pad(layer.values, width)] if self.lengths else []
+            for layers, copies in joining:
+                keys.append(_left_pad(layers[index][0], width).expand(copies, -1, -1, -1))
+                values.append(_left_pad(layers[index][1], width).expand(copies, -1, -1, -1))
+            # cat copies, even a single part: the rows never alias the prefill caches.
+            _assign(layer, torch.cat(keys), torch.cat(values))
+        for layers, copies in joining:
+            self.lengths.extend([layers[0][0].shape[2]] * copies)
 
     def attend_and_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next forward's attention mask (B, W + 1), True where a row may attend (padding

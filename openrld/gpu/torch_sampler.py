@@ -20,7 +20,9 @@ forwards are `fused_forward.FusedForward`, the same math as flat torch calls;
 other models run Hugging Face's forward with peft's mixed-batch
 `adapter_names`. So no request waits behind another job's request for more
 than the rows it holds. Rows that sample alike (temperature, top_k, top_p)
-draw together, whichever request they belong to.
+draw together, whichever request they belong to; so do the first tokens of
+the requests prefilled in one step, and the rows they take join the batch's
+KV cache in one copy.
 
 Sampling follows `shared/spec/sampling.md` sections 1-3 (the math is in
 `sampling_math`): q_T is logits/T, then top-k, then top-p, renormalised, and
@@ -428,11 +430,10 @@ class TorchSampler:
             self._queued.popleft()
             budget -= len(request.job.prompt)
             admitted.append(request)
+        first: list[tuple[_Request, torch.Tensor]] = []
         for group in self._prefill_groups(admitted):
-            if len(group) == 1:
-                self._prefill(group[0])
-            else:
-                self._prefill_together(group)
+            first += self._prefill(group[0]) if len(group) == 1 else self._prefill_together(group)
+        self._draw_first(first)
         for request in admitted:
             if request.pending:
                 self._prefilled.append(request)
@@ -458,16 +459,19 @@ class TorchSampler:
 
     def _fill_rows(self) -> None:
         """Give free batch rows to prefilled samples, oldest request first."""
+        joining: list[tuple[KvLayers, int]] = []
         while self._prefilled and len(self._rows) < self._decode_batch_rows:
             request = self._prefilled[0]
             taken = request.pending[: self._decode_batch_rows - len(self._rows)]
             assert request.prefill is not None
-            self._batch.join(request.prefill, len(taken))
+            joining.append((request.prefill, len(taken)))
             self._rows.extend((request, s) for s in taken)
             request.pending = request.pending[len(taken) :]
             if not request.pending:
                 request.prefill = None
                 self._prefilled.popleft()
+        if joining:
+            self._batch.join(joining)
 
     def _decode_step(self, finished: list[Finished]) -> None:
         """One forward for every row (each with its own adapter), then draw, record and retire."""
@@ -485,14 +489,13 @@ class TorchSampler:
         # Rows that sample alike draw together, whichever request they belong to.
         alike: dict[tuple[float, int, float], list[int]] = {}
         for row, (request, _) in enumerate(self._rows):
-            params = request.job.params
-            alike.setdefault((params.temperature, params.top_k, params.top_p), []).append(row)
+            alike.setdefault(_alike(request), []).append(row)
         for rows in alike.values():
-            if len(rows) == len(self._rows):
-                self._draw(self._rows, logits)
-                continue
-            index = torch.tensor(rows, dtype=torch.int64, device=self._device)
-            self._draw([self._rows[r] for r in rows], logits.index_select(0, index))
+            if len(rows) < len(self._rows):
+                index = torch.tensor(rows, dtype=torch.int64, device=self._device)
+                self._draw([(self._rows[r][0], [self._rows[r][1]]) for r in rows], logits.index_select(0, index))
+            else:
+                self._draw([(request, [s]) for request, s in self._rows], logits)
         requests = list(dict.fromkeys(request for request, _ in self._rows))
         self._keep_rows([r for r, (_, s) in enumerate(self._rows) if s.stop_reason is None])
         finished.extend(self._finish(request) for request in requests if request.is_done)
@@ -546,16 +549,16 @@ class TorchSampler:
         # No clean-up of spaces, so that decoding more tokens only ever appends text.
         return self._tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _prefill(self, request: _Request) -> None:
+    def _prefill(self, request: _Request) -> list[tuple[_Request, torch.Tensor]]:
         """Run the prompt through the model once, chunk by chunk, scoring what the job asks.
 
-        Sets the request's prompt scores, its batch-1 cache, and every sample's
-        first token (drawn from the one distribution after the last prompt
-        token); the samples still running are left in `pending`.
+        Sets the request's prompt scores and its batch-1 cache. Returns the request with
+        its logits after the last prompt token, which its samples' first tokens are drawn
+        from (`_draw_first`), or nothing when it generates nothing.
         """
         work = _PromptWork.of(request, self._device)
         if work is None:
-            return
+            return []
         prompt, prompt_len = work.prompt, len(work.prompt)
         cache = transformers.DynamicCache(config=self._model.config)
         for start in range(0, prompt_len, self._prefill_chunk_tokens):
@@ -570,64 +573,81 @@ class TorchSampler:
                 logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
             self._prompt_tokens_prefilled += end - start
             work.take(logits, lo, end)
-        self._prefilled_into(request, work, cache_tensors(cache))
+        return self._prefilled_into(request, work, cache_tensors(cache))
 
-    def _prefill_together(self, requests: list[_Request]) -> None:
+    def _prefill_together(self, requests: list[_Request]) -> list[tuple[_Request, torch.Tensor]]:
         """`_prefill` for several requests whose whole prompts share one fused forward."""
         works = [(request, _PromptWork.of(request, self._device)) for request in requests]
         works = [(request, work) for request, work in works if work is not None]
         if not works:
-            return
+            return []
         assert self._fused is not None
         needed = [len(work.prompt) - work.first_needed for _, work in works]
         logits, caches = self._fused.prefill_many(
             [work.prompt for _, work in works], [request.adapter for request, _ in works], max(needed)
         )
+        first = []
         for (request, work), rows, own, cache in zip(works, needed, logits.float(), caches):
             self._prompt_tokens_prefilled += len(work.prompt)
             work.take(own[len(own) - rows :], work.first_needed, len(work.prompt))
-            self._prefilled_into(request, work, cache)
+            first += self._prefilled_into(request, work, cache)
+        return first
 
-    def _prefilled_into(self, request: _Request, work: _PromptWork, cache: KvLayers) -> None:
-        """Record a finished prefill: the prompt's scores, the first token of every sample, and
-        the cache the samples still running will decode from."""
+    def _prefilled_into(
+        self, request: _Request, work: _PromptWork, cache: KvLayers
+    ) -> list[tuple[_Request, torch.Tensor]]:
+        """Record a finished prefill: the prompt's scores and the cache its samples will decode
+        from. Returns what `_prefill` returns."""
         job = request.job
         request.prompt_logprobs = work.logprobs
         if job.topk_prompt_logprobs:
             request.topk_prompt = TopK(token_ids=work.topk_ids, logprobs=work.topk_lps)
-        if request.limit > 0:
-            self._draw([(request, s) for s in request.samples], work.last_logits[None, :])
-            request.pending = [s for s in request.samples if s.stop_reason is None]
-            if request.pending:
-                request.prefill = cache
+        if request.limit == 0:
+            return []
+        assert work.last_logits is not None
+        request.prefill = cache
+        return [(request, work.last_logits)]
 
-    def _draw(self, owners: list[tuple[_Request, _Sample]], logits: torch.Tensor) -> None:
-        """Draw one token for each sample and record it; the samples share temperature, top_k and top_p.
+    def _draw_first(self, prefilled: list[tuple[_Request, torch.Tensor]]) -> None:
+        """Every sample's first token, from its request's logits after the prompt; requests that
+        sample alike draw in one call. The samples still running are left in `pending`."""
+        alike: dict[tuple[float, int, float], list[tuple[_Request, torch.Tensor]]] = {}
+        for request, logits in prefilled:
+            alike.setdefault(_alike(request), []).append((request, logits))
+        for group in alike.values():
+            self._draw([(request, request.samples) for request, _ in group], torch.stack([x for _, x in group]))
+        for request, _ in prefilled:
+            request.pending = [s for s in request.samples if s.stop_reason is None]
+            if not request.pending:
+                request.prefill = None
+
+    def _draw(self, owners: list[tuple[_Request, list[_Sample]]], logits: torch.Tensor) -> None:
+        """Draw one token for each sample and record it; all of them share temperature, top_k and top_p.
 
         Args:
-            owners: (request, sample) pairs, one per row of `logits` unless it has one row.
-            logits: (1, V) fp32 shared by every sample (the first token after
-                a prompt), or (len(owners), V), one row per sample.
+            owners: one (request, samples) per row of `logits`; each of the samples draws from
+                that row (a decode row holds one sample; a prompt's row holds all of its samples).
+            logits: (len(owners), V) fp32.
         """
         params = owners[0][0].job.params
-        n = len(owners)
-        shared = logits.shape[0] == 1
+        counts = [len(samples) for _, samples in owners]
+        width = max(counts)
         if params.temperature == 0:
-            tokens = torch.argmax(logits, dim=-1).expand(n)
-            logprobs, logq = torch.zeros(n), None
+            tokens = torch.argmax(logits, dim=-1, keepdim=True).expand(-1, width)  # (R, width)
+            logprobs, logq = torch.zeros(tokens.shape), None
         else:
             logq = processed_logprobs(logits, params)
-            uniforms = torch.cat([torch.rand(1, generator=s.generator, dtype=torch.float64) for _, s in owners])
-            if shared:
-                tokens = draw_from(logq, uniforms[None, :])[0]  # (n,)
-                logprobs = logq[0, tokens]
-            else:
-                tokens = draw_from(logq, uniforms[:, None])[:, 0]  # (n,)
-                logprobs = logq.gather(-1, tokens[:, None])[:, 0]
+            # One uniform from each sample's own generator, so its tokens never depend on its neighbours.
+            drawn = [torch.rand(1, generator=s.generator, dtype=torch.float64) for _, group in owners for s in group]
+            tokens = draw_from(logq, _uniform_rows(torch.cat(drawn), counts, width))  # (R, width)
+            logprobs = logq.gather(-1, tokens)
         k = max(request.job.topk_sample_logprobs for request, _ in owners)
-        topk = self._topk_sample_rows(logq, tokens[:1] if shared else tokens, k)
-        for i, ((request, s), token, logprob) in enumerate(zip(owners, tokens.tolist(), logprobs.tolist())):
-            self._record(request, s, token, logprob, topk, 0 if shared else i)
+        topk = self._topk_sample_rows(logq, tokens[:, 0], k)
+        for row, ((request, samples), row_tokens, row_logprobs) in enumerate(
+            zip(owners, tokens.tolist(), logprobs.tolist())
+        ):
+            for s, token, logprob in zip(samples, row_tokens, row_logprobs):  # a short row's padding is left
+                self._record(request, s, token, logprob, topk, row)
 
     def _topk_sample_rows(
         self, logq: torch.Tensor | None, tokens: torch.Tensor, k: int
@@ -726,6 +746,24 @@ class TorchSampler:
 
 # ---------------------------------------------------------------------------
 # Builders and checks
+
+
+def _alike(request: _Request) -> tuple[float, int, float]:
+    """Rows whose requests share this draw in one call."""
+    params = request.job.params
+    return params.temperature, params.top_k, params.top_p
+
+
+def _uniform_rows(uniforms: torch.Tensor, counts: list[int], width: int) -> torch.Tensor:
+    """(R, width) float64: row r's first counts[r] cells take the next counts[r] of `uniforms`;
+    the cells after them are padding, drawn from but never recorded."""
+    if all(count == width for count in counts):
+        return uniforms.view(len(counts), width)
+    rows = torch.full((len(counts), width), 0.5, dtype=torch.float64)
+    row_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    column_index = torch.cat([torch.arange(count) for count in counts])
+    rows[row_index, column_index] = uniforms
+    return rows
 
 
 def _eos_ids(tokenizer: transformers.PreTrainedTokenizerBase, model: torch.nn.Module) -> frozenset[int]:

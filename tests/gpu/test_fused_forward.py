@@ -40,7 +40,7 @@ def left_padded_batch(forward, config, adapters: list[str]) -> KvBatch:
     for prompt, adapter in zip(PROMPTS, adapters):
         cache = transformers.DynamicCache(config=config)
         forward(torch.tensor([prompt]), cache, [adapter])
-        batch.join(cache_tensors(cache), 1)
+        batch.join([(cache_tensors(cache), 1)])
     return batch
 
 
@@ -184,7 +184,7 @@ def test_bfloat16_decode_and_prefill_match_the_model_forward(model_dir: Path) ->
         cache = transformers.DynamicCache(config=model.config)
         fused.prefill(prompt, cache, BASE_ADAPTER, keep=1)
         batch = KvBatch(model.config, CPU)
-        batch.join(cache_tensors(cache), 1)
+        batch.join([(cache_tensors(cache), 1)])
         decoded = fused.decode(torch.tensor([7]), batch, [BASE_ADAPTER])[0]
         whole = transformers.DynamicCache(config=model.config)
         prefilled = fused.prefill(torch.cat([prompt, torch.tensor([7])]), whole, BASE_ADAPTER, keep=1)[0]
