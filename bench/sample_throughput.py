@@ -11,13 +11,18 @@ ends one early) from a PROMPT_TOKENS-token prompt at temperature 1:
   REPEATS times at once, against 1 client doing the same alone.
 
 HF and API blocks alternate, so drift in this shared machine's speed hits both.
+Each figure is a median over ROUNDS rounds. One round's measurement is short
+(a 4-client burst is ~0.2 s) and this 2-core VM's speed swings by up to 2x
+from one burst to the next, so a median of 5 rounds still moved the
+concurrency ratio by +-0.35 between consecutive windows; 15 rounds took that
+to +-0.1-0.2 (40 rounds of 1-vs-4 bursts, medians over sliding windows).
 Printed figures, all measured in this run:
 
     batch 1 ratio      = API tokens/s / HF tokens/s at batch 1    (target >= 1.0)
     batch 8 ratio      = API tokens/s / HF tokens/s at batch 8    (target >= 1.5)
     concurrency ratio  = total tokens/s of 4 clients / 1 client   (target >= 2.5)
 
-Run: `.venv/bin/python bench/sample_throughput.py` (a few minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/sample_throughput.py` (about 2 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
 from openrld.gpu.models import load_causal_lm  # noqa: E402
 
 PROMPT_TOKENS, NEW_TOKENS = 32, 64
-ROUNDS, REPEATS, CLIENTS = 5, 3, 4
+ROUNDS, REPEATS, CLIENTS = 15, 3, 4
 PROMPT = [(7 * i) % 370 + 5 for i in range(PROMPT_TOKENS)]
 
 
