@@ -297,6 +297,8 @@ class TorchSampler:
             # forward looks that name up even with per-row adapter_names.
             self._peft.set_adapter(adapter)
         self._adapters[version] = adapter
+        if self._fused is not None:
+            self._fused.bind()  # the first version swapped the target linears for peft's
         logger.info("loaded weight version=%s adapter=%s rank=%d", version, adapter, spec.rank)
 
     def drop_version(self, version: str) -> None:
