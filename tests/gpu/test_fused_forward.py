@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
-from openrld.gpu import models
+from openrld.gpu import fused_forward, models
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward, unsupported_reason
 from openrld.gpu.kv_batch import KvBatch, cache_tensors
 from openrld.gpu.tiny_models import build_tiny_model
@@ -191,6 +191,18 @@ def test_bfloat16_decode_and_prefill_match_the_model_forward(model_dir: Path) ->
     assert decoded.dtype == prefilled.dtype == torch.bfloat16
     torch.testing.assert_close(decoded, expected)
     torch.testing.assert_close(prefilled, expected)
+
+
+def test_fp32_rms_norm_on_the_cpu_equals_hugging_faces() -> None:
+    """The fp32 CPU path computes RMSNorm as a layer norm of [x, -x]; it is the same function."""
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(48, eps=1e-6)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(3, 5, 48) * 4 + 1  # a mean far from 0, which a plain layer norm would remove
+    with torch.inference_mode():
+        got = fused_forward._rms(fused_forward._norm(norm), x)
+        torch.testing.assert_close(got, norm(x), rtol=0, atol=1e-6)
 
 
 def test_models_outside_the_llama_family_keep_the_hugging_face_forward() -> None:
