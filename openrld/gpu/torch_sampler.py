@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 
 STOP = "stop"
 LENGTH = "length"
+UNIFORM_BLOCK = 32  # uniforms a sample draws from its generator at once
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -113,6 +114,17 @@ class _Sample:
     topk_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
     topk_logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
     stop_reason: str | None = None  # set once the sample is finished
+    uniforms: list[float] = dataclasses.field(default_factory=list)  # drawn ahead, next one last
+
+    def next_uniform(self) -> float:
+        """The next uniform of this sample's stream. Drawn UNIFORM_BLOCK at a time: one
+        torch.rand call per step per sample cost more than the rest of the draw. torch's CPU
+        generator yields the same stream in blocks as one at a time."""
+        if not self.uniforms:
+            assert self.generator is not None, "a sample at T = 0 draws no uniforms"
+            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64)
+            self.uniforms = block.tolist()[::-1]
+        return self.uniforms.pop()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -639,9 +651,9 @@ class TorchSampler:
             logprobs, logq = torch.zeros(tokens.shape), None
         else:
             logq = processed_logprobs(logits, params)
-            # One uniform from each sample's own generator, so its tokens never depend on its neighbours.
-            drawn = [torch.rand(1, generator=s.generator, dtype=torch.float64) for _, group in owners for s in group]
-            tokens = draw_from(logq, _uniform_rows(torch.cat(drawn), counts, width))  # (R, width)
+            # One uniform from each sample's own stream, so its tokens never depend on its neighbours.
+            drawn = torch.tensor([s.next_uniform() for _, group in owners for s in group], dtype=torch.float64)
+            tokens = draw_from(logq, _uniform_rows(drawn, counts, width))  # (R, width)
             logprobs = logq.gather(-1, tokens)
         k = max(request.job.topk_sample_logprobs for request, _ in owners)
         topk = self._topk_sample_rows(logq, tokens[:, 0], k)
