@@ -193,8 +193,8 @@ def test_bfloat16_decode_and_prefill_match_the_model_forward(model_dir: Path) ->
     torch.testing.assert_close(prefilled, expected)
 
 
-def test_fp32_rms_norm_on_the_cpu_equals_hugging_faces() -> None:
-    """The fp32 CPU path computes RMSNorm as a layer norm of [x, -x]; it is the same function."""
+def test_rms_norm_on_the_cpu_equals_hugging_faces() -> None:
+    """On the CPU, RMSNorm is computed as a layer norm of [x, -x]; it is the same function."""
     norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(48, eps=1e-6)
     torch.manual_seed(6)
     with torch.no_grad():
