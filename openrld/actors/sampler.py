@@ -7,11 +7,12 @@ worker thread under the device's capacity limiter).
 Scheduling: the engine is a step-level scheduler (continuous batching), and
 this actor feeds it step by step. Each engine worker loops: apply the cancels
 that arrived, admit waiting requests into its engine (loading their versions
-first), run engine steps in its thread (`run_steps`: back to back until a
-request finishes, anything arrives for the actor, or `STEPS_CALL_S` passes),
-resolve the requests that finished. Requests join and leave the running batch
-between steps, so a new request waits at most one step, never for a whole
-other request. With N
+first), run engine steps in its thread (`run_steps`: back to back until
+anything arrives for the actor, the engine runs out of work, or `STEPS_CALL_S`
+passes). The requests a step finished are handed to the event loop at once,
+which resolves them while the next step runs. Requests join and leave the
+running batch between steps, so a new request waits at most one step, never
+for a whole other request. With N
 replicas, N workers drain the one queue; a worker admits while its engine has
 fewer than `MAX_LIVE_PER_ENGINE` requests and none holds fewer, so an idle
 replica takes the next request and the load spreads. Each replica is its own
@@ -466,9 +467,13 @@ class SamplerActor:
             return
         worker.busy = True
         seen = self._arrivals
+        token = trio.lowlevel.current_trio_token()
+        # From the worker thread, without waiting: the callbacks run in order, before the
+        # call's own return (trio reports a thread's result through the same queue).
+        settle = lambda finished: token.run_sync_soon(self._settle, worker, finished)  # noqa: E731
         try:
-            finished = await trio.to_thread.run_sync(
-                run_steps, worker.engine, lambda: self._arrivals != seen, limiter=self._limiter
+            await trio.to_thread.run_sync(
+                run_steps, worker.engine, lambda: self._arrivals != seen, settle, limiter=self._limiter
             )
         except Exception as error:  # a failed step fails its batch; the engine starts empty again
             logger.exception("sampler step failed group=%s", self.name)
@@ -476,12 +481,19 @@ class SamplerActor:
             return
         finally:
             worker.busy = False
+
+    def _settle(self, worker: _Worker, finished: list[Any]) -> None:
+        """Resolve the requests one engine step finished (a callback of the event loop's, run
+        while the worker's next step may already be running; it must not raise)."""
         for done in finished:
             worker.live.discard(done.request_id)
             self.queue.done(done.request_id)
             self._done += 1
             worker.requests_done += 1
-            self._record(done.request_id, done.result)
+            try:
+                self._record(done.request_id, done.result)
+            except Exception:  # a record is bookkeeping; the caller still gets its result
+                logger.exception("stability record failed request=%s", done.request_id)
             self._futures.resolve(done.request_id, Completed(done.result))
 
     # The time-slicer's calls (Parkable): every replica's engine moves in its worker thread.
@@ -628,18 +640,23 @@ class SamplerActor:
         )
 
 
-def run_steps(engine: Any, interrupted: Callable[[], bool], seconds: float = STEPS_CALL_S) -> list[Any]:
+def run_steps(
+    engine: Any, interrupted: Callable[[], bool], settle: Callable[[list[Any]], None], seconds: float = STEPS_CALL_S
+) -> None:
     """Engine steps back to back in one worker-thread call (never in the event loop).
 
-    Stops after the step in which a request finished (so its future resolves at
-    once), the engine ran out of work, `interrupted()` turned true (something
-    arrived that the actor must hand the engine between steps), or `seconds` passed.
+    What a step finished goes to `settle` at once, and the steps go on: a finished
+    request no longer stops the batch while the event loop resolves it. Stops when
+    the engine ran out of work, `interrupted()` turned true (something arrived that
+    the actor must hand the engine between steps), or `seconds` passed.
     """
     deadline = time.monotonic() + seconds
     while True:
         finished = engine.step()
-        if finished or not engine.has_work() or interrupted() or time.monotonic() >= deadline:
-            return finished
+        if finished:
+            settle(finished)
+        if not engine.has_work() or interrupted() or time.monotonic() >= deadline:
+            return
 
 
 def _load_adapter(directory: Path) -> tuple[Any, LoraSpec | None]:
