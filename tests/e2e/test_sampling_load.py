@@ -1,13 +1,16 @@
 """Sampling under load: 429 past the queue limit, queue_state on try_again, cancel_future.
 
 One daemon with `sample_queue_limit = 2` serves the module. "Long" requests
-generate 1000 tokens (the tiny context is 1024), which takes the CPU engine
-seconds, while a refused submission answers in milliseconds; so two long
-requests hold the whole queue for as long as each test needs it.
+generate LONG tokens on a tiny Qwen3 given a long context, which takes the CPU
+engine tens of seconds (1000 tokens, the default tiny context, took under the
+1 s long-poll once the engine got faster), while a refused submission answers
+in milliseconds; so two long requests hold the whole queue for as long as each
+test needs it. Each test cancels the long requests it made.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -16,18 +19,29 @@ import numpy as np
 import pytest
 import tinker
 
+from openrld.gpu.tiny_models import build_tiny_model
 from tests.conftest import Daemon, write_config
 
 HEADERS = {"X-API-Key": "tml-test"}
 QUEUE_LIMIT = 2
 PROMPT = [11, 12, 13]
+CONTEXT = 32768
+LONG = CONTEXT - 100
+
+
+def long_context_qwen3(out_dir: Path) -> Path:
+    model = build_tiny_model(out_dir, "qwen3", seed=1)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": CONTEXT}))
+    return model
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_qwen3: Path):
+def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     root = tmp_path_factory.mktemp("sampling-load")
+    qwen3 = long_context_qwen3(root / "tiny-qwen3")
     config = write_config(
-        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama, "tiny-qwen3": tiny_qwen3},
+        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama, "tiny-qwen3": qwen3},
         f"longpoll_s = 1.0\nsample_queue_limit = {QUEUE_LIMIT}",
     )
     started = Daemon(root / "data", config, root / "daemon.log").start()
@@ -75,7 +89,7 @@ def client(daemon: Daemon) -> httpx.Client:
 
 
 def test_asample_past_the_queue_limit_is_429_with_retry_after(client: httpx.Client, sampler_id: str) -> None:
-    held = [asample(client, sampler_id, seq, 1000).json()["request_id"] for seq in (100, 101)]
+    held = [asample(client, sampler_id, seq, LONG).json()["request_id"] for seq in (100, 101)]
     refused = asample(client, sampler_id, 102, 4)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
@@ -85,14 +99,14 @@ def test_asample_past_the_queue_limit_is_429_with_retry_after(client: httpx.Clie
 
 
 def test_try_again_of_a_running_sample_says_the_queue_is_active(client: httpx.Client, sampler_id: str) -> None:
-    request_id = asample(client, sampler_id, 200, 1000).json()["request_id"]
+    request_id = asample(client, sampler_id, 200, LONG).json()["request_id"]
     pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
     assert pending == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
     client.post("/api/v1/cancel_future", json={"request_id": request_id})
 
 
 def test_cancel_future_fails_the_sample_and_frees_its_place(client: httpx.Client, sampler_id: str) -> None:
-    held = [asample(client, sampler_id, seq, 1000).json()["request_id"] for seq in (300, 301)]
+    held = [asample(client, sampler_id, seq, LONG).json()["request_id"] for seq in (300, 301)]
     assert client.post("/api/v1/cancel_future", json={"request_id": held[0]}).status_code == 200
     outcome = wait_done(client, held[0])
     assert outcome == {"error": "sample cancelled by the client (cancel_future)", "category": "user"}
