@@ -645,8 +645,8 @@ def run_steps(
 ) -> None:
     """Engine steps back to back in one worker-thread call (never in the event loop).
 
-    What a step finished goes to `settle` at once, and the steps go on: a finished
-    request no longer stops the batch while the event loop resolves it. Stops when
+    What a step finished goes to `settle` at once, and the steps go on: the batch
+    does not stand still while the event loop resolves a finished request. Stops when
     the engine ran out of work, `interrupted()` turned true (something arrived that
     the actor must hand the engine between steps), or `seconds` passed.
     """
