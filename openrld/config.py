@@ -112,7 +112,7 @@ def default_data_dir(env: Mapping[str, str]) -> Path:
 
 
 def _dec_hook(type_: type, value: object) -> object:
-    if type_ is Path and isinstance(value, str):
+    if type_ is Path and isinstance(value, (str, Path)):  # the file and environment give text, argparse a Path
         return Path(value).expanduser()
     raise NotImplementedError(f"cannot read {type_!r}")
 
