@@ -17,6 +17,7 @@ import msgspec
 
 from openrld import __version__
 from openrld.errors import NotSupportedYet
+from openrld.model_catalog import ModelSource
 from openrld.progress import Progress
 from openrld.settings import JobSettings, require_supported, settings_json_schema
 
@@ -68,6 +69,8 @@ class ModelSummary(msgspec.Struct, frozen=True):
     model_name: str
     arch: str
     max_context_length: int  # the longest sequence (prompt + completion) the model takes
+    source: ModelSource  # why it is listed: configured, packaged, or served here before
+    ready: bool  # False: a GGUF still to be converted (its first use, or the background preparation, does it)
     # Preparing the model's files (a GGUF conversion): its latest progress, final ones
     # included; None when the model never needed preparing.
     preparing: Progress | None = None
@@ -119,7 +122,7 @@ def server_info(
 
     Args:
         limits: from the node config.
-        models: the models this node serves (the catalog's configured, resolvable ones).
+        models: the models this node serves without a download (the catalog's listing).
         devices: the compute devices the daemon resolved at startup.
         is_open_mode: True when the node runs without a key file.
     """

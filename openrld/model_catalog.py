@@ -16,15 +16,24 @@ atomic rename, so the directory existing means it is complete. Until then the
 entry's facts come from the GGUF header. Conversion progress is on the
 catalog's `ProgressBoard` (`catalog.progress(name)`).
 
+`listed()` is what the node tells clients it can serve without a download
+(get_server_capabilities, /openrl/v1/info): the configured models, the
+packaged ones that are installed, and the local directories, GGUF files and
+Hugging Face cache ids it has resolved for a client, now or before a restart
+(the job table hands it those names from the store with `remember`). Each
+says whether its files are ready or still to be converted.
+
 It reads the filesystem only (the Hugging Face cache with `local_files_only`,
 so nothing is ever downloaded at request time) and never imports torch.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import importlib.metadata
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
@@ -54,6 +63,25 @@ class ModelEntry(msgspec.Struct, frozen=True):
     # What get_info tells the SDK to load the tokenizer by, when not the name itself:
     # a packaged model's Hugging Face id, which a client with Hub access can fetch.
     tokenizer_id: str = ""
+
+
+class ModelSource(enum.Enum):
+    """Why a model is in the catalog's listing."""
+
+    CONFIGURED = "configured"  # the node config's [models] table
+    PACKAGED = "packaged"  # a GGUF that an installed package ships (PACKAGED_GGUF)
+    SERVED = "served"  # a local path or Hugging Face cache id a client has used on this node
+
+
+class ListedModel(msgspec.Struct, frozen=True):
+    """One model the node can serve without a download, as it lists it."""
+
+    entry: ModelEntry
+    source: ModelSource
+    # False: a GGUF whose conversion is not published yet; its first use converts it
+    # (a minute or more for SmolLM2 on 2 cores), or the background conversion of a
+    # configured one is still running.
+    is_ready: bool
 
 
 def _describe(name: str, directory: Path) -> ModelEntry:
@@ -106,6 +134,13 @@ def is_converted(entry: ModelEntry) -> bool:
     return not entry.gguf_file or (Path(entry.directory) / "config.json").is_file()
 
 
+def _has_files(entry: ModelEntry) -> bool:
+    """Whether what `entry` was resolved from is still on disk (a resolution is cached; files can go)."""
+    if entry.gguf_file:
+        return Path(entry.gguf_file).is_file() or is_converted(entry)
+    return (Path(entry.directory) / "config.json").is_file()
+
+
 class ModelCatalog:
     """Name -> ModelEntry, from the config table, local paths, the HF cache and packaged GGUFs."""
 
@@ -122,6 +157,8 @@ class ModelCatalog:
         self._cache_dir = cache_dir  # where GGUF conversions go; None: this catalog serves no GGUF
         self._progress = progress if progress is not None else ProgressBoard()
         self._cache: dict[str, ModelEntry] = {}
+        # Names resolved for clients before this catalog existed (the store's runs and samplers).
+        self._remembered: set[str] = set()
 
     @property
     def progress_board(self) -> ProgressBoard:
@@ -157,7 +194,7 @@ class ModelCatalog:
         return _describe(name, path)
 
     def configured(self) -> list[ModelEntry]:
-        """The models this node lists in get_server_capabilities."""
+        """The configured models whose files are there (`listed()` also has the others)."""
         entries = []
         for name in self._configured:
             try:
@@ -165,6 +202,34 @@ class ModelCatalog:
             except BadRequest:
                 continue  # a configured model whose files are missing is not served
         return entries
+
+    def remember(self, names: Iterable[str]) -> None:
+        """Add names that this node served before (a restart forgets resolutions) to `listed()`."""
+        self._remembered.update(names)
+
+    def listed(self) -> list[ListedModel]:
+        """The models this node serves without a download, for get_server_capabilities and /openrl/v1/info.
+
+        Returns:
+            The configured models in the config's order, then the installed packaged
+            ones in `PACKAGED_GGUF`'s order, then the other names resolved here (now or
+            remembered), sorted; each once, and only while its files are on disk.
+        """
+        sources = dict.fromkeys(self._configured, ModelSource.CONFIGURED)
+        for name in PACKAGED_GGUF:
+            if name not in sources and find_packaged_gguf(name) is not None:
+                sources[name] = ModelSource.PACKAGED
+        for name in sorted(self._remembered | set(self._cache)):
+            sources.setdefault(name, ModelSource.SERVED)
+        listed = []
+        for name, source in sources.items():
+            try:
+                entry = self.resolve(name)
+            except BadRequest:
+                continue  # its files are gone (or a packaged GGUF with no model cache): not served
+            if _has_files(entry):
+                listed.append(ListedModel(entry=entry, source=source, is_ready=is_converted(entry)))
+        return listed
 
     def resolve(self, name: str) -> ModelEntry:
         if not name or len(name) > 1024 or "\x00" in name:

@@ -607,6 +607,11 @@ class Store:
         )
         return [row[0] for row in rows]
 
+    def base_models(self) -> list[str]:
+        """Every base model name a run or a sampling session here was created on, sorted, each once."""
+        rows = self._conn.execute("SELECT base_model FROM runs UNION SELECT base_model FROM samplers ORDER BY 1")
+        return [row[0] for row in rows]
+
     # --- checkpoints --------------------------------------------------------------------------------
 
     def add_checkpoint(

@@ -1,8 +1,9 @@
-"""The catalog's GGUF names: configured files, local paths, the packaged SmolLM2, and the cache layout."""
+"""The catalog's names (configured files, local paths, the packaged SmolLM2), the cache layout, and its listing."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from openrld.errors import BadRequest
 from openrld.model_catalog import (
     ModelCatalog,
     ModelEntry,
+    ModelSource,
     find_packaged_gguf,
     gguf_cache_dir,
     is_converted,
@@ -102,3 +104,84 @@ def test_a_configured_model_has_no_tokenizer_id_of_its_own(tiny_llama_gguf: Path
 def test_both_smollm2_names_share_one_conversion(tmp_path: Path):
     catalog = ModelCatalog({}, cache_dir=tmp_path)
     assert catalog.resolve(SMOLLM2_NAMES[0]).directory == catalog.resolve(SMOLLM2_NAMES[1]).directory
+
+
+# ---------------------------------------------------------------- listed(): what the node says it serves
+
+CONFIGURED, PACKAGED, SERVED = ModelSource.CONFIGURED, ModelSource.PACKAGED, ModelSource.SERVED
+
+
+def _unpackaged(catalog: ModelCatalog) -> list[tuple[str, ModelSource, bool]]:
+    """The listing without the packaged SmolLM2 (whose presence depends on what is installed)."""
+    return [(m.entry.name, m.source, m.is_ready) for m in catalog.listed() if m.source is not PACKAGED]
+
+
+@requires_smollm2
+def test_listing_is_the_configured_models_in_order_then_both_smollm2_names_to_convert(
+    tiny_llama: Path, tiny_qwen3: Path, tmp_path: Path
+):
+    catalog = ModelCatalog({"qwen": str(tiny_qwen3), "llama": str(tiny_llama)}, cache_dir=tmp_path / "models")
+    assert [(m.entry.name, m.source, m.is_ready) for m in catalog.listed()] == [
+        ("qwen", CONFIGURED, True),
+        ("llama", CONFIGURED, True),
+        ("SmolLM2-135M-Instruct", PACKAGED, False),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", PACKAGED, False),
+    ]
+
+
+@requires_smollm2
+def test_smollm2_is_listed_ready_once_its_conversion_is_published(tmp_path: Path):
+    catalog = ModelCatalog({}, cache_dir=tmp_path / "models")
+    directory = Path(catalog.resolve(SMOLLM2_NAMES[0]).directory)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    assert [(m.entry.name, m.is_ready) for m in catalog.listed()] == [(name, True) for name in SMOLLM2_NAMES]
+
+
+@requires_smollm2
+def test_without_a_model_cache_the_packaged_gguf_is_not_listed(tiny_llama: Path):
+    assert [m.entry.name for m in ModelCatalog({"llama": str(tiny_llama)}).listed()] == ["llama"]
+
+
+def test_a_configured_gguf_is_listed_to_convert_until_its_conversion_is_published(
+    tiny_llama_gguf: Path, tmp_path: Path
+):
+    catalog = ModelCatalog({"tiny-gguf": str(tiny_llama_gguf)}, cache_dir=tmp_path / "models")
+    assert _unpackaged(catalog) == [("tiny-gguf", CONFIGURED, False)]
+    directory = Path(catalog.resolve("tiny-gguf").directory)
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    assert _unpackaged(catalog) == [("tiny-gguf", CONFIGURED, True)]
+
+
+def test_a_local_directory_and_gguf_resolved_for_a_client_are_listed_as_served_after_the_configured(
+    tiny_llama: Path, tiny_qwen3: Path, tiny_llama_gguf: Path, tmp_path: Path
+):
+    catalog = ModelCatalog({"qwen": str(tiny_qwen3)}, cache_dir=tmp_path / "models")
+    catalog.resolve(str(tiny_llama_gguf))
+    catalog.resolve(str(tiny_llama))
+    assert _unpackaged(catalog) == [
+        ("qwen", CONFIGURED, True),
+        *sorted([(str(tiny_llama), SERVED, True), (str(tiny_llama_gguf), SERVED, False)]),
+    ]
+
+
+def test_a_configured_model_used_by_a_client_is_listed_once_as_configured(tiny_llama: Path, tmp_path: Path):
+    catalog = ModelCatalog({"llama": str(tiny_llama)}, cache_dir=tmp_path / "models")
+    catalog.resolve("llama")
+    catalog.remember(["llama"])
+    assert _unpackaged(catalog) == [("llama", CONFIGURED, True)]
+
+
+def test_remembered_names_from_before_a_restart_are_listed_as_served(tiny_llama: Path, tmp_path: Path):
+    catalog = ModelCatalog({}, cache_dir=tmp_path / "models")
+    catalog.remember([str(tiny_llama), str(tmp_path / "deleted-model"), "org/not-in-the-hf-cache"])
+    assert _unpackaged(catalog) == [(str(tiny_llama), SERVED, True)]
+
+
+def test_a_served_directory_that_was_deleted_is_no_longer_listed(tiny_llama: Path, tmp_path: Path):
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    catalog = ModelCatalog({}, cache_dir=tmp_path / "models")
+    catalog.resolve(str(copy))
+    shutil.rmtree(copy)
+    assert _unpackaged(catalog) == []

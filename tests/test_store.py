@@ -201,6 +201,16 @@ def test_session_lists_its_runs_and_samplers_in_creation_order(store: Store, clo
     assert store.session_samplers("s-0123456789abcdef") == ["s-0123456789abcdef:sample:0"]
 
 
+def test_base_models_are_those_of_runs_and_samplers_sorted_once_each(store: Store, clock: Clock) -> None:
+    add_run(store, "s-0123456789abcdef:train:0")  # on org/tiny-llama
+    add_run(store, "s-0123456789abcdef:train:1")
+    store.create_sampler("s-1:sample:0", "s-1", "bob", "/srv/models/qwen", None, None)
+    store.create_sampler("s-1:sample:1", "s-1", "bob", "org/tiny-llama", f"tinker://{RUN}/sampler_weights/a", RUN)
+    store = reopen(store, clock)
+    assert store.base_models() == ["/srv/models/qwen", "org/tiny-llama"]
+    store.close()
+
+
 def test_duplicate_ids_are_conflicts(store: Store) -> None:
     add_session(store)
     add_run(store)

@@ -155,6 +155,8 @@ class JobTable:
         self._nursery = nursery
         self._store = store
         self._catalog = catalog
+        # What clients used before a restart is still served without a download: list it.
+        catalog.remember(store.base_models())
         self._groups = groups
         self._futures = futures
         self._max_lora_rank = max_lora_rank

@@ -45,10 +45,10 @@ def served_models(services: Services) -> tuple[ModelSummary, ...]:
     """The models get_server_capabilities lists, in the same order."""
     return tuple(
         ModelSummary(
-            model_name=m.name, arch=m.arch, max_context_length=m.max_context,
-            preparing=services.catalog.progress(m.name),
+            model_name=m.entry.name, arch=m.entry.arch, max_context_length=m.entry.max_context,
+            source=m.source, ready=m.is_ready, preparing=services.catalog.progress(m.entry.name),
         )
-        for m in services.catalog.configured()
+        for m in services.catalog.listed()
     )
 
 

@@ -136,10 +136,13 @@ def register(app: QuartTrio, services: Services) -> None:
     async def get_server_capabilities() -> Response:
         caller(services)
         models = [
-            {"model_name": m.name, "max_context_length": m.max_context, "trainable": True, "sampleable": True}
-            for m in services.catalog.configured()
+            wire.SupportedModel(
+                model_name=m.entry.name, max_context_length=m.entry.max_context, trainable=True, sampleable=True,
+                ready=m.is_ready,
+            )
+            for m in services.catalog.listed()
         ]
-        return json_response({"supported_models": models})
+        return json_response(wire.GetServerCapabilitiesResponse(supported_models=models))
 
     # ------------------------------------------------------------ training
 

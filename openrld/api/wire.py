@@ -602,6 +602,9 @@ class SupportedModel(ResponseBody):
     max_context_length: int | None = None
     trainable: bool | None = None
     sampleable: bool | None = None
+    # openrld's own (the SDK ignores fields it does not know): False while the model's
+    # files are still to be converted from a GGUF, which its first use does.
+    ready: bool | None = None
 
 
 class GetServerCapabilitiesResponse(ResponseBody):

@@ -60,8 +60,20 @@ def test_info_models_agree_with_get_server_capabilities(shared_daemon, info):
     capabilities = tinker.RestClient(base_url=shared_daemon.url, api_key="tml-test").get_server_capabilities().result()
     listed = [(m.model_name, m.max_context_length) for m in capabilities.supported_models]
     assert [(m["model_name"], m["max_context_length"]) for m in info["models"]] == listed
-    assert listed == [("tiny-llama", 1024), ("tiny-qwen3", 1024)]
-    assert [m["arch"] for m in info["models"]] == ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+    # The configured models, then the packaged SmolLM2 under both its names (make install installs it).
+    assert listed == [
+        ("tiny-llama", 1024), ("tiny-qwen3", 1024),
+        ("SmolLM2-135M-Instruct", 8192), ("HuggingFaceTB/SmolLM2-135M-Instruct", 8192),
+    ]
+    assert [m["arch"] for m in info["models"]] == [
+        "LlamaForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "LlamaForCausalLM",
+    ]
+
+
+def test_info_says_why_each_model_is_listed_and_whether_it_is_ready(info):
+    assert [(m["source"], m["ready"]) for m in info["models"]] == [
+        ("configured", True), ("configured", True), ("packaged", False), ("packaged", False),
+    ]
 
 
 def test_info_reports_the_cpu_device_with_the_machine_memory(info):
