@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import trio
 
 from openrld import __version__
@@ -84,6 +85,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"openrld: {error}", file=sys.stderr)
         return 2
     _setup_logging(config, args.verbose)
+    # What the layers (flags, OPENRLD_* variables, the file) came to; -v shows it. The secret stays out.
+    shown = msgspec.structs.replace(config, cluster_secret="<set>" if config.cluster_secret else "")
+    logging.getLogger(__name__).debug("config %s", msgspec.json.encode(shown, enc_hook=str).decode())
     trio.run(_serve_until_signalled, config)
     return 0
 

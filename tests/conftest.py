@@ -145,6 +145,71 @@ class Daemon:
         return self.log_path.read_text()
 
 
+def _group_is_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class ServeCommand:
+    """A command line that ends in `openrld serve`, run as a user types it: the console script
+    with any flags, or `make serve ARGS=...`.
+
+    It runs in a process group of its own, so that `stop` reaches the daemon under `make` too.
+    `start` returns the URL the daemon printed; stdout is read up to that line, stderr goes to
+    `log_path`.
+    """
+
+    def __init__(
+        self, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1") if env is None else env
+        self.cwd = cwd
+        self.proc: subprocess.Popen[str] | None = None
+        self.printed: list[str] = []  # stdout up to the address line
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True, env=self.env, cwd=self.cwd,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.printed.append(line)
+            match = re.match(r"openrld listening on (\S+)", line)
+            if match:
+                return match.group(1)
+        self.stop()
+        raise RuntimeError(f"{self.argv} did not start; printed {self.printed}; log:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM to the whole group; its exit status (None if it never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        deadline = time.monotonic() + timeout_s
+        while _group_is_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # `make` may exit before the daemon under it has drained
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
 def engine_processes(parent: int) -> list[int]:
     """The pids of `parent`'s child processes that run an engine (gpu/engine_process.py)."""
     found = []
