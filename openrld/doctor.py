@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/")
     if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
         parser.error(f"--url: expected http://HOST:PORT or https://HOST[:PORT], got {args.url!r}")
+    if args.ca_cert is not None:
+        try:  # read now, so that a wrong path is a usage error rather than a traceback mid-check
+            ssl.create_default_context(cafile=args.ca_cert)
+        except (OSError, ssl.SSLError) as exc:
+            parser.error(f"--ca-cert: cannot read {args.ca_cert!r} as PEM CA certificates: {exc}")
     options = DoctorOptions(
         url=url,
         api_key=args.api_key or os.environ.get("TINKER_API_KEY") or None,  # the SDK's own variable
