@@ -9,46 +9,77 @@ ready or still to be converted. The SDK drops fields it does not know, so
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import tinker
-from conftest import Daemon, seed_smollm2, write_config
+from conftest import ServeCommand, seed_smollm2, write_config
 
 KEY = "tml-served-models"
 SMOLLM2_NAMES = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+HF_ID = "org/tiny-llama"  # in the node's Hugging Face cache, as a download by the operator left it
+
+
+class Node:
+    """`openrld serve` with nothing configured and a Hugging Face cache of its own."""
+
+    def __init__(self, root: Path, hf_cache: Path) -> None:
+        self.data_dir = root / "data"
+        config = write_config(root / "openrld.toml", self.data_dir, {})
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_CACHE=str(hf_cache))
+        argv = [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(config)]
+        self.command = ServeCommand(argv, root / "daemon.log", env=env)
+        self.url = ""
+
+    def start(self) -> Node:
+        self.url = self.command.start()
+        return self
+
+    def stop(self) -> None:
+        self.command.stop()
+
+
+def _hf_cache_with(root: Path, repo_id: str, model_dir: Path) -> Path:
+    """A Hugging Face hub cache holding `model_dir` as `repo_id`'s main revision."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(model_dir, repo / "snapshots" / revision)
+    return root
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Daemon]:
-    """A node with nothing configured: what it lists, it found by itself."""
-    config = write_config(tmp_path / "openrld.toml", tmp_path / "data", {})
-    daemon = Daemon(tmp_path / "data", config, tmp_path / "daemon.log").start()
-    yield daemon
-    daemon.stop()
+def node(tmp_path: Path, tiny_llama: Path) -> Iterator[Node]:
+    started = Node(tmp_path, _hf_cache_with(tmp_path / "hf-hub", HF_ID, tiny_llama)).start()
+    yield started
+    started.stop()
 
 
-def _sdk_names(daemon: Daemon) -> list[str]:
+def _sdk_names(daemon: Node) -> list[str]:
     capabilities = tinker.RestClient(base_url=daemon.url, api_key=KEY).get_server_capabilities().result()
     return [m.model_name for m in capabilities.supported_models]
 
 
-def _capabilities(daemon: Daemon) -> list[dict]:
+def _capabilities(daemon: Node) -> list[dict]:
     response = httpx.get(f"{daemon.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY}, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()["supported_models"]
 
 
-def _info_models(daemon: Daemon) -> list[dict]:
+def _info_models(daemon: Node) -> list[dict]:
     response = httpx.get(f"{daemon.url}/openrl/v1/info", headers={"X-API-Key": KEY}, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()["models"]
 
 
-def test_a_fresh_node_lists_both_smollm2_names_still_to_convert(node: Daemon):
-    assert _sdk_names(node) == SMOLLM2_NAMES
+def test_a_fresh_node_lists_both_smollm2_names_still_to_convert_and_none_of_its_hf_cache(node: Node):
+    assert _sdk_names(node) == SMOLLM2_NAMES  # HF_ID is in its cache, but no client has used it yet
     assert _capabilities(node) == [
         {"model_name": name, "max_context_length": 8192, "trainable": True, "sampleable": True, "ready": False}
         for name in SMOLLM2_NAMES
@@ -58,21 +89,26 @@ def test_a_fresh_node_lists_both_smollm2_names_still_to_convert(node: Daemon):
     ]
 
 
-def test_smollm2_is_listed_ready_once_its_conversion_is_in_the_model_cache(node: Daemon, smollm2_conversion: Path):
+def test_smollm2_is_listed_ready_once_its_conversion_is_in_the_model_cache(node: Node, smollm2_conversion: Path):
     seed_smollm2(node.data_dir, smollm2_conversion)  # as a finished conversion publishes it
     assert [(m["model_name"], m["ready"]) for m in _capabilities(node)] == [(name, True) for name in SMOLLM2_NAMES]
     assert [m["ready"] for m in _info_models(node)] == [True, True]
 
 
-def test_a_model_directory_a_client_used_is_listed_as_served_also_after_a_restart(node: Daemon, tiny_llama: Path):
+def test_a_model_directory_and_a_cache_id_clients_used_are_listed_as_served_also_after_a_restart(
+    node: Node, tiny_llama: Path
+):
     service = tinker.ServiceClient(base_url=node.url, api_key=KEY)
     service.create_sampling_client(base_model=str(tiny_llama)).result()
+    service.create_lora_training_client(base_model=HF_ID, rank=4).result()
     service.close("success").result()
-    assert _sdk_names(node) == [*SMOLLM2_NAMES, str(tiny_llama)]
-    assert _capabilities(node)[2] == {
-        "model_name": str(tiny_llama), "max_context_length": 1024, "trainable": True, "sampleable": True, "ready": True,
-    }
+    served = sorted([str(tiny_llama), HF_ID])
+    assert _sdk_names(node) == [*SMOLLM2_NAMES, *served]
+    assert _capabilities(node)[2:] == [
+        {"model_name": name, "max_context_length": 1024, "trainable": True, "sampleable": True, "ready": True}
+        for name in served
+    ]
     node.stop()
     node.start()
-    assert _sdk_names(node) == [*SMOLLM2_NAMES, str(tiny_llama)]
-    assert (_info_models(node)[2]["source"], _info_models(node)[2]["ready"]) == ("served", True)
+    assert _sdk_names(node) == [*SMOLLM2_NAMES, *served]
+    assert [(m["source"], m["ready"]) for m in _info_models(node)[2:]] == [("served", True), ("served", True)]
