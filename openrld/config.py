@@ -48,6 +48,26 @@ class ConfigError(ValueError):
     """
 
 
+class HttpLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The HTTP server's deadlines and caps (`[http]` in the config file; reasons there).
+
+    Where hypercorn has an option for the same thing, the name and meaning are
+    hypercorn's (docs/http-server.md puts them side by side). Seconds are
+    floats, every one of them bounded: an operator can loosen a deadline, not remove it.
+    """
+
+    head_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    body_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    keep_alive_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 75.0
+    discard_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    write_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0
+    graceful_timeout: Annotated[float, msgspec.Meta(ge=0.0)] = 3.0
+    shutdown_timeout: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0
+    h11_max_incomplete_size: Annotated[int, msgspec.Meta(ge=1024)] = 64 * 1024
+    keep_alive_max_requests: Annotated[int, msgspec.Meta(ge=1)] = 1000
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 4096
+
+
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one openrld node is configured with. Reasons: config/openrld.toml.
 
@@ -85,6 +105,14 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     advertise_host: str = ""
     gossip_timing: Literal["lan", "local"] = "lan"
     accept_jobs: bool = True
+    http: HttpLimits = HttpLimits()
+    tls_certfile: Path | None = None  # PEM certificate chain; with tls_keyfile, the API and peers speak HTTPS
+    tls_keyfile: Path | None = None
+    tls_ca_certs: Path | None = None  # the CA that signed the peers' certificates; None: the system's CAs
+
+    @property
+    def is_tls(self) -> bool:
+        return self.tls_certfile is not None
 
     @property
     def is_open_mode(self) -> bool:
@@ -94,9 +122,9 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 _FIELDS = {field.name: field for field in msgspec.structs.fields(NodeConfig)}
 
-# The fields an environment variable can set: the scalars. `models` is a table
-# and `devices` a list; they belong in the file (or a ConfigMap mounted as the file).
-_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices"))
+# The fields an environment variable can set: the scalars. `models` and `http` are
+# tables and `devices` a list; they belong in the file (or a ConfigMap mounted as the file).
+_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices", "http"))
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -153,7 +181,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, object]:
         var = ENV_PREFIX + name.upper()
         if var in env:
             text = env[var]
-            if name in ("api_keys_file", "checkpoint_root") and text == "":
+            if name in ("api_keys_file", "checkpoint_root", "tls_certfile", "tls_keyfile", "tls_ca_certs") and text == "":
                 # An empty variable is how a manifest says "unset": open mode, or no shared root.
                 values[name] = None
             elif name == "join":
@@ -214,6 +242,12 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
     for name in config.models:
         if not name:
             raise ConfigError("models: a model name must not be empty")
+    if (config.tls_certfile is None) != (config.tls_keyfile is None):
+        raise ConfigError("tls_certfile and tls_keyfile: TLS needs both, a certificate and its key; one is set")
+    for name in ("tls_certfile", "tls_keyfile", "tls_ca_certs"):
+        path = getattr(config, name)
+        if path is not None and not path.is_file():
+            raise ConfigError(f"{name}: {path} is not a readable file")
     if config.join and not config.cluster_secret:
         raise ConfigError("join: joining a cluster needs cluster_secret (peers authenticate with it); none is set")
     if not config.accept_jobs and not config.cluster_secret:

@@ -33,10 +33,12 @@ from openrld.actors.membership.messages import DeviceSlot
 from openrld.actors.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
-from openrld.api.http1 import Http1Settings, Server
+from openrld.api.http1 import Server
 from openrld.api.signing import Signer
 from openrld.capabilities import DeviceSummary
 from openrld.config import NodeConfig, load_api_keys
+from openrld.metrics import HttpCounters
+from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODEL_CACHE_DIR = "models"  # under the data dir: GGUF conversions (see model_catalog)
-GRACEFUL_SHUTDOWN_S = 3.0  # in-flight requests get this long to answer; pending long-polls answer 503 at once
+# Beyond max_connections: the store, checkpoint and model files, gossip, and relays to peers.
+SPARE_FILE_DESCRIPTORS = 1024
 
 
 def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
@@ -60,6 +63,26 @@ def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
     )
 
 
+def _raise_file_limit(config: NodeConfig) -> None:
+    """Lift the soft limit on open files to what max_connections needs, as far as the hard limit allows.
+
+    The usual soft limit (1024) is far under the default max_connections; past it, accept()
+    fails and trio waits, so new clients hang instead of being served or refused.
+    """
+    import resource
+
+    want = config.http.max_connections + SPARE_FILE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new_soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+        if new_soft < want:
+            logger.warning(
+                "open-file limit %d is under max_connections=%d plus %d spare; raise LimitNOFILE (or ulimit -n) "
+                "or lower [http] max_connections", new_soft, config.http.max_connections, SPARE_FILE_DESCRIPTORS,
+            )
+
+
 async def _open_membership(config: NodeConfig) -> ClusterMembership | None:
     """The node's cluster membership, its gossip port bound; None without a cluster secret."""
     if not config.cluster_secret:
@@ -67,9 +90,9 @@ async def _open_membership(config: NodeConfig) -> ClusterMembership | None:
     settings = ClusterSettings(
         node_name=config.node_name, cluster_secret=config.cluster_secret, seeds=config.join,
         bind_host=config.host, gossip_port=config.gossip_port, advertise_host=config.advertise_host,
-        http_port=config.port, timing=config.gossip_timing,
+        http_port=config.port, timing=config.gossip_timing, scheme="https" if config.is_tls else "http",
     )
-    return await ClusterMembership.open(settings)
+    return await ClusterMembership.open(settings, verify=peer_context(config))
 
 
 async def serve(
@@ -88,6 +111,8 @@ async def serve(
     threads = cpu_threads(config.cpu_threads, device_records)
     apply_cpu_threads(threads)
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else None
+    tls = server_context(config)
+    _raise_file_limit(config)
     store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
     try:
         async with trio.open_nursery() as nursery:
@@ -128,7 +153,9 @@ async def serve(
             await nursery.start(prepare_models, catalog, converter.ensure)
             # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon (relay.py).
             peers = (
-                httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=64), trust_env=False)
+                httpx.AsyncClient(
+                    limits=httpx.Limits(max_keepalive_connections=64), trust_env=False, verify=peer_context(config)
+                )
                 if membership is not None else None
             )
             services = Services(
@@ -140,7 +167,7 @@ async def serve(
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
-                http = Server(build_app(services), Http1Settings(graceful_s=GRACEFUL_SHUTDOWN_S))
+                http = Server(build_app(services), config.http, ssl_context=tls, counters=services.http)
                 binds = await front.start(http.serve, config.host, config.port, stop)
                 logger.info(
                     "openrld serving url=%s data_dir=%s devices=%s cpu_threads=%s open_mode=%s",

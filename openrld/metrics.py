@@ -106,6 +106,27 @@ class RelayCounters:
         return RelayStatistics(self.relayed, self.unreachable, self.lost, self.placed, self.refused)
 
 
+# Why the HTTP server closed a connection on a deadline (api/http1.py; [http] in the config).
+HTTP_TIMEOUT_PHASES: tuple[str, ...] = ("head", "body", "keep_alive", "discard", "write")
+
+
+class HttpStatistics(msgspec.Struct, frozen=True):
+    open_connections: int
+    refused_connections: int  # closed at once: max_connections were open
+    timeouts: dict[str, int]  # connections closed on a deadline, by HTTP_TIMEOUT_PHASES
+
+
+class HttpCounters:
+    """Counted by the HTTP server (api/http1.py), read by /metrics."""
+
+    def __init__(self) -> None:
+        self.open_connections = self.refused_connections = 0
+        self.timeouts = dict.fromkeys(HTTP_TIMEOUT_PHASES, 0)
+
+    def statistics(self) -> HttpStatistics:
+        return HttpStatistics(self.open_connections, self.refused_connections, dict(self.timeouts))
+
+
 class NodeStatistics(msgspec.Struct, frozen=True):
     """Everything one scrape reports; gathered by the API from the actors and the store."""
 
@@ -117,6 +138,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     stability: StabilityStatistics | None = None  # stable_reinforce's sampling records (actors/stability.py)
     membership: MembershipStatistics | None = None  # gossip; None on a node outside any cluster
     relay: RelayStatistics | None = None  # any-node-answers relaying; None on a node outside any cluster
+    http: HttpStatistics | None = None  # the HTTP server's connections; None when no server counts them
 
 
 # ---------------------------------------------------------------- text format
@@ -252,8 +274,20 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *(_stability_lines(stats.stability) if stats.stability is not None else []),
         *(_gossip_lines(stats.membership) if stats.membership is not None else []),
         *(_relay_lines(stats.relay) if stats.relay is not None else []),
+        *(_http_lines(stats.http) if stats.http is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _http_lines(http: HttpStatistics) -> list[str]:
+    return [
+        *_family("openrld_http_connections_open", "gauge", "HTTP connections open now.", [((), http.open_connections)]),
+        *_family("openrld_http_connections_refused_total", "counter",
+                 "Connections closed at once because max_connections were open.", [((), http.refused_connections)]),
+        *_family("openrld_http_connection_timeouts_total", "counter",
+                 "Connections closed on a deadline, by the phase it ran out in.",
+                 [((("phase", phase),), http.timeouts.get(phase, 0)) for phase in HTTP_TIMEOUT_PHASES]),
+    ]
 
 
 def _relay_lines(relay: RelayStatistics) -> list[str]:

@@ -12,7 +12,9 @@ from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
-from openrld.metrics import LATENCY_BUCKETS_S, NodeStatistics, RelayStatistics, RequestMetrics, render_prometheus
+from openrld.metrics import (
+    LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RelayStatistics, RequestMetrics, render_prometheus,
+)
 from openrld.store import StoreStatistics
 
 
@@ -174,4 +176,21 @@ def test_render_reports_relaying_and_placement_only_on_a_clustered_node():
         "openrld_lost_answers_total 1",
         'openrld_placements_total{outcome="placed"} 4',
         'openrld_placements_total{outcome="refused"} 3',
+    ]
+
+
+def test_render_reports_open_refused_and_timed_out_http_connections():
+    counters = HttpCounters()
+    counters.open_connections, counters.refused_connections = 7, 3
+    counters.timeouts["head"], counters.timeouts["write"] = 5, 1
+    node = msgspec.structs.replace(_node(RequestMetrics()), http=counters.statistics())
+    lines = [line for line in render_prometheus(node).splitlines() if line.startswith("openrld_http_")]
+    assert lines == [
+        "openrld_http_connections_open 7",
+        "openrld_http_connections_refused_total 3",
+        'openrld_http_connection_timeouts_total{phase="head"} 5',
+        'openrld_http_connection_timeouts_total{phase="body"} 0',
+        'openrld_http_connection_timeouts_total{phase="keep_alive"} 0',
+        'openrld_http_connection_timeouts_total{phase="discard"} 0',
+        'openrld_http_connection_timeouts_total{phase="write"} 1',
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
@@ -29,9 +30,10 @@ from openrld.api.relay import Relay
 from openrld.api.signing import Signer
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
+from openrld.api.gate import Gate
 from openrld.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
-from openrld.metrics import UNMATCHED_ENDPOINT, RelayCounters, RequestMetrics
+from openrld.metrics import UNMATCHED_ENDPOINT, HttpCounters, RelayCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
 
@@ -59,6 +61,7 @@ class Services:
     cluster: MembershipNode | None = None  # gossip membership; None when the node has no cluster_secret
     peers: httpx.AsyncClient | None = None  # relays requests to other members; the daemon closes it
     relays: RelayCounters = field(default_factory=RelayCounters)  # what the relay did, for /metrics
+    http: HttpCounters = field(default_factory=HttpCounters)  # the HTTP server's connections, for /metrics
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -76,7 +79,7 @@ def caller(services: Services) -> str:
     return services.auth.user_for(request.headers.get("X-API-Key"))
 
 
-def build_app(services: Services) -> FastPath | Relay:
+def build_app(services: Services) -> Gate:
     from openrld.api import admin, lifecycle, openrl, peer, rest, tinker
 
     app = QuartTrio("openrld")
@@ -130,11 +133,15 @@ def build_app(services: Services) -> FastPath | Relay:
     openrl.register(app, services)
     peer.register(app, services)
     front = FastPath(
-        app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
+        app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics,
+        longpolls=tinker.LONGPOLL_ROUTES,
+    )
+    gate = partial(
+        Gate, auth=services.auth, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
     )
     if services.cluster is None or services.peers is None:
-        return front
-    return Relay(
+        return gate(front)
+    return gate(Relay(
         front,
         directory=Directory(services.cluster, services.jobs),
         client=services.peers,
@@ -148,4 +155,6 @@ def build_app(services: Services) -> FastPath | Relay:
         max_body_bytes=services.config.max_body_bytes,
         # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
         relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
-    )
+        longpolls=tinker.LONGPOLL_ROUTES,
+        tls=services.config.is_tls,
+    ))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
+import trio
 
 from openrld.api.http1 import ASGIApp
 from openrld.errors import InvalidToken, OpenrldError
@@ -42,6 +43,7 @@ class Reply(msgspec.Struct, frozen=True):
 
 
 Handler = Callable[[Call], Awaitable[Reply]]
+T = TypeVar("T")
 
 _json = msgspec.json.Encoder()
 
@@ -60,10 +62,12 @@ class FastPath:
         *,
         max_body_bytes: int,
         metrics: RequestMetrics | None = None,
+        longpolls: frozenset[str] = frozenset(),
     ) -> None:
         self._fallback = fallback
         self._routes = routes
         self._max_body_bytes = max_body_bytes
+        self._longpolls = longpolls  # their handler is cancelled when the client goes away
         self._metrics = metrics  # the quart app counts the requests it serves; this counts the hot routes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -73,6 +77,8 @@ class FastPath:
             return
         arrived_s = time.perf_counter()
         reply = await self._serve(handler, scope, receive)
+        if reply is None:
+            return  # the client went away: nobody to answer
         if self._metrics is not None:
             self._metrics.observe(scope["path"], "POST", reply.status, time.perf_counter() - arrived_s)
         await send(
@@ -88,13 +94,13 @@ class FastPath:
         )
         await send({"type": "http.response.body", "body": reply.body})
 
-    async def _serve(self, handler: Handler, scope: dict, receive: Callable) -> Reply:
+    async def _serve(self, handler: Handler, scope: dict, receive: Callable) -> Reply | None:
         headers = {name.lower(): value for name, value in scope["headers"]}
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return Reply(b"", status=400)
+                return None  # mid-body: a truncated body is never handled
             body += message.get("body", b"")
             if len(body) > self._max_body_bytes:
                 return json_reply({"detail": f"request body over {self._max_body_bytes} bytes"}, 413)
@@ -106,12 +112,29 @@ class FastPath:
             content_encoding=_text(headers.get(b"content-encoding")),
         )
         try:
+            if scope["path"] in self._longpolls:
+                return await until_disconnect(receive, handler, call)
             return await handler(call)
         except OpenrldError as error:
             return error_reply(error)
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error path=%s", scope.get("path"))
             return json_reply({"detail": f"internal error: {type(error).__name__}"}, 500)
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict]], fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+    """`fn(*args)`, or None once the client goes away first (after the body, ASGI's next message says so)."""
+    result: T | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            await receive()  # http.disconnect: the client has gone
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        result = await fn(*args)
+        nursery.cancel_scope.cancel()
+    return result
 
 
 def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:

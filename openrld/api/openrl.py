@@ -80,5 +80,6 @@ def register(app: QuartTrio, services: Services) -> None:
             stability=services.groups.stability.statistics(),
             membership=services.cluster.statistics() if services.cluster is not None else None,
             relay=services.relays.statistics() if services.cluster is not None else None,
+            http=services.http.statistics(),
         )
         return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)

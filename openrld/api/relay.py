@@ -29,6 +29,7 @@ This module decodes and routes only; the directory and the placer own the state.
 from __future__ import annotations
 
 import base64
+import enum
 import hashlib
 import hmac
 import logging
@@ -47,7 +48,7 @@ from openrld.actors.membership.table import Member
 from openrld.actors.model_status import GroupView, JobFacts, build_status
 from openrld.actors.placement import JobNeeds, Placer
 from openrld.api import wire
-from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers
+from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
 from openrld.errors import OpenrldError, UserError
 from openrld.metrics import RelayCounters
 
@@ -102,6 +103,17 @@ class _Ids(msgspec.Struct):
     user_metadata: dict[str, Any] | None = None
 
 
+class _Unread(enum.Enum):
+    """Why a body was not read whole."""
+
+    TOO_LARGE = "too large"
+    DISCONNECTED = "disconnected"
+
+
+_TOO_LARGE = _Unread.TOO_LARGE
+_DISCONNECTED = _Unread.DISCONNECTED
+
+
 class Located(msgspec.Struct, frozen=True):
     """The body of a locate answer."""
 
@@ -154,6 +166,8 @@ class Relay:
         accept_jobs: bool,
         max_body_bytes: int,
         relay_timeout_s: float,
+        longpolls: frozenset[str] = frozenset(),
+        tls: bool = False,
     ) -> None:
         self._inner = inner
         self._directory = directory
@@ -166,6 +180,8 @@ class Relay:
         self._accept_jobs = accept_jobs
         self._max_body_bytes = max_body_bytes
         self._timeout_s = relay_timeout_s
+        self._longpolls = longpolls  # relayed waits that end when their client goes away
+        self._tls = tls  # this node speaks TLS: a caller's key never goes to a peer in plain HTTP
         self.placer = Placer()
         self._counters = counters
 
@@ -184,12 +200,19 @@ class Relay:
             await self._send(send, await self._locate_here(scope, receive, headers))
             return
         body = await self._read(receive)
-        if body is None:  # over the limit: this node's app answers 413
-            await self._inner(scope, _replay(b"x" * (self._max_body_bytes + 1)), send)
+        if body is _DISCONNECTED:
+            return  # the client went away mid-body: nothing is relayed, nobody is answered
+        if body is _TOO_LARGE:
+            await self._send(send, _detail(413, f"request body over {self._max_body_bytes} bytes"))
             return
         try:
             if scope["method"] == "GET" and scope["path"] in _FANOUT_LISTS:
                 answer = await self._fan_out(scope, headers, *_FANOUT_LISTS[scope["path"]])
+            elif scope["path"] in self._longpolls:
+                routed = await until_disconnect(receive, self._route_boxed, scope, headers, body)
+                if routed is None:
+                    return  # the client went away while its poll waited at the home node
+                answer = routed[0]
             else:
                 answer = await self._route(scope, headers, body)
         except OpenrldError as error:
@@ -201,9 +224,13 @@ class Relay:
             logger.exception("unhandled error in the relay path=%s", scope["path"])
             answer = _detail(500, f"internal error: {type(error).__name__}")
         if answer is None:
-            await self._inner(scope, _replay(body), send)
+            await self._inner(scope, _replay(body, then=receive), send)
         else:
             await self._send(send, answer)
+
+    async def _route_boxed(self, scope: dict, headers: dict[bytes, bytes], body: bytes) -> tuple[Answer | None]:
+        """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
+        return (await self._route(scope, headers, body),)
 
     async def _route(self, scope: dict, headers: dict[bytes, bytes], body: bytes) -> Answer | None:
         """The answer from another node, or None: this node answers."""
@@ -455,6 +482,13 @@ class Relay:
         self, scope: dict, headers: dict[bytes, bytes], body: bytes, member: Member, what: str,
         connect_timeout_s: float = CONNECT_S,
     ) -> Answer:
+        if self._tls and not member.peer_url.startswith("https://"):
+            # The caller's key crosses the network with the request; under TLS it never goes in plain text.
+            self._counters.unreachable += 1
+            return _detail(
+                503, f"{what} lives on node {member.name}, which serves plain HTTP ({member.peer_url}) while this "
+                "node uses TLS; give every node of the cluster tls_certfile and tls_keyfile"
+            )
         out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _DROPPED_REQUEST_HEADERS]
         out.append((RELAYED_HEADER, self._directory.local_name))
         out.extend(self._session_headers(scope["path"], body))
@@ -590,7 +624,7 @@ class Relay:
     async def _locate_here(self, scope: dict, receive: Callable, headers: dict[bytes, bytes]) -> Answer:
         body = await self._read(receive)
         tag = headers.get(LOCATE_TAG_HEADER.encode(), b"").decode("latin-1")
-        if body is None or scope["method"] != "POST":
+        if not isinstance(body, bytes) or scope["method"] != "POST":
             return _detail(400, "locate takes a small POST body")
         if not hmac.compare_digest(sign(self._key, body), tag):
             return _detail(403, "locate needs a tag made with the cluster secret")
@@ -603,15 +637,16 @@ class Relay:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _read(self, receive: Callable) -> bytes | None:
+    async def _read(self, receive: Callable) -> bytes | _Unread:
+        """The whole body; _TOO_LARGE past max_body_bytes (no more is read), _DISCONNECTED if the client left mid-body."""
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return bytes(body)
+                return _DISCONNECTED
             body += message.get("body", b"")
             if len(body) > self._max_body_bytes:
-                return None
+                return _TOO_LARGE
             if not message.get("more_body", False):
                 return bytes(body)
 
@@ -627,8 +662,9 @@ class Relay:
         await send({"type": "http.response.body", "body": answer.body})
 
 
-def _replay(body: bytes) -> Callable[[], Awaitable[dict]]:
-    """An ASGI receive that hands over `body` once, then waits like a connection that stays open."""
+def _replay(body: bytes, then: Callable[[], Awaitable[dict]] | None = None) -> Callable[[], Awaitable[dict]]:
+    """An ASGI receive that hands over `body` once, then passes on the connection's own
+    messages (`then`: its disconnect), or waits like a connection that stays open."""
     sent = False
 
     async def receive() -> dict:
@@ -636,6 +672,8 @@ def _replay(body: bytes) -> Callable[[], Awaitable[dict]]:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
+        if then is not None:
+            return await then()
         await trio.sleep_forever()
         raise AssertionError("unreachable")
 

@@ -267,6 +267,10 @@ def register(app: QuartTrio, services: Services) -> None:
         raise BadRequest(SERVER_SIDE_CUSTOM_LOSS_REFUSAL, key="create_custom_loss")
 
 
+# Routes that hold a request open while they wait: they stop waiting when the client goes away.
+LONGPOLL_ROUTES = frozenset({"/api/v1/retrieve_future"})
+
+
 def hot_routes(services: Services) -> dict[str, Handler]:
     """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
     jobs = services.jobs

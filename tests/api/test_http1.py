@@ -16,7 +16,8 @@ import msgspec
 import pytest
 import trio
 
-from openrld.api.http1 import UNREAD_BODY_BYTES, Http1Settings, Server
+from openrld.api.http1 import UNREAD_BODY_BYTES, Server
+from openrld.config import HttpLimits
 
 
 async def answer(send, status: int, headers: list, body: bytes = b"", *, more_body: bool = False) -> None:
@@ -46,10 +47,10 @@ async def echo(scope: dict, receive, send) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serving(app, settings: Http1Settings = Http1Settings()) -> AsyncIterator[tuple[int, trio.Event]]:
+async def serving(app, limits: HttpLimits = HttpLimits()) -> AsyncIterator[tuple[int, trio.Event]]:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        urls = await nursery.start(Server(app, settings).serve, "127.0.0.1", 0, stop)
+        urls = await nursery.start(Server(app, limits).serve, "127.0.0.1", 0, stop)
         yield urlsplit(urls[0]).port, stop
         stop.set()
 
@@ -162,7 +163,7 @@ async def test_bytes_that_are_not_http_get_a_400_and_the_server_keeps_serving() 
 
 
 async def test_a_head_longer_than_the_limit_gets_431() -> None:
-    async with serving(echo, Http1Settings(max_head_bytes=1024)) as (port, _):
+    async with serving(echo, HttpLimits(h11_max_incomplete_size=1024)) as (port, _):
         client = await Client.open(port)
         await client.send(post("/", b"", "X-Big: " + "a" * 2000))
         assert (await client.reply())[0] == 431
@@ -238,7 +239,7 @@ async def test_expect_100_continue_is_answered_when_the_app_reads() -> None:
 
 
 async def test_an_idle_connection_closes_after_the_keep_alive() -> None:
-    async with serving(echo, Http1Settings(keep_alive_s=0.2)) as (port, _):
+    async with serving(echo, HttpLimits(keep_alive_timeout=0.2)) as (port, _):
         client = await Client.open(port)
         await client.send(post("/", b""))
         assert (await client.reply())[0] == 200
@@ -307,7 +308,7 @@ async def test_a_drain_cancels_a_request_that_outlasts_the_grace() -> None:
         finally:
             cancelled.set()
 
-    async with serving(stuck, Http1Settings(graceful_s=0.1)) as (port, stop):
+    async with serving(stuck, HttpLimits(graceful_timeout=0.1)) as (port, stop):
         client = await Client.open(port)
         await client.send(post("/", b""))
         await trio.sleep(0.05)

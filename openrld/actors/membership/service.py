@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import random
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 
 import httpx
@@ -52,6 +53,7 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
     advertise_host: str
     http_port: int  # the port a seed without one is assumed to listen on
     timing: str  # "lan" or "local"
+    scheme: str = "http"  # "https" when the node's API speaks TLS: peers are reached the same way
 
 
 def node_name_or_host_name(node_name: str) -> str:
@@ -69,7 +71,7 @@ def advertised_host(bind_host: str, advertise_host: str) -> str:
     return socket.gethostbyname(socket.gethostname()) if is_wildcard else bind_host
 
 
-async def seed_urls(seeds: Sequence[str], default_port: int) -> list[str]:
+async def seed_urls(seeds: Sequence[str], default_port: int, scheme: str = "http") -> list[str]:
     """Peer API URLs for the seeds: one per address each name resolves to; unresolvable ones are logged and skipped."""
     urls: list[str] = []
     for seed in seeds:
@@ -83,7 +85,7 @@ async def seed_urls(seeds: Sequence[str], default_port: int) -> list[str]:
             logger.warning("cannot resolve seed=%s: %s", seed, exc)
             continue
         for address in dict.fromkeys(info[4][0] for info in infos):
-            urls.append(f"http://{format_addr(address, port)}")
+            urls.append(f"{scheme}://{format_addr(address, port)}")
     return urls
 
 
@@ -132,8 +134,8 @@ class ClusterMembership:
         self._settings = settings
 
     @classmethod
-    async def open(cls, settings: ClusterSettings) -> "ClusterMembership":
-        """Bind the gossip socket and build the node (not yet running).
+    async def open(cls, settings: ClusterSettings, *, verify: ssl.SSLContext | bool = True) -> "ClusterMembership":
+        """Bind the gossip socket and build the node (not yet running); `verify` checks peers' certificates.
 
         Raises:
             OSError: the gossip port cannot be bound.
@@ -142,7 +144,7 @@ class ClusterMembership:
         advertise = advertised_host(settings.bind_host, settings.advertise_host)
         transport = await UdpTransport.open(settings.bind_host, settings.gossip_port, advertise)
         # trust_env=False: peers talk directly; an HTTP_PROXY meant for the outside must not carry gossip.
-        client = httpx.AsyncClient(timeout=httpx.Timeout(config.push_pull_timeout_s), trust_env=False)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(config.push_pull_timeout_s), trust_env=False, verify=verify)
         node = MembershipNode(
             name=node_name_or_host_name(settings.node_name),
             config=config,
@@ -158,7 +160,7 @@ class ClusterMembership:
         """The URL peers reach this node's API at, from the URL the HTTP server bound."""
         _, _, port = bound_url.rpartition(":")
         host = advertised_host(self._settings.bind_host, self._settings.advertise_host)
-        return f"http://{format_addr(host, int(port))}"
+        return f"{self._settings.scheme}://{format_addr(host, int(port))}"
 
     async def run(
         self,
@@ -183,7 +185,7 @@ class ClusterMembership:
             await self._transport.aclose()
 
     async def _join(self) -> None:
-        urls = await seed_urls(self._settings.seeds, self._settings.http_port)
+        urls = await seed_urls(self._settings.seeds, self._settings.http_port, self._settings.scheme)
         if not self._settings.seeds:
             return
         joined = await self.node.join(urls)
