@@ -123,7 +123,8 @@ def check_tls(client: httpx.Client, options: DoctorOptions, found: _Findings) ->
         return CheckResult("tls", Status.OK, "plain HTTP on loopback (fine: traffic stays on this machine)")
     return CheckResult(
         "tls", Status.WARN, f"plain HTTP to {parts.hostname}: API keys and data cross the network unencrypted",
-        "put TLS in front of the node (an ingress or load balancer with a certificate) and use an https:// URL",
+        "set tls_certfile and tls_keyfile in the node's config (it then serves HTTPS itself), or put TLS in front "
+        "of it (an ingress or load balancer with a certificate), and use an https:// URL",
     )
 
 
@@ -198,7 +199,20 @@ def check_cluster(client: httpx.Client, options: DoctorOptions, found: _Findings
         return CheckResult("cluster", Status.OK, f"single node (no cluster_secret, so in no cluster); its devices: {devices}")
     members = view.get("members", [])
     listed = "; ".join(f"{m.get('name', '?')}: {_describe_devices(m.get('devices', []))}" for m in members)
-    return CheckResult("cluster", Status.OK, f"{len(members)} members: {listed}")
+    plain = [
+        m.get("name", "?") for m in members
+        if urlsplit(m.get("peer_url", "")).scheme == "http" and not is_loopback(urlsplit(m["peer_url"]).hostname or "")
+    ]
+    if plain:
+        return CheckResult(
+            "cluster", Status.WARN,
+            f"{len(members)} members: {listed}; peer traffic to {', '.join(plain)} is plain HTTP, so relayed "
+            "requests carry API keys across the network unencrypted",
+            "set tls_certfile, tls_keyfile and tls_ca_certs on every node of the cluster",
+        )
+    is_https = all(m.get("peer_url", "").startswith("https://") for m in members)
+    peers = "peers over HTTPS" if is_https else "peers over plain HTTP on loopback"
+    return CheckResult("cluster", Status.OK, f"{len(members)} members ({peers}): {listed}")
 
 
 def check_smoke(client: httpx.Client, options: DoctorOptions, found: _Findings) -> CheckResult:

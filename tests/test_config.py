@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from openrld.config import ConfigError, NodeConfig, load_api_keys, load_config
+from openrld.config import ConfigError, HttpLimits, NodeConfig, load_api_keys, load_config
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "openrld.toml"
 ENV = {"HOME": "/home/alice"}
@@ -258,3 +258,41 @@ def test_checkpoint_root_from_the_file_and_the_environment(tmp_path: Path) -> No
 def test_empty_checkpoint_root_variable_means_no_shared_root(tmp_path: Path) -> None:
     path = write(tmp_path / "openrld.toml", 'checkpoint_root = "/mnt/shared"\n')
     assert load_config(path, {}, {**ENV, "OPENRLD_CHECKPOINT_ROOT": ""}).checkpoint_root is None
+
+
+def test_the_http_table_sets_the_servers_limits_and_keeps_the_other_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", "[http]\nhead_timeout = 2\nmax_connections = 100\n")
+    assert load_config(path, {}, ENV).http == HttpLimits(head_timeout=2.0, max_connections=100)
+
+
+def test_an_unknown_key_in_the_http_table_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", "[http]\nread_timeout = 5\n")
+    with pytest.raises(ConfigError, match=r"http: Object contains unknown field `read_timeout`"):
+        load_config(path, {}, ENV)
+
+
+def test_a_zero_deadline_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "openrld.toml", "[http]\nbody_timeout = 0\n")
+    with pytest.raises(ConfigError, match=r"http: Expected `float` > 0.0 - at `\$.body_timeout`"):
+        load_config(path, {}, ENV)
+
+
+def test_tls_needs_both_a_certificate_and_its_key(tmp_path: Path) -> None:
+    cert = write(tmp_path / "node.crt", "x")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, {"tls_certfile": str(cert)}, ENV)
+    assert str(excinfo.value) == "tls_certfile and tls_keyfile: TLS needs both, a certificate and its key; one is set"
+
+
+def test_a_missing_tls_file_is_refused_naming_it(tmp_path: Path) -> None:
+    cert = write(tmp_path / "node.crt", "x")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, {"tls_certfile": str(cert), "tls_keyfile": str(tmp_path / "gone.key")}, ENV)
+    assert str(excinfo.value) == f"tls_keyfile: {tmp_path / 'gone.key'} is not a readable file"
+
+
+def test_tls_files_come_from_the_environment_too(tmp_path: Path) -> None:
+    cert, key = write(tmp_path / "node.crt", "x"), write(tmp_path / "node.key", "x")
+    env = {**ENV, "OPENRLD_TLS_CERTFILE": str(cert), "OPENRLD_TLS_KEYFILE": str(key)}
+    config = load_config(None, {}, env)
+    assert (config.tls_certfile, config.tls_keyfile, config.is_tls) == (cert, key, True)
