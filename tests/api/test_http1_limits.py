@@ -352,3 +352,27 @@ async def test_under_tls_a_handshake_that_never_comes_ends_at_the_head_timeout()
         waited = await closed_after(client, 3.0)
         assert 0.25 <= waited < 2.0
 
+
+
+async def test_a_client_that_leaves_mid_body_is_a_disconnect_to_the_app_and_the_server_keeps_serving() -> None:
+    seen: list[dict] = []
+
+    async def reader(scope, receive, send):
+        if scope["type"] == "http":
+            while True:
+                message = await receive()
+                seen.append({"type": message["type"], "body": len(message.get("body", b""))})
+                if not message.get("more_body", False):
+                    return
+
+    async with serving(or_echo(reader), msgspec.structs.replace(QUICK, body_timeout=10.0)) as (port, counters):
+        client = await Client.open(port)
+        await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"x" * 100)
+        await trio.sleep(0.1)
+        await client.stream.aclose()
+        with trio.fail_after(2):
+            while counters.open_connections:
+                await trio.sleep(0.01)
+        assert seen == [{"type": "http.request", "body": 100}, {"type": "http.disconnect", "body": 0}]
+        assert counters.timeouts["body"] == 0
+        await still_answers(port)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import httpx
 import msgspec
+import trio
 
 from openrld.actors.membership.messages import MemberState, NodePayload
 from openrld.actors.membership.table import Member
@@ -82,3 +83,34 @@ async def test_under_tls_a_plain_http_peer_is_never_sent_the_callers_request() -
         503, "m-1 lives on node node-b, which serves plain HTTP (http://127.0.0.1:9) while this node uses TLS; "
         "give every node of the cluster tls_certfile and tls_keyfile",
     )
+
+
+async def test_a_relayed_long_poll_ends_when_its_client_goes_away() -> None:
+    inner, sent = Inner(), []
+    waiting_at_home = trio.Event()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def held_at_home(scope: dict, headers: dict, body: bytes):
+        waiting_at_home.set()
+        await trio.sleep_forever()  # the home node holds the poll for up to longpoll_s
+
+    messages = [{"type": "http.request", "body": b'{"request_id": "r-1"}', "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await waiting_at_home.wait()
+        return {"type": "http.disconnect"}  # then the client closes its socket
+
+    front = Relay(
+        inner, directory=None, client=httpx.AsyncClient(), counters=RelayCounters(), secret="s",  # type: ignore[arg-type]
+        user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
+        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=60.0,
+        longpolls=frozenset({"/api/v1/retrieve_future"}),
+    )
+    front._route = held_at_home  # type: ignore[method-assign]  # the peer at the edge: it never answers
+    with trio.fail_after(2):
+        await front(scope("/api/v1/retrieve_future"), receive, send)
+    assert (inner.calls, sent) == (0, [])
