@@ -34,7 +34,8 @@ def relay(inner: Inner, *, tls: bool = False) -> Relay:
     return Relay(
         inner, directory=None, client=httpx.AsyncClient(), counters=RelayCounters(), secret="s",  # type: ignore[arg-type]
         user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
-        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=1.0, tls=tls,
+        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=60.0, tls=tls,
+        longpolls=frozenset({"/api/v1/retrieve_future"}),
     )
 
 
@@ -104,12 +105,7 @@ async def test_a_relayed_long_poll_ends_when_its_client_goes_away() -> None:
         await waiting_at_home.wait()
         return {"type": "http.disconnect"}  # then the client closes its socket
 
-    front = Relay(
-        inner, directory=None, client=httpx.AsyncClient(), counters=RelayCounters(), secret="s",  # type: ignore[arg-type]
-        user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
-        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=60.0,
-        longpolls=frozenset({"/api/v1/retrieve_future"}),
-    )
+    front = relay(inner)
     front._route = held_at_home  # type: ignore[method-assign]  # the peer at the edge: it never answers
     with trio.fail_after(2):
         await front(scope("/api/v1/retrieve_future"), receive, send)
