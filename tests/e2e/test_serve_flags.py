@@ -4,7 +4,7 @@ Every node here is the installed console script in a subprocess. What a setting
 did is read from outside: the address the node printed, the data dir it made,
 the devices in /openrl/v1/info, its name and members in /openrl/v1/cluster.
 One node per source (flags, environment, file) carries all of them, and each
-test reads one. `--config` is the file's source; `-v` has no other source.
+test reads one. `--config` is the file's source; `-v` and `--version` have no other.
 Precedence is what `config.load_config` does: flags over the OPENRLD_*
 variables over the file over the defaults.
 """
@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Daemon, ServeCommand, write_config
+
+from openrld import __version__
 
 OPENRLD = str(Path(sys.executable).with_name("openrld"))
 KEY = "tml-serve-flags"
@@ -214,3 +216,8 @@ def test_a_bad_setting_stops_it_at_once_with_status_2_naming_where_it_came_from(
         capture_output=True, text=True, timeout=60,
     )
     assert (result.returncode, result.stderr, result.stdout) == (2, message + "\n", "")
+
+
+def test_version_flag_prints_the_version_and_exits_0():
+    result = subprocess.run([OPENRLD, "--version"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"openrld {__version__}\n", "")
