@@ -14,8 +14,10 @@ system) so it can refute at once.
 
 Read API for placement and relaying: `members()`, `member(name)`,
 `live_members()`, `statistics()`; the node's own payload is changed with
-`set_payload`. `join(seed_urls)` pushes and pulls with seeds over their peer
-HTTP API; `leave()` tells the cluster this node is going. Time comes from
+`set_payload`. `join(resolve_seeds)` pushes and pulls with the seeds over their
+peer HTTP API, resolving them anew at every attempt while this node is alone (a
+headless Service's records may not exist yet when a pod starts); `leave()` tells
+the cluster this node is going. Time comes from
 `trio.current_time()` and randomness from the injected `random.Random`, so
 the protocol runs under trio's MockClock. It never imports torch and never
 reaches into another actor.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 import trio
@@ -133,7 +135,7 @@ class MembershipNode:
         self._waits: dict[int, _AckWait] = {}
         self._seq = 0
         self._probe_order: list[str] = []
-        self._seeds: tuple[str, ...] = ()
+        self._resolve_seeds: Callable[[], Awaitable[Sequence[str]]] | None = None
         self._nursery: trio.Nursery | None = None
         self._counts: Counter[str] = Counter()
         self._dropped: Counter[str] = Counter()
@@ -183,18 +185,20 @@ class MembershipNode:
         if alive is not None:
             self._queue(alive)
 
-    async def join(self, seed_urls: Sequence[str]) -> int:
-        """Push-pull with each seed's peer API; the number that answered.
+    async def join(self, resolve_seeds: Callable[[], Awaitable[Sequence[str]]]) -> tuple[int, int]:
+        """Push-pull with each seed's peer API: (how many answered, how many the seeds resolved to).
 
-        The seeds are kept: while this node knows no live member it keeps trying
-        them every push-pull round, so nodes may start in any order.
+        The resolver is kept: while this node knows no live member it resolves
+        the seeds again and tries one every push-pull round, so nodes may start
+        in any order and a name that resolves late is still found.
         """
-        self._seeds = tuple(seed_urls)
+        self._resolve_seeds = resolve_seeds
+        urls = await resolve_seeds()
         joined = 0
-        for url in self._seeds:
+        for url in urls:
             if await self._exchange(url, is_join=True):
                 joined += 1
-        return joined
+        return joined, len(urls)
 
     async def leave(self) -> None:
         """Tell live members this node is leaving; it is then LEFT to them, not DEAD.
@@ -495,8 +499,10 @@ class MembershipNode:
             live = [m for m in others if m.is_alive and m.peer_url]
             if live:
                 await self._exchange(self._rng.choice(live).peer_url, is_join=False)
-            elif self._seeds:
-                await self._exchange(self._rng.choice(self._seeds), is_join=True)
+            elif self._resolve_seeds is not None:
+                seeds = await self._resolve_seeds()
+                if seeds:
+                    await self._exchange(self._rng.choice(seeds), is_join=True)
             # Reconnect: one member believed dead, so that a healed partition merges again.
             dead = [m for m in others if m.state is MemberState.DEAD and m.peer_url]
             if dead:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 PAYLOAD_REFRESH_S = 2.0
 # A leaving node sends its farewell and stops; it does not wait for answers.
 LEAVE_DEADLINE_S = 1.0
+SEED_LOOKUP_S = 5.0  # one resolution of the seed names; the push-pull loop tries again next round
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -185,8 +186,16 @@ class ClusterMembership:
             await self._transport.aclose()
 
     async def _join(self) -> None:
-        urls = await seed_urls(self._settings.seeds, self._settings.http_port, self._settings.scheme)
         if not self._settings.seeds:
             return
-        joined = await self.node.join(urls)
-        logger.info("joined node=%s seeds=%s answered=%d/%d", self.node.name, ",".join(urls), joined, len(urls))
+        joined, resolved = await self.node.join(self._seed_urls)
+        logger.info(
+            "joined node=%s seeds=%s answered=%d/%d", self.node.name, ",".join(self._settings.seeds), joined, resolved
+        )
+
+    async def _seed_urls(self) -> list[str]:
+        """The seeds' peer URLs as DNS says now; a lookup that hangs counts as none."""
+        with trio.move_on_after(SEED_LOOKUP_S):
+            return await seed_urls(self._settings.seeds, self._settings.http_port, self._settings.scheme)
+        logger.warning("resolving seeds=%s took over %s s", ",".join(self._settings.seeds), SEED_LOOKUP_S)
+        return []

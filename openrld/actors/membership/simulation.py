@@ -55,7 +55,7 @@ class SimulatedCluster:
         self._scopes[name] = scope
         seed_urls = [FakeNetwork.url(seed) for seed in seeds]
         if seed_urls:
-            await node.join(seed_urls)
+            await node.join(lambda: _now(seed_urls))
         return node
 
     def crash(self, name: str) -> None:
@@ -93,3 +93,8 @@ class SimulatedCluster:
             for m in node.members()
             if m.name in running and m.state in (MemberState.DEAD, MemberState.LEFT)
         ]
+
+
+async def _now(urls: list[str]) -> list[str]:
+    """Seeds that need no resolving: the fake network's names."""
+    return urls

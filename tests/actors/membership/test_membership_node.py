@@ -153,3 +153,24 @@ async def test_restarted_node_outbids_its_own_death(autojump_clock) -> None:
         await wait_until(cluster.is_converged, within_s=2.0)
         assert reborn.statistics().incarnation >= 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_seed_name_that_resolves_late_is_resolved_again_until_the_node_joins(autojump_clock) -> None:
+    async with trio.open_nursery() as nursery:
+        rng = random.Random(0)
+        network = FakeNetwork(rng)
+        nursery.start_soon(network.run)
+        cluster = SimulatedCluster(network, LAN, rng)
+        await cluster.add(nursery, "first")
+        lookups: list[float] = []
+
+        async def late_dns() -> list[str]:
+            # A headless Service publishes a pod's record only once the pod is ready.
+            lookups.append(trio.current_time())
+            return [FakeNetwork.url("first")] if len(lookups) > 3 else []
+
+        joiner = await cluster.add(nursery, "joiner")
+        assert await joiner.join(late_dns) == (0, 0)
+        await wait_until(cluster.is_converged, within_s=5 * LAN.push_pull_interval_s)
+        assert len(lookups) == 4  # resolved at every attempt while alone, and not once after
+        nursery.cancel_scope.cancel()
