@@ -99,7 +99,14 @@ def _serve(args: argparse.Namespace) -> int:
     # What the layers (flags, OPENRLD_* variables, the file) came to; -v shows it. The secret stays out.
     shown = msgspec.structs.replace(config, cluster_secret="<set>" if config.cluster_secret else "")
     logging.getLogger(__name__).debug("config %s", msgspec.json.encode(shown, enc_hook=str).decode())
-    trio.run(_serve_until_signalled, config)
+    refused: list[ConfigError] = []
+    try:
+        trio.run(_serve_until_signalled, config)
+    except* ConfigError as group:  # found while starting: the devices, say
+        refused.extend(error for error in group.exceptions if isinstance(error, ConfigError))
+    if refused:
+        print(f"openrld: {refused[0]}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -112,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="port to bind; 0 picks a free one (default 8000)")
     serve.add_argument("--data-dir", type=Path, help="where the database and checkpoints live")
     serve.add_argument("--config", type=Path, help="a TOML config file (see config/openrld.toml)")
-    serve.add_argument("--device", help="auto, cpu or cuda:N (default auto)")
+    serve.add_argument(
+        "--device", help="auto (a GPU if usable, else the CPU), cpu, or cuda[:N] (a GPU, or refuse to start) (default auto)"
+    )
     serve.add_argument("--node-name", help="this node's name in the cluster (default: the host name)")
     serve.add_argument(
         "--join", help="comma-separated HOST:PORT (or DNS names) of cluster members' APIs to join; needs cluster_secret"

@@ -36,7 +36,7 @@ from openrld.api.auth import Authenticator
 from openrld.api.http1 import Server
 from openrld.api.signing import Signer
 from openrld.capabilities import DeviceSummary
-from openrld.config import NodeConfig, load_api_keys
+from openrld.config import ConfigError, NodeConfig, load_api_keys
 from openrld.metrics import HttpCounters
 from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
@@ -106,8 +106,11 @@ async def serve(
     from openrld.gpu.engines import TorchEngineFactory
     from openrld.gpu.gguf_convert import GgufConverter
 
-    device = resolve_device(config.device)
-    device_records = inventory(config.devices, config.device)
+    try:
+        device = resolve_device(config.device)
+        device_records = inventory(config.devices, config.device)
+    except ValueError as exc:  # a node told to use a GPU it does not have refuses to start, saying why
+        raise ConfigError(str(exc)) from exc
     threads = cpu_threads(config.cpu_threads, device_records)
     apply_cpu_threads(threads)
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else None

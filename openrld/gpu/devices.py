@@ -37,7 +37,7 @@ def resolve_device(spec: str) -> torch.device:
         return torch.device("cpu")  # cpu:N are placement labels; torch has one CPU device
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r}: this machine has no CUDA device")
+            raise ValueError(f"device {spec!r}: no CUDA device is usable here: {why_no_cuda(CudaFacts.here())}")
         try:
             device = torch.device(spec)
         except RuntimeError as exc:
@@ -46,6 +46,59 @@ def resolve_device(spec: str) -> torch.device:
             raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA devices here")
         return device
     raise ValueError(f"device {spec!r}: expected auto, cpu, cpu:N, cuda or cuda:N")
+
+
+GKE_DRIVER_LIBS = "/usr/local/nvidia/lib64"  # where GKE's driver installer puts libcuda for containers
+
+
+class CudaFacts(msgspec.Struct, frozen=True):
+    """What decides why CUDA is not usable, read from this machine (or given by a test)."""
+
+    torch_version: str
+    torch_cuda: str | None  # None: torch was built without CUDA
+    driver_loaded: bool  # the kernel module answers at /proc/driver/nvidia/version
+    device_nodes: bool  # /dev/nvidia0 exists in this (container's) view
+    gke_driver_libs: bool  # GKE's driver library directory is mounted
+    ld_library_path: str
+
+    @classmethod
+    def here(cls) -> CudaFacts:
+        return cls(
+            torch_version=torch.__version__,
+            torch_cuda=torch.version.cuda,
+            driver_loaded=os.path.exists("/proc/driver/nvidia/version"),
+            device_nodes=os.path.exists("/dev/nvidia0"),
+            gke_driver_libs=os.path.isdir(GKE_DRIVER_LIBS),
+            ld_library_path=os.environ.get("LD_LIBRARY_PATH", ""),
+        )
+
+
+def why_no_cuda(facts: CudaFacts) -> str:
+    """The likeliest reason CUDA is unusable, with what to do about it, most basic first."""
+    if facts.torch_cuda is None:
+        return (
+            f"the installed torch ({facts.torch_version}) is a CPU build; install a CUDA build of torch "
+            "(the GPU image has one; `pip install torch==<version>` from PyPI on Linux is one)"
+        )
+    if facts.gke_driver_libs and GKE_DRIVER_LIBS not in facts.ld_library_path.split(":"):
+        return (
+            f"the NVIDIA driver's libraries are mounted at {GKE_DRIVER_LIBS} but LD_LIBRARY_PATH does not include "
+            f"it; set LD_LIBRARY_PATH={GKE_DRIVER_LIBS} in the container (GKE)"
+        )
+    if not facts.driver_loaded and not facts.device_nodes:
+        return (
+            "no NVIDIA driver is loaded (/proc/driver/nvidia/version and /dev/nvidia0 are missing); install the "
+            "driver on the host, and in a container ask for the GPU (nvidia.com/gpu, or --gpus / CDI)"
+        )
+    if not facts.device_nodes:
+        return (
+            "the driver is loaded but /dev/nvidia0 is not visible here; give this process the GPU's device nodes "
+            "(a container must request the GPU; under systemd, do not set PrivateDevices)"
+        )
+    return (
+        f"torch (CUDA {facts.torch_cuda}) cannot initialise the driver; check that the driver supports CUDA "
+        f"{facts.torch_cuda} (nvidia-smi shows the newest CUDA it supports) and that libcuda.so.1 is found"
+    )
 
 
 def _host_memory() -> tuple[int, int]:
