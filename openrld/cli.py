@@ -1,7 +1,8 @@
 """`openrld` on the command line: `openrld serve` runs a node.
 
-Flags override the config file, which overrides the environment's OPENRLD_*
-variables, which override the defaults. `--port 0` lets the kernel pick a
+Flags override the environment's OPENRLD_* variables, which override the
+config file, which overrides the defaults (`config.load_config`; the one order
+the README, config/openrld.toml and tests/test_config.py state). `--port 0` lets the kernel pick a
 port; the address bound is printed on stdout as `openrld listening on URL`.
 SIGTERM and SIGINT shut the node down cleanly.
 """
