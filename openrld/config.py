@@ -34,6 +34,17 @@ API_KEY_PREFIX = "tml-"
 _SDK_POLL_TIMEOUT_S = 45.0
 
 
+# Words that mark a value copied from an example instead of made up: a node refuses to start
+# with one as its cluster secret or an API key, since everyone who read the example knows it.
+_PLACEHOLDER_MARKS = ("REPLACE", "CHANGEME", "CHANGE-ME", "CHANGE_ME", "PLACEHOLDER", "XXXXXXXX")
+MIN_CLUSTER_SECRET_CHARS = 16
+
+
+def is_placeholder(value: str) -> bool:
+    upper = value.upper()
+    return any(mark in upper for mark in _PLACEHOLDER_MARKS)
+
+
 # A device label: what `devices` may list (gpu/devices.py says what each means).
 _DEVICE_NAME = r"^(cpu|cuda)(:[0-9]{1,3})?$"
 # A node name goes into gossip, logs and URLs: letters, digits, '.', '-', '_' (a host name fits).
@@ -248,6 +259,16 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
         path = getattr(config, name)
         if path is not None and not path.is_file():
             raise ConfigError(f"{name}: {path} is not a readable file")
+    if config.cluster_secret and is_placeholder(config.cluster_secret):
+        raise ConfigError(
+            "cluster_secret: still the example's placeholder; set a long random string of your own on every node "
+            "(e.g. openssl rand -hex 32)"
+        )
+    if config.cluster_secret and len(config.cluster_secret) < MIN_CLUSTER_SECRET_CHARS:
+        raise ConfigError(
+            f"cluster_secret: {len(config.cluster_secret)} characters is too short to authenticate peers; "
+            f"use at least {MIN_CLUSTER_SECRET_CHARS} random ones (e.g. openssl rand -hex 32)"
+        )
     if config.join and not config.cluster_secret:
         raise ConfigError("join: joining a cluster needs cluster_secret (peers authenticate with it); none is set")
     if not config.accept_jobs and not config.cluster_secret:
@@ -296,6 +317,11 @@ def load_api_keys(path: Path) -> dict[str, str]:
             raise ConfigError(f"{source}: entry {number}: a key must be '{API_KEY_PREFIX}' followed by non-space characters")
         if not isinstance(user, str) or not user:
             raise ConfigError(f"{source}: entry {number}: the user must be a non-empty string, got {user!r}")
+        if is_placeholder(key):
+            raise ConfigError(
+                f"{source}: entry {number} (user {user!r}): the key is still the example's placeholder; "
+                "give each user a long random key of their own (e.g. tml-$(openssl rand -hex 24))"
+            )
         keys[key] = user
     if mode & 0o077:
         logger.warning("api keys file %s can be read by other users (mode %o)", path, mode & 0o777)

@@ -296,3 +296,29 @@ def test_tls_files_come_from_the_environment_too(tmp_path: Path) -> None:
     env = {**ENV, "OPENRLD_TLS_CERTFILE": str(cert), "OPENRLD_TLS_KEYFILE": str(key)}
     config = load_config(None, {}, env)
     assert (config.tls_certfile, config.tls_keyfile, config.is_tls) == (cert, key, True)
+
+
+@pytest.mark.parametrize("secret", ["REPLACE-WITH-A-LONG-RANDOM-SECRET", "changeme-changeme-changeme"])
+def test_a_placeholder_cluster_secret_is_refused(secret: str) -> None:
+    with pytest.raises(ConfigError, match=r"^cluster_secret: still the example's placeholder; "):
+        load_config(None, {"cluster_secret": secret}, ENV)
+
+
+def test_a_short_cluster_secret_is_refused() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, {"cluster_secret": "fifteen-chars!!"}, ENV)
+    assert str(excinfo.value) == (
+        "cluster_secret: 15 characters is too short to authenticate peers; use at least 16 random ones "
+        "(e.g. openssl rand -hex 32)"
+    )
+
+
+def test_a_placeholder_api_key_is_refused_naming_its_user_not_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path / "keys.toml", '"tml-good-key" = "bob"\n"tml-REPLACE-WITH-A-LONG-RANDOM-KEY" = "alice"\n')
+    path.chmod(0o600)
+    with pytest.raises(ConfigError) as excinfo:
+        load_api_keys(path)
+    assert str(excinfo.value) == (
+        f"api keys file {path}: entry 2 (user 'alice'): the key is still the example's placeholder; "
+        "give each user a long random key of their own (e.g. tml-$(openssl rand -hex 24))"
+    )

@@ -19,7 +19,7 @@ ENV = {"HOME": "/home/alice"}
 
 
 def test_join_from_the_environment_is_comma_separated() -> None:
-    env = {**ENV, "OPENRLD_CLUSTER_SECRET": "s", "OPENRLD_JOIN": "10.0.0.1:8000, openrld.svc ,"}
+    env = {**ENV, "OPENRLD_CLUSTER_SECRET": "a-secret-of-16-plus", "OPENRLD_JOIN": "10.0.0.1:8000, openrld.svc ,"}
     assert load_config(None, {}, env).join == ("10.0.0.1:8000", "openrld.svc")
 
 
