@@ -46,6 +46,7 @@ bench: install-test
 	$(PY) bench/sample_throughput.py
 	$(PY) bench/future_latency.py
 	$(PY) bench/http_server.py
+	$(PY) bench/soak.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
