@@ -123,8 +123,12 @@ class FastPath:
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
-    """`fn(*args)`, or None once the client goes away first (after the body, ASGI's next message says so)."""
-    result: T | None = None
+    """`fn(*args)`, or None once the client goes away first (after the body, ASGI's next message says so).
+
+    What `fn` raises is raised as it is, not inside the nursery's ExceptionGroup, so that
+    callers catch an OpenrldError here as they would without the watch.
+    """
+    outcome: list[T | _Raised] = []
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -132,9 +136,23 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]], fn: Callable[
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        result = await fn(*args)
+        try:
+            outcome.append(await fn(*args))
+        except Exception as error:  # trio.Cancelled is no Exception: a disconnect still cancels
+            outcome.append(_Raised(error))
         nursery.cancel_scope.cancel()
-    return result
+    if not outcome:
+        return None
+    if isinstance(outcome[0], _Raised):
+        raise outcome[0].error
+    return outcome[0]
+
+
+class _Raised:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
