@@ -36,6 +36,7 @@ def test_torch_is_the_daemons_pin_and_smollm2_the_makefiles():
 def test_worker_environments_are_pinned_and_apart_from_the_daemons():
     args = _args()
     assert re.fullmatch(r"vllm==[\d.]+", args["VLLM"]) and re.fullmatch(r"nemo-automodel==[\d.]+", args["AUTOMODEL"])
+    assert re.fullmatch(r"torch==[\d.]+", args["AUTOMODEL_TORCH"])  # nemo-automodel leaves torch open
     text = CONTAINERFILE.read_text()
     for env in ("vllm", "automodel"):
         assert f"python3 -m venv /opt/openrld/envs/{env}" in text
