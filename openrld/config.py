@@ -195,6 +195,13 @@ def _env_values(env: Mapping[str, str]) -> dict[str, object]:
             if name in ("api_keys_file", "checkpoint_root", "tls_certfile", "tls_keyfile", "tls_ca_certs") and text == "":
                 # An empty variable is how a manifest says "unset": open mode, or no shared root.
                 values[name] = None
+            elif text.startswith("tcp://"):
+                # Kubernetes' service links: a Service named "openrld" puts OPENRLD_PORT=tcp://IP:PORT
+                # (and more) into every pod of the namespace; they are not this node's settings.
+                raise ConfigError(
+                    f"environment {var}={text!r} is a Kubernetes service link for a Service named openrld, not an "
+                    "openrld setting; set enableServiceLinks: false in the pod spec"
+                )
             elif name == "join":
                 # A list in one variable: comma-separated, as --join takes it.
                 values[name] = tuple(seed.strip() for seed in text.split(",") if seed.strip())

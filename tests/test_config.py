@@ -322,3 +322,12 @@ def test_a_placeholder_api_key_is_refused_naming_its_user_not_the_key(tmp_path: 
         f"api keys file {path}: entry 2 (user 'alice'): the key is still the example's placeholder; "
         "give each user a long random key of their own (e.g. tml-$(openssl rand -hex 24))"
     )
+
+
+def test_a_kubernetes_service_link_in_the_environment_is_refused_saying_what_it_is() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, {}, {**ENV, "OPENRLD_PORT": "tcp://10.4.0.9:8000"})
+    assert str(excinfo.value) == (
+        "environment OPENRLD_PORT='tcp://10.4.0.9:8000' is a Kubernetes service link for a Service named openrld, "
+        "not an openrld setting; set enableServiceLinks: false in the pod spec"
+    )
