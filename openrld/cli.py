@@ -21,8 +21,7 @@ import msgspec
 import trio
 
 from openrld import __version__
-from openrld.config import ConfigError, NodeConfig, load_api_keys, load_config, process_environment
-from openrld.tls import peer_context, server_context
+from openrld.config import ConfigError, NodeConfig, load_config, process_environment
 
 
 class _JsonFormatter(logging.Formatter):
@@ -71,15 +70,6 @@ async def _serve_until_signalled(config: NodeConfig) -> None:
         # serve() returns once drained; on_signals has returned already.
 
 
-def _read_files(config: NodeConfig) -> None:
-    """Read the files the config names (keys, TLS) once before starting, so that a bad one is a
-    one-line error and exit status 2, not a traceback from inside the running daemon."""
-    if config.api_keys_file is not None:
-        load_api_keys(config.api_keys_file)
-    server_context(config)
-    peer_context(config)
-
-
 def _serve(args: argparse.Namespace) -> int:
     overrides = {
         key: value
@@ -92,7 +82,6 @@ def _serve(args: argparse.Namespace) -> int:
     }
     try:
         config = load_config(args.config, overrides, process_environment())
-        _read_files(config)
     except ConfigError as error:
         print(f"openrld: {error}", file=sys.stderr)
         return 2
@@ -103,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     refused: list[ConfigError] = []
     try:
         trio.run(_serve_until_signalled, config)
-    except* ConfigError as group:  # found while starting: the devices, say
+    except* ConfigError as group:  # found while starting: the devices, the key file, the TLS files
         refused.extend(error for error in group.exceptions if isinstance(error, ConfigError))
     if refused:
         print(f"openrld: {refused[0]}", file=sys.stderr)

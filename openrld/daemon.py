@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import ssl
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,7 +84,7 @@ def _raise_file_limit(config: NodeConfig) -> None:
             )
 
 
-async def _open_membership(config: NodeConfig) -> ClusterMembership | None:
+async def _open_membership(config: NodeConfig, verify: ssl.SSLContext | bool) -> ClusterMembership | None:
     """The node's cluster membership, its gossip port bound; None without a cluster secret."""
     if not config.cluster_secret:
         return None
@@ -92,7 +93,7 @@ async def _open_membership(config: NodeConfig) -> ClusterMembership | None:
         bind_host=config.host, gossip_port=config.gossip_port, advertise_host=config.advertise_host,
         http_port=config.port, timing=config.gossip_timing, scheme="https" if config.is_tls else "http",
     )
-    return await ClusterMembership.open(settings, verify=peer_context(config))
+    return await ClusterMembership.open(settings, verify=verify)
 
 
 async def serve(
@@ -115,6 +116,7 @@ async def serve(
     apply_cpu_threads(threads)
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file is not None else None
     tls = server_context(config)
+    verify_peers = peer_context(config)
     _raise_file_limit(config)
     store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
     try:
@@ -144,7 +146,7 @@ async def serve(
             )
             usage = UsageMeter()
             signer = Signer()
-            membership = await _open_membership(config)
+            membership = await _open_membership(config, verify_peers)
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures,
                 max_lora_rank=config.max_lora_rank, usage=usage,
@@ -157,7 +159,7 @@ async def serve(
             # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon (relay.py).
             peers = (
                 httpx.AsyncClient(
-                    limits=httpx.Limits(max_keepalive_connections=64), trust_env=False, verify=peer_context(config)
+                    limits=httpx.Limits(max_keepalive_connections=64), trust_env=False, verify=verify_peers
                 )
                 if membership is not None else None
             )
