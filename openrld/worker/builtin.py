@@ -1,0 +1,46 @@
+"""The built-in engines, built in a worker from the daemon's `Start`.
+
+`python -m openrld.worker` serves these: the same classes the daemon runs in its
+own process (inproc), so a job trains and samples bit-identically under either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openrld.worker.protocol import Start
+
+KINDS = ("lora_trainer", "full_trainer", "torch_sampler", "full_sampler", "vllm_sampler")
+
+
+def build(start: Start) -> Any:
+    from openrld.gpu.devices import apply_cpu_threads, resolve_device
+
+    apply_cpu_threads(start.threads)
+    device = resolve_device(start.device)
+    options = start.options
+    match start.kind:
+        case "lora_trainer":
+            from openrld.gpu.engines import build_lora_trainer
+
+            return build_lora_trainer(start.model_dir, device, int(options.get("max_batch_tokens", 8192)))
+        case "full_trainer":
+            from openrld.gpu.full_trainer import FullTrainer
+            from openrld.gpu.torch_trainer import TrainerConfig
+
+            config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
+            return FullTrainer(start.model_dir, device, config=config, weight_sync=str(options.get("weight_sync", "delta")))
+        case "torch_sampler":
+            from openrld.gpu.torch_sampler import TorchSampler
+
+            return TorchSampler(start.model_dir, device)
+        case "full_sampler":
+            from openrld.gpu.full_sampler import FullSampler
+
+            return FullSampler(start.model_dir, device)
+        case "vllm_sampler":
+            from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerConfig
+            import msgspec
+
+            return VllmSampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
+    raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")

@@ -1,0 +1,297 @@
+"""The daemon's side of a worker: an engine whose calls go over the worker protocol.
+
+`RemoteTrainer` and `RemoteSampler` implement the engine interfaces of
+`openrld.engine_types`, so an actor drives a worker exactly as it drives an
+engine in its own process: blocking calls from its worker thread, one at a time.
+
+Faults stay with the worker's jobs. A worker that exits, falls silent past its
+heartbeat deadline during a call, or breaks the protocol (a malformed,
+oversized or unexpected frame, a value that does not fit its type) is stopped
+and reaped, and the call raises `EngineLost`, which tells the client to resume
+from a saved state; the actor then builds another engine. An error an engine
+means (a bad request) is raised here as the same class, and the worker serves
+on. Nothing here unpickles, imports torch or imports trio.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from openrld.batches import (
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    LoraSpec,
+    OptimParams,
+    OptimResult,
+    SampleJob,
+    SyncStats,
+)
+from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.errors import EngineLost, OpenrldError
+from openrld.worker import values
+from openrld.worker.frames import FrameSocket, ProtocolError
+from openrld.worker.methods import METHODS, AddRequest, StepCall, join_params, split_params
+from openrld.worker.protocol import Bye, Call, Failure, Heartbeat, Result
+
+logger = logging.getLogger(__name__)
+_GONE = object()
+
+
+class WorkerTimeouts(msgspec.Struct, frozen=True):
+    hello_s: float = 120.0  # from launch to the worker's hello (an image may be pulled, an interpreter start)
+    heartbeat_s: float = 2.0  # the worker sends a heartbeat this often while it builds or runs a call
+    deadline_s: float = 60.0  # silence this long while a call runs: the worker hangs, and is stopped
+    stop_s: float = 10.0  # after Bye, the call in hand may finish; then the worker is killed
+
+
+class WorkerConnection:
+    """One worker's connection and process (or container, or Pod): calls, one at a time."""
+
+    def __init__(self, frames: FrameSocket, worker: Any, *, name: str, role: str, timeouts: WorkerTimeouts) -> None:
+        self.frames = frames
+        self.worker = worker  # a launchers.LaunchedWorker
+        self.name = name
+        self.methods = METHODS[role]
+        self.timeouts = timeouts
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._lost: EngineLost | None = None
+        self._closed = False
+
+    @property
+    def is_lost(self) -> bool:
+        return self._lost is not None
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            if self._lost is not None:
+                raise self._lost
+            if self._closed:
+                raise EngineLost(f"{self.name} was closed")
+            call_id, self._next_id = self._next_id, self._next_id + 1
+            try:
+                encoding = values.Encoding()
+                encoded = encoding.encode(args)
+            except (NotImplementedError, TypeError) as error:
+                raise OpenrldError(f"cannot send {method} to {self.name}: {error}") from error
+            try:
+                self.frames.send(Call(call_id, method, encoded), encoding.buffers)
+                return self._await(call_id, method)
+            except (ProtocolError, TimeoutError, EOFError, OSError) as error:
+                raise self._lose(error) from error
+
+    def _await(self, call_id: int, method: str) -> Any:
+        while True:
+            message, buffers = self.frames.receive(timeout=self.timeouts.deadline_s)
+            match message:
+                case Heartbeat():
+                    continue
+                case Result(id=answered) | Failure(id=answered) if answered != call_id:
+                    continue  # the late answer of a cancelled call
+                case Result(value=raw):
+                    return values.decode(raw, self.methods[method].result, buffers)
+                case Failure(kind=kind, message=text, key=key, trace=trace):
+                    if trace and kind not in ("BadRequest", "NotSupportedYet", "Conflict", "NotFound", "Gone"):
+                        logger.error("worker %s: %s failed in the worker:\n%s", self.name, method, trace)
+                    raise values.error_from(kind, text, key)
+                case _:
+                    raise ProtocolError(f"a {type(message).__name__} message where a result was due")
+
+    def _lose(self, error: BaseException) -> EngineLost:
+        """Stop the worker, and say why it is lost."""
+        if isinstance(error, TimeoutError):
+            why = f"sent nothing for {self.timeouts.deadline_s:.0f} s during a call (its heartbeat deadline)"
+        elif isinstance(error, ProtocolError):
+            why = f"broke the worker protocol ({error})"
+        else:
+            why = "died"
+        self.worker.stop(0.0 if not isinstance(error, (EOFError, OSError)) else self.timeouts.stop_s)
+        self.frames.close()
+        status = self.worker.poll()
+        if status is not None and why == "died":
+            why = f"died (exit status {status})"
+        logger.error("worker %s lost: %s", self.name, why)
+        self._lost = EngineLost(
+            f"{self.name} {why}; the weights and optimizer state it held are gone: resume from a saved state "
+            "(load_state, or load_state_with_optimizer)"
+        )
+        return self._lost
+
+    def close(self) -> None:
+        """Bye: the worker finishes the call in hand and exits; past `stop_s` it is killed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._lost is None:
+                try:
+                    self.frames.send(Bye())
+                except OSError:
+                    pass
+            self.worker.stop(self.timeouts.stop_s)
+            self.frames.close()
+
+
+class RemoteTrainer:
+    """A `TrainerEngine` in a worker."""
+
+    def __init__(self, connection: WorkerConnection) -> None:
+        self.connection = connection
+        self._last_sync: SyncStats | None = None
+        self._parked = False
+
+    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None:
+        self.connection.call("add_adapter", name, spec, optimizer)
+
+    def drop_adapter(self, name: str) -> None:
+        self.connection.call("drop_adapter", name)
+
+    def has_adapter(self, name: str) -> bool:
+        return self.connection.call("has_adapter", name)
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        return self.connection.call("forward_backward", name, batch)
+
+    def forward_backward_many(self, name: str, batches: list[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
+        return self.connection.call("forward_backward_many", name, list(batches))
+
+    def forward_backward_then_step(
+        self, name: str, batches: list[ForwardBackwardBatch], params: OptimParams | None
+    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+        outcome = self.connection.call("forward_backward_then_step", name, list(batches), *split_params(params))
+        if outcome.step_failure is not None:
+            failure = outcome.step_failure
+            return outcome.results, values.error_from(failure.kind, failure.message, failure.key)
+        return outcome.results, outcome.step
+
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
+        return self.connection.call("optim_step", name, *split_params(params))
+
+    def adapter_tensors(self, name: str) -> WeightPayload:
+        return self.connection.call("adapter_tensors", name)
+
+    def sampler_payload(self, name: str, version: str) -> WeightPayload:
+        reply = self.connection.call("sampler_payload", name, version)
+        self._last_sync = reply.last_sync
+        return reply.payload
+
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        return self.connection.call("export_adapter", name, str(directory), base_model)
+
+    def sampler_checkpoint(self, name: str, directory: Path) -> int:
+        return self.connection.call("sampler_checkpoint", name, str(directory))
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int:
+        return self.connection.call("save_state", name, str(directory), with_optimizer)
+
+    def load_state(self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str) -> None:
+        self.connection.call("load_state", name, str(directory), spec, with_optimizer, optimizer)
+
+    def park(self) -> ParkReport:
+        report = self.connection.call("park")
+        self._parked = True
+        return report
+
+    def resume(self) -> ResumeReport:
+        report = self.connection.call("resume")
+        self._parked = False
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        return self._last_sync
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class RemoteSampler:
+    """A `SamplerEngine` in a worker.
+
+    `add`, `cancel` and `has_work` are answered here, without the worker: the actor
+    calls them on the event loop. Adds and cancels wait for the next `step`, which
+    carries them; a request the worker refuses comes back failed from that step
+    (`Finished.error`), as one that the engine in this process refuses fails at `add`.
+    """
+
+    def __init__(self, connection: WorkerConnection) -> None:
+        self.connection = connection
+        self._adds: list[AddRequest] = []
+        self._cancels: list[str] = []
+        self._live: dict[str, str | None] = {}  # request id -> its version
+        self._last_sync: SyncStats | None = None
+        self._parked = False
+
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
+        self._last_sync = self.connection.call("load_version", version, values.payload_of(payload), spec) or self._last_sync
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        self._last_sync = self.connection.call("load_checkpoint", version, str(directory)) or self._last_sync
+
+    def drop_version(self, version: str) -> None:
+        self.connection.call("drop_version", version)
+
+    def versions_in_use(self) -> set[str]:
+        return {version for version in self._live.values() if version is not None}
+
+    def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
+        if request_id in self._live:
+            raise ValueError(f"request {request_id} is already in this sampler")
+        self._adds.append(AddRequest(request_id, version, job))
+        self._live[request_id] = version
+
+    def cancel(self, request_id: str) -> bool:
+        if request_id not in self._live:
+            return False
+        del self._live[request_id]
+        before = len(self._adds)
+        self._adds = [add for add in self._adds if add.request_id != request_id]
+        if len(self._adds) == before:  # already in the worker's engine
+            self._cancels.append(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[Finished]:
+        adds, cancels, self._adds, self._cancels = self._adds, self._cancels, [], []
+        reply = self.connection.call("step", StepCall(adds, cancels))
+        finished = []
+        for done in reply.finished:
+            if self._live.pop(done.request_id, _GONE) is not _GONE:  # else cancelled meanwhile
+                finished.append(done)
+        for failed in reply.failed:
+            if self._live.pop(failed.request_id, _GONE) is not _GONE:
+                error = values.error_from(failed.kind, failed.message)
+                finished.append(Finished(request_id=failed.request_id, result=None, error=error))
+        return finished
+
+    def park(self) -> ParkReport:
+        report = self.connection.call("park")
+        self._parked = True
+        return report
+
+    def resume(self) -> ResumeReport:
+        report = self.connection.call("resume")
+        self._parked = False
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        return self._last_sync
+
+    def close(self) -> None:
+        self.connection.close()

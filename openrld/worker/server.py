@@ -1,0 +1,256 @@
+"""The worker's side of the protocol: serve one engine to the daemon that started it.
+
+A worker program (the built-in one, `python -m openrld.worker`, or a custom
+image's) calls `serve` with a function that builds its engine from the
+daemon's `Start`. `serve` connects to the socket the daemon named, says hello,
+builds, then answers calls one at a time on the main thread, until the daemon
+says Bye or closes the connection; then it exits. A reader thread takes the
+daemon's messages as they come, so that a Cancel or the end of the connection is
+seen during a call: a worker whose daemon died exits at once, mid-call, and
+never outlives it. A heartbeat thread tells the daemon the worker lives while a
+call or the build runs.
+
+Nothing here imports trio or the daemon; torch only where a built-in engine or a
+tensor needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from openrld.errors import OpenrldError
+from openrld.worker import values
+from openrld.worker.frames import FrameSocket, Limits, ProtocolError
+from openrld.worker.methods import METHODS, PayloadReply, StepCall, StepOutcome, StepReply, join_params
+from openrld.worker.protocol import (
+    PROTOCOL_VERSION,
+    Bye,
+    Call,
+    Cancel,
+    Failure,
+    Heartbeat,
+    Hello,
+    Ready,
+    Result,
+    Role,
+    Start,
+)
+
+logger = logging.getLogger("openrld.worker")
+
+SOCKET_ENV = "OPENRLD_WORKER_SOCKET"
+TOKEN_ENV = "OPENRLD_WORKER_TOKEN"
+ROLE_ENV = "OPENRLD_WORKER_ROLE"
+IGNORE_SIGNALS_ENV = "OPENRLD_WORKER_IGNORE_SIGNALS"
+
+BuildEngine = Callable[[Start], Any]
+
+
+def serve(
+    build: BuildEngine, *, role: Role | None = None, socket_path: str | None = None, token: str | None = None,
+    engine: str = "custom", info: Callable[[Any], dict] | None = None,
+) -> None:
+    """Serve the engine `build` makes to the daemon, until it says Bye; then exit the process.
+
+    Arguments not given come from the environment the launcher set: OPENRLD_WORKER_SOCKET,
+    OPENRLD_WORKER_TOKEN and OPENRLD_WORKER_ROLE. `info(engine)` adds facts to Ready.
+    """
+    role = role or os.environ[ROLE_ENV]  # type: ignore[assignment]
+    socket_path = socket_path or os.environ[SOCKET_ENV]
+    token = token or os.environ[TOKEN_ENV]
+    if os.environ.get(IGNORE_SIGNALS_ENV) == "1":
+        # A Ctrl-C or systemd's stop reaches the daemon's whole process group; the daemon's
+        # drain lets the call in hand finish, then says Bye.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    frames = FrameSocket(sock, Limits())
+    frames.send(Hello(PROTOCOL_VERSION, token, role, os.getpid(), ["shared_memory"], engine))
+    status = _Session(frames, role).run(build, info)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # the engine's state goes with the process; tearing torch down would take seconds
+
+
+class _Session:
+    def __init__(self, frames: FrameSocket, role: Role) -> None:
+        self.frames = frames
+        self.role = role
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.busy = threading.Event()
+        self.cancelled: set[int] = set()
+        self.heartbeat_s = 2.0
+
+    def run(self, build: BuildEngine, info: Callable[[Any], dict] | None) -> int:
+        try:
+            message, _ = self.frames.receive(timeout=None)
+        except (EOFError, OSError, ProtocolError):
+            return 1
+        if not isinstance(message, Start):
+            return 1
+        self.frames.shared_memory = message.shared_memory
+        self.heartbeat_s = message.heartbeat_s
+        threading.Thread(target=self._heartbeats, daemon=True, name="openrld-worker-heartbeat").start()
+        threading.Thread(target=self._read, daemon=True, name="openrld-worker-reader").start()
+        engine = self._build(build, message)
+        if engine is None:
+            return 1
+        self.frames.send(Ready(info=info(engine) if info is not None else {}))
+        handlers = _trainer_handlers(engine) if self.role == "trainer" else _sampler_handlers(engine)
+        while True:
+            item = self.inbox.get()
+            if not isinstance(item, tuple):  # Bye, or the daemon is gone
+                _close(engine)
+                return 0
+            call, buffers = item
+            if call.id in self.cancelled:
+                self.cancelled.discard(call.id)
+                self.frames.send(Failure(call.id, "Gone", f"call {call.id} was cancelled before it ran"))
+                continue
+            self._answer(handlers, call, buffers)
+
+    def _build(self, build: BuildEngine, start: Start) -> Any:
+        self.busy.set()
+        try:
+            return build(start)
+        except BaseException as error:
+            kind, text, key = values.failure_fields(error)
+            self.frames.send(Failure(0, kind, f"the worker could not build its engine: {text}", key, traceback.format_exc()))
+            return None
+        finally:
+            self.busy.clear()
+
+    def _answer(self, handlers: dict[str, Callable[..., Any]], call: Call, buffers: list[memoryview]) -> None:
+        method = METHODS[self.role].get(call.method)
+        handler = handlers.get(call.method)
+        if method is None or handler is None:
+            self.frames.send(Failure(call.id, "fault", f"this worker has no method {call.method!r}"))
+            return
+        self.busy.set()
+        try:
+            args = values.decode(call.args, method.args, buffers, torch_tensors=True)
+            value = handler(*args)
+            encoding = values.Encoding()
+            encoded = encoding.encode(value)
+        except BaseException as error:  # the engine's error is the call's; the worker serves on
+            kind, text, key = values.failure_fields(error)
+            trace = "" if isinstance(error, OpenrldError) else traceback.format_exc()
+            self.frames.send(Failure(call.id, kind, text, key, trace))
+        else:
+            self.frames.send(Result(call.id, encoded), encoding.buffers)
+        finally:
+            self.busy.clear()
+
+    def _read(self) -> None:
+        """The daemon's messages, as they come; its end of the connection ends this process."""
+        while True:
+            try:
+                message, buffers = self.frames.receive(timeout=None)
+            except (EOFError, OSError, ProtocolError):
+                # The daemon is gone (or mad): nothing will read what this worker computes.
+                os._exit(0)
+            match message:
+                case Call():
+                    self.inbox.put((message, buffers))
+                case Cancel(id=call_id):
+                    self.cancelled.add(call_id)
+                case Bye():
+                    self.inbox.put(None)
+                    return
+                case _:
+                    os._exit(1)
+
+    def _heartbeats(self) -> None:
+        while True:
+            if self.busy.wait():
+                try:
+                    self.frames.send(Heartbeat(busy=True))
+                except OSError:
+                    return
+            threading.Event().wait(self.heartbeat_s)
+
+
+def _close(engine: Any) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            logger.exception("closing the engine failed")
+
+
+def _trainer_handlers(engine: Any) -> dict[str, Callable[..., Any]]:
+    def then_step(name: str, batches: list, adam: Any, dimuon: Any) -> StepOutcome:
+        results, stepped = engine.forward_backward_then_step(name, batches, join_params(adam, dimuon))
+        if isinstance(stepped, BaseException):
+            kind, text, key = values.failure_fields(stepped)
+            return StepOutcome(results, step_failure=Failure(0, kind, text, key))
+        return StepOutcome(results, step=stepped)
+
+    return {
+        "add_adapter": engine.add_adapter,
+        "drop_adapter": engine.drop_adapter,
+        "has_adapter": engine.has_adapter,
+        "forward_backward": engine.forward_backward,
+        "forward_backward_many": engine.forward_backward_many,
+        "forward_backward_then_step": then_step,
+        "optim_step": lambda name, adam, dimuon: engine.optim_step(name, join_params(adam, dimuon)),
+        "adapter_tensors": lambda name: values.payload_of(engine.adapter_tensors(name)),
+        "sampler_payload": lambda name, version: PayloadReply(
+            values.payload_of(engine.sampler_payload(name, version)), engine.last_sync
+        ),
+        "export_adapter": lambda name, directory, base: engine.export_adapter(name, Path(directory), base),
+        "sampler_checkpoint": lambda name, directory: engine.sampler_checkpoint(name, Path(directory)),
+        "save_state": lambda name, directory, with_optimizer: engine.save_state(name, Path(directory), with_optimizer),
+        "load_state": lambda name, directory, spec, with_optimizer, optimizer: engine.load_state(
+            name, Path(directory), spec, with_optimizer, optimizer
+        ),
+        "park": engine.park,
+        "resume": engine.resume,
+    }
+
+
+def _sampler_handlers(engine: Any) -> dict[str, Callable[..., Any]]:
+    def load_version(version: str, payload: values.WirePayload, spec: Any) -> Any:
+        engine.load_version(version, values.local_payload(payload), spec)
+        return engine.last_sync
+
+    def load_checkpoint(version: str, directory: str) -> Any:
+        engine.load_checkpoint(version, Path(directory))
+        return engine.last_sync
+
+    def step(call: StepCall) -> StepReply:
+        for request_id in call.cancels:
+            engine.cancel(request_id)
+        failed = []
+        for add in call.adds:
+            try:
+                engine.add(add.request_id, add.version, add.job)
+            except (OpenrldError, KeyError, ValueError) as error:
+                kind, text, _ = values.failure_fields(error)
+                failed.append(values.RequestFailure(add.request_id, kind, text))
+        finished = []
+        for _ in range(call.steps):
+            if not engine.has_work():
+                break
+            finished += engine.step()
+        return StepReply(finished, failed, engine.has_work())
+
+    return {
+        "load_version": load_version,
+        "load_checkpoint": load_checkpoint,
+        "drop_version": engine.drop_version,
+        "step": step,
+        "park": engine.park,
+        "resume": engine.resume,
+    }
