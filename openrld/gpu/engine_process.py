@@ -125,6 +125,9 @@ class TrainerProcess:
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
         return self._call("sampler_checkpoint", name, directory)
 
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        return self._call("export_adapter", name, directory, base_model)
+
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         return self._call("save_state", name, directory, with_optimizer)
 
@@ -143,6 +146,10 @@ class TrainerProcess:
     @property
     def is_parked(self) -> bool:
         return self._call("is_parked")
+
+    @property
+    def last_sync(self) -> None:
+        return None  # a LoRA trainer makes no weight sync
 
     def statistics(self) -> Any:
         return self._call("statistics")

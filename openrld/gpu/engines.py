@@ -9,10 +9,11 @@ from __future__ import annotations
 import copy
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from openrld.engine_types import SamplerEngine, TrainerEngine
 from openrld.gpu.gguf_convert import GgufConverter
 from openrld.model_catalog import ModelEntry
 
@@ -53,8 +54,8 @@ class TorchEngineFactory:
         if self.converter is not None:
             self.converter.ensure(model)
 
-    def trainer(self, model: ModelEntry) -> Callable[[], Any]:
-        def build() -> Any:
+    def trainer(self, model: ModelEntry) -> Callable[[], TrainerEngine]:
+        def build() -> TrainerEngine:
             self._ensure_files(model)
             if not self.trainer_process:
                 return build_lora_trainer(model.directory, self.device, self.max_batch_tokens)
@@ -67,8 +68,8 @@ class TorchEngineFactory:
 
         return build
 
-    def sampler(self, model: ModelEntry) -> Callable[[], Any]:
-        def build() -> Any:
+    def sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]:
+        def build() -> SamplerEngine:
             self._ensure_files(model)
             if self.vllm is not None:
                 from openrld.gpu.vllm_sampler import VllmSampler
@@ -80,10 +81,10 @@ class TorchEngineFactory:
 
         return build
 
-    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], Any]:
+    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], TrainerEngine]:
         """A trainer for one full fine-tuning job; `weight_sync` is "delta" or "full"."""
 
-        def build() -> Any:
+        def build() -> TrainerEngine:
             from openrld.gpu.full_trainer import FullTrainer
             from openrld.gpu.torch_trainer import TrainerConfig
 
@@ -93,10 +94,10 @@ class TorchEngineFactory:
 
         return build
 
-    def full_sampler(self, model: ModelEntry) -> Callable[[], Any]:
+    def full_sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]:
         """A sampler for one full fine-tuning job's weight versions."""
 
-        def build() -> Any:
+        def build() -> SamplerEngine:
             from openrld.gpu.full_sampler import FullSampler
 
             self._ensure_files(model)
@@ -105,7 +106,7 @@ class TorchEngineFactory:
         return build
 
 
-def build_lora_trainer(model_dir: Path, device: torch.device, max_batch_tokens: int) -> Any:
+def build_lora_trainer(model_dir: Path, device: torch.device, max_batch_tokens: int) -> TrainerEngine:
     """A LoRA trainer engine; module-level, so that a trainer process can be handed it, pickled."""
     from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 

@@ -1,7 +1,6 @@
 """The sampling engine of one full fine-tuning job: full-weight versions on one model.
 
-`FullSampler` speaks the engine protocol of `actors/sampler.py` (`add`, `step`,
-`cancel`, `has_work`, `load_version`, `drop_version`, `versions_in_use`) around one
+`FullSampler` is a `SamplerEngine` (`openrld/engine_types.py`) around one
 `TorchSampler`, whose scheduling and sampling math it reuses unchanged. What differs
 from LoRA: a version here is a whole set of weights, and one forward can serve only
 one of them. So the model's parameters hold one version at a time (the *live* one),
@@ -37,10 +36,12 @@ from pathlib import Path
 import msgspec
 import torch
 
-from openrld.batches import LoraSpec, SampleJob
+from openrld.batches import LoraSpec, SampleJob, SampleResult
+from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.gpu import delta as weight_delta
-from openrld.gpu import offload
-from openrld.gpu.torch_sampler import Finished, TorchSampler, TorchSamplerStatistics
+from openrld.gpu import full_io
+from openrld.gpu.sample_alone import sample_alone
+from openrld.gpu.torch_sampler import TorchSampler, TorchSamplerStatistics
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class FullSampler:
     def has_version(self, version: str | None) -> bool:
         return version is None and self._live is None or version in self._loaded
 
-    def load_version(self, version: str, payload: object, spec: LoraSpec | None = None) -> None:
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None = None) -> None:
         """Load an immutable version: full tensors keyed like `named_parameters()`, or a
         `delta.WeightDelta` from a version this engine holds.
 
@@ -111,6 +112,14 @@ class FullSampler:
             self._held[version] = {key: t.detach().to("cpu") for key, t in payload.items()}
             self._loaded.add(version)
         logger.info("loaded full weight version=%s", version)
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        """Load the full-model weights a trainer saved in `directory` (full_io format) as `version`.
+
+        Raises:
+            BadRequest: not full-model weights, or malformed files.  ValueError: as `load_version`.
+        """
+        self.load_version(version, full_io.load_full(directory))
 
     def _apply_incoming(self) -> None:
         """Apply the deltas that arrived, in order; the batch is empty."""
@@ -258,17 +267,15 @@ class FullSampler:
             self._running.pop(done.request_id, None)
         return finished
 
-    def sample(self, version: str | None, job: SampleJob):
-        """Run one request alone to completion (tests, benchmarks); the engine must be idle."""
-        assert not self.has_work(), "sample() needs an idle engine"
-        self._switch(version)
-        return self._inner.sample(None, job)
+    def sample(self, version: str | None, job: SampleJob) -> SampleResult:
+        """Run one request alone to completion on the idle engine (`sample_alone`)."""
+        return sample_alone(self, version, job)
 
-    def park(self) -> offload.ParkReport:
+    def park(self) -> ParkReport:
         """Park the model (between requests only; `TorchSampler.park`). Held versions are on the host already."""
         return self._inner.park()
 
-    def resume(self) -> offload.ResumeReport:
+    def resume(self) -> ResumeReport:
         return self._inner.resume()
 
     @property
@@ -279,6 +286,9 @@ class FullSampler:
     def last_sync(self) -> weight_delta.SyncStats | None:
         """The last weight sync that landed here, with its apply time (None before the first)."""
         return self._last_sync
+
+    def close(self) -> None:
+        self._inner.close()
 
     def live_weights(self) -> dict[str, torch.Tensor]:
         """The live parameters, detached (for tests that compare them with the trainer's)."""

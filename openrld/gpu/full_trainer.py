@@ -5,7 +5,7 @@ trainable, and for its one job runs `forward_backward` / `forward_backward_many`
 (the shared `gpu/scoring.py` pass: the same micro-batching, chunked log-probs and
 Tinker losses as the LoRA trainer), `optim_step` (AdamW, `gpu/optim.py`, over every
 parameter), and saving and loading of its state as full-model safetensors
-(`gpu/full_io.py`). It speaks the engine protocol of `actors/trainer.py` so that the
+(`gpu/full_io.py`). It is a `TrainerEngine` (`openrld/engine_types.py`) so that the
 same actor, queues and ordering serve it: `name` is the job's model id, and the
 LoRA spec those calls carry is ignored (there is no adapter).
 
@@ -32,11 +32,12 @@ import msgspec
 import torch
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
-from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import delta, full_io, lora_io, offload
+from openrld.engine_types import ParkReport, ResumeReport
+from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
+from openrld.gpu import delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.optim import AdamW, family_of
-from openrld.gpu.scoring import BatchScorer, TrainerConfig, pass_then_step
+from openrld.gpu.scoring import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class FullTrainer:
         self._model = load_causal_lm(model_dir, device, dtype)
         # named_parameters() lists a tied weight once: it is one tensor, trained once.
         self._params = dict(self._model.named_parameters())
-        self._scorer = BatchScorer(self._model, device, config)
+        self._passes = train_steps.TrainingPasses(self._model, device, config)
         self._weight_sync = weight_sync
         # The dtype the job's sampler holds its weights in (None: the trainer's own). A sampler in
         # bfloat16 under fp32 master weights is the usual RL setting: a sync sends the sampler's
@@ -100,9 +101,11 @@ class FullTrainer:
         self._last_sync: delta.SyncStats | None = None
         self._job: str | None = None
         self._optimizer = AdamW(self._params)
-        self._fb_calls = 0
-        self._tokens = 0
-        self._slot = offload.ParkSlot("trainer")  # parked while the time-slicer gives the device to another
+        # Parked while the time-slicer gives the device to another; the weight-sync shadow
+        # already lives on the host.
+        self._slot = offload.ParkSlot(
+            "trainer", device, lambda: offload.module_tensors(self._model) + self._optimizer.live_state()
+        )
 
     # ------------------------------------------------------------ the job
 
@@ -119,6 +122,19 @@ class FullTrainer:
             param.requires_grad_(True)
         self._job = name
         logger.info("full job opened model_id=%s parameters=%d", name, self._numel())
+
+    def drop_adapter(self, name: str) -> None:
+        """Close the job: its gradients and AdamW state go. The weights stay where its training
+        left them (no copy of the base is kept); a full trainer's group ends with its job.
+
+        Raises:
+            NotFound: `name` is not the open job.
+        """
+        self._get(name)
+        self._optimizer.zero_grad()
+        self._optimizer.reset()
+        self._job = None
+        logger.info("full job closed model_id=%s", name)
 
     def has_adapter(self, name: str) -> bool:
         return name == self._job
@@ -177,21 +193,18 @@ class FullTrainer:
 
     def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         """As `TorchTrainer.forward_backward`, for every weight of the model."""
-        return self.forward_backward_many(name, [batch])[0]
+        return train_steps.forward_backward(self, name, batch)
 
     def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        """Several requests in one pass; atomic, as `TorchTrainer.forward_backward_many`."""
+        """Several requests in one pass; atomic (`train_steps.TrainingPasses.run`)."""
         self._get(name)
-        results = self._scorer.forward_backward_many(batches, self._params.values())
-        self._fb_calls += len(batches)
-        self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
-        return results
+        return self._passes.run(batches, self._params.values())
 
     def forward_backward_then_step(
         self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
     ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        """`forward_backward_many`, then `optim_step` with `params` unless None: see `scoring.pass_then_step`."""
-        return pass_then_step(self, name, batches, params)
+        """`forward_backward_many`, then `optim_step` unless `params` is None (`train_steps.pass_then_step`)."""
+        return train_steps.pass_then_step(self, name, batches, params)
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One AdamW step over every parameter with the accumulated gradients.
@@ -214,6 +227,17 @@ class FullTrainer:
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
         """Write the weights a sampler loads (full_io format) into the empty `directory`."""
         return full_io.save_full(directory, self.adapter_tensors(name))
+
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        """Refused: a full fine-tuning job has no adapter to write in the PEFT format.
+
+        Raises:
+            NotSupportedYet: always (the job table refuses it first; this is the engine's own word).
+        """
+        raise NotSupportedYet(
+            "save_weights_external is not supported yet for full fine-tuning; save_weights_for_sampler with a "
+            "name writes the full weights as safetensors (model.safetensors)"
+        )
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json`
@@ -273,18 +297,13 @@ class FullTrainer:
 
     # ------------------------------------------------------------ time-slicing
 
-    def park(self) -> offload.ParkReport:
-        """Move the weights and the AdamW state to pinned host memory and free the device (a
-        no-op move on the CPU); the weight-sync shadow already lives on the host. Compute
-        refuses until `resume`.
+    def park(self) -> ParkReport:
+        """Move the weights and the AdamW state to pinned host memory and free the device
+        (`offload.ParkSlot.park`). Compute refuses until `resume`."""
+        return self._slot.park()
 
-        Raises:
-            offload.EngineParked: already parked.
-        """
-        return self._slot.park(self.device, offload.module_tensors(self._model) + self._optimizer.live_state())
-
-    def resume(self) -> offload.ResumeReport:
-        """Copy the parked state back to the device, bit for bit. Raises offload.EngineParked if not parked."""
+    def resume(self) -> ResumeReport:
+        """Copy the parked state back to the device, bit for bit (`offload.ParkSlot.resume`)."""
         return self._slot.resume()
 
     @property
@@ -296,6 +315,9 @@ class FullTrainer:
         """The trainer side of the last weight sync (None before the first)."""
         return self._last_sync
 
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection takes: the engine holds no process or file."""
+
     # ------------------------------------------------------------ observability
 
     def statistics(self) -> FullTrainerStatistics:
@@ -303,8 +325,8 @@ class FullTrainer:
             job=self._job,
             parameters=self._numel(),
             optim_steps=self._optimizer.steps_done,
-            forward_backward_calls=self._fb_calls,
-            tokens=self._tokens,
+            forward_backward_calls=self._passes.calls,
+            tokens=self._passes.tokens,
             weight_sync=self._weight_sync,
             synced_version=self._synced_version,
             last_sync=self._last_sync,

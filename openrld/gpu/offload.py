@@ -31,8 +31,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import msgspec
 import torch
+
+from openrld.engine_types import ParkReport, ResumeReport
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +44,6 @@ class EngineParked(RuntimeError):
 
 class CannotPark(RuntimeError):
     """The engine holds state that parking would lose (a request mid-decode); park it between requests."""
-
-
-class ParkReport(msgspec.Struct, frozen=True):
-    device: str
-    tensors: int  # tensors in the parked set
-    bytes_held: int  # their bytes
-    bytes_moved: int  # bytes copied device -> host (0 when the device is the host)
-    cache_bytes_dropped: int  # caches dropped rather than moved (the KV cache)
-    device_bytes_freed: int  # memory_allocated before - after on a CUDA device; 0 on the CPU
-    device_bytes_reserved_after: int  # what the CUDA caching allocator still holds after empty_cache
-    seconds: float
-
-
-class ResumeReport(msgspec.Struct, frozen=True):
-    device: str
-    tensors: int
-    bytes_moved: int  # bytes copied host -> device
-    seconds: float
 
 
 class Parked:
@@ -208,30 +191,43 @@ def resume(parked: Parked) -> ResumeReport:
 
 
 class ParkSlot:
-    """One engine's parked state: whether it is parked, and the checks every engine shares.
+    """One engine's parking: what it moves, whether it is parked, and the checks every engine shares.
 
-    An engine names its own state in `park` (it knows its model, adapters, optimizer and
-    caches); the slot refuses a second park, a resume when nothing is parked, and compute
-    while parked, with messages that name the engine's role.
+    The engine names its device state once, when it makes its slot (`state`: the tensors
+    it keeps on `device`, found anew at each park; `drop_caches`: frees what can be
+    recomputed and says how many bytes, or raises CannotPark while that would lose
+    work). The slot refuses a second park, a resume when nothing is parked, and compute
+    while parked, with messages that name the engine's role. An engine's `park`,
+    `resume` and `is_parked` are this slot's.
     """
 
-    def __init__(self, role: str) -> None:
+    def __init__(
+        self,
+        role: str,
+        device: torch.device,
+        state: Callable[[], Iterable[torch.Tensor]],
+        drop_caches: Callable[[], int] | None = None,
+    ) -> None:
         self._role = role  # "trainer" or "sampler", for messages
+        self._device = device
+        self._state = state
+        self._drop_caches = drop_caches
         self._parked: Parked | None = None
 
     @property
     def is_parked(self) -> bool:
         return self._parked is not None
 
-    def check_not_parked(self) -> None:
-        """Raises EngineParked if the engine is already parked (call before dropping caches)."""
+    def park(self) -> ParkReport:
+        """Drop the engine's caches, then `park` its tensors and hold them until `resume`.
+
+        Raises:
+            EngineParked: already parked.  CannotPark: from `drop_caches`.
+        """
         if self._parked is not None:
             raise EngineParked(f"the {self._role} is already parked")
-
-    def park(self, device: torch.device, tensors: Iterable[torch.Tensor], *, cache_bytes_dropped: int = 0) -> ParkReport:
-        """`park` the engine's tensors and hold them until `resume`. Raises EngineParked if parked."""
-        self.check_not_parked()
-        self._parked = park(device, tensors, cache_bytes_dropped=cache_bytes_dropped)
+        dropped = self._drop_caches() if self._drop_caches is not None else 0
+        self._parked = park(self._device, self._state(), cache_bytes_dropped=dropped)
         return self._parked.report
 
     def resume(self) -> ResumeReport:

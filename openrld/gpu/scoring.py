@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 import torch.utils.checkpoint
 
-from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, OptimParams, OptimResult, TrainDatum
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, TrainDatum
 from openrld.errors import BadRequest
 from openrld.gpu import losses
 from openrld.gpu.models import max_context, vocab_size
@@ -290,24 +289,6 @@ def gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
     for param, grad in zip(params, earlier):
         if grad is not None:
             param.grad = grad if param.grad is None else param.grad.add_(grad)
-
-
-def pass_then_step(
-    trainer: Any, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
-) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-    """A trainer's `forward_backward_many`, then the `optim_step` after it (`params` not None),
-    in one engine call, so that a trainer in a process of its own makes one round trip a step.
-
-    Returns (the pass's results, the step's OptimResult, or its exception, or None): a failed
-    step leaves the pass's results standing. The pass's failure is raised.
-    """
-    results = trainer.forward_backward_many(name, batches)
-    if params is None:
-        return results, None
-    try:
-        return results, trainer.optim_step(name, params)
-    except Exception as error:
-        return results, error
 
 
 def plan_micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:

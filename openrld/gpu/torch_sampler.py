@@ -59,9 +59,11 @@ import peft
 import torch
 import transformers
 
-from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, TopK
+from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
+from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import models, offload
+from openrld.gpu import lora_io, models, offload
+from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_tensors
 from openrld.gpu.sampling_math import (
@@ -75,7 +77,7 @@ from openrld.gpu.sampling_math import (
     top_k_rows,
 )
 
-__all__ = ["TOPK_EMPTY_LOGPROB", "TOPK_EMPTY_TOKEN", "Finished", "TorchSampler", "TorchSamplerStatistics"]
+__all__ = ["TOPK_EMPTY_LOGPROB", "TOPK_EMPTY_TOKEN", "TorchSampler", "TorchSamplerStatistics"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +96,6 @@ class TorchSamplerStatistics(msgspec.Struct, frozen=True):
     requests_running: int  # prefilled, with samples in (or waiting for) batch rows
     rows_running: int
     decode_steps: int
-
-
-class Finished(msgspec.Struct, frozen=True):
-    request_id: str
-    result: SampleResult
 
 
 # ---------------------------------------------------------------------------
@@ -248,13 +245,15 @@ class TorchSampler:
         self._prefilled: collections.deque[_Request] = collections.deque()  # samples waiting for rows
         self._batch = KvBatch(self._model.config, device)
         self._rows: list[tuple[_Request, _Sample]] = []  # row r of the batch
-        self._sample_calls = 0
         self._requests_done = 0
         self._samples_done = 0
         self._tokens_generated = 0
         self._prompt_tokens_prefilled = 0
         self._decode_steps = 0
-        self._slot = offload.ParkSlot("sampler")  # parked while the time-slicer gives the device to another
+        # Parked while the time-slicer gives the device to another.
+        self._slot = offload.ParkSlot(
+            "sampler", device, lambda: offload.module_tensors(self._model), drop_caches=self._drop_kv_cache
+        )
 
     # -- versions ---------------------------------------------------------
 
@@ -270,14 +269,17 @@ class TorchSampler:
         """Raise BadRequest for a job that `add` would refuse (the message names the field)."""
         _validate(job, self._vocab, self._context)
 
-    def load_version(self, version: str, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> None:
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         """Load an immutable LoRA version from the trainer's `get_peft_model_state_dict` tensors.
 
         Raises:
-            ValueError: `version` is already loaded, a LoRA tensor is missing,
-                unexpected or misshapen, or a base-weight tensor differs from
-                this sampler's base weights.
+            ValueError: no spec (not a LoRA version), `version` is already loaded, a LoRA
+                tensor is missing, unexpected or misshapen, or a base-weight tensor differs
+                from this sampler's base weights.
         """
+        if spec is None or not isinstance(payload, dict):
+            raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
+        tensors: dict[str, torch.Tensor] = payload
         if version in self._adapters:
             raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
         self._require_resident("load_version")  # peft would create the new tensors on the host
@@ -312,6 +314,15 @@ class TorchSampler:
         if self._fused is not None:
             self._fused.bind()  # the first version swapped the target linears for peft's
         logger.info("loaded weight version=%s adapter=%s rank=%d", version, adapter, spec.rank)
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
+
+        Raises:
+            BadRequest: not a LoRA adapter, or malformed files.  ValueError: as `load_version`.
+        """
+        tensors, spec = lora_io.load_adapter(directory)
+        self.load_version(version, tensors, spec)
 
     def drop_version(self, version: str) -> None:
         """Free a version.
@@ -411,22 +422,8 @@ class TorchSampler:
         return finished
 
     def sample(self, version: str | None, job: SampleJob) -> SampleResult:
-        """Run one request alone to completion: `add`, then `step` until it finishes.
-
-        For callers without a scheduler of their own (tests, benchmarks). The
-        engine must be idle, since the results of other requests would be lost.
-
-        Raises:
-            BadRequest, KeyError: as `add`.
-        """
-        assert not self._requests, f"sample() needs an idle engine; {len(self._requests)} requests are live"
-        self._sample_calls += 1
-        request_id = f"sample-{self._sample_calls}"
-        self.add(request_id, version, job)
-        while True:
-            for done in self.step():
-                if done.request_id == request_id:
-                    return done.result
+        """Run one request alone to completion on the idle engine (`sample_alone`)."""
+        return sample_alone(self, version, job)
 
     def _admit(self, finished: list[Finished]) -> None:
         """Prefill queued requests, in arrival order, while rows and the step's prefill budget allow."""
@@ -708,16 +705,27 @@ class TorchSampler:
 
     # -- time-slicing -----------------------------------------------------
 
-    def park(self) -> offload.ParkReport:
+    def park(self) -> ParkReport:
         """Drop the decode batch's KV cache and move the model and every loaded version to pinned
-        host memory (a no-op move on the CPU). Queued requests stay queued; `step` refuses until
+        host memory (`offload.ParkSlot.park`). Queued requests stay queued; `step` refuses until
         `resume`.
 
         Raises:
             offload.CannotPark: a request is mid-decode (its KV cache would be lost).
             offload.EngineParked: already parked.
         """
-        self._slot.check_not_parked()
+        return self._slot.park()
+
+    def resume(self) -> ResumeReport:
+        """Copy the model and its versions back to the device, bit for bit (`offload.ParkSlot.resume`)."""
+        return self._slot.resume()
+
+    @property
+    def is_parked(self) -> bool:
+        return self._slot.is_parked
+
+    def _drop_kv_cache(self) -> int:
+        """Free the decode batch's KV cache; its bytes. Raises CannotPark while a request decodes."""
         if self._rows or self._prefilled:
             live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
@@ -727,19 +735,15 @@ class TorchSampler:
             if layer.keys is not None and layer.values is not None
         )
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
-        return self._slot.park(self._device, offload.module_tensors(self._model), cache_bytes_dropped=dropped)
-
-    def resume(self) -> offload.ResumeReport:
-        """Copy the model and its versions back to the device, bit for bit.
-
-        Raises:
-            offload.EngineParked: not parked.
-        """
-        return self._slot.resume()
+        return dropped
 
     @property
-    def is_parked(self) -> bool:
-        return self._slot.is_parked
+    def last_sync(self) -> SyncStats | None:
+        """Always None: LoRA versions arrive whole, with no sync to account for."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection takes: the engine holds no process or file."""
 
     def _require_resident(self, operation: str) -> None:
         self._slot.require_resident(operation)

@@ -41,12 +41,21 @@ import msgspec
 import peft
 import torch
 
-from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
+from openrld.batches import (
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    LoraSpec,
+    OptimParams,
+    OptimResult,
+    SyncStats,
+)
+from openrld.engine_types import ParkReport, ResumeReport
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import lora_io, offload
+from openrld.gpu import lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import family_of, optimizer_for
-from openrld.gpu.scoring import BatchScorer, TrainerConfig, pass_then_step, plan_micro_batches
+from openrld.gpu.peft_export import save_peft_adapter
+from openrld.gpu.scoring import TrainerConfig, plan_micro_batches
 
 __all__ = ["TorchTrainer", "TrainerConfig", "TrainerStatistics", "TrainerState", "plan_micro_batches"]
 
@@ -101,22 +110,22 @@ class TorchTrainer:
         self._peft: peft.PeftModel | None = None  # created with the first adapter
         self._adapters: dict[str, _Adapter] = {}
         self._active: str | None = None
-        self._scorer = BatchScorer(self._model, device, config)
-        self._fb_calls = 0
-        self._tokens = 0
-        self._slot = offload.ParkSlot("trainer")  # parked while the time-slicer gives the device to another
+        self._passes = train_steps.TrainingPasses(self._model, device, config)
+        # Parked while the time-slicer gives the device to another.
+        self._slot = offload.ParkSlot("trainer", device, self._device_state)
 
     # ------------------------------------------------------------ adapters
 
-    def add_adapter(self, name: str, spec: LoraSpec, optimizer: str = "adamw") -> None:
+    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str = "adamw") -> None:
         """Add a fresh adapter with a fresh `optimizer` ("adamw" or "dimuon"). peft
         initialises B to zero, so it equals the base model; A's random init is seeded with
         `spec.seed` when given (reproducible).
 
         Raises:
-            Conflict: `name` exists.  BadRequest: a name peft cannot key, rank < 1, or an
-            unknown optimizer family.
+            Conflict: `name` exists.  BadRequest: no spec, a name peft cannot key, rank < 1,
+            or an unknown optimizer family.
         """
+        spec = _require_spec(spec)
         optimizer_for(optimizer, {}, spec.rank)  # refuse an unknown family before peft changes
         self._require_resident("add_adapter")  # peft would create the new tensors on the host
         if name in self._adapters:
@@ -177,44 +186,22 @@ class TorchTrainer:
 
     def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
         """Score every datum's targets and, unless `batch.forward_only`, add ∇ of the loss
-        to the adapter's gradients.
-
-        Returns:
-            Per datum, float32 lp with the shape of its target_tokens (pre-update weights),
-            and the loss's metrics summed over the datums (`loss:sum` always).
-        Raises:
-            NotFound: unknown adapter.  BadRequest / NotSupportedYet: see
-            `losses.validate_request`, plus bad model inputs and a non-finite loss; no
-            gradient is added in any of these cases.
-        """
-        return self.forward_backward_many(name, [batch])[0]
+        to the adapter's gradients. As `forward_backward_many` of one request."""
+        return train_steps.forward_backward(self, name, batch)
 
     def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        """Several requests of one adapter, in one pass: their datums share micro-batches.
-
-        Each request keeps its own loss function, config, outputs and metrics; the
-        gradient added is the sum of theirs. All requests must agree on `forward_only`.
-        The call is atomic: if any request fails, nothing is added and the first error
-        is raised (the caller reruns the requests one by one to tell whose it was).
-
-        Returns:
-            One ForwardBackwardResult per request, in order.
-        Raises:
-            As `forward_backward`, for the first failing request.
-        """
+        """Several requests of one adapter, in one pass: their datums share micro-batches;
+        atomic (`train_steps.TrainingPasses.run`). Raises NotFound for an unknown adapter."""
         adapter = self._get(name)
         self._require_resident("forward_backward")
         self._activate(name)
-        results = self._scorer.forward_backward_many(batches, adapter.params.values())
-        self._fb_calls += len(batches)
-        self._tokens += sum(len(d.tokens) for batch in batches for d in batch.data)
-        return results
+        return self._passes.run(batches, adapter.params.values())
 
     def forward_backward_then_step(
         self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
     ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        """`forward_backward_many`, then `optim_step` with `params` unless None: see `scoring.pass_then_step`."""
-        return pass_then_step(self, name, batches, params)
+        """`forward_backward_many`, then `optim_step` unless `params` is None (`train_steps.pass_then_step`)."""
+        return train_steps.pass_then_step(self, name, batches, params)
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One step of the adapter's optimizer with its accumulated gradients.
@@ -244,6 +231,11 @@ class TorchTrainer:
         """Write the adapter a sampler loads (lora_io format) into the empty `directory`."""
         return lora_io.save_adapter(directory, self.adapter_tensors(name), self._get(name).spec)
 
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        """Write the adapter in the Hugging Face PEFT format (`external_weights`), naming
+        `base_model`, into the empty `directory`; returns bytes written."""
+        return save_peft_adapter(directory, self.adapter_tensors(name), self._get(name).spec, base_model)
+
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the adapter (lora_io format), `optimizer.safetensors` when `with_optimizer`,
         and `state.json` into the existing, empty `directory`; every file fsynced.
@@ -269,7 +261,7 @@ class TorchTrainer:
         return size
 
     def load_state(
-        self, name: str, directory: Path, spec: LoraSpec, with_optimizer: bool, optimizer: str = "adamw"
+        self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
     ) -> None:
         """Restore the adapter from `directory` (a state or sampler-weights checkpoint),
         adding it with `spec` and `optimizer` if absent. Without `with_optimizer` the
@@ -281,6 +273,7 @@ class TorchTrainer:
                 `optimizer` that differs from the resident adapter's, or (with optimizer
                 state) from the checkpoint's.
         """
+        spec = _require_spec(spec)
         self._require_resident("load_state")
         resident = self._adapters.get(name)
         if resident is not None and resident.family != optimizer:
@@ -331,32 +324,35 @@ class TorchTrainer:
 
     # ------------------------------------------------------------ time-slicing
 
-    def park(self) -> offload.ParkReport:
+    def park(self) -> ParkReport:
         """Move the base model, every adapter, its gradients and its optimizer state to pinned
-        host memory and free the device (a no-op move on the CPU). Compute refuses until `resume`.
+        host memory and free the device (`offload.ParkSlot.park`). Compute refuses until `resume`."""
+        return self._slot.park()
 
-        Raises:
-            offload.EngineParked: already parked.
-        """
-        state = offload.module_tensors(self._model)  # peft's LoRA layers live inside this module
-        for adapter in self._adapters.values():
-            state += adapter.optimizer.live_state()
-        return self._slot.park(self.device, state)
-
-    def resume(self) -> offload.ResumeReport:
-        """Copy the parked state back to the device, bit for bit.
-
-        Raises:
-            offload.EngineParked: not parked.
-        """
+    def resume(self) -> ResumeReport:
+        """Copy the parked state back to the device, bit for bit (`offload.ParkSlot.resume`)."""
         return self._slot.resume()
 
     @property
     def is_parked(self) -> bool:
         return self._slot.is_parked
 
+    def _device_state(self) -> list[torch.Tensor]:
+        state = offload.module_tensors(self._model)  # peft's LoRA layers live inside this module
+        for adapter in self._adapters.values():
+            state += adapter.optimizer.live_state()
+        return state
+
     def _require_resident(self, operation: str) -> None:
         self._slot.require_resident(operation)
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """Always None: a LoRA version is the adapter tensors, with no sync to account for."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to free beyond what garbage collection takes: the engine holds no process or file."""
 
     # ------------------------------------------------------------ observability
 
@@ -364,8 +360,8 @@ class TorchTrainer:
         return TrainerStatistics(
             adapters=len(self._adapters),
             optim_steps=sum(a.optimizer.steps_done for a in self._adapters.values()),
-            forward_backward_calls=self._fb_calls,
-            tokens=self._tokens,
+            forward_backward_calls=self._passes.calls,
+            tokens=self._passes.tokens,
         )
 
     # ------------------------------------------------------------ internals
@@ -395,6 +391,13 @@ class TorchTrainer:
                     params[key.replace(marker, f".{part}.")] = param
         assert params, f"peft created no LoRA tensors for adapter {name!r}"
         return params
+
+
+def _require_spec(spec: LoraSpec | None) -> LoraSpec:
+    if spec is None:
+        raise BadRequest("a LoRA trainer needs the adapter's LoraSpec; got none (a full fine-tuning job?)")
+    return spec
+
 
 def _stored_optimizer(directory: Path) -> str:
     """The optimizer family in a state checkpoint's state.json ("adamw" when it has none)."""

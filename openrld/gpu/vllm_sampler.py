@@ -1,12 +1,10 @@
 """The vLLM sampling engine: the torch sampler's interface, served by vLLM on a CUDA device.
 
 `VllmSampler` is what `sampler_backend = "vllm"` builds instead of
-`torch_sampler.TorchSampler`, and the sampler actor drives it the same way:
-`add(request_id, version, job)`, `step() -> [Finished]`, `cancel`, `has_work`,
-`load_version(version, tensors, spec)`, `drop_version`, `versions_in_use`,
-`statistics`, and `park`/`resume` for the time-slicer (here vLLM's sleep mode:
-`sleep()` offloads the weights to host memory and drops the KV cache, `wake()`
-brings them back).
+`torch_sampler.TorchSampler`, and the sampler actor drives it the same way: it is a
+`SamplerEngine` (`openrld/engine_types.py`), with `park`/`resume` for the time-slicer
+served by vLLM's sleep mode (`sleep()` offloads the weights to host memory and drops
+the KV cache, `wake()` brings them back).
 
 How a request maps onto vLLM:
 - Sample i of a request is its own vLLM request (`"<id>#<i>"`, n=1) seeded from
@@ -54,10 +52,11 @@ import msgspec
 import torch
 import transformers
 
-from openrld.batches import LoraSpec, SampleJob, SampleResult
-from openrld.gpu import offload, torch_sampler
+from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
+from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.gpu import lora_io, offload, torch_sampler
 from openrld.gpu.peft_export import save_peft_adapter
-from openrld.gpu.torch_sampler import Finished
+from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.vllm_mapping import (
     AdapterNames,
     ChildParams,
@@ -202,7 +201,6 @@ class VllmSampler:
         self._requests: dict[str, _Request] = {}
         self._by_child: dict[str, _Request] = {}
         self._is_asleep = False
-        self._sample_calls = 0
         self._requests_done = 0
         self._samples_done = 0
         self._tokens_generated = 0
@@ -212,12 +210,16 @@ class VllmSampler:
     def has_version(self, version: str | None) -> bool:
         return version is None or version in self._names
 
-    def load_version(self, version: str, tensors: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         """Write the version as a peft adapter and load it under a name never used before.
 
         Raises:
-            ValueError: already loaded, or vLLM refused the adapter (the message says why).
+            ValueError: not a LoRA version, already loaded, or vLLM refused the adapter (the
+                message says why).
         """
+        if spec is None or not isinstance(payload, Mapping):
+            raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
+        tensors: Mapping[str, torch.Tensor] = payload
         self._require_awake("load_version")
         slot = self._names.assign(version)
         directory = self._adapter_root / slot.name
@@ -231,6 +233,15 @@ class VllmSampler:
             shutil.rmtree(directory, ignore_errors=True)
             raise ValueError(f"weight version {version!r}: vLLM could not load the adapter: {error}") from error
         logger.info("loaded weight version=%s adapter=%s id=%d rank=%d", version, slot.name, slot.int_id, spec.rank)
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
+
+        Raises:
+            BadRequest: not a LoRA adapter, or malformed files.  ValueError: as `load_version`.
+        """
+        tensors, spec = lora_io.load_adapter(directory)
+        self.load_version(version, tensors, spec)
 
     def drop_version(self, version: str) -> None:
         """Unload a version and delete its files; its name stays retired.
@@ -315,15 +326,8 @@ class VllmSampler:
         return finished
 
     def sample(self, version: str | None, job: SampleJob) -> SampleResult:
-        """Run one request alone to completion (tests, benchmarks); the engine must be idle."""
-        assert not self._requests, f"sample() needs an idle engine; {len(self._requests)} requests are live"
-        self._sample_calls += 1
-        request_id = f"sample-{self._sample_calls}"
-        self.add(request_id, version, job)
-        while True:
-            for done in self.step():
-                if done.request_id == request_id:
-                    return done.result
+        """Run one request alone to completion on the idle engine (`sample_alone`)."""
+        return sample_alone(self, version, job)
 
     def _finish(self, request: _Request) -> Finished:
         del self._requests[request.request_id]
@@ -343,7 +347,7 @@ class VllmSampler:
 
     # -- time-slicing -----------------------------------------------------
 
-    def sleep(self) -> offload.ParkReport:
+    def sleep(self) -> ParkReport:
         """vLLM sleep mode level 1: weights (LoRA buffers included) to host memory, KV cache dropped.
 
         Raises:
@@ -362,12 +366,12 @@ class VllmSampler:
         self._is_asleep = True
         free_after = _free_device_bytes()
         # vLLM does not say what it moved; the device-wide free memory is what the time-slicer needs.
-        return offload.ParkReport(
+        return ParkReport(
             device="cuda:0", tensors=0, bytes_held=0, bytes_moved=0, cache_bytes_dropped=0,
             device_bytes_freed=free_after - free_before, device_bytes_reserved_after=0, seconds=time.perf_counter() - start,
         )
 
-    def wake(self) -> offload.ResumeReport:
+    def wake(self) -> ResumeReport:
         """Bring the weights back and re-allocate the KV cache.
 
         Raises:
@@ -378,7 +382,7 @@ class VllmSampler:
         start = time.perf_counter()
         self._llm.wake_up()
         self._is_asleep = False
-        return offload.ResumeReport(device="cuda:0", tensors=0, bytes_moved=0, seconds=time.perf_counter() - start)
+        return ResumeReport(device="cuda:0", tensors=0, bytes_moved=0, seconds=time.perf_counter() - start)
 
     # The time-slicer parks every engine the same way.
     park = sleep
@@ -387,6 +391,11 @@ class VllmSampler:
     @property
     def is_parked(self) -> bool:
         return self._is_asleep
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """Always None: LoRA versions arrive whole, with no sync to account for."""
+        return None
 
     def _require_awake(self, operation: str) -> None:
         if self._is_asleep:

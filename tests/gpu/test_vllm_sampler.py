@@ -20,6 +20,7 @@ import torch
 from openrld.batches import LoraSpec
 from openrld.gpu import offload, vllm_mapping, vllm_sampler
 from openrld.gpu.lora_io import read_tensors
+from openrld.gpu.sample_alone import ALONE_REQUEST_ID
 from openrld.gpu.sampling_math import stream_seed
 from openrld.gpu.vllm_sampler import VllmSampler, VllmUnavailable
 
@@ -163,7 +164,7 @@ def test_engine_is_built_with_processed_logprobs_lora_and_sleep_mode(engine: Vll
 def test_a_request_fans_out_one_seeded_vllm_request_per_sample(engine: VllmSampler) -> None:
     result = engine.sample(None, job(3, max_tokens=2, seed=99))
     added = fake(engine).added
-    assert [a[0] for a in added] == ["sample-1#0", "sample-1#1", "sample-1#2"]
+    assert [a[0] for a in added] == [f"{ALONE_REQUEST_ID}#{i}" for i in range(3)]
     assert all(a[1] == PROMPT.tolist() and a[3] is None for a in added)
     assert [a[2].kwargs["output_kind"] for a in added] == ["final_only"] * 3  # type: ignore[attr-defined]
     seeds = [stream_seed(99, i) & vllm_mapping.SEED_MASK for i in range(3)]

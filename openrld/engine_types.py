@@ -1,0 +1,167 @@
+"""The typed interface between the actors and the engines they drive.
+
+`actors/trainer.py` and `actors/sampler.py` hold an engine as a `TrainerEngine` or a
+`SamplerEngine`; every engine in `gpu/` (LoRA and full trainers, torch, full and vLLM
+samplers) implements one, and so will whatever carries an engine across a process
+boundary (`openrld/worker/`). Each Protocol names exactly the calls the actors make,
+and nothing else: an engine's diagnostics (`statistics`, `adapter_gradients`) are its
+own. `tests/test_engine_boundary.py` checks every engine class against them.
+
+What it guarantees: this module imports no torch and no trio, so an actor can import
+it, and the Structs it defines (what `park`, `resume` and `step` return) are plain
+msgspec data that any worker protocol can encode. Tensors never appear in a type
+here: the weights the trainer hands its sampler are a `WeightPayload`, opaque to the
+actors, which only carry it from one engine to the other.
+
+What it does not do: run anything. Engines are synchronous and called one call at a
+time, from the owning actor's worker thread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from openrld.batches import (
+    ForwardBackwardBatch,
+    ForwardBackwardResult,
+    LoraSpec,
+    OptimParams,
+    OptimResult,
+    SampleJob,
+    SampleResult,
+    SyncStats,
+)
+
+__all__ = ["Finished", "ParkReport", "ResumeReport", "SamplerEngine", "TrainerEngine", "WeightPayload"]
+
+# The trainer's sampler payload: a dict of tensors (LoRA adapter tensors, or full-model
+# weights read from a checkpoint) or a weight delta (gpu/delta.py). Opaque to actors: they
+# hold it on the host and hand it to a sampler engine's `load_version`, nothing more.
+WeightPayload = object
+
+
+class ParkReport(msgspec.Struct, frozen=True):
+    """What parking an engine moved off its device (gpu/offload.py), for the time-slicer's statistics."""
+
+    device: str
+    tensors: int  # tensors in the parked set
+    bytes_held: int  # their bytes
+    bytes_moved: int  # bytes copied device -> host (0 when the device is the host)
+    cache_bytes_dropped: int  # caches dropped rather than moved (the KV cache)
+    device_bytes_freed: int  # memory_allocated before - after on a CUDA device; 0 on the CPU
+    device_bytes_reserved_after: int  # what the CUDA caching allocator still holds after empty_cache
+    seconds: float
+
+
+class ResumeReport(msgspec.Struct, frozen=True):
+    """What resuming a parked engine copied back to its device."""
+
+    device: str
+    tensors: int
+    bytes_moved: int  # bytes copied host -> device
+    seconds: float
+
+
+class Finished(msgspec.Struct, frozen=True):
+    """A sampling request that a sampler engine's `step` completed."""
+
+    request_id: str  # the id the actor gave it in `add`
+    result: SampleResult
+
+
+class TrainerEngine(Protocol):
+    """A trainer: LoRA adapters by name over one base model, or one full fine-tuning job.
+
+    `name` is the job's model id. Errors the engine means (bad input, an unknown
+    adapter) are `openrld.errors` exceptions and fail the one op; `EngineLost` says the
+    engine itself is gone (a worker that died) and the actor builds another.
+    """
+
+    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None: ...
+    def drop_adapter(self, name: str) -> None: ...
+    def has_adapter(self, name: str) -> bool: ...
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult: ...
+    def forward_backward_many(self, name: str, batches: list[ForwardBackwardBatch]) -> list[ForwardBackwardResult]: ...
+
+    def forward_backward_then_step(
+        self, name: str, batches: list[ForwardBackwardBatch], params: OptimParams | None
+    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+        """The pass, then the optim_step unless `params` is None; a failed step is returned, not raised."""
+        ...
+
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult: ...
+
+    def adapter_tensors(self, name: str) -> WeightPayload:
+        """The weights as they are now, for an inflight publish to the sampler."""
+        ...
+
+    def sampler_payload(self, name: str, version: str) -> WeightPayload:
+        """What takes the sampler to these weights as `version` (full fine-tuning: chains on the previous one)."""
+        ...
+
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        """Write the Hugging Face PEFT adapter (`external_weights`) into the empty `directory`; bytes written."""
+        ...
+
+    def sampler_checkpoint(self, name: str, directory: Path) -> int:
+        """Write what a sampler's `load_checkpoint` reads into the empty `directory`; bytes written."""
+        ...
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int: ...
+
+    def load_state(
+        self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str
+    ) -> None: ...
+
+    def park(self) -> ParkReport: ...
+    def resume(self) -> ResumeReport: ...
+
+    @property
+    def is_parked(self) -> bool: ...
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """The trainer side of the last weight sync; None before one, and always for LoRA."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds; nothing is called on it after."""
+        ...
+
+
+class SamplerEngine(Protocol):
+    """A step-level sampler: immutable weight versions, requests that join and leave between steps.
+
+    A request or version that the engine refuses raises `BadRequest`, `KeyError` or
+    `ValueError` from the call that brought it.
+    """
+
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None: ...
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        """Read a sampler checkpoint (`TrainerEngine.sampler_checkpoint`, or a state) and load it as `version`."""
+        ...
+
+    def drop_version(self, version: str) -> None: ...
+    def versions_in_use(self) -> set[str]: ...
+    def add(self, request_id: str, version: str | None, job: SampleJob) -> None: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[Finished]: ...
+    def park(self) -> ParkReport: ...
+    def resume(self) -> ResumeReport: ...
+
+    @property
+    def is_parked(self) -> bool: ...
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """The last weight sync that landed, with its apply time; None before one, and always for LoRA."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds; nothing is called on it after."""
+        ...
