@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import msgspec
 import trio
@@ -34,6 +34,7 @@ from openrld.actors.sampler import SamplerActor, SamplerHandle, SamplerStatistic
 from openrld.actors.stability import StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
+from openrld.engine_types import SamplerEngine, TrainerEngine
 from openrld.errors import Gone, OpenrldError, ServerError
 from openrld.model_catalog import ModelEntry
 
@@ -43,10 +44,10 @@ logger = logging.getLogger(__name__)
 class EngineFactory(Protocol):
     """Builds engines for a model; called in a worker thread. Lives outside actors/ (it imports torch)."""
 
-    def trainer(self, model: ModelEntry) -> Callable[[], Any]: ...
-    def sampler(self, model: ModelEntry) -> Callable[[], Any]: ...
-    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], Any]: ...
-    def full_sampler(self, model: ModelEntry) -> Callable[[], Any]: ...
+    def trainer(self, model: ModelEntry) -> Callable[[], TrainerEngine]: ...
+    def sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
+    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], TrainerEngine]: ...
+    def full_sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
     def on(self, device: str) -> "EngineFactory": ...
 
 
@@ -74,7 +75,7 @@ class OwnGroup(msgspec.Struct, frozen=True):
 class _Seat(msgspec.Struct, frozen=True):
     """Where one worker of a group runs."""
 
-    engines: Any  # an EngineFactory building on the worker's device
+    engines: EngineFactory  # building on the worker's device
     limiter: trio.CapacityLimiter
     lease_from: Callable[[Parkable], DeviceLease] | None  # None: the node has no time-slicers
 

@@ -1,7 +1,7 @@
 """The sampler actor: one per LoRA group (one base model on one device).
 
 It owns the group's sampling queue, the immutable weight versions it can
-serve, and its engines (`gpu.torch_sampler`, `replicas` of them, each run in a
+serve, and its engines (`SamplerEngine`s, `replicas` of them, each run in a
 worker thread under the device's capacity limiter).
 
 Scheduling: the engine is a step-level scheduler (continuous batching), and
@@ -30,7 +30,8 @@ else `active`. `cancel` frees a request wherever it is.
 Versions: a version is a name (a `tinker://…/sampler_weights/…` or
 `…/weights/…` path, or a sampling session id for unnamed saves) bound once to
 adapter weights; `None` is the base model. Weights published by the trainer
-are held on the host; weights saved on disk are read when first sampled. At
+are held on the host; weights saved on disk are read by the engine
+(`load_checkpoint`) when first sampled. At
 most `MAX_LOADED_VERSIONS` versions live in each engine, least recently used
 out first but never one that a live request samples from.
 
@@ -56,7 +57,8 @@ lets running requests finish: it parks only between requests, since parking
 drops the KV cache. When its group ends (`fail_pending`), every request it
 holds fails, and the lease is given back as the actor stops.
 
-It never imports torch and never reaches into another actor.
+It never imports torch nor anything of `gpu/` (it knows its engines by the
+torch-free `engine_types.SamplerEngine`), and never reaches into another actor.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import msgspec
 import trio
@@ -75,6 +77,7 @@ from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.stability import StabilityRecord, StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
+from openrld.engine_types import Finished, SamplerEngine, WeightPayload
 from openrld.errors import BadRequest, Gone, OpenrldError, ServerError, TooManyRequests
 
 logger = logging.getLogger(__name__)
@@ -109,7 +112,7 @@ def inflight_version_name(model_id: str, number: int) -> str:
 class _InflightTarget(msgspec.Struct, frozen=True):
     number: int
     version: str
-    tensors: Any
+    tensors: WeightPayload
     spec: LoraSpec
 
 
@@ -252,9 +255,9 @@ class HostVersions:
 
     def __init__(self, max_host: int) -> None:
         self._max_host = max_host
-        self.held: OrderedDict[str, tuple[Any, LoraSpec]] = OrderedDict()
+        self.held: OrderedDict[str, tuple[WeightPayload, LoraSpec | None]] = OrderedDict()
 
-    def remember(self, version: str, tensors: Any, spec: LoraSpec) -> None:
+    def remember(self, version: str, tensors: WeightPayload, spec: LoraSpec | None) -> None:
         self.held[version] = (tensors, spec)
         self.held.move_to_end(version)
         while len(self.held) > self._max_host:
@@ -277,10 +280,10 @@ class SamplerHandle:
         """Free a request's queued or running work; False if this sampler does not hold it."""
         return self._actor.cancel(request_id)
 
-    async def publish_version(self, version: str, tensors: Any, spec: LoraSpec | None) -> None:
+    async def publish_version(self, version: str, tensors: WeightPayload, spec: LoraSpec | None) -> None:
         self._actor.publish_version(version, tensors, spec)
 
-    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int:
+    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: WeightPayload, spec: LoraSpec) -> int:
         """Make `tensors` `model_id`'s inflight target and `sampler_id`'s floor; returns its number."""
         return self._actor.publish_inflight(model_id, sampler_id, tensors, spec)
 
@@ -303,11 +306,11 @@ class SamplerHandle:
 class _Worker:
     """One engine and the versions it holds."""
 
-    def __init__(self, engine: Any, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
+    def __init__(self, engine: SamplerEngine, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
         self.engine = engine
         self.versions = VersionCache(max_loaded)
         # Versions to load before anything else, in publish order (eager_versions only).
-        self.deliveries: deque[tuple[str, Any, Any]] = deque()
+        self.deliveries: deque[tuple[str, WeightPayload, LoraSpec | None]] = deque()
         self.live: set[str] = set()  # request ids inside the engine
         self.busy = False
         self.requests_done = 0
@@ -319,7 +322,7 @@ class SamplerActor:
         self,
         *,
         name: str,
-        build_engine: Callable[[], Any],
+        build_engine: Callable[[], SamplerEngine],
         limiter: trio.CapacityLimiter,
         futures: FutureTable,
         queue_limit: int,
@@ -379,14 +382,14 @@ class SamplerActor:
         for worker in self._workers:
             worker.wake.set()
 
-    def publish_version(self, version: str, payload: Any, spec: LoraSpec | None) -> None:
+    def publish_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         self.host.remember(version, payload, spec)
         if self._eager_versions:
             for worker in self._workers:
                 worker.deliveries.append((version, payload, spec))
             self._wake_all()
 
-    def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int:
+    def publish_inflight(self, model_id: str, sampler_id: str, tensors: WeightPayload, spec: LoraSpec) -> int:
         previous = self._inflight.get(model_id)
         number = 1 if previous is None else previous.number + 1
         self._inflight[model_id] = _InflightTarget(number, inflight_version_name(model_id, number), tensors, spec)
@@ -426,6 +429,10 @@ class SamplerActor:
                 task_status.started(SamplerHandle(self))
         finally:
             self._lease.close()  # a stopped worker takes no more turns
+            # Shielded: a stopping group still frees what its engines hold (vLLM's engine process).
+            with trio.CancelScope(shield=True):
+                for worker in self._workers:
+                    await trio.to_thread.run_sync(worker.engine.close)
 
     def fail_pending(self, error: OpenrldError) -> None:
         for request_id in self.queue.request_ids():
@@ -482,7 +489,7 @@ class SamplerActor:
         finally:
             worker.busy = False
 
-    def _settle(self, worker: _Worker, finished: list[Any]) -> None:
+    def _settle(self, worker: _Worker, finished: list[Finished]) -> None:
         """Resolve the requests one engine step finished (a callback of the event loop's, run
         while the worker's next step may already be running; it must not raise)."""
         for done in finished:
@@ -571,20 +578,21 @@ class SamplerActor:
     async def _ensure_loaded(self, worker: _Worker, version: str, source_dir: str | None) -> None:
         if worker.versions.touch(version):
             return
-        inflight = {target.version: target for target in self._inflight.values()}
-        if version in self.host.held:
-            tensors, spec = self.host.held[version]
-        elif version in inflight:
-            tensors, spec = inflight[version].tensors, inflight[version].spec
+        held = self.host.held.get(version)
+        for target in self._inflight.values():
+            if held is None and target.version == version:
+                held = (target.tensors, target.spec)
+        if held is not None:
+            await trio.to_thread.run_sync(worker.engine.load_version, version, *held, limiter=self._limiter)
         elif source_dir is not None:
-            tensors, spec = await trio.to_thread.run_sync(_load_adapter, Path(source_dir))
+            # The engine reads its own checkpoint files: a LoRA adapter, or full-model weights.
+            await trio.to_thread.run_sync(worker.engine.load_checkpoint, version, Path(source_dir), limiter=self._limiter)
         else:
             raise Gone(f"sampler weights {version} are no longer held; save them again")
-        await trio.to_thread.run_sync(worker.engine.load_version, version, tensors, spec, limiter=self._limiter)
         for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
             await trio.to_thread.run_sync(worker.engine.drop_version, old, limiter=self._limiter)
 
-    async def _deliver(self, worker: _Worker, version: str, payload: Any, spec: LoraSpec | None) -> None:
+    async def _deliver(self, worker: _Worker, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         """Load a just-published version into the worker's engine (eager_versions).
 
         Evictions come first, so that a version on its way out is not copied aside by an
@@ -600,7 +608,7 @@ class SamplerActor:
             logger.exception("weight version delivery failed group=%s version=%s", self.name, version)
             worker.versions.loaded.pop(version, None)
             return
-        sync = getattr(worker.engine, "last_sync", None)  # a full sampler records it
+        sync = worker.engine.last_sync  # a full sampler records it; a LoRA one has none
         # A version loaded from a checkpoint leaves the engine's last sync as it was: count it once.
         if sync is not None and sync is not self._last_sync:
             self._last_sync = sync
@@ -641,7 +649,10 @@ class SamplerActor:
 
 
 def run_steps(
-    engine: Any, interrupted: Callable[[], bool], settle: Callable[[list[Any]], None], seconds: float = STEPS_CALL_S
+    engine: SamplerEngine,
+    interrupted: Callable[[], bool],
+    settle: Callable[[list[Finished]], None],
+    seconds: float = STEPS_CALL_S,
 ) -> None:
     """Engine steps back to back in one worker-thread call (never in the event loop).
 
@@ -658,10 +669,3 @@ def run_steps(
         if not engine.has_work() or interrupted() or time.monotonic() >= deadline:
             return
 
-
-def _load_adapter(directory: Path) -> tuple[Any, LoraSpec | None]:
-    # Imported in the worker thread, so this module never imports torch.
-    # A LoRA adapter, or full-model weights (spec None) for a full fine-tuning group.
-    from openrld.gpu.full_io import load_sampler_weights
-
-    return load_sampler_weights(directory)

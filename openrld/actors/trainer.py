@@ -1,9 +1,9 @@
 """The trainer actor: one per LoRA group (one base model on one device).
 
-It owns the group's training queues and its engine (`gpu.torch_trainer`, run
-in a worker thread under the device's capacity limiter). Messages are the
-training ops below, each carrying its job's `model_id`, `seq_id` and the
-request id whose future it resolves.
+It owns the group's training queues and its engine (a `TrainerEngine`, LoRA or
+full fine-tuning, run in a worker thread under the device's capacity limiter).
+Messages are the training ops below, each carrying its job's `model_id`, `seq_id`
+and the request id whose future it resolves.
 
 Ordering guarantees:
 - one job's ops run strictly in `seq_id` order; an op whose predecessor has not
@@ -17,8 +17,9 @@ Ordering guarantees:
   which saves a pipelining client a round trip through the event loop per step.
 
 A failure inside an op fails that op's future and consumes its `seq_id`, so the
-job's later ops still run. The actor never imports torch: engine results pass
-through as opaque values.
+job's later ops still run. The actor never imports torch, nor anything of `gpu/`:
+it knows its engine by the torch-free `engine_types.TrainerEngine`, and the weights
+it hands the sampler are an opaque `WeightPayload`.
 
 Device turns: each run of ops holds the device lease (actors/timeslicer.py),
 and so does building the engine (loading the weights onto the device): the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -48,6 +49,7 @@ from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
 from openrld.checkpoint_manifest import CheckpointManifest
+from openrld.engine_types import TrainerEngine, WeightPayload
 from openrld.errors import BadRequest, Conflict, EngineLost, OpenrldError, ServerError
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ MAILBOX_CAPACITY = 4096  # ops in flight per group; past it the API answers 429
 # engine pass. It bounds how long one job holds its turn; the engine still splits the
 # pass into micro-batches of its own token budget.
 MAX_COMBINED_TOKENS = 65536
+
+_T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------- messages
@@ -302,8 +306,8 @@ class CheckpointSink(Protocol):
 class SamplerFeed(Protocol):
     """Where new sampler weights go: the group's sampler actor."""
 
-    async def publish_version(self, version: str, tensors: Any, spec: LoraSpec) -> None: ...
-    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: Any, spec: LoraSpec) -> int: ...
+    async def publish_version(self, version: str, tensors: WeightPayload, spec: LoraSpec | None) -> None: ...
+    async def publish_inflight(self, model_id: str, sampler_id: str, tensors: WeightPayload, spec: LoraSpec) -> int: ...
 
 
 # ---------------------------------------------------------------- handle
@@ -333,13 +337,13 @@ class TrainerHandle:
 
 
 class TrainerActor:
-    """The async shell around one TorchTrainer: input loop plus step loop."""
+    """The async shell around one trainer engine: input loop plus step loop."""
 
     def __init__(
         self,
         *,
         name: str,
-        build_engine: Callable[[], Any],
+        build_engine: Callable[[], TrainerEngine],
         limiter: trio.CapacityLimiter,
         futures: FutureTable,
         checkpoints: CheckpointSink,
@@ -358,7 +362,7 @@ class TrainerActor:
         self._sampler = sampler
         self._specs: dict[str, LoraSpec | None] = dict(specs or {})
         self._wake = trio.Event()
-        self._engine: Any = None
+        self._engine: TrainerEngine | None = None
         self._busy = False
         self._max_combined_tokens = max_combined_tokens
         self._done = 0
@@ -390,13 +394,11 @@ class TrainerActor:
             await self._close_engine(self._engine)
 
     @staticmethod
-    async def _close_engine(engine: Any) -> None:
-        # An engine in a process of its own (gpu/engine_process.py) stops that process; the
-        # others hold nothing that outlives them.
-        close = getattr(engine, "close", None)
-        if close is not None:
+    async def _close_engine(engine: TrainerEngine | None) -> None:
+        # An engine in a process of its own stops that process; the others free what they hold.
+        if engine is not None:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(close)
+                await trio.to_thread.run_sync(engine.close)
 
     async def _input_loop(self) -> None:
         async for op in self.mailbox.receive:
@@ -536,7 +538,7 @@ class TrainerActor:
                 self._settle(step, stepped)
         return True
 
-    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     async def _execute(self, op: TrainOp) -> Any:
@@ -578,22 +580,23 @@ class TrainerActor:
                     # that chains on the previous one, so publishes keep seq_id order (they do: one op at a time).
                     payload = await self._in_thread(engine.sampler_payload, op.model_id, op.sampling_session_id)
                     await self._sampler.publish_version(op.sampling_session_id, payload, self._specs[op.model_id])
-                    # A full trainer records the sync it made; a LoRA one has no such attribute.
-                    self._last_sync = getattr(engine, "last_sync", None)
+                    # A full trainer records the sync it made; a LoRA one has none to record.
+                    self._last_sync = engine.last_sync
                 return Saved(sampling_session_id=op.sampling_session_id)
         raise AssertionError(f"unhandled op {type(op).__name__}")
 
     async def _save_state(self, op: SaveState) -> Saved:
         """Write into a staging directory, then rename into place: a crash leaves no half checkpoint."""
+        engine = self._engine
+        assert engine is not None, "_execute checks the engine first"
         staging, final = self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
         if op.kind == "weights":
-            size = await self._in_thread(self._engine.save_state, op.model_id, staging, True)
+            size = await self._in_thread(engine.save_state, op.model_id, staging, True)
         elif op.kind == "external_weights":
-            tensors = await self._in_thread(self._engine.adapter_tensors, op.model_id)
-            size = await self._in_thread(_save_peft, staging, tensors, self._specs[op.model_id], op.base_model)
+            size = await self._in_thread(engine.export_adapter, op.model_id, staging, op.base_model)
         else:
             # The engine writes what its sampler loads: a LoRA adapter or full-model weights.
-            size = await self._in_thread(self._engine.sampler_checkpoint, op.model_id, staging)
+            size = await self._in_thread(engine.sampler_checkpoint, op.model_id, staging)
         manifest = self._checkpoints.describe(
             op.model_id, op.kind, op.name, size_bytes=size, ttl_seconds=op.ttl_seconds, user_metadata=op.user_metadata
         )
@@ -611,10 +614,3 @@ class TrainerActor:
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
         )
-
-
-def _save_peft(directory: Path, tensors: Any, spec: LoraSpec, base_model: str) -> int:
-    # Imported here, in the worker thread, so this module never imports torch.
-    from openrld.gpu.peft_export import save_peft_adapter
-
-    return save_peft_adapter(directory, tensors, spec, base_model)

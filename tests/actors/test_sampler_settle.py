@@ -14,7 +14,7 @@ import trio
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.sampler import Sample, SamplerActor
 from openrld.batches import SampledSequence, SampleJob, SampleResult, SamplingSpec
-from openrld.gpu.torch_sampler import Finished
+from openrld.engine_types import Finished
 from tests.actors.test_sampler_replicas import OWNER, MemoryLog
 
 
@@ -34,6 +34,9 @@ class StepsEngine:
 
     def cancel(self, request_id: str) -> bool:
         return self.left.pop(request_id, None) is not None
+
+    def close(self) -> None:
+        pass  # holds nothing; the actor closes its engines as it stops
 
     def step(self) -> list[Finished]:
         self.steps += 1
