@@ -3,7 +3,8 @@
 This module owns everything under the data dir:
 
     <data_dir>/openrld.sqlite3     sessions, training runs, sampling sessions,
-                                   checkpoints, and the request log
+                                   checkpoints, the request log, and each run's
+                                   bounded curves (history_table.py)
     <data_dir>/checkpoints/<run_id>/<kind>/<name>/   one directory per checkpoint
     <data_dir>/tmp/                staging for checkpoint writes; emptied at open
     <data_dir>/lock                held while a Store is open
@@ -63,6 +64,7 @@ from openrld.checkpoint_manifest import (
     read_manifest,
     write_manifest,
 )
+from openrld.history_table import HISTORY_SCHEMA, HistoryTable
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, ServerError
 from openrld.ids import CheckpointKind, TinkerPath, parse_checkpoint_kind, validate_name
 
@@ -270,7 +272,7 @@ CREATE TABLE IF NOT EXISTS usage (
     PRIMARY KEY (bucket_us, session_id, base_model, kind)
 );
 CREATE INDEX IF NOT EXISTS usage_by_owner ON usage (owner, bucket_us);
-"""
+""" + HISTORY_SCHEMA
 
 
 def _to_us(when: datetime) -> int:
@@ -331,6 +333,7 @@ class Store:
         self._tmp = layout.staging
         self._replaced_suffix = layout.replaced_suffix
         self.is_shared = layout.is_shared
+        self._history_tables: list[HistoryTable] = []
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -381,6 +384,8 @@ class Store:
         return store
 
     def close(self) -> None:
+        for table in self._history_tables:
+            table.close()
         self._log.close()
         self._conn.close()
         self._lock_file.close()  # releases the flock
@@ -390,6 +395,12 @@ class Store:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def history_table(self, *, max_points: int, max_buckets: int, bucket_s: float) -> HistoryTable:
+        """The runs' curves on a connection of their own, for a worker thread (history_table.py); closed with the store."""
+        table = HistoryTable(self.data_dir / DB_NAME, max_points=max_points, max_buckets=max_buckets, bucket_s=bucket_s)
+        self._history_tables.append(table)
+        return table
 
     def _one(self, sql: str, args: tuple[object, ...]) -> sqlite3.Row | None:
         row: sqlite3.Row | None = self._conn.execute(sql, args).fetchone()
@@ -523,15 +534,18 @@ class Store:
         return None if row is None else _run_row(row)
 
     def list_runs(
-        self, owner: str, limit: int, offset: int, *, accessible: bool = False
+        self, owner: str, limit: int, offset: int, *, accessible: bool = False, every_owner: bool = False
     ) -> tuple[list[RunRow], int]:
         """A page of `owner`'s runs, newest first, and how many there are in all.
 
-        With `accessible`, other users' runs that have a published checkpoint count too.
+        With `accessible`, other users' runs that have a published checkpoint count too;
+        with `every_owner` (an operator's view), every run does.
         """
         limit, offset = _page(limit, offset)
         where = "owner = ?"
-        if accessible:
+        if every_owner:
+            where = "(owner = ? OR 1 = 1)"  # keeps the one parameter the queries below pass
+        elif accessible:
             where += " OR run_id IN (SELECT run_id FROM checkpoints WHERE public = 1)"
         rows = self._conn.execute(
             f"SELECT * FROM runs WHERE {where} ORDER BY created_us DESC, rowid DESC LIMIT ? OFFSET ?",

@@ -11,6 +11,11 @@ crash answers a future of the previous process (whose result lived only in its
 memory) with a clear `Gone`, on which the SDK resubmits it; its finish in
 batches, one transaction every LOG_FLUSH_S (`run_log`), for the session trace
 and the pending-request gauge, so that no result waits for a database write.
+
+An `observer` sees every outcome as it is resolved, with the request's model
+(or sampling session) id and kind: the run history (actors/run_history.py)
+takes training metrics and sampling counts there. It runs on the event loop
+and must not block.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Failed(msgspec.Struct, frozen=True):
 
 
 Outcome = Completed | Failed
+Observer = Callable[[str, str, Outcome], None]  # (model or sampler id, kind, outcome)
 
 
 class RequestLog(Protocol):
@@ -75,9 +81,10 @@ class FutureTable:
 
     def __init__(
         self, log: RequestLog, *, keep_s: float = 600.0, max_held: int = 100_000,
-        now: Callable[[], datetime] = utc_now,
+        now: Callable[[], datetime] = utc_now, observer: Observer | None = None,
     ) -> None:
         self._log = log
+        self._observer = observer
         self._now = now
         self._finished: list[RequestFinish] = []  # not yet in the log
         self._keep_s = keep_s
@@ -110,6 +117,8 @@ class FutureTable:
         self._finished.append(RequestFinish(request_id, self._now()))
         self._queue_probes.pop(request_id, None)
         entry.done.set()
+        if self._observer is not None:
+            self._observer(entry.model_id, entry.kind, outcome)
         if isinstance(outcome, Failed):
             self._failed += 1
         else:
