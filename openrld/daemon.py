@@ -23,12 +23,16 @@ import trio
 
 from openrld import ids
 from openrld.actors.checkpoints import CheckpointWriter
+from openrld.actors.console_views import ConsoleViews
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.actors.maintenance import run_maintenance
 from openrld.actors.model_prep import prepare_models
+from openrld.actors.run_history import (
+    MAX_POINTS_PER_RUN, MAX_SAMPLING_BUCKETS, SAMPLING_BUCKET_S, HistoryRecorder,
+)
 from openrld.actors.usage import UsageMeter
 from openrld.actors.membership.messages import DeviceSlot
 from openrld.actors.membership.service import ClusterMembership, ClusterSettings, node_payload
@@ -121,7 +125,15 @@ async def serve(
     store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
     try:
         async with trio.open_nursery() as nursery:
-            futures = FutureTable(store)
+            # Each run's curves for the console, fed by every settled request and written in a thread.
+            history = HistoryRecorder(
+                store.history_table(
+                    max_points=MAX_POINTS_PER_RUN, max_buckets=MAX_SAMPLING_BUCKETS, bucket_s=SAMPLING_BUCKET_S
+                ),
+                sampler_run=partial(_sampler_run, store),
+            )
+            await nursery.start(history.run)
+            futures = FutureTable(store, observer=history.observe)
             await nursery.start(futures.run_log)
             catalog = ModelCatalog(
                 {name: str(path) for name, path in config.models.items()},
@@ -169,6 +181,11 @@ async def serve(
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
                 cluster=membership.node if membership is not None else None,
                 peers=peers,
+                console=ConsoleViews(
+                    store=store, jobs=jobs, history=history,
+                    node=membership.node.name if membership is not None else config.node_name,
+                ),
+                node_devices=node_devices,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
@@ -204,3 +221,12 @@ async def serve(
                     await peers.aclose()
     finally:
         store.close()
+
+
+def _sampler_run(store: Store, sampler_id: str) -> str | None:
+    """The training run a sampling session samples, when its owner owns that run (for the run's curves)."""
+    sampler = store.get_sampler(sampler_id)
+    if sampler is None or sampler.run_id is None:
+        return None
+    run = store.get_run(sampler.run_id)
+    return run.run_id if run is not None and run.owner == sampler.owner else None

@@ -366,14 +366,16 @@ class JobTable:
             if job.group_job is not None:  # its own group never served it: free the devices it booked
                 self._groups.end(job.model, job.model_id, f"model {job.model_id} failed to start: {error.detail}")
 
-    def model_status(self, owner: str, model_id: str) -> ModelStatus:
+    def model_status(self, owner: str, model_id: str, *, sees_all: bool = False) -> ModelStatus:
         """GET /openrl/v1/models/{model_id}/status: the job's state, workers, queues and progress.
+
+        `sees_all`: the caller is the operator (api/auth.py), who may read any user's.
 
         Raises:
             NotFound: no such model, or not the caller's.
         """
         run = self._store.get_run(model_id)
-        if run is None or run.owner != owner:
+        if run is None or (run.owner != owner and not sees_all):
             raise NotFound(f"no model {model_id!r}")
         settings = job_settings.settings_from_dict(run.settings)
         checkpoint = self._store.last_checkpoint(model_id, ids.CheckpointKind.WEIGHTS)

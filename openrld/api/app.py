@@ -19,6 +19,8 @@ import msgspec
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
+from openrld.actors.console_views import ConsoleViews
+from openrld.actors.device_pool import NodeDevices
 from openrld.actors.directory import Directory
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
@@ -62,6 +64,8 @@ class Services:
     peers: httpx.AsyncClient | None = None  # relays requests to other members; the daemon closes it
     relays: RelayCounters = field(default_factory=RelayCounters)  # what the relay did, for /metrics
     http: HttpCounters = field(default_factory=HttpCounters)  # the HTTP server's connections, for /metrics
+    console: ConsoleViews | None = None  # the console's reads; None: the node serves no console routes
+    node_devices: NodeDevices | None = None  # placement and time-slicers, for the console's device view
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -80,7 +84,7 @@ def caller(services: Services) -> str:
 
 
 def build_app(services: Services) -> Gate:
-    from openrld.api import admin, lifecycle, openrl, peer, rest, tinker
+    from openrld.api import admin, console, lifecycle, openrl, peer, rest, tinker
 
     app = QuartTrio("openrld")
     app.config["MAX_CONTENT_LENGTH"] = services.config.max_body_bytes
@@ -132,6 +136,8 @@ def build_app(services: Services) -> Gate:
     admin.register(app, services)
     openrl.register(app, services)
     peer.register(app, services)
+    if services.console is not None:
+        console.register(app, services)
     front = FastPath(
         app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics,
         longpolls=tinker.LONGPOLL_ROUTES,

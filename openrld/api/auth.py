@@ -7,6 +7,11 @@ user `local`, though the SDK still sends some `tml-` key, which is accepted.
 
 With the JWT exchange on (config `jwt_auth`), a JWT that this node signed
 (`/api/v1/auth/token`) is accepted in place of the key it was exchanged for.
+
+The operator: the user named ADMIN_USER in the key file sees every user's
+runs in the console's read-only views (`sees_all`); it owns nothing else of
+theirs, so every other route treats it as any user. In open mode the one user
+sees all, since all there is is theirs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from openrld.api.signing import Signer
 from openrld.errors import Unauthorized
 
 OPEN_MODE_USER = "local"
+# A key file names users; giving a key to this one makes its holder the operator. A name and
+# not a config setting: the key file is already the one place that says who is who.
+ADMIN_USER = "admin"
 
 
 class Authenticator:
@@ -40,6 +48,10 @@ class Authenticator:
     @property
     def is_open(self) -> bool:
         return self._keys is None
+
+    def sees_all(self, user: str) -> bool:
+        """Whether `user` may read every user's runs (the console's operator views)."""
+        return self._keys is None or user == ADMIN_USER
 
     def user_for(self, api_key: str | None) -> str:
         """The user a request acts as.

@@ -9,7 +9,8 @@ So a client without a key cannot make the node read, buffer or relay a
 body, and the HTTP server only drops what is already on its way (up to
 its unread-body limit, within `discard_timeout`). Paths that carry their
 own proof instead of a key pass through: health and metrics, the peer API
-(cluster-secret HMAC) and signed download URLs.
+(cluster-secret HMAC) and signed download URLs; and the console's static
+page, which holds nothing and asks for the key it then sends with each call.
 
 This module decodes and refuses only; who a key belongs to is the
 Authenticator's to say.
@@ -28,8 +29,8 @@ from openrld.api.http1 import ASGIApp
 from openrld.errors import OpenrldError
 from openrld.metrics import RequestMetrics
 
-KEYLESS_PATHS = frozenset({"/api/v1/healthz", "/metrics"})
-KEYLESS_PREFIXES = ("/openrl/peer/", "/api/v1/download/", "/api/v1/trace/")
+KEYLESS_PATHS = frozenset({"/api/v1/healthz", "/metrics", "/console"})
+KEYLESS_PREFIXES = ("/openrl/peer/", "/api/v1/download/", "/api/v1/trace/", "/console/")
 REFUSED_ENDPOINT = "refused_from_head"  # the metrics label of what the gate answers
 
 

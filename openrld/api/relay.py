@@ -34,6 +34,7 @@ import hashlib
 import hmac
 import logging
 import re
+import urllib.parse
 from typing import Any, Awaitable, Callable
 
 import httpx
@@ -80,9 +81,12 @@ _MINTED_ID_ROUTES = {"/api/v1/retrieve_future", "/api/v1/cancel_future", "/api/v
 _FANOUT_LISTS = {
     "/api/v1/training_runs": ("training_runs", "last_request_time"),
     "/api/v1/checkpoints": ("checkpoints", "time"),
+    "/openrl/v1/runs": ("runs", "created"),  # the console's run list
 }
 _RUN_PATH = re.compile(r"^/api/v1/training_runs/([^/]+)(/.*)?$")
 _STATUS_PATH = re.compile(r"^/openrl/v1/models/([^/]+)/status$")
+_CONSOLE_RUN_PATH = re.compile(r"^/openrl/v1/runs/([^/]+)(/curves)?$")
+NODE_PATH = "/openrl/v1/node"  # ?node=<name>: that member's own device view
 _SAMPLER_PATH = re.compile(r"^/api/v1/samplers/(.+)$")
 _SESSION_PATH = re.compile(r"^/api/v1/sessions/(s-[^/]+)(/finish|/project|/trace_export)?$")
 
@@ -289,7 +293,24 @@ class Relay:
         if (match := _RUN_PATH.match(path)) is not None:
             home = await self._model_home(match[1])
             return None if home.where is Where.LOST else await self._to(scope, headers, body, home, match[1])
+        if (match := _CONSOLE_RUN_PATH.match(path)) is not None:
+            return await self._to_model(scope, headers, body, match[1])
+        if method == "GET" and path == NODE_PATH:
+            return await self._to_member(scope, headers, body)
         return None
+
+    async def _to_member(self, scope: dict, headers: dict, body: bytes) -> Answer | None:
+        """`/openrl/v1/node?node=<name>` goes to that member; without a name, or this node's, it is answered here."""
+        name = urllib.parse.parse_qs(scope.get("query_string", b"").decode()).get("node", [""])[0]
+        if name in ("", self._directory.local_name):
+            return None
+        self._user_for(_header(headers, b"x-api-key"))  # a bad key is refused here, not relayed
+        member = next((m for m in self._directory.members() if m.name == name), None)
+        if member is None:
+            return _detail(404, f"no cluster member {name!r}")
+        if not member.is_alive:
+            return _detail(410, f"node {name} is {member.state.name.lower()}")
+        return await self._forward(scope, headers, body, member, name)
 
     async def _finish_everywhere(self, scope: dict, headers: dict, body: bytes, session_id: str) -> Answer:
         """A session finishes at its home, and then on every member that holds jobs of it (placed there),

@@ -47,7 +47,7 @@ def _access_scope() -> str:
     return scope
 
 
-def _int_arg(name: str, default: int, low: int, high: int) -> int:
+def int_arg(name: str, default: int, low: int, high: int) -> int:
     raw = request.args.get(name)
     if raw is None:
         return default
@@ -99,8 +99,8 @@ def register(app: QuartTrio, services: Services) -> None:
     @app.get("/api/v1/training_runs")
     async def list_training_runs() -> Response:
         user = caller(services)
-        limit = _int_arg("limit", 20, 1, 1000)
-        offset = _int_arg("offset", 0, 0, 10**9)
+        limit = int_arg("limit", 20, 1, 1000)
+        offset = int_arg("offset", 0, 0, 10**9)
         runs, total = store.list_runs(user, limit, offset, accessible=_access_scope() == "accessible")
         return json_response(
             {
@@ -141,8 +141,8 @@ def register(app: QuartTrio, services: Services) -> None:
     @app.get("/api/v1/checkpoints")
     async def list_user_checkpoints() -> Response:
         user = caller(services)
-        limit = _int_arg("limit", 100, 1, 10000)
-        offset = _int_arg("offset", 0, 0, 10**9)
+        limit = int_arg("limit", 100, 1, 10000)
+        offset = int_arg("offset", 0, 0, 10**9)
         rows, total = store.list_user_checkpoints(user, limit, offset)
         return json_response(
             {
@@ -178,8 +178,8 @@ def register(app: QuartTrio, services: Services) -> None:
     @app.get("/api/v1/sessions")
     async def list_sessions() -> Response:
         user = caller(services)
-        limit = _int_arg("limit", 20, 1, 1000)
-        offset = _int_arg("offset", 0, 0, 10**9)
+        limit = int_arg("limit", 20, 1, 1000)
+        offset = int_arg("offset", 0, 0, 10**9)
         return json_response({"sessions": [s.session_id for s in store.list_sessions(user, limit, offset)]})
 
     @app.get("/api/v1/sessions/<session_id>")
