@@ -35,7 +35,7 @@ from openrld.batches import (
     SyncStats,
 )
 
-__all__ = ["Finished", "ParkReport", "ResumeReport", "SamplerEngine", "TrainerEngine", "WeightPayload"]
+__all__ = ["DeviceEngine", "Finished", "ParkReport", "ResumeReport", "SamplerEngine", "TrainerEngine", "WeightPayload"]
 
 # The trainer's sampler payload: a dict of tensors (LoRA adapter tensors, or full-model
 # weights read from a checkpoint) or a weight delta (gpu/delta.py). Opaque to actors: they
@@ -72,7 +72,30 @@ class Finished(msgspec.Struct, frozen=True):
     result: SampleResult
 
 
-class TrainerEngine(Protocol):
+class DeviceEngine(Protocol):
+    """What every engine has, trainer or sampler: turns on its device, its last weight sync, an end."""
+
+    def park(self) -> ParkReport:
+        """Give the device back (the time-slicer's turn is over); compute refuses until `resume`."""
+        ...
+
+    def resume(self) -> ResumeReport: ...
+
+    @property
+    def is_parked(self) -> bool: ...
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """Full fine-tuning's last weight sync (the trainer's side, or the sampler's with its
+        apply time); None before one, and always for LoRA."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds; nothing is called on it after."""
+        ...
+
+
+class TrainerEngine(DeviceEngine, Protocol):
     """A trainer: LoRA adapters by name over one base model, or one full fine-tuning job.
 
     `name` is the job's model id. Errors the engine means (bad input, an unknown
@@ -116,23 +139,9 @@ class TrainerEngine(Protocol):
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str
     ) -> None: ...
 
-    def park(self) -> ParkReport: ...
-    def resume(self) -> ResumeReport: ...
-
-    @property
-    def is_parked(self) -> bool: ...
-
-    @property
-    def last_sync(self) -> SyncStats | None:
-        """The trainer side of the last weight sync; None before one, and always for LoRA."""
-        ...
-
-    def close(self) -> None:
-        """Free what the engine holds; nothing is called on it after."""
-        ...
 
 
-class SamplerEngine(Protocol):
+class SamplerEngine(DeviceEngine, Protocol):
     """A step-level sampler: immutable weight versions, requests that join and leave between steps.
 
     A request or version that the engine refuses raises `BadRequest`, `KeyError` or
@@ -151,17 +160,3 @@ class SamplerEngine(Protocol):
     def cancel(self, request_id: str) -> bool: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[Finished]: ...
-    def park(self) -> ParkReport: ...
-    def resume(self) -> ResumeReport: ...
-
-    @property
-    def is_parked(self) -> bool: ...
-
-    @property
-    def last_sync(self) -> SyncStats | None:
-        """The last weight sync that landed, with its apply time; None before one, and always for LoRA."""
-        ...
-
-    def close(self) -> None:
-        """Free what the engine holds; nothing is called on it after."""
-        ...

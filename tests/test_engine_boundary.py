@@ -71,7 +71,13 @@ def is_forbidden(module: str) -> bool:
 
 
 def protocol_members(protocol: type) -> dict[str, object]:
-    return {name: value for name, value in vars(protocol).items() if not name.startswith("_")}
+    """The members a Protocol declares, its own and those of the Protocols it extends."""
+    members: dict[str, object] = {}
+    for layer in reversed(protocol.__mro__):
+        if layer.__module__ in ("builtins", "typing"):  # object, Protocol, Generic
+            continue
+        members.update((name, value) for name, value in vars(layer).items() if not name.startswith("_"))
+    return members
 
 
 def drift(protocol: type, engine: type) -> list[str]:
