@@ -32,7 +32,6 @@ import msgspec
 import torch
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
-from openrld.engine_types import ParkReport, ResumeReport
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm
@@ -68,7 +67,7 @@ class FullTrainerStatistics(msgspec.Struct, frozen=True):
     last_sync: delta.SyncStats | None
 
 
-class FullTrainer:
+class FullTrainer(offload.ParksInSlot):
     """Every weight of one model trains, for one job; one call at a time."""
 
     def __init__(
@@ -297,18 +296,7 @@ class FullTrainer:
 
     # ------------------------------------------------------------ time-slicing
 
-    def park(self) -> ParkReport:
-        """Move the weights and the AdamW state to pinned host memory and free the device
-        (`offload.ParkSlot.park`). Compute refuses until `resume`."""
-        return self._slot.park()
-
-    def resume(self) -> ResumeReport:
-        """Copy the parked state back to the device, bit for bit (`offload.ParkSlot.resume`)."""
-        return self._slot.resume()
-
-    @property
-    def is_parked(self) -> bool:
-        return self._slot.is_parked
+    # park, resume, is_parked: offload.ParksInSlot, over the weights and the AdamW state.
 
     @property
     def last_sync(self) -> delta.SyncStats | None:

@@ -242,3 +242,30 @@ class ParkSlot:
         """Raises EngineParked if parked: compute on offloaded tensors would run on the host."""
         if self._parked is not None:
             raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")
+
+
+class ParksInSlot:
+    """`park`, `resume` and `is_parked` of an engine whose `_slot` (a ParkSlot) knows its device state.
+
+    A mixin with no state of its own, so that the delegation is written once: the engine
+    names what to move when it makes its slot, and these are its time-slicer calls.
+    """
+
+    _slot: ParkSlot
+
+    def park(self) -> ParkReport:
+        """Drop caches and move the engine's device state to pinned host memory (`ParkSlot.park`);
+        compute refuses until `resume`.
+
+        Raises:
+            EngineParked: already parked.  CannotPark: a cache cannot be dropped yet (a request decodes).
+        """
+        return self._slot.park()
+
+    def resume(self) -> ResumeReport:
+        """Copy the parked state back to the device, bit for bit. Raises EngineParked if not parked."""
+        return self._slot.resume()
+
+    @property
+    def is_parked(self) -> bool:
+        return self._slot.is_parked

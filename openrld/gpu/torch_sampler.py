@@ -60,7 +60,7 @@ import torch
 import transformers
 
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
-from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
 from openrld.gpu import lora_io, models, offload
 from openrld.gpu.sample_alone import sample_alone
@@ -196,7 +196,7 @@ def _prompt_len(request: _Request) -> int:
 # The engine
 
 
-class TorchSampler:
+class TorchSampler(offload.ParksInSlot):
     """Samples from one base model and the LoRA versions loaded on it.
 
     Args:
@@ -705,25 +705,8 @@ class TorchSampler:
 
     # -- time-slicing -----------------------------------------------------
 
-    def park(self) -> ParkReport:
-        """Drop the decode batch's KV cache and move the model and every loaded version to pinned
-        host memory (`offload.ParkSlot.park`). Queued requests stay queued; `step` refuses until
-        `resume`.
-
-        Raises:
-            offload.CannotPark: a request is mid-decode (its KV cache would be lost).
-            offload.EngineParked: already parked.
-        """
-        return self._slot.park()
-
-    def resume(self) -> ResumeReport:
-        """Copy the model and its versions back to the device, bit for bit (`offload.ParkSlot.resume`)."""
-        return self._slot.resume()
-
-    @property
-    def is_parked(self) -> bool:
-        return self._slot.is_parked
-
+    # park, resume, is_parked: offload.ParksInSlot, over the model and every loaded version; a
+    # park drops the KV cache first (queued requests stay queued).
     def _drop_kv_cache(self) -> int:
         """Free the decode batch's KV cache; its bytes. Raises CannotPark while a request decodes."""
         if self._rows or self._prefilled:

@@ -49,7 +49,6 @@ from openrld.batches import (
     OptimResult,
     SyncStats,
 )
-from openrld.engine_types import ParkReport, ResumeReport
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm, lora_config
@@ -93,7 +92,7 @@ class _Adapter:
         self.optimizer = optimizer_for(family, params, spec.rank)
 
 
-class TorchTrainer:
+class TorchTrainer(offload.ParksInSlot):
     """Many LoRA adapters over one frozen base model; one call at a time."""
 
     def __init__(
@@ -324,20 +323,9 @@ class TorchTrainer:
 
     # ------------------------------------------------------------ time-slicing
 
-    def park(self) -> ParkReport:
-        """Move the base model, every adapter, its gradients and its optimizer state to pinned
-        host memory and free the device (`offload.ParkSlot.park`). Compute refuses until `resume`."""
-        return self._slot.park()
-
-    def resume(self) -> ResumeReport:
-        """Copy the parked state back to the device, bit for bit (`offload.ParkSlot.resume`)."""
-        return self._slot.resume()
-
-    @property
-    def is_parked(self) -> bool:
-        return self._slot.is_parked
-
+    # park, resume, is_parked: offload.ParksInSlot, over what this names.
     def _device_state(self) -> list[torch.Tensor]:
+        """The base model, every adapter, its gradients and its optimizer state."""
         state = offload.module_tensors(self._model)  # peft's LoRA layers live inside this module
         for adapter in self._adapters.values():
             state += adapter.optimizer.live_state()
