@@ -20,6 +20,7 @@ import msgspec
 
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.membership.codec import DropReason
 from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.stability import StabilityStatistics
 from openrld.store import StoreStatistics
@@ -316,13 +317,19 @@ def _gossip_lines(gossip: MembershipStatistics) -> list[str]:
                  [((("direction", "sent"),), gossip.bytes_sent), ((("direction", "received"),), gossip.bytes_received)]),
         *_family("openrld_gossip_dropped_total", "counter",
                  "Datagrams and push-pull bodies dropped, by reason (a bad or missing cluster tag among them).",
-                 [((("reason", reason),), count) for reason, count in sorted(gossip.dropped.items())]),
+                 [((("reason", reason),), count) for reason, count in sorted(_every_drop_reason(gossip.dropped).items())]),
         *_family("openrld_gossip_push_pulls_total", "counter", "Full-state push-pull exchanges, by outcome.",
                  [((("outcome", "ok"),), gossip.push_pulls_ok), ((("outcome", "failed"),), gossip.push_pulls_failed)]),
         *_family("openrld_gossip_refutations_total", "counter",
                  "Times this node refuted a suspicion of itself (a sign of its own packet loss or slowness).",
                  [((), gossip.refutations)]),
     ]
+
+
+def _every_drop_reason(dropped: dict[str, int]) -> dict[str, int]:
+    """Every reason the codec names, at 0 until counted: a counter's series exists before its first
+    increment, so that rate() and alerts on it work from the start (and a dashboard finds it)."""
+    return {**{reason.value: 0 for reason in DropReason}, **dropped}
 
 
 def _stability_lines(stability: StabilityStatistics) -> list[str]:

@@ -158,7 +158,12 @@ def test_render_reports_gossip_health_only_on_a_clustered_node():
         'openrld_gossip_packets_total{direction="received"} 90',
         'openrld_gossip_bytes_total{direction="sent"} 9000',
         'openrld_gossip_bytes_total{direction="received"} 8000',
+        # Every reason the codec names is there at 0 before its first drop, sorted by name.
         'openrld_gossip_dropped_total{reason="bad_tag"} 4',
+        'openrld_gossip_dropped_total{reason="bad_version"} 0',
+        'openrld_gossip_dropped_total{reason="too_large"} 0',
+        'openrld_gossip_dropped_total{reason="too_short"} 0',
+        'openrld_gossip_dropped_total{reason="undecodable"} 0',
         'openrld_gossip_push_pulls_total{outcome="ok"} 5',
         'openrld_gossip_push_pulls_total{outcome="failed"} 1',
         "openrld_gossip_refutations_total 1",
