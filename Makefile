@@ -31,7 +31,18 @@ $(VENV)/.recipes: $(VENV)/.runtime
 	touch $@
 
 install: $(VENV)/.runtime
-install-test: $(VENV)/.test
+install-test: $(VENV)/.test $(VENV)/.browser
+
+# The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium
+# headless through its driver: system packages, so apt-get installs them (as root, or with sudo).
+BROWSER_PACKAGES := chromium chromium-driver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+$(VENV)/.browser: $(VENV)/.runtime
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES); }
+	touch $@
 
 serve: install
 	$(VENV)/bin/openrld serve $(ARGS)

@@ -15,18 +15,12 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Daemon, write_api_keys, write_config
+from tests.conftest import Daemon
+from tests.e2e.console_support import datum, keyed_daemon
 
 ALICE, BOB, ADMIN = "tml-alice-console", "tml-bob-console", "tml-admin-console"
 STEPS = 3
 PROMPT = types.ModelInput.from_ints([7, 8, 9, 10])
-
-
-def datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
 
 
 def get(daemon: Daemon, path: str, key: str | None) -> httpx.Response:
@@ -35,13 +29,7 @@ def get(daemon: Daemon, path: str, key: str | None) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
-    root = tmp_path_factory.mktemp("console")
-    keys = write_api_keys(root / "keys.toml", {ALICE: "alice", BOB: "bob", ADMIN: "admin"})
-    config = write_config(
-        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama},
-        f'api_keys_file = "{keys}"\nlongpoll_s = 3.0\n',
-    )
-    node = Daemon(root / "data", config, root / "daemon.log").start()
+    node = keyed_daemon(tmp_path_factory.mktemp("console"), tiny_llama, {ALICE: "alice", BOB: "bob", ADMIN: "admin"})
     yield node
     node.stop()
 

@@ -28,6 +28,11 @@ function el(tag, props, children) {
   return node;
 }
 
+// Replaces `root`'s children with `nodes`, leaving out the nulls of optional parts.
+function show(root, ...nodes) {
+  root.replaceChildren(...nodes.filter((node) => node !== null && node !== undefined));
+}
+
 function badge(state) {
   return el("span", { class: "badge state-" + String(state).replace(/[^a-z_]/g, ""), text: state });
 }
@@ -161,7 +166,7 @@ function runRow(run) {
     cell(String(status.step), "num"),
     cell(status.last_error || "", "error"),
     cell(when(run.last_request_time)),
-    cell(run.node),
+    cell(run.node || "this node"),
   ]);
 }
 
@@ -169,7 +174,7 @@ async function viewRuns(root) {
   setActiveNav("runs");
   const body = await api("/openrl/v1/runs?limit=" + RUN_PAGE);
   const rows = body.runs.map(runRow);
-  root.replaceChildren(
+  show(root,
     el("h1", { text: "Runs" }),
     rows.length ? table("runs-table", [["Run"], ["Owner"], ["State"], ["Base model"], ["Settings"], ["Metadata"],
       ["Step", "num"], ["Last error"], ["Last request"], ["Node"]], rows)
@@ -186,7 +191,8 @@ function runFacts(run) {
     ["Settings", pairs(run.settings)], ["Metadata", pairs(run.user_metadata)], ["Step", String(status.step)],
     ["Queued ops", String(status.queues.training_ops_waiting)],
     ["Samples waiting / running", status.queues.samples_waiting + " / " + status.queues.samples_running],
-    ["Last error", status.last_error || ""], ["Last checkpoint", status.last_checkpoint || ""], ["Node", run.node],
+    ["Last error", status.last_error || ""], ["Last checkpoint", status.last_checkpoint || ""],
+    ["Node", run.node || "this node"],
   ];
   return el("dl", { class: "facts", id: "run-facts" }, facts.flatMap(([k, v]) => [
     el("dt", { text: k }), el("dd", { data: { fact: k } }, [v instanceof Node ? v : document.createTextNode(v)]),
@@ -226,7 +232,7 @@ async function viewRun(root, runId, generation) {
     curves.charts = new Map();
     const sampling = chartBox("chart-sampling", "sampled tokens / s");
     curves.sampling = sampling;
-    root.replaceChildren(
+    show(root,
       el("div", { id: "run-header" }), el("h2", { text: "Training curves" }),
       el("div", { class: "charts", id: "charts" }), el("h2", { text: "Sampling throughput" }),
       el("div", { class: "charts", id: "sampling" }, [sampling.box]),
@@ -303,7 +309,7 @@ async function viewCheckpoints(root, runId) {
     cell(c.public ? "published" : "private"),
     cell(el("span", {}, [el("code", { class: "path", text: c.tinker_path }), copyButton(c.tinker_path)])),
   ]));
-  root.replaceChildren(
+  show(root,
     ...runHeader(detail.run, "checkpoints"),
     el("h2", { text: "Checkpoints" }),
     rows.length ? table("checkpoints-table", [["Checkpoint"], ["Type"], ["Size", "num"], ["Saved"], ["TTL"],
@@ -378,7 +384,7 @@ async function viewCluster(root, nodeName) {
     nodeProblem = error.message;
   }
   const members = cluster.members.map((m) => memberRow(m, cluster.node));
-  root.replaceChildren(
+  show(root,
     el("h1", { text: "Devices and cluster" }),
     cluster.is_clustered
       ? table("members-table", [["Node"], ["State"], ["Incarnation", "num"], ["Since", "num"], ["Devices"],
