@@ -24,6 +24,7 @@ from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.torch_sampler import TorchSampler
 from openrld.gpu.torch_trainer import TorchTrainer
 from openrld.gpu.vllm_sampler import VllmSampler
+from openrld.worker.client import RemoteSampler, RemoteTrainer
 
 ACTORS = Path(__file__).resolve().parents[1] / "openrld" / "actors"
 FORBIDDEN = ("torch", "openrld.gpu")
@@ -31,9 +32,11 @@ ENGINES = [
     (engine_types.TrainerEngine, TorchTrainer),
     (engine_types.TrainerEngine, FullTrainer),
     (engine_types.TrainerEngine, TrainerProcess),
+    (engine_types.TrainerEngine, RemoteTrainer),
     (engine_types.SamplerEngine, TorchSampler),
     (engine_types.SamplerEngine, FullSampler),
     (engine_types.SamplerEngine, VllmSampler),
+    (engine_types.SamplerEngine, RemoteSampler),
 ]
 
 
