@@ -15,6 +15,9 @@ import msgspec
 import pytest
 
 from openrld.config import ENV_PREFIX, ConfigError, NodeConfig, load_api_keys, load_config
+from openrld.worker.launchers import WorkerSpec
+from openrld.worker.launchers.pod import PodLauncher, PodVolume, volumes_of_pod
+from openrld.worker.protocol import Start
 
 from deploy_support import REPO, comment_text, require_module
 
@@ -78,7 +81,7 @@ def _mount_path(container: dict, volume: str) -> str:
 
 
 # What Kubernetes fills in for the pod's fieldRefs, for a node named gke-pool-1-abcd.
-_FIELD_VALUES = {"spec.nodeName": "gke-pool-1-abcd", "status.podIP": "10.8.0.7"}
+_FIELD_VALUES = {"spec.nodeName": "gke-pool-1-abcd", "status.podIP": "10.8.0.7", "metadata.name": "openrld-x7k2p"}
 # The real Secret is made from the operator's files; the tests make one up.
 _CLUSTER_SECRET = secrets.token_hex(32)
 
@@ -118,7 +121,9 @@ def node_config(config_file, pod_env) -> NodeConfig:
 def test_manifests_hold_the_objects_gke_needs_and_no_secret(objects):
     assert sorted(objects) == [
         ("ConfigMap", "openrld-config"), ("DaemonSet", "openrld"), ("Namespace", "openrld"),
+        ("NetworkPolicy", "openrld-workers-no-network"),
         ("PersistentVolumeClaim", "openrld-checkpoints"), ("PriorityClass", "openrld-node"),
+        ("Role", "openrld-workers"), ("RoleBinding", "openrld-workers"),
         ("Service", "openrld"), ("Service", "openrld-peers"), ("ServiceAccount", "openrld"),
     ]
     namespaced = {doc["metadata"].get("namespace") for (kind, _), doc in objects.items()
@@ -362,10 +367,40 @@ def test_updates_wait_for_each_pod_to_be_deleted(objects):
     assert objects[("DaemonSet", "openrld")]["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
 
-def test_no_service_account_token_and_no_role(objects, pod):
-    assert pod["spec"]["automountServiceAccountToken"] is False
+def test_only_the_daemons_pod_gets_the_service_account_token(objects, pod):
+    # The daemon calls the API (worker Pods); any other Pod under this account would not get it.
+    assert pod["spec"]["automountServiceAccountToken"] is True
     assert objects[("ServiceAccount", "openrld")]["automountServiceAccountToken"] is False
-    assert not [kind for kind, _ in objects if kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
+
+
+def test_the_daemon_may_only_create_get_list_and_delete_pods_in_its_namespace(objects, pod):
+    assert not [kind for kind, _ in objects if kind in ("ClusterRole", "ClusterRoleBinding")]
+    role = objects[("Role", "openrld-workers")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "delete"]}]
+    binding = objects[("RoleBinding", "openrld-workers")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "openrld-workers"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["spec"]["serviceAccountName"], "namespace": "openrld"}]
+
+
+def test_the_pod_launcher_finds_its_own_pod_by_name(pod_env):
+    assert pod_env["POD_NAME"] == _FIELD_VALUES["metadata.name"]
+
+
+def test_worker_pods_get_no_network_in_or_out(objects):
+    policy = objects[("NetworkPolicy", "openrld-workers-no-network")]["spec"]
+    assert (policy["policyTypes"], "ingress" in policy, "egress" in policy) == (["Ingress", "Egress"], False, False)
+    # It selects the Pods the launcher makes, by the label the launcher sets.
+    spec = WorkerSpec(name="w", role="trainer", start=Start("lora_trainer", "/m", "cpu"), image="i/j:1")
+    launcher = PodLauncher(None, "openrld", "n", "n", (PodVolume("/var/lib/openrld", host_path="/var/lib/openrld"),))
+    manifest, _ = launcher.manifest(spec, "/var/lib/openrld/workers/w.sock", {}, "openrld-worker-1")
+    assert policy["podSelector"]["matchLabels"].items() <= manifest["metadata"]["labels"].items()
+
+
+def test_worker_pods_can_share_the_daemons_data_dir_and_checkpoint_claim(pod, node_config):
+    assert volumes_of_pod(pod) == (
+        PodVolume(str(node_config.data_dir), host_path=str(node_config.data_dir)),
+        PodVolume(str(node_config.checkpoint_root), claim="openrld-checkpoints"),
+    )
 
 
 # --- placement and privileges ------------------------------------------------------------------------------
