@@ -133,3 +133,9 @@ def built_image(context: Path, build_args: dict[str, str]) -> str:
 def containers_of(node: str) -> list[str]:
     """The names of every container (running or not) labelled with this node."""
     return podman("ps", "--all", "--filter", f"label=openrld.node={node}", "--format", "{{.Names}}").split()
+
+
+def container_log(name: str) -> str:
+    """What the container wrote, stdout and stderr (podman replays each on its own stream)."""
+    done = subprocess.run(["podman", *GLOBAL_ARGS, "logs", name], capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
