@@ -58,6 +58,7 @@ bench: install-test
 	$(PY) bench/future_latency.py
 	$(PY) bench/http_server.py
 	$(PY) bench/soak.py
+	$(PY) bench/console_cost.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes

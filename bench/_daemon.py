@@ -1,4 +1,4 @@
-"""Start a real `openrld serve` for a benchmark, on a free loopback port, with tiny models."""
+"""Start a real `openrld serve` for a benchmark, on a free loopback port, with tiny (or given) models."""
 
 from __future__ import annotations
 
@@ -28,12 +28,20 @@ def match_daemon_threads() -> int | None:
 def tiny_daemon(extra_config: str = "") -> Iterator[tuple[str, Path]]:
     """Yields (url, tiny llama directory); the daemon is stopped on exit."""
     with tempfile.TemporaryDirectory(prefix="openrld-bench-") as tmp:
-        root = Path(tmp)
-        model = build_tiny_model(root / "tiny-llama", "llama", seed=0)
+        model = build_tiny_model(Path(tmp) / "tiny-llama", "llama", seed=0)
+        with daemon({"tiny-llama": model}, extra_config, root=Path(tmp)) as url:
+            yield url, model
+
+
+@contextlib.contextmanager
+def daemon(models: dict[str, Path], extra_config: str = "", root: Path | None = None) -> Iterator[str]:
+    """Yields the URL of a daemon serving `models` (name -> directory); it is stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        if root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openrld-bench-")))
         config = root / "openrld.toml"
-        config.write_text(
-            f'data_dir = "{root / "data"}"\ndevice = "cpu"\n{extra_config}\n[models]\n"tiny-llama" = "{model}"\n'
-        )
+        table = "".join(f'"{name}" = "{directory}"\n' for name, directory in models.items())
+        config.write_text(f'data_dir = "{root / "data"}"\ndevice = "cpu"\n{extra_config}\n[models]\n{table}')
         log = open(root / "daemon.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(config)],
@@ -47,7 +55,7 @@ def tiny_daemon(extra_config: str = "") -> Iterator[tuple[str, Path]]:
                     break
             else:
                 raise RuntimeError((root / "daemon.log").read_text())
-            yield match.group(1), model
+            yield match.group(1)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
