@@ -79,6 +79,24 @@ class HttpLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 4096
 
 
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where engines run (`[workers]` in the config file; reasons there; docs/worker-protocol.md)."""
+
+    launcher: Literal["inproc", "process"] = "inproc"  # the built-in engines: in the daemon, or a process each
+    python: str = ""  # the process launcher's interpreter; "": the daemon's own
+    vllm_python: str = ""  # the vLLM environment's interpreter; set: the vLLM sampler runs there, in a process
+    container_runtime: Literal["podman", "docker", "kubernetes"] = "podman"  # for custom images
+    container_global_args: tuple[str, ...] = ()  # before the runtime's subcommand, every call: podman's --runtime runc
+    container_run_args: tuple[str, ...] = ()  # to `run` alone: extra mounts, --shm-size
+    allowed_images: tuple[str, ...] = ()  # fnmatch patterns of the images a job may name; none: no custom images
+    socket_dir: Path | None = None  # where worker sockets live; None: $XDG_RUNTIME_DIR or /tmp
+    pod_name: str = ""  # the daemon's own Pod (container_runtime = "kubernetes"); "": $POD_NAME
+    hello_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 120.0
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0.0)] = 2.0
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 60.0
+    stop_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 10.0
+
+
 class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one openrld node is configured with. Reasons: config/openrld.toml.
 
@@ -104,7 +122,6 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
     sampler_backend: Literal["torch", "vllm"] = "torch"
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
-    trainer_process: bool = False
     log_json: bool = False
     jwt_auth: bool = False
     jwt_ttl_s: Annotated[int, msgspec.Meta(ge=120, le=7 * 24 * 3600)] = 3600
@@ -117,6 +134,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     gossip_timing: Literal["lan", "local"] = "lan"
     accept_jobs: bool = True
     http: HttpLimits = HttpLimits()
+    workers: WorkerSettings = WorkerSettings()
     tls_certfile: Path | None = None  # PEM certificate chain; with tls_keyfile, the API and peers speak HTTPS
     tls_keyfile: Path | None = None
     tls_ca_certs: Path | None = None  # the CA that signed the peers' certificates; None: the system's CAs
@@ -135,7 +153,7 @@ _FIELDS = {field.name: field for field in msgspec.structs.fields(NodeConfig)}
 
 # The fields an environment variable can set: the scalars. `models` and `http` are
 # tables and `devices` a list; they belong in the file (or a ConfigMap mounted as the file).
-_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices", "http"))
+_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices", "http", "workers"))
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -280,11 +298,25 @@ def load_config(path: Path | None, overrides: Mapping[str, object], env: Mapping
         raise ConfigError("join: joining a cluster needs cluster_secret (peers authenticate with it); none is set")
     if not config.accept_jobs and not config.cluster_secret:
         raise ConfigError("accept_jobs = false: a node that takes no jobs relays them to a cluster; set cluster_secret")
-    if config.sampler_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    if config.workers.container_runtime == "kubernetes" and config.workers.allowed_images and not config.workers.pod_name:
+        # The DaemonSet gives the Pod its own name through the downward API (config/k8s/daemonset.yaml).
+        if not env.get("POD_NAME"):
+            raise ConfigError(
+                "workers.container_runtime = \"kubernetes\" needs the daemon's own Pod name: set POD_NAME "
+                "from the downward API (config/k8s/daemonset.yaml does) or workers.pod_name"
+            )
+        config = msgspec.structs.replace(config, workers=msgspec.structs.replace(config.workers, pod_name=env["POD_NAME"]))
+    if config.workers.heartbeat_timeout_s <= config.workers.heartbeat_s:
+        raise ConfigError(
+            f"workers.heartbeat_timeout_s = {config.workers.heartbeat_timeout_s} must be longer than "
+            f"workers.heartbeat_s = {config.workers.heartbeat_s}: a worker could never be on time"
+        )
+    if config.sampler_backend == "vllm" and not config.workers.vllm_python and importlib.util.find_spec("vllm") is None:
         # Found here, at startup, rather than when the first model loads.
         raise ConfigError(
-            "sampler_backend = \"vllm\" needs the 'vllm' package, which is not installed: install vLLM into "
-            "the daemon's environment on a CUDA machine (pip install vllm), or set sampler_backend = \"torch\""
+            "sampler_backend = \"vllm\" needs the 'vllm' package, which is not installed here: set [workers] "
+            "vllm_python to the interpreter of a vLLM environment (the image has /opt/openrld/envs/vllm/bin/python), "
+            "or set sampler_backend = \"torch\""
         )
     return config
 

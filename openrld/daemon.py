@@ -46,6 +46,9 @@ from openrld.metrics import HttpCounters
 from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
+from openrld.worker.client import WorkerTimeouts
+from openrld.worker.hosting import WorkerHosting
+from openrld.worker.launchers import Mount
 
 if TYPE_CHECKING:
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
@@ -65,6 +68,38 @@ def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
 
     return VllmSamplerConfig(
         gpu_memory_utilization=config.vllm_gpu_memory_utilization, max_lora_rank=config.max_lora_rank
+    )
+
+
+def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
+    """Where engines run, as `[workers]` says: inproc, processes, the vLLM environment, images."""
+    from openrld.actors.membership.service import node_name_or_host_name
+    from openrld.worker.launchers.process import ProcessLauncher
+
+    workers = config.workers
+    builtin = ProcessLauncher(workers.python) if workers.launcher == "process" else None
+    vllm = ProcessLauncher(workers.vllm_python) if config.sampler_backend == "vllm" and workers.vllm_python else None
+    images = None
+    node = node_name_or_host_name(config.node_name)
+    if workers.allowed_images and workers.container_runtime == "kubernetes":
+        from openrld.worker.launchers.pod import in_cluster
+
+        images = in_cluster(node, workers.pod_name)
+    elif workers.allowed_images:
+        from openrld.worker.launchers.container import ContainerLauncher
+
+        images = ContainerLauncher(
+            workers.container_runtime, node, workers.container_run_args, global_args=workers.container_global_args
+        )
+    checkpoints, staging = store.checkpoint_files
+    return WorkerHosting(
+        builtin=builtin, vllm=vllm, images=images, socket_root=workers.socket_dir,
+        timeouts=WorkerTimeouts(
+            hello_s=workers.hello_timeout_s, heartbeat_s=workers.heartbeat_s,
+            deadline_s=workers.heartbeat_timeout_s, stop_s=workers.stop_timeout_s,
+        ),
+        # A worker reads checkpoints (load_state) and writes them into staging, at the daemon's paths.
+        mounts=(Mount(str(checkpoints), str(checkpoints), read_only=True), Mount(str(staging), str(staging), read_only=False)),
     )
 
 
@@ -123,7 +158,10 @@ async def serve(
     verify_peers = peer_context(config)
     _raise_file_limit(config)
     store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
+    hosting = _worker_hosting(config, store)
     try:
+        # What an earlier daemon of this node left running (a container, a Pod) goes first.
+        await trio.to_thread.run_sync(hosting.reap)
         async with trio.open_nursery() as nursery:
             # Each run's curves for the console, fed by every settled request and written in a thread.
             history = HistoryRecorder(
@@ -148,7 +186,7 @@ async def serve(
                 nursery=nursery,
                 engines=TorchEngineFactory(
                     device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config),
-                    trainer_process=config.trainer_process, cpu_threads=threads,
+                    cpu_threads=threads, hosting=hosting,
                 ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,
@@ -161,7 +199,7 @@ async def serve(
             membership = await _open_membership(config, verify_peers)
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures,
-                max_lora_rank=config.max_lora_rank, usage=usage,
+                max_lora_rank=config.max_lora_rank, usage=usage, allowed_images=config.workers.allowed_images,
                 id_tag=ids.node_tag(membership.node.name) if membership is not None else "",
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
@@ -220,6 +258,7 @@ async def serve(
                 with trio.CancelScope(shield=True):
                     await peers.aclose()
     finally:
+        hosting.close()
         store.close()
 
 

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import msgspec
 
+from openrld.errors import OpenrldError
 from openrld.batches import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
@@ -69,7 +70,10 @@ class Finished(msgspec.Struct, frozen=True):
     """A sampling request that a sampler engine's `step` completed."""
 
     request_id: str  # the id the actor gave it in `add`
-    result: SampleResult
+    result: SampleResult | None
+    # Set, and `result` None: the engine refused or failed this request alone (a worker's
+    # sampler refuses an add in its next step, since `add` never waits on the worker).
+    error: OpenrldError | None = None
 
 
 class DeviceEngine(Protocol):

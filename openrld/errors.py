@@ -73,8 +73,9 @@ class ServerError(OpenrldError):
 
 
 class EngineLost(ServerError):
-    """An engine in a process of its own died (killed, out of memory), and the weights and
-    optimizer state it held went with it (`gpu/engine_process.py`)."""
+    """An engine's worker died (killed, out of memory), hung past its heartbeat deadline or
+    broke the worker protocol, and the weights and optimizer state it held went with it
+    (`openrld/worker/client.py`)."""
 
 
 class ServiceUnavailable(ServerError):

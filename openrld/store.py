@@ -743,6 +743,12 @@ class Store:
         self._require_under(directory)
         return directory
 
+    @property
+    def checkpoint_files(self) -> tuple[Path, Path]:
+        """(the checkpoint root, this node's staging under which checkpoints are written): what a
+        worker outside this process must see, at the same paths, to read and write checkpoints."""
+        return self._checkpoints, self._tmp
+
     def staging_dir(self) -> Path:
         """A fresh, empty directory in this node's staging (tmp/, or its own under a shared root)
         to write a checkpoint into before `commit_dir`."""

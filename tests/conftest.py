@@ -210,17 +210,20 @@ class ServeCommand:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
-def engine_processes(parent: int) -> list[int]:
-    """The pids of `parent`'s child processes that run an engine (gpu/engine_process.py)."""
+def engine_processes(parent: int, role: str | None = None) -> list[int]:
+    """The pids of `parent`'s child processes that run a worker (`python -m openrld.worker`),
+    of `role` ("trainer" or "sampler") or of either."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (entry / "cmdline").read_bytes()
+            environment = (entry / "environ").read_bytes().split(b"\0") if ppid == parent else []
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"openrld.gpu.engine_process" in command:
-            found.append(int(entry.name))
+        if ppid == parent and b"openrld.worker" in command:
+            if role is None or f"OPENRLD_WORKER_ROLE={role}".encode() in environment:
+                found.append(int(entry.name))
     return found
 
 

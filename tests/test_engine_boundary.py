@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from openrld import engine_types
-from openrld.gpu.engine_process import TrainerProcess
 from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.torch_sampler import TorchSampler
@@ -31,7 +30,6 @@ FORBIDDEN = ("torch", "openrld.gpu")
 ENGINES = [
     (engine_types.TrainerEngine, TorchTrainer),
     (engine_types.TrainerEngine, FullTrainer),
-    (engine_types.TrainerEngine, TrainerProcess),
     (engine_types.TrainerEngine, RemoteTrainer),
     (engine_types.SamplerEngine, TorchSampler),
     (engine_types.SamplerEngine, FullSampler),

@@ -78,7 +78,7 @@ from openrld.actors.stability import StabilityRecord, StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
 from openrld.engine_types import Finished, SamplerEngine, WeightPayload
-from openrld.errors import BadRequest, Gone, OpenrldError, ServerError, TooManyRequests
+from openrld.errors import BadRequest, EngineLost, Gone, OpenrldError, ServerError, TooManyRequests
 
 logger = logging.getLogger(__name__)
 
@@ -482,6 +482,9 @@ class SamplerActor:
             await trio.to_thread.run_sync(
                 run_steps, worker.engine, lambda: self._arrivals != seen, settle, limiter=self._limiter
             )
+        except EngineLost as error:  # a worker that died or broke the protocol: its requests fail, another takes over
+            self._fail_all(worker, error)
+            await self._replace_engine(worker, error)
         except Exception as error:  # a failed step fails its batch; the engine starts empty again
             logger.exception("sampler step failed group=%s", self.name)
             self._fail_all(worker, ServerError(f"sampling step failed: {type(error).__name__}: {error}"))
@@ -489,12 +492,36 @@ class SamplerActor:
         finally:
             worker.busy = False
 
+    async def _replace_engine(self, worker: _Worker, error: EngineLost) -> None:
+        """The worker's engine is gone: build another in its place, holding no versions yet.
+
+        Versions held on the host load into it again when sampled; a full fine-tuning
+        group's delta chain does not, so its later versions fail until the job saves anew.
+        """
+        logger.error("sampler engine lost group=%s: %s", self.name, error.detail)
+        lost = worker.engine
+        await trio.to_thread.run_sync(lost.close)
+        try:
+            worker.engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+        except Exception:  # its next step fails again, and this is tried again then
+            logger.exception("sampler engine rebuild failed group=%s", self.name)
+            return
+        worker.versions = VersionCache(self._max_loaded)
+        if worker in self._parked_workers:  # the new engine is resident
+            self._parked_workers.remove(worker)
+        logger.info("sampler engine rebuilt group=%s", self.name)
+
     def _settle(self, worker: _Worker, finished: list[Finished]) -> None:
         """Resolve the requests one engine step finished (a callback of the event loop's, run
         while the worker's next step may already be running; it must not raise)."""
         for done in finished:
             worker.live.discard(done.request_id)
             self.queue.done(done.request_id)
+            if done.error is not None or done.result is None:
+                self._failed += 1
+                self._recording.pop(done.request_id, None)
+                self._futures.fail(done.request_id, done.error or ServerError("the sampler returned no result"))
+                continue
             self._done += 1
             worker.requests_done += 1
             try:
@@ -532,6 +559,12 @@ class SamplerActor:
             # Validation and per-sample RNG set-up only: cheap enough for the event loop,
             # and the engine is idle between steps.
             worker.engine.add(op.request_id, version, op.job)
+        except EngineLost as error:  # its version could not load: the worker is gone
+            self.queue.done(op.request_id)
+            self._failed += 1
+            self._futures.fail(op.request_id, error)
+            await self._replace_engine(worker, error)
+            return
         except (OpenrldError, KeyError, ValueError) as error:
             self.queue.done(op.request_id)
             self._failed += 1

@@ -36,6 +36,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampleJob, SampleResult
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.gpu import delta as weight_delta
@@ -100,6 +101,7 @@ class FullSampler:
         """
         if version in self._loaded:
             raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
+        payload = local_payload(payload)  # a worker's trainer sends its weights over the protocol
         if isinstance(payload, weight_delta.WeightDelta):
             # Patching waits for the running batch to drain (`step` applies it then).
             self._loaded.add(version)

@@ -59,6 +59,7 @@ import peft
 import torch
 import transformers
 
+from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
@@ -277,6 +278,7 @@ class TorchSampler(offload.ParksInSlot):
                 tensor is missing, unexpected or misshapen, or a base-weight tensor differs
                 from this sampler's base weights.
         """
+        payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if spec is None or not isinstance(payload, dict):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
         tensors: dict[str, torch.Tensor] = payload

@@ -52,6 +52,7 @@ import msgspec
 import torch
 import transformers
 
+from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.gpu import lora_io, offload, torch_sampler
@@ -217,6 +218,7 @@ class VllmSampler:
             ValueError: not a LoRA version, already loaded, or vLLM refused the adapter (the
                 message says why).
         """
+        payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if spec is None or not isinstance(payload, Mapping):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
         tensors: Mapping[str, torch.Tensor] = payload

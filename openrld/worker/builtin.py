@@ -21,9 +21,10 @@ def build(start: Start) -> Any:
     options = start.options
     match start.kind:
         case "lora_trainer":
-            from openrld.gpu.engines import build_lora_trainer
+            from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
-            return build_lora_trainer(start.model_dir, device, int(options.get("max_batch_tokens", 8192)))
+            config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
+            return TorchTrainer(start.model_dir, device, config=config)
         case "full_trainer":
             from openrld.gpu.full_trainer import FullTrainer
             from openrld.gpu.torch_trainer import TrainerConfig
@@ -39,8 +40,9 @@ def build(start: Start) -> Any:
 
             return FullSampler(start.model_dir, device)
         case "vllm_sampler":
-            from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerConfig
             import msgspec
+
+            from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerConfig
 
             return VllmSampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
     raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")

@@ -32,7 +32,7 @@ from openrld.batches import (
     SyncStats,
 )
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
-from openrld.errors import EngineLost, OpenrldError
+from openrld.errors import BadRequest, EngineLost, OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, ProtocolError
 from openrld.worker.methods import METHODS, AddRequest, StepCall, join_params, split_params
@@ -268,10 +268,12 @@ class RemoteSampler:
         finished = []
         for done in reply.finished:
             if self._live.pop(done.request_id, _GONE) is not _GONE:  # else cancelled meanwhile
-                finished.append(done)
+                finished.append(Finished(request_id=done.request_id, result=done.result))
         for failed in reply.failed:
             if self._live.pop(failed.request_id, _GONE) is not _GONE:
                 error = values.error_from(failed.kind, failed.message)
+                if not isinstance(error, OpenrldError):  # a refused request, as an engine here refuses it at add
+                    error = BadRequest(str(error))
                 finished.append(Finished(request_id=failed.request_id, result=None, error=error))
         return finished
 

@@ -29,9 +29,10 @@ from openrld.batches import (
     OptimParams,
     OptimResult,
     SampleJob,
+    SampleResult,
     SyncStats,
 )
-from openrld.engine_types import Finished, ParkReport, ResumeReport
+from openrld.engine_types import ParkReport, ResumeReport
 from openrld.worker.protocol import Failure
 from openrld.worker.values import RequestFailure, WirePayload
 
@@ -64,8 +65,15 @@ class StepCall(msgspec.Struct, frozen=True):
     steps: int = 1  # engine steps to run, back to back, before answering
 
 
+class Done(msgspec.Struct, frozen=True):
+    """A request a step finished: `engine_types.Finished` without its error (failures are `failed`)."""
+
+    request_id: str
+    result: SampleResult
+
+
 class StepReply(msgspec.Struct, frozen=True):
-    finished: list[Finished] = []
+    finished: list[Done] = []
     failed: list[RequestFailure] = []  # adds the engine refused, with why
     has_work: bool = False
 

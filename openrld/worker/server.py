@@ -30,7 +30,7 @@ from typing import Any, Callable
 from openrld.errors import OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, Limits, ProtocolError
-from openrld.worker.methods import METHODS, PayloadReply, StepCall, StepOutcome, StepReply, join_params
+from openrld.worker.methods import METHODS, Done, PayloadReply, StepCall, StepOutcome, StepReply, join_params
 from openrld.worker.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -243,7 +243,7 @@ def _sampler_handlers(engine: Any) -> dict[str, Callable[..., Any]]:
         for _ in range(call.steps):
             if not engine.has_work():
                 break
-            finished += engine.step()
+            finished += [Done(done.request_id, done.result) for done in engine.step()]
         return StepReply(finished, failed, engine.has_work())
 
     return {

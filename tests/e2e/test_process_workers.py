@@ -1,7 +1,9 @@
-"""`trainer_process = true`: LoRA trainers in processes of their own, driven by the real SDK.
+"""`[workers] launcher = "process"`: trainers and samplers in worker processes, driven by the real SDK.
 
-The numbers must be those of the in-process trainer (the `shared_daemon`, default config):
-the engine is the same code with the same torch thread count, so losses are compared with `==`.
+The numbers must be those of the engines in the daemon's process (the `shared_daemon`,
+default config): the engines are the same code with the same torch thread count, and
+everything crosses the worker protocol bit for bit, so losses, tokens and logprobs are
+compared with `==`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def train(service: tinker.ServiceClient, steps: int, seed: int) -> tuple[tinker.
 
 
 def start_process_daemon(root: Path, tiny_llama: Path) -> Daemon:
-    config = write_config(root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, "trainer_process = true")
+    config = write_config(
+        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, '[workers]\nlauncher = "process"'
+    )
     return Daemon(root / "data", config, root / "daemon.log").start()
 
 
@@ -69,9 +73,40 @@ def test_training_in_a_process_gives_the_in_process_trainers_losses(service, sha
     assert losses[-1] < losses[0]
 
 
-def test_the_trainer_runs_in_a_child_of_the_daemon(service, process_daemon):
-    train(service, steps=1, seed=12)
-    assert len(engine_processes(process_daemon.proc.pid)) == 1
+def test_the_trainer_and_the_sampler_run_in_children_of_the_daemon(service, process_daemon):
+    training, _ = train(service, steps=1, seed=12)
+    training.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=1, seed=1)
+    ).result()
+    pid = process_daemon.proc.pid
+    assert (len(engine_processes(pid, "trainer")), len(engine_processes(pid, "sampler"))) == (1, 1)
+
+
+def sample_twice(service: tinker.ServiceClient, seed: int) -> list[tuple[list[int], list[float]]]:
+    """Base-model samples with prompt logprobs: what a sampler in a process must give as one in the daemon does."""
+    sampler = service.create_sampling_client(base_model="tiny-llama").result()
+    result = sampler.sample(
+        types.ModelInput.from_ints([5, 6, 7, 8, 9]), 2,
+        types.SamplingParams(max_tokens=6, seed=seed, temperature=0.9), include_prompt_logprobs=True,
+    ).result()
+    return [(s.tokens, s.logprobs) for s in result.sequences] + [([], result.prompt_logprobs[1:])]
+
+
+def test_sampling_in_a_process_gives_the_in_process_samplers_tokens_and_logprobs(service, shared_daemon):
+    in_process = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
+    try:
+        expected = sample_twice(in_process, seed=21)
+    finally:
+        in_process.close("success").result()
+    assert sample_twice(service, seed=21) == expected
+
+
+def test_a_bad_sample_request_fails_alone_and_the_sampler_serves_on(service):
+    sampler = service.create_sampling_client(base_model="tiny-llama").result()
+    with pytest.raises(tinker.RequestFailedError, match="token"):
+        sampler.sample(types.ModelInput.from_ints([10**6]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    ok = sampler.sample(types.ModelInput.from_ints([3, 4]), 1, types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(ok.sequences[0].tokens) == 2
 
 
 def test_a_sampler_takes_the_weights_the_process_trained(service):
@@ -109,7 +144,7 @@ def train_more(training: tinker.TrainingClient, seed: int) -> list[float]:
 
 
 LOST = (
-    "trainer process openrld-trainer tiny-llama died (exit status -9); the weights and optimizer "
+    "openrld-trainer tiny-llama died (exit status -9); the weights and optimizer "
     "state it held are gone: resume from a saved state"
 )
 
@@ -124,7 +159,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
     training, _ = train(client, steps=2, seed=15)
     state = training.save_state("before-the-kill").result().path
-    (engine,) = engine_processes(daemon.proc.pid)
+    (engine,) = engine_processes(daemon.proc.pid, "trainer")
     os.kill(engine, signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as raised:
         training.forward_backward([datum([3, 4, 5, 6])], "cross_entropy").result()
@@ -145,7 +180,21 @@ def test_a_new_trainer_process_takes_the_place_of_the_killed_one(killed):
     client, _, _, daemon = killed
     _, losses = train(client, steps=2, seed=16)
     assert len(losses) == 2
-    assert len(engine_processes(daemon.proc.pid)) == 1
+    assert len(engine_processes(daemon.proc.pid, "trainer")) == 1
+
+
+def test_a_killed_sampler_worker_fails_its_request_and_a_new_one_serves_the_next(killed):
+    client, _, _, daemon = killed
+    sampler = client.create_sampling_client(base_model="tiny-llama").result()
+    params = types.SamplingParams(max_tokens=2, seed=1)
+    sampler.sample(types.ModelInput.from_ints([3, 4]), 1, params).result()
+    (engine,) = engine_processes(daemon.proc.pid, "sampler")
+    os.kill(engine, signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError, match="openrld-sampler tiny-llama died"):
+        sampler.sample(types.ModelInput.from_ints([3, 4]), 1, params).result()
+    again = sampler.sample(types.ModelInput.from_ints([3, 4]), 1, params).result()
+    assert len(again.sequences[0].tokens) == 2
+    assert engine_processes(daemon.proc.pid, "sampler") not in ([], [engine])
 
 
 def test_the_daemon_samples_on_after_the_kill(killed):
@@ -163,14 +212,30 @@ def test_a_lost_job_resumes_from_its_saved_state(killed):
     assert resumed == from_state
 
 
-def test_a_stopped_daemon_leaves_no_trainer_process(tmp_path: Path, tiny_llama: Path):
+def wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_stopped_daemon_leaves_no_worker_process(tmp_path: Path, tiny_llama: Path):
     daemon = start_process_daemon(tmp_path, tiny_llama)
     client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
     train(client, steps=1, seed=16)
     client.close("success").result()
-    (engine,) = engine_processes(daemon.proc.pid)
+    workers = engine_processes(daemon.proc.pid)
+    assert len(workers) == 2
     assert daemon.stop() == 0
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{engine}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not Path(f"/proc/{engine}").exists()
+    assert wait_gone(workers) == []
+
+
+def test_a_killed_daemons_workers_exit_on_their_own(tmp_path: Path, tiny_llama: Path):
+    daemon = start_process_daemon(tmp_path, tiny_llama)
+    client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    train(client, steps=1, seed=17)
+    workers = engine_processes(daemon.proc.pid)
+    assert len(workers) == 2
+    daemon.proc.kill()  # the daemon alone, as the OOM killer would: its workers see their sockets close
+    daemon.proc.wait()
+    assert wait_gone(workers) == []

@@ -1,0 +1,79 @@
+"""Which launcher hosts each engine, and the one call that starts a worker for it.
+
+The daemon builds one `WorkerHosting` from its `[workers]` config and hands it to
+the engine factory (`gpu/engines.py`). The factory asks it for a trainer or a
+sampler of a kind; `None` from `launcher_for` means inproc (the engine in the
+daemon's own worker thread), anything else a worker, started here and returned
+as a `RemoteTrainer` or `RemoteSampler`:
+- the built-in engines run where `[workers] launcher` says;
+- the vLLM sampler runs in the vLLM environment when `vllm_python` names one;
+- a job's image runs through the container runtime, after the allow-list said yes.
+
+It owns the private socket directory (made at start, removed at close) and reaps,
+at start, the containers or Pods an earlier daemon of this node left.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from openrld.errors import ServerError
+from openrld.worker.client import RemoteSampler, RemoteTrainer, WorkerTimeouts
+from openrld.worker.launchers import Launcher, Mount, WorkerSpec, socket_directory, start_worker
+from openrld.worker.protocol import Role, Scalar, Start
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHosting:
+    def __init__(
+        self, *, builtin: Launcher | None = None, vllm: Launcher | None = None, images: Launcher | None = None,
+        socket_root: Path | None = None, timeouts: WorkerTimeouts = WorkerTimeouts(), mounts: tuple[Mount, ...] = (),
+    ) -> None:
+        self.builtin = builtin  # None: the built-in engines run inproc
+        self.vllm = vllm  # None: the vLLM sampler (if any) runs inproc
+        self.images = images  # None: this node runs no images
+        self.timeouts = timeouts
+        self.mounts = mounts  # what every worker sees besides its model: the checkpoint root
+        self.directory = socket_directory(socket_root) if (builtin or vllm or images) else None
+
+    @classmethod
+    def inproc(cls) -> WorkerHosting:
+        return cls()
+
+    def reap(self) -> int:
+        """Stop what an earlier daemon of this node left running (containers, Pods)."""
+        found = self.images.reap() if self.images is not None else 0
+        if found:
+            logger.warning("reaped %d worker(s) an earlier daemon of this node left running", found)
+        return found
+
+    def close(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def launcher_for(self, kind: str, image: str | None = None) -> Launcher | None:
+        if image is not None:
+            if self.images is None:
+                raise ServerError(f"image {image}: this node runs no images ([workers] allowed_images is empty)")
+            return self.images
+        if kind == "vllm_sampler":
+            return self.vllm
+        return self.builtin
+
+    def start(
+        self, launcher: Launcher, *, role: Role, kind: str, model_name: str, model_dir: str, device: str,
+        threads: int | None, options: dict[str, Scalar], image: str | None = None, job: str | None = None,
+    ) -> Any:
+        """A ready worker for one engine, as the engine interface of its role."""
+        assert self.directory is not None, "a launcher implies a socket directory"
+        name = f"openrld-{role} {model_name}" + (f" (job {job})" if job else "") + (f" [{image}]" if image else "")
+        spec = WorkerSpec(
+            name=name, role=role, start=Start(kind, model_dir, device, threads=threads, options=options),
+            image=image, mounts=(Mount(model_dir, model_dir, read_only=True), *self.mounts), job=job,
+        )
+        connection, _ = start_worker(launcher, spec, self.directory, timeouts=self.timeouts)
+        return RemoteTrainer(connection) if role == "trainer" else RemoteSampler(connection)
