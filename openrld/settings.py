@@ -287,7 +287,8 @@ _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     "fine_tuning_type": lambda value: True,  # full: gpu/full_trainer.py, a group per job
     "weight_sync": lambda value: True,  # gpu/delta.py; legal only with fine_tuning_type=full
     "exclusive": lambda value: True,  # actors/device_pool.py books devices of its own, or refuses
-    "trainer_backend": lambda value: value == "pytorch",
+    # pytorch, or an image (has a '/'), run by the node's container runtime; automodel: not yet
+    "trainer_backend": lambda value: value == "pytorch" or "/" in str(value),
     "trainer_gpus": lambda value: value == 1,
     "trainer_cp": lambda value: value == 1,
     "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them

@@ -14,9 +14,9 @@ def test_refused_losses_are_the_trainer_refusals():
     assert capabilities.REFUSED_LOSSES == tuple(losses.NOT_SUPPORTED)
 
 
-def test_only_the_pytorch_trainer_and_torch_sampler_are_built():
+def test_the_pytorch_trainer_and_images_are_built_and_automodel_is_not():
     assert [(b.name, b.built) for b in capabilities.trainer_backends()] == [
-        ("pytorch", True), ("automodel", False), ("image", False),
+        ("pytorch", True), ("automodel", False), ("image", True),
     ]
     assert [(b.name, b.built) for b in capabilities.sampler_backends()] == [("torch", True), ("vllm", True)]
 

@@ -252,20 +252,19 @@ def test_defaults_are_supported() -> None:
             "openrl.trainer_backend",
             "openrl.trainer_backend=automodel is not supported yet by this node",
         ),
-        (
-            JobSettings(trainer_backend="ghcr.io/org/trainer:1"),
-            "openrl.trainer_backend",
-            "openrl.trainer_backend=ghcr.io/org/trainer:1 is not supported yet by this node",
-        ),
         (JobSettings(trainer_gpus=2), "openrl.trainer_gpus", "openrl.trainer_gpus=2 is not supported yet by this node"),
         (JobSettings(trainer_cp=2), "openrl.trainer_cp", "openrl.trainer_cp=2 is not supported yet by this node"),
     ],
-    ids=["automodel", "image", "gpus", "cp"],
+    ids=["automodel", "gpus", "cp"],
 )
 def test_unbuilt_feature_is_not_supported_yet(settings: JobSettings, key: str, detail: str) -> None:
     with pytest.raises(NotSupportedYet) as excinfo:
         require_supported(settings)
     assert (excinfo.value.detail, excinfo.value.key) == (detail, key)
+
+
+def test_a_trainer_image_is_supported_and_left_to_the_nodes_allow_list() -> None:
+    require_supported(JobSettings(trainer_backend="ghcr.io/org/trainer:1"))
 
 
 @pytest.mark.parametrize("sync", [WeightSync.DELTA, WeightSync.FULL], ids=["delta", "full"])

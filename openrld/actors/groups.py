@@ -44,9 +44,14 @@ logger = logging.getLogger(__name__)
 class EngineFactory(Protocol):
     """Builds engines for a model; called in a worker thread. Lives outside actors/ (it imports torch)."""
 
-    def trainer(self, model: ModelEntry) -> Callable[[], TrainerEngine]: ...
+    # `image`: the job's own trainer image (openrl.trainer_backend), run as a worker; `job` names it.
+    def trainer(
+        self, model: ModelEntry, image: str | None = None, job: str | None = None
+    ) -> Callable[[], TrainerEngine]: ...
     def sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
-    def full_trainer(self, model: ModelEntry, weight_sync: str) -> Callable[[], TrainerEngine]: ...
+    def full_trainer(
+        self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
+    ) -> Callable[[], TrainerEngine]: ...
     def full_sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
     def on(self, device: str) -> "EngineFactory": ...
 
@@ -68,8 +73,9 @@ class OwnGroup(msgspec.Struct, frozen=True):
     """A job's own group, booked at the job's creation."""
 
     job: str
-    full_sync: str | None  # full fine-tuning's weight_sync; None: a LoRA group of its own (exclusive)
+    full_sync: str | None  # full fine-tuning's weight_sync; None: a LoRA group of its own (exclusive, image)
     is_exclusive: bool
+    trainer_image: str | None = None  # openrl.trainer_backend=<image>: its trainer runs from that image
 
 
 class _Seat(msgspec.Struct, frozen=True):
@@ -117,8 +123,10 @@ class GroupTable:
         # One node-wide store: every group's sampler records into it, the job table resolves from it.
         self.stability = StabilityRecords()
 
-    def reserve(self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool) -> None:
-        """Book devices now for `job`'s own group (exclusive, or full fine-tuning), before it starts.
+    def reserve(
+        self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, trainer_image: str | None = None
+    ) -> None:
+        """Book devices now for `job`'s own group (exclusive, a trainer image, or full fine-tuning), before it starts.
 
         Placement is synchronous, so two jobs created at once never book one free device.
 
@@ -126,7 +134,7 @@ class GroupTable:
             BadRequest: exclusive, and no device of this node is free (key `openrl.exclusive`).
         """
         key = _group_key(model, job)
-        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive)
+        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive, trainer_image=trainer_image)
         if self._devices is not None:
             try:
                 self._devices.pool.place(key, exclusive=exclusive, label=f"job {job}")
@@ -282,7 +290,9 @@ class GroupTable:
         trainer = await nursery.start(
             TrainerActor(
                 name=name,
-                build_engine=trainer_seat.engines.trainer(model),
+                build_engine=trainer_seat.engines.trainer(
+                    model, own.trainer_image if own is not None else None, job
+                ),
                 limiter=trainer_seat.limiter,
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,
@@ -296,6 +306,7 @@ class GroupTable:
         """A trainer and a sampler for one full fine-tuning run. Its sampler takes each new
         version as it is published, in order (`eager_versions`): weight-sync payloads chain."""
         trainer_seat, sampler_seat = self._seats(model, job, is_full=True)
+        own = self._own.get(_group_key(model, job))
         sampler = await nursery.start(
             SamplerActor(
                 name=f"{model.name}/{job}",
@@ -313,7 +324,9 @@ class GroupTable:
         trainer = await nursery.start(
             TrainerActor(
                 name=f"{model.name}/{job}",
-                build_engine=trainer_seat.engines.full_trainer(model, weight_sync),
+                build_engine=trainer_seat.engines.full_trainer(
+                    model, weight_sync, own.trainer_image if own is not None else None, job
+                ),
                 limiter=trainer_seat.limiter,
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,

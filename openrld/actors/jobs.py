@@ -37,6 +37,7 @@ from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, Lora
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
 from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
+from openrld.worker.images import check_image_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +88,16 @@ TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the st
 class _Job:
     __slots__ = (
         "model_id", "owner", "model", "lora", "requests", "touched_at", "sampler_replicas", "full_sync", "is_exclusive",
+        "trainer_image",
     )
 
     def __init__(
         self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec | None, sampler_replicas: int = 1,
-        full_sync: str | None = None, is_exclusive: bool = False,
+        full_sync: str | None = None, is_exclusive: bool = False, trainer_image: str | None = None,
     ) -> None:
         self.is_exclusive = is_exclusive  # openrl.exclusive: a group of its own on devices of its own
+        # openrl.trainer_backend=<image>: a group of its own, whose trainer runs from that image
+        self.trainer_image = trainer_image
         self.model_id = model_id
         self.owner = owner
         self.model = model
@@ -111,8 +115,9 @@ class _Job:
 
     @property
     def group_job(self) -> str | None:
-        """The key of the job's own group (full fine-tuning or exclusive), else None (its base model's LoRA group)."""
-        return self.model_id if self.full_sync is not None or self.is_exclusive else None
+        """The key of the job's own group (full fine-tuning, exclusive or an image), else None (its base model's LoRA group)."""
+        has_own = self.full_sync is not None or self.is_exclusive or self.trainer_image is not None
+        return self.model_id if has_own else None
 
 
 class _SamplingSession:
@@ -149,7 +154,9 @@ class JobTable:
         max_lora_rank: int,
         usage: UsageMeter | None = None,
         id_tag: str = "",
+        allowed_images: tuple[str, ...] = (),
     ) -> None:
+        self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
         self._usage = usage if usage is not None else UsageMeter()
         self._nursery = nursery
@@ -277,6 +284,7 @@ class JobTable:
             session.tags, session.user_metadata, user_metadata
         )
         job_settings.require_supported(job_settings_value)
+        image = self._trainer_image(job_settings_value)
         full_sync = _full_sync(job_settings_value)
         if full_sync is None:
             if lora is None:
@@ -286,8 +294,12 @@ class JobTable:
             lora = None  # the SDK always sends a lora_config; a full job has no adapter
             _require_full_optimizer(optimizer_config)
         model = self._catalog.resolve(base_model)
-        if job_settings_value.exclusive:  # booked now, so that a node with no free device refuses the job
-            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
+        # Booked now, so that a node with no free device refuses an exclusive job.
+        own_group = job_settings_value.exclusive or image is not None
+        if own_group:
+            self._groups.reserve(
+                model, model_id, full_sync=full_sync, exclusive=job_settings_value.exclusive, trainer_image=image
+            )
         try:
             self._store.create_run(
                 model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
@@ -296,12 +308,13 @@ class JobTable:
                 user_metadata=user_metadata, optimizer_config=optimizer_config,
             )
         except BaseException:
-            if job_settings_value.exclusive:  # no job, so no booking
+            if own_group:  # no job, so no booking
                 self._groups.end(model, model_id, f"model {model_id} could not be created")
             raise
         request_id = self._new_request(owner, model_id, "create_model")
         job = _Job(
-            model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive
+            model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
+            image,
         )
         job.remember(0, request_id)
         self._jobs[model_id] = job
@@ -329,9 +342,12 @@ class JobTable:
         full_sync = _full_sync(job_settings.settings_from_dict(source_run.settings))
         if full_sync is not None:
             _require_full_optimizer(resumed_config)
-        is_exclusive = job_settings.settings_from_dict(source_run.settings).exclusive
-        if is_exclusive:
-            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=True)
+        source_settings = job_settings.settings_from_dict(source_run.settings)
+        is_exclusive = source_settings.exclusive
+        image = self._trainer_image(source_settings)
+        own_group = is_exclusive or image is not None
+        if own_group:
+            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=is_exclusive, trainer_image=image)
         try:
             self._store.create_run(
                 model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
@@ -339,12 +355,11 @@ class JobTable:
                 user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
             )
         except BaseException:
-            if is_exclusive:  # no job, so no booking
+            if own_group:  # no job, so no booking
                 self._groups.end(model, model_id, f"model {model_id} could not be created")
             raise
         request_id = self._new_request(owner, model_id, "load_weights")
-        replicas = job_settings.settings_from_dict(source_run.settings).sampler_replicas
-        job = _Job(model_id, owner, model, lora, replicas, full_sync, is_exclusive)
+        job = _Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, image)
         job.remember(0, request_id)
         self._jobs[model_id] = job
         op = LoadState(
@@ -353,6 +368,17 @@ class JobTable:
         )
         self._nursery.start_soon(self._open_and_submit, job, op)
         return request_id, model_id
+
+    def _trainer_image(self, settings: job_settings.JobSettings) -> str | None:
+        """The job's trainer image, once the node's allow-list has let it through; None: a built-in trainer.
+
+        Raises:
+            BadRequest: the image matches no pattern of [workers] allowed_images (key openrl.trainer_backend).
+        """
+        if not _is_image(settings.trainer_backend):
+            return None
+        check_image_allowed(settings.trainer_backend, self._allowed_images)
+        return settings.trainer_backend
 
     async def _open_and_submit(self, job: _Job, first_op: TrainOp) -> None:
         try:
@@ -756,6 +782,10 @@ def _full_sync(settings: job_settings.JobSettings) -> str | None:
     if settings.fine_tuning_type is not job_settings.FineTuningType.FULL:
         return None
     return settings.weight_sync.value
+
+
+def _is_image(backend: str) -> bool:
+    return "/" in backend  # settings.py: an image reference has a '/'; pytorch and automodel have none
 
 
 def _full_group(run: Any) -> str | None:

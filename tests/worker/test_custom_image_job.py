@@ -1,0 +1,106 @@
+"""A job names its own trainer image (openrl.trainer_backend=<image>) through the real SDK.
+
+The image is examples/custom-trainer, built here from its Containerfile (podman_support.py
+lends it this host's Python, since no registry can be reached). The daemon runs it with
+podman for that job alone; the job trains, saves and samples as a job of openrld's own
+trainer does, with the same losses, and an image off the node's allow-list is refused.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from conftest import Daemon, write_config
+from tinker import types
+
+import podman_support
+from podman_support import GLOBAL_ARGS, REPO, containers_of
+
+API_KEY = "tml-test"
+ADAM = types.AdamParams(learning_rate=1e-2)
+
+
+def toml_list(items) -> str:
+    return "[" + ", ".join(f'"{item}"' for item in items) + "]"
+
+
+@pytest.fixture(scope="module")
+def example_image(tmp_path_factory):
+    podman_support.require_podman()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONTAINERS_CONF", podman_support.write_containers_conf(tmp_path_factory.mktemp("podman")))
+        base = podman_support.skeleton_image(["python"])
+        yield podman_support.built_image(REPO / "examples" / "custom-trainer", {"BASE": base})
+
+
+@pytest.fixture(scope="module")
+def image_daemon(tmp_path_factory, tiny_llama: Path, example_image: str):
+    root = tmp_path_factory.mktemp("image-daemon")
+    node = f"test-{secrets.token_hex(4)}"
+    extra = "\n".join([
+        f'node_name = "{node}"',
+        "[workers]",
+        f"allowed_images = {toml_list([example_image.rsplit(':', 1)[0] + ':*'])}",
+        f"container_global_args = {toml_list(GLOBAL_ARGS)}",
+        f"container_run_args = {toml_list(podman_support.host_python_args())}",
+    ])
+    # [workers] is a table: it goes after the top-level keys, and [models] after it.
+    config = write_config(root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, extra)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CONTAINERS_CONF", podman_support.write_containers_conf(root))
+        daemon = Daemon(root / "data", config, root / "daemon.log").start()
+    yield daemon, node
+    daemon.stop()
+    assert containers_of(node) == [], "a worker container outlived its daemon"
+
+
+def datum(tokens) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+
+
+def train(service: tinker.ServiceClient, metadata: dict[str, str]) -> tuple[tinker.TrainingClient, list[float]]:
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=5, user_metadata=metadata).result()
+    rng = np.random.default_rng(5)
+    data = [datum(list(rng.integers(3, 300, size=16))) for _ in range(2)]
+    losses = []
+    for _ in range(2):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(ADAM).result()
+    return training, losses
+
+
+def test_a_job_trains_from_its_image_as_from_openrlds_trainer(image_daemon, example_image, shared_daemon):
+    daemon, node = image_daemon
+    reference = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
+    try:
+        _, expected = train(reference, {})
+    finally:
+        reference.close("success").result()
+    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    try:
+        training, losses = train(service, {"openrl.trainer_backend": example_image})
+        assert len(containers_of(node)) == 1
+        assert losses == expected
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sampled = sampler.sample(types.ModelInput.from_ints([3, 4, 5]), 1, types.SamplingParams(max_tokens=3, seed=2)).result()
+        assert len(sampled.sequences[0].tokens) == 3
+    finally:
+        service.close("success").result()
+
+
+def test_an_image_off_the_allow_list_is_refused_naming_the_setting(image_daemon):
+    daemon, _ = image_daemon
+    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    try:
+        with pytest.raises(tinker.BadRequestError) as refused:
+            service.create_lora_training_client(
+                base_model="tiny-llama", rank=4, user_metadata={"openrl.trainer_backend": "evil.example/miner:1"}
+            ).result()
+    finally:
+        service.close("success").result()
+    assert "openrl.trainer_backend: image 'evil.example/miner:1' is not allowed" in str(refused.value)
+    assert "workers.allowed_images" in str(refused.value)
