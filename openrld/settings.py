@@ -29,6 +29,7 @@ PREFIX = "openrl."
 # container runtime.
 _IMAGE_REF = r"[A-Za-z0-9][A-Za-z0-9._:@-]*(/[A-Za-z0-9._:@-]+)+"
 _BACKEND_PATTERN = rf"^(pytorch|automodel|{_IMAGE_REF})$"
+_SAMPLER_PATTERN = rf"^(node|{_IMAGE_REF})$"
 _MAX_IMAGE_REF_CHARS = 255
 
 _DECIMAL = re.compile(r"[0-9]{1,9}")
@@ -100,6 +101,25 @@ class JobSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         int,
         msgspec.Meta(ge=1, le=8, description="Sampler engines draining the job's sampling queue."),
     ] = 1
+    sampler_backend: Annotated[
+        str,
+        msgspec.Meta(
+            pattern=_SAMPLER_PATTERN,
+            max_length=_MAX_IMAGE_REF_CHARS,
+            description="Which sampler serves the job: node (the node's sampler_backend), "
+            "or a container image reference (contains '/').",
+        ),
+    ] = "node"
+
+    @property
+    def trainer_image(self) -> str | None:
+        """The container image the job's trainer runs from; None: a built-in trainer."""
+        return self.trainer_backend if "/" in self.trainer_backend else None
+
+    @property
+    def sampler_image(self) -> str | None:
+        """The container image the job's sampler runs from; None: the node's sampler."""
+        return self.sampler_backend if "/" in self.sampler_backend else None
 
 
 DEFAULT_SETTINGS = JobSettings()
@@ -139,8 +159,8 @@ def _int_parser(low: int, high: int) -> tuple[str, Callable[[str], int | None]]:
     return f"an integer from {low} to {high}", parse
 
 
-def _parse_backend(text: str) -> str | None:
-    if len(text) <= _MAX_IMAGE_REF_CHARS and re.fullmatch(_BACKEND_PATTERN, text):
+def _parse_backend(text: str, pattern: str = _BACKEND_PATTERN) -> str | None:
+    if len(text) <= _MAX_IMAGE_REF_CHARS and re.fullmatch(pattern, text):
         return text
     return None
 
@@ -157,6 +177,10 @@ _PARSERS: dict[str, tuple[str, Callable[[str], SettingValue | None]]] = {
     "trainer_gpus": _int_parser(1, 8),
     "trainer_cp": _int_parser(1, 8),
     "sampler_replicas": _int_parser(1, 8),
+    "sampler_backend": (
+        "'node' or a container image reference containing '/'",
+        lambda text: _parse_backend(text, _SAMPLER_PATTERN),
+    ),
 }
 assert set(_PARSERS) == set(SETTING_KEYS), "every JobSettings field needs a parser"
 
@@ -292,6 +316,7 @@ _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     "trainer_gpus": lambda value: value == 1,
     "trainer_cp": lambda value: value == 1,
     "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them
+    "sampler_backend": lambda value: True,  # the node's, or an image the node's allow-list decides on
 }
 assert set(_IS_BUILT) == set(SETTING_KEYS), "every setting needs a row in _IS_BUILT"
 

@@ -24,6 +24,7 @@ ALL_KEYS = (
     "trainer_gpus",
     "trainer_cp",
     "sampler_replicas",
+    "sampler_backend",
 )
 
 
@@ -37,6 +38,7 @@ def test_no_settings_gives_the_defaults() -> None:
         trainer_gpus=1,
         trainer_cp=1,
         sampler_replicas=1,
+        sampler_backend="node",
     )
     assert own == {}
 
@@ -162,7 +164,8 @@ def test_unknown_openrl_key_is_400_naming_the_key(
         parse_settings(tags, session_metadata, model_metadata)
     assert excinfo.value.detail == (
         f"{full_key}: unknown setting; known settings are openrl.fine_tuning_type, openrl.weight_sync, "
-        "openrl.exclusive, openrl.trainer_backend, openrl.trainer_gpus, openrl.trainer_cp, openrl.sampler_replicas"
+        "openrl.exclusive, openrl.trainer_backend, openrl.trainer_gpus, openrl.trainer_cp, openrl.sampler_replicas, "
+        "openrl.sampler_backend"
     )
     assert excinfo.value.key == full_key
 
@@ -299,6 +302,7 @@ def test_schema_states_defaults_ranges_and_choices() -> None:
         "trainer_gpus": 1,
         "trainer_cp": 1,
         "sampler_replicas": 1,
+        "sampler_backend": "node",
     }
     assert (properties["trainer_gpus"]["minimum"], properties["trainer_gpus"]["maximum"]) == (1, 8)
     assert sorted(defs["FineTuningType"]["enum"]) == ["full", "lora"]
@@ -317,6 +321,7 @@ def test_stored_form_round_trips() -> None:
         "trainer_gpus": 4,
         "trainer_cp": 1,
         "sampler_replicas": 1,
+        "sampler_backend": "node",
     }
     assert settings_from_dict(stored) == settings
 

@@ -44,15 +44,19 @@ logger = logging.getLogger(__name__)
 class EngineFactory(Protocol):
     """Builds engines for a model; called in a worker thread. Lives outside actors/ (it imports torch)."""
 
-    # `image`: the job's own trainer image (openrl.trainer_backend), run as a worker; `job` names it.
+    # `image`: the job's own image for that worker (openrl.trainer_backend, sampler_backend); `job` names it.
     def trainer(
         self, model: ModelEntry, image: str | None = None, job: str | None = None
     ) -> Callable[[], TrainerEngine]: ...
-    def sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
+    def sampler(
+        self, model: ModelEntry, image: str | None = None, job: str | None = None
+    ) -> Callable[[], SamplerEngine]: ...
     def full_trainer(
         self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
     ) -> Callable[[], TrainerEngine]: ...
-    def full_sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]: ...
+    def full_sampler(
+        self, model: ModelEntry, image: str | None = None, job: str | None = None
+    ) -> Callable[[], SamplerEngine]: ...
     def on(self, device: str) -> "EngineFactory": ...
 
 
@@ -69,13 +73,27 @@ class Group(msgspec.Struct, frozen=True):
     job: str | None = None  # the full fine-tuning run it serves alone; None: the base model's LoRA group
 
 
+class Images(msgspec.Struct, frozen=True):
+    """The container images a job's own group runs its workers from (openrl.*_backend); None: built in."""
+
+    trainer: str | None = None
+    sampler: str | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.trainer is not None or self.sampler is not None
+
+
+NO_IMAGES = Images()
+
+
 class OwnGroup(msgspec.Struct, frozen=True):
     """A job's own group, booked at the job's creation."""
 
     job: str
     full_sync: str | None  # full fine-tuning's weight_sync; None: a LoRA group of its own (exclusive, image)
     is_exclusive: bool
-    trainer_image: str | None = None  # openrl.trainer_backend=<image>: its trainer runs from that image
+    images: Images = NO_IMAGES  # openrl.trainer_backend / sampler_backend=<image>: its workers run from them
 
 
 class _Seat(msgspec.Struct, frozen=True):
@@ -124,7 +142,7 @@ class GroupTable:
         self.stability = StabilityRecords()
 
     def reserve(
-        self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, trainer_image: str | None = None
+        self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, images: Images = NO_IMAGES
     ) -> None:
         """Book devices now for `job`'s own group (exclusive, a trainer image, or full fine-tuning), before it starts.
 
@@ -134,7 +152,7 @@ class GroupTable:
             BadRequest: exclusive, and no device of this node is free (key `openrl.exclusive`).
         """
         key = _group_key(model, job)
-        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive, trainer_image=trainer_image)
+        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive, images=images)
         if self._devices is not None:
             try:
                 self._devices.pool.place(key, exclusive=exclusive, label=f"job {job}")
@@ -275,11 +293,12 @@ class GroupTable:
         if job is not None and (own is None or own.full_sync is not None):
             return await self._start_full(nursery, model, job, own.full_sync if own is not None else weight_sync)
         trainer_seat, sampler_seat = self._seats(model, job, is_full=False)
+        images = own.images if own is not None else NO_IMAGES
         name = model.name if job is None else f"{model.name}/{job}"
         sampler = await nursery.start(
             SamplerActor(
                 name=name,
-                build_engine=sampler_seat.engines.sampler(model),
+                build_engine=sampler_seat.engines.sampler(model, images.sampler, job),
                 limiter=sampler_seat.limiter,
                 lease_from=sampler_seat.lease_from,
                 futures=self._futures,
@@ -290,9 +309,7 @@ class GroupTable:
         trainer = await nursery.start(
             TrainerActor(
                 name=name,
-                build_engine=trainer_seat.engines.trainer(
-                    model, own.trainer_image if own is not None else None, job
-                ),
+                build_engine=trainer_seat.engines.trainer(model, images.trainer, job),
                 limiter=trainer_seat.limiter,
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,
@@ -307,10 +324,11 @@ class GroupTable:
         version as it is published, in order (`eager_versions`): weight-sync payloads chain."""
         trainer_seat, sampler_seat = self._seats(model, job, is_full=True)
         own = self._own.get(_group_key(model, job))
+        images = own.images if own is not None else NO_IMAGES
         sampler = await nursery.start(
             SamplerActor(
                 name=f"{model.name}/{job}",
-                build_engine=sampler_seat.engines.full_sampler(model),
+                build_engine=sampler_seat.engines.full_sampler(model, images.sampler, job),
                 limiter=sampler_seat.limiter,
                 lease_from=sampler_seat.lease_from,
                 futures=self._futures,
@@ -324,9 +342,7 @@ class GroupTable:
         trainer = await nursery.start(
             TrainerActor(
                 name=f"{model.name}/{job}",
-                build_engine=trainer_seat.engines.full_trainer(
-                    model, weight_sync, own.trainer_image if own is not None else None, job
-                ),
+                build_engine=trainer_seat.engines.full_trainer(model, weight_sync, images.trainer, job),
                 limiter=trainer_seat.limiter,
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,

@@ -19,7 +19,7 @@ import trio
 from openrld import ids, settings as job_settings
 from openrld.actors.checkpoints import check_ttl
 from openrld.actors.futures import FutureTable
-from openrld.actors.groups import Group, GroupTable
+from openrld.actors.groups import NO_IMAGES, Group, GroupTable, Images
 from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, build_status
 from openrld.actors.sampler import Sample
 from openrld.actors.usage import UsageMeter
@@ -88,16 +88,16 @@ TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the st
 class _Job:
     __slots__ = (
         "model_id", "owner", "model", "lora", "requests", "touched_at", "sampler_replicas", "full_sync", "is_exclusive",
-        "trainer_image",
+        "images",
     )
 
     def __init__(
         self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec | None, sampler_replicas: int = 1,
-        full_sync: str | None = None, is_exclusive: bool = False, trainer_image: str | None = None,
+        full_sync: str | None = None, is_exclusive: bool = False, images: Images = NO_IMAGES,
     ) -> None:
         self.is_exclusive = is_exclusive  # openrl.exclusive: a group of its own on devices of its own
-        # openrl.trainer_backend=<image>: a group of its own, whose trainer runs from that image
-        self.trainer_image = trainer_image
+        # openrl.trainer_backend / sampler_backend=<image>: a group of its own, running them
+        self.images = images
         self.model_id = model_id
         self.owner = owner
         self.model = model
@@ -116,7 +116,7 @@ class _Job:
     @property
     def group_job(self) -> str | None:
         """The key of the job's own group (full fine-tuning, exclusive or an image), else None (its base model's LoRA group)."""
-        has_own = self.full_sync is not None or self.is_exclusive or self.trainer_image is not None
+        has_own = self.full_sync is not None or self.is_exclusive or self.images.any
         return self.model_id if has_own else None
 
 
@@ -284,7 +284,7 @@ class JobTable:
             session.tags, session.user_metadata, user_metadata
         )
         job_settings.require_supported(job_settings_value)
-        image = self._trainer_image(job_settings_value)
+        images = self._images(job_settings_value)
         full_sync = _full_sync(job_settings_value)
         if full_sync is None:
             if lora is None:
@@ -295,11 +295,9 @@ class JobTable:
             _require_full_optimizer(optimizer_config)
         model = self._catalog.resolve(base_model)
         # Booked now, so that a node with no free device refuses an exclusive job.
-        own_group = job_settings_value.exclusive or image is not None
+        own_group = job_settings_value.exclusive or images.any
         if own_group:
-            self._groups.reserve(
-                model, model_id, full_sync=full_sync, exclusive=job_settings_value.exclusive, trainer_image=image
-            )
+            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=job_settings_value.exclusive, images=images)
         try:
             self._store.create_run(
                 model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
@@ -314,7 +312,7 @@ class JobTable:
         request_id = self._new_request(owner, model_id, "create_model")
         job = _Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
-            image,
+            images,
         )
         job.remember(0, request_id)
         self._jobs[model_id] = job
@@ -344,10 +342,10 @@ class JobTable:
             _require_full_optimizer(resumed_config)
         source_settings = job_settings.settings_from_dict(source_run.settings)
         is_exclusive = source_settings.exclusive
-        image = self._trainer_image(source_settings)
-        own_group = is_exclusive or image is not None
+        images = self._images(source_settings)
+        own_group = is_exclusive or images.any
         if own_group:
-            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=is_exclusive, trainer_image=image)
+            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=is_exclusive, images=images)
         try:
             self._store.create_run(
                 model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
@@ -359,7 +357,7 @@ class JobTable:
                 self._groups.end(model, model_id, f"model {model_id} could not be created")
             raise
         request_id = self._new_request(owner, model_id, "load_weights")
-        job = _Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, image)
+        job = _Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images)
         job.remember(0, request_id)
         self._jobs[model_id] = job
         op = LoadState(
@@ -369,16 +367,16 @@ class JobTable:
         self._nursery.start_soon(self._open_and_submit, job, op)
         return request_id, model_id
 
-    def _trainer_image(self, settings: job_settings.JobSettings) -> str | None:
-        """The job's trainer image, once the node's allow-list has let it through; None: a built-in trainer.
+    def _images(self, settings: job_settings.JobSettings) -> Images:
+        """The job's trainer and sampler images, once the node's allow-list has let them through.
 
         Raises:
-            BadRequest: the image matches no pattern of [workers] allowed_images (key openrl.trainer_backend).
+            BadRequest: an image matches no pattern of [workers] allowed_images (naming its key).
         """
-        if not _is_image(settings.trainer_backend):
-            return None
-        check_image_allowed(settings.trainer_backend, self._allowed_images)
-        return settings.trainer_backend
+        for key, image in (("trainer_backend", settings.trainer_image), ("sampler_backend", settings.sampler_image)):
+            if image is not None:
+                check_image_allowed(image, self._allowed_images, key=job_settings.PREFIX + key)
+        return Images(settings.trainer_image, settings.sampler_image)
 
     async def _open_and_submit(self, job: _Job, first_op: TrainOp) -> None:
         try:
@@ -782,10 +780,6 @@ def _full_sync(settings: job_settings.JobSettings) -> str | None:
     if settings.fine_tuning_type is not job_settings.FineTuningType.FULL:
         return None
     return settings.weight_sync.value
-
-
-def _is_image(backend: str) -> bool:
-    return "/" in backend  # settings.py: an image reference has a '/'; pytorch and automodel have none
 
 
 def _full_group(run: Any) -> str | None:

@@ -414,7 +414,8 @@ class Relay:
             return None  # this node's app refuses it with the same message, before placing anything
         full = settings.fine_tuning_type.value == "full"
         needs = JobNeeds(
-            base_model=base_model, own_group=full or settings.exclusive,
+            base_model=base_model,
+            own_group=full or settings.exclusive or settings.trainer_image is not None or settings.sampler_image is not None,
             is_exclusive=settings.exclusive or settings.trainer_gpus > 1, devices=settings.trainer_gpus,
         )
         return await self._offer(scope, headers, body, needs, ids.model_id(req.session_id, req.model_seq_id))

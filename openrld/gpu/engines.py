@@ -60,11 +60,13 @@ class TorchEngineFactory:
         options = {"max_batch_tokens": self.max_batch_tokens}
         return lambda: self._build("trainer", "lora_trainer", model, options, image=image, job=job)
 
-    def sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]:
+    def sampler(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], SamplerEngine]:
+        """The sampler of `model`'s LoRA group; with `image`, of one job's group, from its image
+        (which is told to build the kind this node would)."""
         if self.vllm is not None:
             options = {k: v for k, v in msgspec.to_builtins(self.vllm).items() if v is not None}
-            return lambda: self._build("sampler", "vllm_sampler", model, options)
-        return lambda: self._build("sampler", "torch_sampler", model, {})
+            return lambda: self._build("sampler", "vllm_sampler", model, options, image=image, job=job)
+        return lambda: self._build("sampler", "torch_sampler", model, {}, image=image, job=job)
 
     def full_trainer(
         self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
@@ -73,9 +75,11 @@ class TorchEngineFactory:
         options = {"max_batch_tokens": self.max_batch_tokens, "weight_sync": weight_sync}
         return lambda: self._build("trainer", "full_trainer", model, options, image=image, job=job)
 
-    def full_sampler(self, model: ModelEntry) -> Callable[[], SamplerEngine]:
+    def full_sampler(
+        self, model: ModelEntry, image: str | None = None, job: str | None = None
+    ) -> Callable[[], SamplerEngine]:
         """A sampler for one full fine-tuning job's weight versions."""
-        return lambda: self._build("sampler", "full_sampler", model, {})
+        return lambda: self._build("sampler", "full_sampler", model, {}, image=image, job=job)
 
     def _build(
         self, role: Role, kind: str, model: ModelEntry, options: dict[str, Scalar], *,

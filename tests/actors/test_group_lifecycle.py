@@ -70,16 +70,16 @@ class RecordingEngines:
     def trainer(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], Any]:
         return self._recorded(f"{model.name} trainer", self._inner.trainer(model, image, job))
 
-    def sampler(self, model: ModelEntry) -> Callable[[], Any]:
-        return self._recorded(f"{model.name} sampler", self._inner.sampler(model))
+    def sampler(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], Any]:
+        return self._recorded(f"{model.name} sampler", self._inner.sampler(model, image, job))
 
     def full_trainer(
         self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
     ) -> Callable[[], Any]:
         return self._recorded(f"{model.name} trainer", self._inner.full_trainer(model, weight_sync, image, job))
 
-    def full_sampler(self, model: ModelEntry) -> Callable[[], Any]:
-        return self._recorded(f"{model.name} sampler", self._inner.full_sampler(model))
+    def full_sampler(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], Any]:
+        return self._recorded(f"{model.name} sampler", self._inner.full_sampler(model, image, job))
 
     def resident(self) -> list[str]:
         return [name for name, engine in self.built if not engine.is_parked]

@@ -9,6 +9,7 @@ trainer does, with the same losses, and an image off the node's allow-list is re
 from __future__ import annotations
 
 import secrets
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,22 +30,24 @@ def toml_list(items) -> str:
 
 
 @pytest.fixture(scope="module")
-def example_image(tmp_path_factory):
+def images(tmp_path_factory) -> tuple[str, str]:
+    """(the example trainer image, a sampler image: openrld's built-in worker as its entrypoint)."""
     podman_support.require_podman()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CONTAINERS_CONF", podman_support.write_containers_conf(tmp_path_factory.mktemp("podman")))
         base = podman_support.skeleton_image(["python"])
-        yield podman_support.built_image(REPO / "examples" / "custom-trainer", {"BASE": base})
+        trainer = podman_support.built_image(REPO / "examples" / "custom-trainer", {"BASE": base})
+        yield trainer, podman_support.skeleton_image(["python", "-m", "openrld.worker"])
 
 
 @pytest.fixture(scope="module")
-def image_daemon(tmp_path_factory, tiny_llama: Path, example_image: str):
+def image_daemon(tmp_path_factory, tiny_llama: Path, images: tuple[str, str]):
     root = tmp_path_factory.mktemp("image-daemon")
     node = f"test-{secrets.token_hex(4)}"
     extra = "\n".join([
         f'node_name = "{node}"',
         "[workers]",
-        f"allowed_images = {toml_list([example_image.rsplit(':', 1)[0] + ':*'])}",
+        f"allowed_images = {toml_list([image.rsplit(':', 1)[0] + ':*' for image in images])}",
         f"container_global_args = {toml_list(GLOBAL_ARGS)}",
         f"container_run_args = {toml_list(podman_support.host_python_args())}",
     ])
@@ -73,23 +76,46 @@ def train(service: tinker.ServiceClient, metadata: dict[str, str]) -> tuple[tink
     return training, losses
 
 
-def test_a_job_trains_from_its_image_as_from_openrlds_trainer(image_daemon, example_image, shared_daemon):
-    daemon, node = image_daemon
-    reference = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
+def train_and_sample(service: tinker.ServiceClient, metadata: dict[str, str]):
+    """Two steps, then the trained weights' samples with their logprobs and the prompt's."""
+    training, losses = train(service, metadata)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampled = sampler.sample(
+        types.ModelInput.from_ints([3, 4, 5, 6]), 2, types.SamplingParams(max_tokens=5, seed=2, temperature=0.8),
+        include_prompt_logprobs=True,
+    ).result()
+    return losses, [(s.tokens, s.logprobs) for s in sampled.sequences], sampled.prompt_logprobs[1:]
+
+
+@pytest.fixture(scope="module")
+def reference(shared_daemon):
+    """The same loop on the engines in a daemon's own process."""
+    service = tinker.ServiceClient(base_url=shared_daemon.url, api_key=API_KEY)
     try:
-        _, expected = train(reference, {})
-    finally:
-        reference.close("success").result()
-    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
-    try:
-        training, losses = train(service, {"openrl.trainer_backend": example_image})
-        assert len(containers_of(node)) == 1
-        assert losses == expected
-        sampler = training.save_weights_and_get_sampling_client().result()
-        sampled = sampler.sample(types.ModelInput.from_ints([3, 4, 5]), 1, types.SamplingParams(max_tokens=3, seed=2)).result()
-        assert len(sampled.sequences[0].tokens) == 3
+        yield train_and_sample(service, {})
     finally:
         service.close("success").result()
+
+
+@pytest.mark.parametrize("which", ["trainer", "sampler", "both"])
+def test_a_job_trains_and_samples_from_its_images_as_from_openrlds_engines(image_daemon, images, reference, which):
+    daemon, node = image_daemon
+    metadata = {}
+    if which in ("trainer", "both"):
+        metadata["openrl.trainer_backend"] = images[0]
+    if which in ("sampler", "both"):
+        metadata["openrl.sampler_backend"] = images[1]
+    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    try:
+        assert train_and_sample(service, metadata) == reference
+        assert len(containers_of(node)) == len(metadata)
+    finally:
+        service.close("success").result()
+    # The session's end ends the job's own group, and its containers with it.
+    deadline = time.monotonic() + 30
+    while containers_of(node) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert containers_of(node) == []
 
 
 def test_an_image_off_the_allow_list_is_refused_naming_the_setting(image_daemon):
@@ -104,3 +130,16 @@ def test_an_image_off_the_allow_list_is_refused_naming_the_setting(image_daemon)
         service.close("success").result()
     assert "openrl.trainer_backend: image 'evil.example/miner:1' is not allowed" in str(refused.value)
     assert "workers.allowed_images" in str(refused.value)
+
+
+def test_a_sampler_image_off_the_allow_list_is_refused_naming_its_setting(image_daemon):
+    daemon, _ = image_daemon
+    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
+    try:
+        with pytest.raises(tinker.BadRequestError) as refused:
+            service.create_lora_training_client(
+                base_model="tiny-llama", rank=4, user_metadata={"openrl.sampler_backend": "evil.example/sampler:1"}
+            ).result()
+    finally:
+        service.close("success").result()
+    assert "openrl.sampler_backend: image 'evil.example/sampler:1' is not allowed" in str(refused.value)
