@@ -36,7 +36,7 @@ from openrld.errors import BadRequest, EngineLost, OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, ProtocolError
 from openrld.worker.methods import METHODS, AddRequest, StepCall, join_params, split_params
-from openrld.worker.protocol import Bye, Call, Failure, Heartbeat, Result
+from openrld.worker.protocol import Bye, Call, Cancel, Failure, Heartbeat, Result
 
 logger = logging.getLogger(__name__)
 _GONE = object()
@@ -60,6 +60,7 @@ class WorkerConnection:
         self.timeouts = timeouts
         self._lock = threading.Lock()
         self._next_id = 1
+        self._in_flight: int | None = None  # the id of the call a thread waits on
         self._lost: EngineLost | None = None
         self._closed = False
 
@@ -80,10 +81,28 @@ class WorkerConnection:
             except (NotImplementedError, TypeError) as error:
                 raise OpenrldError(f"cannot send {method} to {self.name}: {error}") from error
             try:
+                self._in_flight = call_id
                 self.frames.send(Call(call_id, method, encoded), encoding.buffers)
                 return self._await(call_id, method)
             except (ProtocolError, TimeoutError, EOFError, OSError) as error:
                 raise self._lose(error) from error
+            finally:
+                self._in_flight = None
+
+    def cancel(self) -> bool:
+        """Tell the worker that the call in flight need not finish; from any thread.
+
+        A call it has not started is answered Gone; an engine in a long call may stop
+        early (server.cancelled()). Returns whether there was a call to cancel.
+        """
+        call_id = self._in_flight
+        if call_id is None or self._lost is not None or self._closed:
+            return False
+        try:
+            self.frames.send(Cancel(call_id))
+        except OSError:
+            return False
+        return True
 
     def _await(self, call_id: int, method: str) -> Any:
         while True:
@@ -124,6 +143,7 @@ class WorkerConnection:
 
     def close(self) -> None:
         """Bye: the worker finishes the call in hand and exits; past `stop_s` it is killed."""
+        self.cancel()  # a call still in flight (its caller was abandoned) need not finish
         with self._lock:
             if self._closed:
                 return
