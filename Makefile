@@ -59,6 +59,7 @@ bench: install-test
 	$(PY) bench/http_server.py
 	$(PY) bench/soak.py
 	$(PY) bench/console_cost.py
+	$(PY) bench/worker_launchers.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes

@@ -15,7 +15,7 @@ Checks:
 - offload.sampler_round_trip: a TorchSampler parked and resumed samples the same
   seeded tokens and logprobs as before.
 - offload.throughput: park/resume of a ~100M-parameter bf16 model: GB/s each way.
-- engine_process.cuda_trainer: a TorchTrainer on cuda in a process of its own
+- worker.cuda_trainer: a TorchTrainer on cuda in a process worker (the worker protocol)
   (`trainer_process = true`) trains as the in-process one does (losses within 1e-5),
   hands back adapter tensors on the device, and parks and resumes through the pipe.
 - vllm.*: a tiny random Llama (head_dim 64) served by VllmSampler: sampled-token and
@@ -167,11 +167,17 @@ def check_training_across_park(model_dir: Path, device: torch.device) -> str:
 def check_trainer_process(model_dir: Path, device: torch.device) -> str:
     from functools import partial
 
-    from openrld.gpu.engine_process import TrainerProcess
-    from openrld.gpu.engines import build_lora_trainer
+    from openrld.worker.client import RemoteTrainer
+    from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
+    from openrld.worker.launchers.process import ProcessLauncher
+    from openrld.worker.protocol import Start
 
     start = time.perf_counter()
-    remote = TrainerProcess(partial(build_lora_trainer, model_dir, device, 8192), threads=None, name="gpu-check")
+    spec = WorkerSpec(
+        name="gpu-check trainer", role="trainer",
+        start=Start("lora_trainer", str(model_dir), str(device), options={"max_batch_tokens": 8192}),
+    )
+    remote = RemoteTrainer(start_worker(ProcessLauncher(), spec, socket_directory())[0])
     started = time.perf_counter() - start
     try:
         local = TorchTrainer(model_dir, device)
@@ -383,7 +389,7 @@ def main() -> int:
             "offload.training_across_park": lambda: check_training_across_park(tiny, device),
             "offload.sampler_round_trip": lambda: check_sampler_round_trip(tiny, device),
             "offload.throughput": lambda: check_throughput(root, device),
-            "engine_process.cuda_trainer": lambda: check_trainer_process(tiny, device),
+            "worker.cuda_trainer": lambda: check_trainer_process(tiny, device),
         }
         for name, check in offload_checks.items():
             report.run(name, check if has_cuda else _skip("no CUDA device here"))

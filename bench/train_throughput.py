@@ -12,8 +12,8 @@ cross-entropy in fp32 and AdamW (torch.optim.AdamW, foreach=False, on the bare s
 - API lock-step: the same, but each step's results are read before the next step is
         submitted, so every step also pays the client's and the HTTP round trip's latency;
 - API pipelined, trainer process: the same as API pipelined, against a second daemon
-        configured with `trainer_process = true`, whose LoRA trainer runs in a process of
-        its own (gpu/engine_process.py) instead of a thread of the daemon's;
+        configured with `[workers] launcher = "process"`, whose trainer and sampler run in
+        worker processes of their own (openrld/worker/) instead of threads of the daemon's;
 - engine: the daemon's trainer engine (`TorchTrainer`, the same forward_backward and
         optim_step calls the trainer actor makes) in this process, no server: what the
         daemon's compute costs before any HTTP, SDK or event loop is around it.
@@ -181,6 +181,10 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
+def _is_trainer(pid: int) -> bool:
+    return b"OPENRLD_WORKER_ROLE=trainer" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 def children(parent: int, command: bytes) -> list[int]:
     """The pids of `parent`'s child processes whose command line holds `command`."""
     found = []
@@ -218,7 +222,7 @@ def bare_peak_in_child(model_dir: Path) -> int:
 def main() -> None:
     torch.manual_seed(0)
     match_daemon_threads()
-    with tiny_daemon() as (url, model_dir), tiny_daemon("trainer_process = true") as (process_url, process_model):
+    with tiny_daemon() as (url, model_dir), tiny_daemon('[workers]\nlauncher = "process"') as (process_url, process_model):
         bare, engine, api = BareLoop(model_dir), EngineLoop(model_dir), ApiLoop(url)
         process_api = ApiLoop(process_url)
         figures = []
@@ -237,7 +241,7 @@ def main() -> None:
             figures.append((batch, seq_len, {key: statistics.median(values) for key, values in times.items()}))
         daemon_peak = peak_rss_bytes(daemon_pid(model_dir))
         process_daemon = daemon_pid(process_model)
-        (trainer_process,) = children(process_daemon, b"openrld.gpu.engine_process")
+        (trainer_process,) = [pid for pid in children(process_daemon, b"openrld.worker") if _is_trainer(pid)]
         process_peaks = peak_rss_bytes(process_daemon), peak_rss_bytes(trainer_process)
         api.close()
         process_api.close()
@@ -259,7 +263,7 @@ def main() -> None:
         f"memory ratio (daemon/bare, target <= 1.2): {daemon_peak / bare_peak:.3f}"
     )
     print(
-        f"peak RSS with trainer_process: daemon {process_peaks[0] / 2**20:.0f} MiB + trainer process "
+        f"peak RSS with process workers: daemon {process_peaks[0] / 2**20:.0f} MiB + trainer process "
         f"{process_peaks[1] / 2**20:.0f} MiB, memory ratio (sum/bare): {sum(process_peaks) / bare_peak:.3f}"
     )
 

@@ -5,7 +5,7 @@ training loop's requests. On this 2-core machine, that costs the 8x128 step of
 `train_throughput.py` 10-25%. The engine alone runs at the bare loop's speed. This bench measures
 a trainer engine in a process of its own, stepping while a real SDK client drives a real daemon
 with the training loop's traffic, with nothing crossing between the two: the ceiling of
-`trainer_process = true` (gpu/engine_process.py), whose own figure is train_throughput's
+`[workers] launcher = "process"` (openrld/worker/), whose own figure is train_throughput's
 "trainer process" column.
 
 - engine: the daemon's `TorchTrainer` (the same `forward_backward_many` and `optim_step` calls as
