@@ -7,7 +7,13 @@ daemon's own worker thread), anything else a worker, started here and returned
 as a `RemoteTrainer` or `RemoteSampler`:
 - the built-in engines run where `[workers] launcher` says;
 - the vLLM sampler runs in the vLLM environment when `vllm_python` names one;
-- a job's image runs through the container runtime, after the allow-list said yes.
+- a job's image runs through the container runtime, after the allow-list said yes;
+- an engine on several devices (`nproc` > 1) runs as a torchrun group of that many
+  ranks (`launchers/torchrun.py`), in the built-in process launcher's Python
+  environment, else the daemon's. Not yet reachable from job settings:
+  openrl.trainer_gpus > 1 is refused until the multi-GPU trainer lands, which
+  asks `launcher_for(kind, nproc=len(devices))` and passes `start` the devices as
+  one comma list, device="cuda:2,3".
 
 It owns the private socket directory (made at start, removed at close) and reaps,
 at start, the containers or Pods an earlier daemon of this node left.
@@ -23,6 +29,8 @@ from typing import Any
 from openrld.errors import ServerError
 from openrld.worker.client import RemoteSampler, RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import Launcher, Mount, WorkerSpec, socket_directory, start_worker
+from openrld.worker.launchers.process import ProcessLauncher
+from openrld.worker.launchers.torchrun import TorchrunLauncher
 from openrld.worker.protocol import Role, Scalar, Start
 
 logger = logging.getLogger(__name__)
@@ -38,6 +46,7 @@ class WorkerHosting:
         self.images = images  # None: this node runs no images
         self.timeouts = timeouts
         self.mounts = mounts  # what every worker sees besides its model: the checkpoint root
+        self.socket_root = socket_root
         self.directory = socket_directory(socket_root) if (builtin or vllm or images) else None
 
     @classmethod
@@ -55,7 +64,13 @@ class WorkerHosting:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
-    def launcher_for(self, kind: str, image: str | None = None) -> Launcher | None:
+    def launcher_for(self, kind: str, image: str | None = None, *, nproc: int = 1) -> Launcher | None:
+        """None (inproc) or the launcher of a worker for `kind`; `nproc` > 1: a torchrun group."""
+        if nproc > 1:
+            if image is not None:
+                raise ServerError(f"image {image}: an image runs on one device; a torchrun group runs built-in engines")
+            python = self.builtin.python if isinstance(self.builtin, ProcessLauncher) else ""
+            return TorchrunLauncher(python, nproc)
         if image is not None:
             if self.images is None:
                 raise ServerError(f"image {image}: this node runs no images ([workers] allowed_images is empty)")
@@ -68,8 +83,12 @@ class WorkerHosting:
         self, launcher: Launcher, *, role: Role, kind: str, model_name: str, model_dir: str, device: str,
         threads: int | None, options: dict[str, Scalar], image: str | None = None, job: str | None = None,
     ) -> Any:
-        """A ready worker for one engine, as the engine interface of its role."""
-        assert self.directory is not None, "a launcher implies a socket directory"
+        """A ready worker for one engine, as the engine interface of its role.
+
+        `device` is one device, or a torchrun group's devices as one comma list ("cuda:2,3").
+        """
+        if self.directory is None:  # a torchrun group on a node whose engines otherwise run inproc
+            self.directory = socket_directory(self.socket_root)
         name = f"openrld-{role} {model_name}" + (f" (job {job})" if job else "") + (f" [{image}]" if image else "")
         spec = WorkerSpec(
             name=name, role=role, start=Start(kind, model_dir, device, threads=threads, options=options),

@@ -51,6 +51,7 @@ SOCKET_ENV = "OPENRLD_WORKER_SOCKET"
 TOKEN_ENV = "OPENRLD_WORKER_TOKEN"
 ROLE_ENV = "OPENRLD_WORKER_ROLE"
 IGNORE_SIGNALS_ENV = "OPENRLD_WORKER_IGNORE_SIGNALS"
+WORLD_SIZE_ENV = "WORLD_SIZE"  # set by torchrun for each rank of a group
 
 BuildEngine = Callable[[Start], Any]
 
@@ -63,7 +64,12 @@ def serve(
 
     Arguments not given come from the environment the launcher set: OPENRLD_WORKER_SOCKET,
     OPENRLD_WORKER_TOKEN and OPENRLD_WORKER_ROLE. `info(engine)` adds facts to Ready.
+    Under torchrun (WORLD_SIZE > 1) this process is one rank of a group: see `ranks.py`.
     """
+    if int(os.environ.get(WORLD_SIZE_ENV, "1")) > 1:
+        from openrld.worker import ranks
+
+        ranks.serve(build, role=role, socket_path=socket_path, token=token, engine=engine, info=info)  # exits
     role = role or os.environ[ROLE_ENV]  # type: ignore[assignment]
     socket_path = socket_path or os.environ[SOCKET_ENV]
     token = token or os.environ[TOKEN_ENV]

@@ -1,0 +1,175 @@
+"""The torchrun launcher: several ranks behind one worker endpoint, for a multi-GPU engine.
+
+It runs `<python> -m torch.distributed.run --standalone --nnodes 1
+--nproc-per-node <nproc> <command...>` (`--standalone`: a rendezvous on this
+host, on a free port), in a session of its own. Each rank runs the worker
+program; rank 0 speaks for the group (`openrld/worker/ranks.py`). The ranks get
+the environment the process launcher gives a worker (the socket, the token, the
+role, OPENRLD_WORKER_IGNORE_SIGNALS, its malloc settings) plus torchrun's own
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+Devices: a group's `Start.device` names one device per rank, as a comma list in
+rank order: "cuda:2,3" for two ranks on this node's GPUs 2 and 3, or "cpu" for a
+CPU group (any number of ranks). The group sees only its own GPUs
+(CUDA_VISIBLE_DEVICES=2,3) and the device it is told is "cuda:0,1"; rank r
+builds its engine on the r-th, cuda:LOCAL_RANK. A list whose length is not
+`nproc` is refused at launch.
+
+A lost rank fails the whole group: torchrun sees it, stops the other ranks
+(SIGTERM, which a rank honours) and exits non-zero, and the daemon sees rank 0's
+connection end. `poll` is torchrun's exit status. `stop` waits for torchrun to
+exit by itself (after Bye), then sends SIGTERM to its process group (torchrun
+stops its ranks), then past `TERM_GRACE_S` SIGKILL to torchrun and to each rank
+(torchrun starts every rank in a session of its own, so one signal to a group
+cannot reach them all); a rank also dies with torchrun (PR_SET_PDEATHSIG). It
+returns once torchrun is reaped and no rank runs.
+
+Why by hand: torchrun has no API for its process tree, and /proc/<pid>/task/*/children
+needs a kernel option that not every kernel has; the ranks are found by their
+parent pid in /proc.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from openrld.worker.launchers import LaunchedWorker, WorkerSpec
+from openrld.worker.launchers.process import _MALLOC  # the same working-set settings, for the same reason
+
+logger = logging.getLogger(__name__)
+
+TERM_GRACE_S = 5.0  # after SIGTERM: torchrun stops its ranks (a second at most here), then exits
+
+
+def group_devices(device: str, nproc: int) -> tuple[str, str | None]:
+    """(the group's device as its ranks see it, CUDA_VISIBLE_DEVICES or None) for a Start.device.
+
+    Raises:
+        ValueError: a device list whose length is not `nproc`.
+    """
+    kind, _, indices = device.partition(":")
+    if kind != "cuda" or not indices:
+        return device, None
+    listed = indices.split(",")
+    if len(listed) != nproc:
+        raise ValueError(f"a torchrun group of {nproc} ranks was given {len(listed)} device(s): {device!r}")
+    return "cuda:" + ",".join(str(i) for i in range(nproc)), ",".join(listed)
+
+
+class TorchrunGroup:
+    """A running torchrun and its ranks."""
+
+    def __init__(self, process: subprocess.Popen, device: str, name: str, nproc: int) -> None:
+        self.process = process
+        self.device = device
+        self.name = name
+        self.nproc = nproc
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def rank_pids(self) -> list[int]:
+        """The ranks torchrun runs now (its children)."""
+        return _children(self.process.pid)
+
+    def stop(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+            return  # torchrun ends only once its ranks have ended
+        except subprocess.TimeoutExpired:
+            pass
+        ranks = _pidfds(self.rank_pids())  # taken while torchrun still holds them: no pid reuse
+        try:
+            if timeout > 0:
+                logger.warning("worker %s did not stop in %.0f s; stopping its group", self.name, timeout)
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("worker %s: torchrun did not stop in %.0f s; killing the group", self.name, TERM_GRACE_S)
+                _signal_group(self.process.pid, signal.SIGKILL)
+                for fd in ranks:
+                    _pidfd_kill(fd)
+                self.process.wait()
+            for fd in ranks:
+                if not select.select([fd], [], [], TERM_GRACE_S)[0]:  # readable once the rank has ended
+                    _pidfd_kill(fd)
+                    select.select([fd], [], [], TERM_GRACE_S)
+        finally:
+            for fd in ranks:
+                os.close(fd)
+
+    def describe(self) -> str:
+        return f"torchrun pid {self.process.pid}, {self.nproc} ranks"
+
+
+class TorchrunLauncher:
+    def __init__(self, python: str = "", nproc: int = 2, command: tuple[str, ...] = ("-m", "openrld.worker")) -> None:
+        if nproc < 1:
+            raise ValueError(f"a torchrun group needs at least 1 rank, not {nproc}")
+        self.python = python or sys.executable
+        self.nproc = nproc
+        self.command = command
+
+    def launch(self, spec: WorkerSpec, socket_path: str, environment: dict[str, str]) -> LaunchedWorker:
+        device, visible = group_devices(spec.start.device, self.nproc)
+        env = {**_MALLOC, **os.environ, **environment}
+        env["OPENRLD_WORKER_SOCKET"] = socket_path
+        env["OPENRLD_WORKER_IGNORE_SIGNALS"] = "1"
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible  # the group cannot take another's memory
+        arguments = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(self.nproc), "--max-restarts", "0"]
+        # A session of its own: a Ctrl-C at the daemon's terminal does not reach it, and stop() reaches
+        # torchrun's whole process group. Its stdout is the daemon's stderr, as a worker process's is.
+        process = subprocess.Popen(
+            [self.python, "-m", "torch.distributed.run", *arguments, *self.command],
+            stdin=subprocess.DEVNULL, stdout=2, env=env, start_new_session=True,
+        )
+        return TorchrunGroup(process, device, spec.name, self.nproc)
+
+    def reap(self) -> int:
+        return 0  # rank 0 exits when its daemon's end of the connection closes, and torchrun ends the rest
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:  # the field after the state is the parent's pid
+            found.append(int(entry.name))
+    return found
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            pass
+    return fds
+
+
+def _pidfd_kill(fd: int) -> None:
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
