@@ -52,8 +52,21 @@ TOKEN_ENV = "OPENRLD_WORKER_TOKEN"
 ROLE_ENV = "OPENRLD_WORKER_ROLE"
 IGNORE_SIGNALS_ENV = "OPENRLD_WORKER_IGNORE_SIGNALS"
 WORLD_SIZE_ENV = "WORLD_SIZE"  # set by torchrun for each rank of a group
+RANKS_ENV = "OPENRLD_WORKER_RANKS"  # set by the torchrun launcher alone
 
 BuildEngine = Callable[[Start], Any]
+
+_session: _Session | None = None  # the one this process serves
+
+
+def cancelled() -> bool:
+    """Whether the daemon cancelled the call this worker runs now.
+
+    An engine in a long call may ask between pieces of its work, and stop early by
+    raising `openrld.errors.Gone`; one that never asks finishes the call.
+    """
+    session = _session
+    return session is not None and session.call_id in session.cancelled
 
 
 def serve(
@@ -64,9 +77,10 @@ def serve(
 
     Arguments not given come from the environment the launcher set: OPENRLD_WORKER_SOCKET,
     OPENRLD_WORKER_TOKEN and OPENRLD_WORKER_ROLE. `info(engine)` adds facts to Ready.
-    Under torchrun (WORLD_SIZE > 1) this process is one rank of a group: see `ranks.py`.
+    Started by the torchrun launcher (OPENRLD_WORKER_RANKS=1, WORLD_SIZE > 1), this process
+    is one rank of a group: see `ranks.py`.
     """
-    if int(os.environ.get(WORLD_SIZE_ENV, "1")) > 1:
+    if os.environ.get(RANKS_ENV) == "1" and int(os.environ.get(WORLD_SIZE_ENV, "1")) > 1:
         from openrld.worker import ranks
 
         ranks.serve(build, role=role, socket_path=socket_path, token=token, engine=engine, info=info)  # exits
@@ -95,9 +109,12 @@ class _Session:
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.busy = threading.Event()
         self.cancelled: set[int] = set()
+        self.call_id = 0  # the call running now; 0: none
         self.heartbeat_s = 2.0
 
     def run(self, build: BuildEngine, info: Callable[[Any], dict] | None) -> int:
+        global _session
+        _session = self
         try:
             message, _ = self.frames.receive(timeout=None)
         except (EOFError, OSError, ProtocolError):
@@ -143,6 +160,7 @@ class _Session:
             self.frames.send(Failure(call.id, "fault", f"this worker has no method {call.method!r}"))
             return
         self.busy.set()
+        self.call_id = call.id
         try:
             args = values.decode(call.args, method.args, buffers, torch_tensors=True)
             value = handler(*args)
@@ -155,6 +173,8 @@ class _Session:
         else:
             self.frames.send(Result(call.id, encoded), encoding.buffers)
         finally:
+            self.call_id = 0
+            self.cancelled.discard(call.id)
             self.busy.clear()
 
     def _read(self) -> None:

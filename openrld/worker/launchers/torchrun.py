@@ -122,6 +122,7 @@ class TorchrunLauncher:
         env = {**_MALLOC, **os.environ, **environment}
         env["OPENRLD_WORKER_SOCKET"] = socket_path
         env["OPENRLD_WORKER_IGNORE_SIGNALS"] = "1"
+        env["OPENRLD_WORKER_RANKS"] = "1"  # the ranks' marker: a stray WORLD_SIZE elsewhere means nothing
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible  # the group cannot take another's memory
         arguments = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(self.nproc), "--max-restarts", "0"]
