@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 
@@ -128,3 +129,44 @@ def test_a_struct_value_that_does_not_fit_is_a_protocol_error():
 
     with pytest.raises(ProtocolError, match="a value that does not fit its type"):
         values.decode(msgspec.msgpack.encode({"logprobs": 1}), ForwardBackwardResult, [])
+
+
+@pytest.fixture
+def shared_pair():
+    a, b = socket.socketpair()
+    ends = FrameSocket(a, shared_memory=True), FrameSocket(b, shared_memory=True)
+    yield ends
+    for end in ends:
+        end.close()
+
+
+def segments_made(end: FrameSocket) -> int:
+    return end._segments._next - 1
+
+
+def test_a_segment_the_receiver_still_reads_is_never_written_again(shared_pair):
+    sender, receiver = shared_pair
+    send_value(sender, np.full(SHARED_MIN_BYTES, 1, dtype=np.uint8))
+    first, _ = receive_value(receiver, np.ndarray)
+    send_value(sender, np.full(SHARED_MIN_BYTES, 2, dtype=np.uint8))
+    second, _ = receive_value(receiver, np.ndarray)
+    assert (set(first.tolist()), set(second.tolist()), segments_made(sender)) == ({1}, {2}, 2)
+
+
+def test_a_segment_comes_back_to_its_sender_once_its_tensors_are_gone_and_is_reused(shared_pair):
+    sender, receiver = shared_pair
+    send_value(sender, np.full(SHARED_MIN_BYTES, 1, dtype=np.uint8))
+    got, buffers = receive_value(receiver, np.ndarray)
+    del got, buffers
+    gc.collect()
+    send_value(receiver, {"ack": 1})  # says so in its next frame
+    receive_value(sender, dict)
+    send_value(sender, np.full(SHARED_MIN_BYTES, 3, dtype=np.uint8))
+    again, _ = receive_value(receiver, np.ndarray)
+    assert (set(again.tolist()), segments_made(sender)) == ({3}, 1)
+
+
+def test_giving_back_a_segment_that_was_never_lent_changes_nothing(shared_pair):
+    sender, _ = shared_pair
+    sender._segments.give_back([7, 0, -1])
+    assert (segments_made(sender), sender._segments._free) == (0, [])

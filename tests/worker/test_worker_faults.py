@@ -112,7 +112,7 @@ def test_a_failed_build_reaches_the_caller_with_the_workers_reason(hostile):
         ("bad_buffer_index", "broke the worker protocol .a tensor points at buffer 7, and the frame has 1"),
         ("wrong_type", "broke the worker protocol .a value that does not fit its type"),
         ("unexpected_message", "broke the worker protocol .a Ready message where a result was due"),
-        ("unsealed_memfd", "broke the worker protocol .the shared memory is not sealed against shrinking"),
+        ("unsealed_memfd", "broke the worker protocol .the shared memory is not sealed against shrinking and growing"),
         ("unannounced_fds", "broke the worker protocol .too many file descriptors"),
     ],
 )
