@@ -35,7 +35,7 @@ from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPaylo
 from openrld.errors import BadRequest, EngineLost, OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, ProtocolError
-from openrld.worker.methods import METHODS, AddRequest, StepCall, join_params, split_params
+from openrld.worker.methods import METHODS, AddRequest, StepCall, split_params
 from openrld.worker.protocol import Bye, Call, Cancel, Failure, Heartbeat, Result
 
 logger = logging.getLogger(__name__)
@@ -157,13 +157,38 @@ class WorkerConnection:
             self.frames.close()
 
 
-class RemoteTrainer:
-    """A `TrainerEngine` in a worker."""
+class _RemoteEngine:
+    """What a worker's trainer and sampler answer alike: turns on the device, sync statistics, the end."""
 
     def __init__(self, connection: WorkerConnection) -> None:
         self.connection = connection
         self._last_sync: SyncStats | None = None
         self._parked = False
+
+    def park(self) -> ParkReport:
+        report = self.connection.call("park")
+        self._parked = True
+        return report
+
+    def resume(self) -> ResumeReport:
+        report = self.connection.call("resume")
+        self._parked = False
+        return report
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        return self._last_sync
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class RemoteTrainer(_RemoteEngine):
+    """A `TrainerEngine` in a worker."""
 
     def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None:
         self.connection.call("add_adapter", name, spec, optimizer)
@@ -212,29 +237,9 @@ class RemoteTrainer:
     def load_state(self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str) -> None:
         self.connection.call("load_state", name, str(directory), spec, with_optimizer, optimizer)
 
-    def park(self) -> ParkReport:
-        report = self.connection.call("park")
-        self._parked = True
-        return report
-
-    def resume(self) -> ResumeReport:
-        report = self.connection.call("resume")
-        self._parked = False
-        return report
-
-    @property
-    def is_parked(self) -> bool:
-        return self._parked
-
-    @property
-    def last_sync(self) -> SyncStats | None:
-        return self._last_sync
-
-    def close(self) -> None:
-        self.connection.close()
 
 
-class RemoteSampler:
+class RemoteSampler(_RemoteEngine):
     """A `SamplerEngine` in a worker.
 
     `add`, `cancel` and `has_work` are answered here, without the worker: the actor
@@ -244,12 +249,10 @@ class RemoteSampler:
     """
 
     def __init__(self, connection: WorkerConnection) -> None:
-        self.connection = connection
+        super().__init__(connection)
         self._adds: list[AddRequest] = []
         self._cancels: list[str] = []
         self._live: dict[str, str | None] = {}  # request id -> its version
-        self._last_sync: SyncStats | None = None
-        self._parked = False
 
     def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         self._last_sync = self.connection.call("load_version", version, values.payload_of(payload), spec) or self._last_sync
@@ -297,23 +300,3 @@ class RemoteSampler:
                 finished.append(Finished(request_id=failed.request_id, result=None, error=error))
         return finished
 
-    def park(self) -> ParkReport:
-        report = self.connection.call("park")
-        self._parked = True
-        return report
-
-    def resume(self) -> ResumeReport:
-        report = self.connection.call("resume")
-        self._parked = False
-        return report
-
-    @property
-    def is_parked(self) -> bool:
-        return self._parked
-
-    @property
-    def last_sync(self) -> SyncStats | None:
-        return self._last_sync
-
-    def close(self) -> None:
-        self.connection.close()

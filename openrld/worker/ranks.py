@@ -55,7 +55,6 @@ import ctypes
 import datetime
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
@@ -71,7 +70,7 @@ from openrld.errors import OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, Limits, ProtocolError
 from openrld.worker.methods import METHODS
-from openrld.worker.protocol import PROTOCOL_VERSION, Bye, Call, Cancel, Failure, Heartbeat, Hello, Ready, Result, Role, Start
+from openrld.worker.protocol import PROTOCOL_VERSION, Call, Failure, Hello, Ready, Result, Role, Start
 from openrld.worker.server import (
     IGNORE_SIGNALS_ENV,
     ROLE_ENV,
@@ -80,6 +79,7 @@ from openrld.worker.server import (
     BuildEngine,
     _close,
     _sampler_handlers,
+    _Session,
     _trainer_handlers,
 )
 
@@ -286,17 +286,12 @@ def _follow(group: RankGroup, build: BuildEngine, role: Role) -> int:
         group.agree(error)
 
 
-class _Leader:
+class _Leader(_Session):
     """Rank 0: the protocol's worker side, as `server._Session`, with the group behind each step."""
 
     def __init__(self, frames: FrameSocket, role: Role, group: RankGroup) -> None:
-        self.frames = frames
-        self.role = role
+        super().__init__(frames, role)
         self.group = group
-        self.inbox: queue.Queue[Any] = queue.Queue()
-        self.busy = threading.Event()
-        self.cancelled: set[int] = set()
-        self.heartbeat_s = 2.0
 
     def run(self, build: BuildEngine, info: Callable[[Any], dict] | None) -> int:
         try:
@@ -362,33 +357,8 @@ class _Leader:
         except OSError:
             pass  # the daemon is gone; the reader has queued the stop
 
-    def _read(self) -> None:
-        """The daemon's messages, as they come; its end of the connection ends the group."""
-        while True:
-            try:
-                message, buffers = self.frames.receive(timeout=None)
-            except (EOFError, OSError, ProtocolError):
-                if self.busy.is_set():
-                    # Mid-call the group cannot take a stop; rank 0's exit makes torchrun end every rank.
-                    os._exit(1)
-                self.inbox.put(None)
-                return
-            match message:
-                case Call():
-                    self.inbox.put((message, buffers))
-                case Cancel(id=call_id):
-                    self.cancelled.add(call_id)
-                case Bye():
-                    self.inbox.put(None)
-                    return
-                case _:
-                    os._exit(1)
-
-    def _heartbeats(self) -> None:
-        while True:
-            if self.busy.wait():
-                try:
-                    self.frames.send(Heartbeat(busy=True))
-                except OSError:
-                    return
-            threading.Event().wait(self.heartbeat_s)
+    def _daemon_gone(self) -> None:
+        if self.busy.is_set():
+            # Mid-call the group cannot take a stop; rank 0's exit makes torchrun end every rank.
+            os._exit(1)
+        self.inbox.put(None)

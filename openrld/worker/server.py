@@ -183,8 +183,8 @@ class _Session:
             try:
                 message, buffers = self.frames.receive(timeout=None)
             except (EOFError, OSError, ProtocolError):
-                # The daemon is gone (or mad): nothing will read what this worker computes.
-                os._exit(0)
+                self._daemon_gone()
+                return
             match message:
                 case Call():
                     self.inbox.put((message, buffers))
@@ -195,6 +195,10 @@ class _Session:
                     return
                 case _:
                     os._exit(1)
+
+    def _daemon_gone(self) -> None:
+        """The daemon is gone (or mad): nothing will read what this worker computes."""
+        os._exit(0)
 
     def _heartbeats(self) -> None:
         while True:
