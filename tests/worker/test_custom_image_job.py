@@ -118,28 +118,16 @@ def test_a_job_trains_and_samples_from_its_images_as_from_openrlds_engines(image
     assert containers_of(node) == []
 
 
-def test_an_image_off_the_allow_list_is_refused_naming_the_setting(image_daemon):
+@pytest.mark.parametrize("key", ["trainer_backend", "sampler_backend"])
+def test_an_image_off_the_allow_list_is_refused_naming_its_setting(image_daemon, key):
     daemon, _ = image_daemon
     service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
     try:
         with pytest.raises(tinker.BadRequestError) as refused:
             service.create_lora_training_client(
-                base_model="tiny-llama", rank=4, user_metadata={"openrl.trainer_backend": "evil.example/miner:1"}
+                base_model="tiny-llama", rank=4, user_metadata={f"openrl.{key}": "evil.example/miner:1"}
             ).result()
     finally:
         service.close("success").result()
-    assert "openrl.trainer_backend: image 'evil.example/miner:1' is not allowed" in str(refused.value)
+    assert f"openrl.{key}: image 'evil.example/miner:1' is not allowed" in str(refused.value)
     assert "workers.allowed_images" in str(refused.value)
-
-
-def test_a_sampler_image_off_the_allow_list_is_refused_naming_its_setting(image_daemon):
-    daemon, _ = image_daemon
-    service = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
-    try:
-        with pytest.raises(tinker.BadRequestError) as refused:
-            service.create_lora_training_client(
-                base_model="tiny-llama", rank=4, user_metadata={"openrl.sampler_backend": "evil.example/sampler:1"}
-            ).result()
-    finally:
-        service.close("success").result()
-    assert "openrl.sampler_backend: image 'evil.example/sampler:1' is not allowed" in str(refused.value)
