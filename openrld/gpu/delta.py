@@ -1,6 +1,7 @@
 """Weight sync for full fine-tuning: what changed since the sampler's version, and a digest.
 
-The trainer keeps a host copy of the weights its sampler holds (its *shadow*). A sync
+The trainer keeps a copy of the weights its sampler holds (its *shadow*), on the
+trainer's own device, so that the comparison runs where the weights are. A sync
 compares the live weights with the shadow bit for bit, per tensor, and sends only the
 elements that differ: flat indices and the new values in the tensor's native dtype
 (`WeightDelta`). Where the changed elements would cost as many bytes as the whole
@@ -12,8 +13,11 @@ weights (up to a 64-bit hash collision); a difference is a `WeightMismatch`.
 Comparisons are on the bits (an integer view of each tensor), so -0.0 vs 0.0 and NaN
 payloads count as changes and nothing is lost to float equality.
 
-Pure tensor code: no trio, no files, no requests. Tensors may live on any device;
-indices and values are produced on the tensors' device.
+Pure tensor code: no trio, no files, no requests. Tensors may live on any device, but the
+two sides of a comparison live on the same one (a shadow on the host against CUDA weights is
+refused by name, not left to fail inside torch). Indices and values are produced on the
+tensors' device; `WeightDelta.to_host` makes the payload that leaves the trainer, so that
+the versions a sampler or an actor keeps never hold device memory.
 """
 
 from __future__ import annotations
@@ -70,6 +74,20 @@ class WeightDelta(msgspec.Struct, frozen=True):
     @property
     def bytes_moved(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def to_host(self) -> WeightDelta:
+        """The same change with every index and value tensor in host memory (a copy of those on
+        a device; host tensors are kept as they are). A payload that is kept, by the sampler
+        actor or a sampler engine, must not pin device memory: the trainer makes one per sync."""
+        tensors = [
+            TensorDelta(
+                name=t.name,
+                indices=None if t.indices is None else _host(t.indices),
+                values=_host(t.values),
+            )
+            for t in self.tensors
+        ]
+        return msgspec.structs.replace(self, tensors=tensors)
 
     def stats(self, apply_s: float = 0.0) -> SyncStats:
         return SyncStats(
@@ -215,9 +233,14 @@ def _words(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return head.view(torch.int64), flat[whole:].to(torch.int64)
 
 
-def clone_weights(weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Detached copies on `device`: the trainer's shadow of what its sampler holds."""
-    return {name: t.detach().to(device, copy=True) for name, t in weights.items()}
+def clone_weights(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached copies, each on its tensor's own device: the trainer's shadow of what its
+    sampler holds, compared with the live weights where they are."""
+    return {name: t.detach().clone() for name, t in weights.items()}
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
 
 
 def _full_bytes(weights: Mapping[str, torch.Tensor]) -> int:
@@ -234,3 +257,8 @@ def _check_alike(current: Mapping[str, torch.Tensor], previous: Mapping[str, tor
         old = previous[name]
         if now.shape != old.shape or now.dtype != old.dtype:
             raise ValueError(f"{name}: {list(now.shape)} {now.dtype} vs {list(old.shape)} {old.dtype}")
+        if now.device != old.device:
+            raise ValueError(
+                f"{name}: the weights are on {now.device} and the copy they are compared with on {old.device}; "
+                "a delta compares tensors on one device"
+            )

@@ -11,6 +11,7 @@ the same `Start`, so a job trains and samples bit-identically under either.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -56,9 +57,19 @@ class TorchEngineFactory:
         return bound
 
     def trainer(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], TrainerEngine]:
-        """The LoRA trainer of `model`'s group; with `image`, of one job's group, from its image."""
-        options = {"max_batch_tokens": self.max_batch_tokens}
-        return lambda: self._build("trainer", "lora_trainer", model, options, image=image, job=job)
+        """The LoRA trainer of `model`'s group; with `image`, of one job's group, from its image.
+
+        Where this node samples with vLLM and vLLM takes no LoRA on `model`'s lm_head, the
+        trainer refuses an adapter that trains it, at creation (`unembed_refusal`)."""
+
+        def build() -> TrainerEngine:
+            options: dict[str, Scalar] = {"max_batch_tokens": self.max_batch_tokens}
+            refusal = self._unembed_refusal(model)
+            if refusal is not None:
+                options["unembed_refusal"] = refusal
+            return self._build("trainer", "lora_trainer", model, options, image=image, job=job)
+
+        return build
 
     def sampler(self, model: ModelEntry, image: str | None = None, job: str | None = None) -> Callable[[], SamplerEngine]:
         """The sampler of `model`'s LoRA group; with `image`, of one job's group, from its image
@@ -80,6 +91,18 @@ class TorchEngineFactory:
     ) -> Callable[[], SamplerEngine]:
         """A sampler for one full fine-tuning job's weight versions."""
         return lambda: self._build("sampler", "full_sampler", model, {}, image=image, job=job)
+
+    def _unembed_refusal(self, model: ModelEntry) -> str | None:
+        """Why an adapter on lm_head cannot be sampled here (None: it can)."""
+        if self.vllm is None:
+            return None
+        from openrld.gpu.vllm_mapping import unembed_lora_refusal
+
+        if self.converter is not None:
+            self.converter.ensure(model)
+        config = Path(model.directory) / "config.json"
+        architectures = json.loads(config.read_text()).get("architectures") if config.is_file() else None
+        return unembed_lora_refusal([str(a) for a in architectures or []])
 
     def _build(
         self, role: Role, kind: str, model: ModelEntry, options: dict[str, Scalar], *,

@@ -103,9 +103,10 @@ class FullSampler:
             raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
         payload = local_payload(payload)  # a worker's trainer sends its weights over the protocol
         if isinstance(payload, weight_delta.WeightDelta):
-            # Patching waits for the running batch to drain (`step` applies it then).
+            # Patching waits for the running batch to drain (`step` applies it then); meanwhile the
+            # change waits in host memory, whatever device its sender computed it on.
             self._loaded.add(version)
-            self._incoming.append((version, payload))
+            self._incoming.append((version, payload.to_host()))
             if not self._running:
                 self._apply_incoming()
         else:
@@ -274,7 +275,9 @@ class FullSampler:
         return sample_alone(self, version, job)
 
     def park(self) -> ParkReport:
-        """Park the model (between requests only; `TorchSampler.park`). Held versions are on the host already."""
+        """Park the model (between requests only; `TorchSampler.park`). Held versions and waiting
+        changes are in host memory already (`_host_copy`, `WeightDelta.to_host`): only the live
+        weights and the KV cache are on the device."""
         return self._inner.park()
 
     def resume(self) -> ResumeReport:

@@ -16,7 +16,11 @@ Guarantees:
 - Dimuon is refused at creation: it is defined on LoRA matrices
   (`shared/spec/optimizers.md` §1.1, "dimuon needs a LoRA model");
 - checkpoints hold the full weights (`model.safetensors`), and with optimizer state
-  the AdamW moments and step counts, so a resume continues the run exactly.
+  the AdamW moments and step counts, so a resume continues the run exactly;
+- weights narrower than fp32 (bf16 on a GPU) train through fp32 master copies that AdamW
+  keeps with its moments (and saves with them): a step smaller than a bf16 rounding step is
+  kept, not rounded away, and the weights are the master rounded, as the CPU's fp32 run
+  would be up to the bf16 forward's own rounding.
 
 What it does not do: serve more than one job (a full job gets its own group),
 ordering, queueing, locking, request ids, trio. Device and dtype are explicit.
@@ -94,17 +98,16 @@ class FullTrainer(offload.ParksInSlot):
         # changed -- most AdamW steps move an fp32 element by less than a bf16 rounding step.
         self._sampler_dtype = sampler_dtype
         # What the job's sampler holds: it starts on the same base weights. Only delta needs
-        # the copy (on the host), to compare against.
+        # the copy, to compare against; it lives on the trainer's device (a comparison across
+        # devices is refused) and parks with the weights.
         self._shadow = delta.clone_weights(self.sampler_tensors(None)) if weight_sync == "delta" else None
         self._synced_version: str | None = None  # None: the base model
         self._last_sync: delta.SyncStats | None = None
         self._job: str | None = None
         self._optimizer = AdamW(self._params)
-        # Parked while the time-slicer gives the device to another; the weight-sync shadow
-        # already lives on the host.
-        self._slot = offload.ParkSlot(
-            "trainer", device, lambda: offload.module_tensors(self._model) + self._optimizer.live_state()
-        )
+        # Parked while the time-slicer gives the device to another: the weights, the AdamW state
+        # (with any fp32 master copies) and the weight-sync shadow.
+        self._slot = offload.ParkSlot("trainer", device, self._device_state)
 
     # ------------------------------------------------------------ the job
 
@@ -168,6 +171,8 @@ class FullTrainer(offload.ParksInSlot):
         of these weights, which the sampler checks after patching. Payloads chain: each one
         applies to the version of the one before, so they must reach the sampler in order.
         With a `sampler_dtype`, the payload is of the weights rounded to it (`sampler_tensors`).
+        The payload's tensors are host copies: the sampler actor keeps versions, and none of
+        them may hold the trainer's device memory.
         """
         current = self.sampler_tensors(name)
         if self._shadow is None:
@@ -175,6 +180,7 @@ class FullTrainer(offload.ParksInSlot):
         else:
             change = delta.compute_delta(current, self._shadow, self._synced_version)
             delta.apply_delta(self._shadow, change)  # the shadow is again what the sampler holds
+        change = change.to_host()
         self._synced_version = version
         self._last_sync = change.stats()
         logger.info(
@@ -326,6 +332,15 @@ class FullTrainer(offload.ParksInSlot):
         if name != self._job:
             raise NotFound(f"no model {name!r} on this full fine-tuning trainer")
         self._slot.require_resident(f"model {name}")
+
+    def _device_state(self) -> list[torch.Tensor]:
+        shadow = list(self._shadow.values()) if self._shadow is not None else []
+        return offload.module_tensors(self._model) + self._optimizer.live_state() + shadow
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """The fp32 master copy of each parameter narrower than fp32 that has stepped (the
+        tensors themselves; empty for fp32 weights): what the bf16 weights are rounded from."""
+        return self._optimizer.master_tensors()
 
     def _numel(self) -> int:
         return sum(p.numel() for p in self._params.values())

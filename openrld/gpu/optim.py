@@ -14,6 +14,12 @@ Guarantees, per `step`:
   for fp64 tensors). If it is NaN or inf the gradient is discarded and the step fails
   with a `BadRequest`;
 - clipping is torch's `clip_grad_norm_` (factor min(1, c / (n + 1e-6))), before the moments;
+  the gradients are widened to the state dtype one tensor at a time, as each is applied, so a
+  step never holds an fp32 copy of every gradient at once;
+- a parameter narrower than fp32 (bf16 weights on a GPU) is trained through an fp32 master
+  copy that the optimizer keeps with its moments: the update is applied to the master and the
+  parameter receives it rounded, so steps smaller than a bf16 rounding step accumulate instead
+  of being lost, and a bf16 run follows the fp32 run's arithmetic;
 - decoupled decay comes first, then the moments and the update, as `torch.optim.AdamW`
   (foreach=False) does, so the two agree to float rounding;
 - a tensor without a gradient is skipped (no decay, no moment update, t unchanged), and a
@@ -42,6 +48,7 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: n + 1e-6 keeps the factor f
 
 # Suffixes of the flat state keys: "<tensor name>.<suffix>".
 EXP_AVG, EXP_AVG_SQ, STEP = "exp_avg", "exp_avg_sq", "step"
+MASTER = "master"  # the fp32 master copy of a parameter narrower than fp32 (optional in a checkpoint)
 MOMENTUM = "momentum"
 
 OPTIMIZER_FAMILIES = ("adamw", "dimuon")
@@ -74,14 +81,17 @@ def validate_adam_params(params: AdamParams) -> None:
 
 
 class _Moments:
-    """One tensor's state: m, v and t."""
+    """One tensor's state: m, v and t, and the fp32 master copy of a narrower parameter."""
 
-    __slots__ = ("exp_avg", "exp_avg_sq", "step")
+    __slots__ = ("exp_avg", "exp_avg_sq", "step", "master")
 
-    def __init__(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int) -> None:
+    def __init__(
+        self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, master: torch.Tensor | None = None
+    ) -> None:
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
         self.step = step
+        self.master = master  # None: the parameter is in the state dtype and is its own master
 
 
 class AdamW:
@@ -124,13 +134,14 @@ class AdamW:
         if not named:
             return metrics
         try:
-            grads, metrics["grad_norm:mean"] = _clipped_gradients(named, params.grad_clip_norm)
+            factor, metrics["grad_norm:mean"] = _clip_factor(named, params.grad_clip_norm)
         except BadRequest:
             self.zero_grad()
             raise
         with torch.no_grad():
-            for (name, param), grad in zip(named, grads):
-                self._update(name, param, grad, params)
+            for name, param in named:
+                self._update(name, param, _clipped(param, factor), params)
+                param.grad = None  # this tensor's gradient is spent: its memory goes now, not after the loop
         self.zero_grad()
         return metrics
 
@@ -140,9 +151,12 @@ class AdamW:
         if moments is None:
             moments = _Moments(torch.zeros_like(grad), torch.zeros_like(grad), 0)
             self._state[name] = moments
+        if moments.master is None and param.dtype != grad.dtype:
+            # A bf16 (or fp16) parameter: its exact fp32 value starts the master copy.
+            moments.master = param.detach().to(grad.dtype, copy=True)
         moments.step += 1
-        # Work in the state dtype; for fp32 parameters `work` is the parameter itself.
-        work = param if param.dtype == grad.dtype else param.to(grad.dtype)
+        # Work in the state dtype: the master copy, or for fp32 parameters the parameter itself.
+        work = param if moments.master is None else moments.master
         work.mul_(1 - hp.learning_rate * hp.weight_decay)
         moments.exp_avg.lerp_(grad, 1 - hp.beta1)  # m = β1·m + (1 - β1)·g
         moments.exp_avg_sq.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
@@ -154,28 +168,40 @@ class AdamW:
             param.copy_(work)
 
     def live_state(self) -> list[torch.Tensor]:
-        """The state tensors themselves (m and v, not copies), for `offload` to move in place."""
-        return [t for moments in self._state.values() for t in (moments.exp_avg, moments.exp_avg_sq)]
+        """The state tensors themselves (m, v and any master copy, not copies), for `offload` to move in place."""
+        found = [t for moments in self._state.values() for t in (moments.exp_avg, moments.exp_avg_sq)]
+        return found + [moments.master for moments in self._state.values() if moments.master is not None]
+
+    def master_tensors(self) -> dict[str, torch.Tensor]:
+        """The fp32 master copies (the tensors themselves) of the parameters narrower than fp32
+        that have stepped; empty when every parameter is its own master."""
+        return {name: moments.master for name, moments in self._state.items() if moments.master is not None}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The state as detached CPU clones: "<name>.exp_avg", "<name>.exp_avg_sq" and
-        "<name>.step" (0-d int64) for every tensor that has stepped."""
+        "<name>.step" (0-d int64) for every tensor that has stepped, and "<name>.master"
+        for a parameter trained through an fp32 master copy."""
         flat: dict[str, torch.Tensor] = {}
         for name, moments in self._state.items():
             flat[f"{name}.{EXP_AVG}"] = moments.exp_avg.detach().cpu().clone()
             flat[f"{name}.{EXP_AVG_SQ}"] = moments.exp_avg_sq.detach().cpu().clone()
             flat[f"{name}.{STEP}"] = torch.tensor(moments.step, dtype=torch.int64)
+            if moments.master is not None:
+                flat[f"{name}.{MASTER}"] = moments.master.detach().cpu().clone()
         return flat
 
     def load_state_tensors(self, flat: Mapping[str, torch.Tensor]) -> None:
         """Replace the state with `flat` (the format of `state_tensors`); tensors absent from
         it start fresh. Everything is checked before anything changes.
 
+        A "<name>.master" is optional: without it a narrower parameter's master copy starts
+        from the parameter at its next step.
+
         Raises:
             BadRequest: an unknown key, an incomplete triple, a shape that differs from the
                 tensor's, or a negative step.
         """
-        expected = {f"{name}.{suffix}" for name in self._params for suffix in (EXP_AVG, EXP_AVG_SQ, STEP)}
+        expected = {f"{name}.{suffix}" for name in self._params for suffix in (EXP_AVG, EXP_AVG_SQ, STEP, MASTER)}
         unknown = sorted(set(flat) - expected)
         if unknown:
             raise BadRequest(f"optimizer state has unknown tensors {unknown[:3]}; it belongs to another model shape")
@@ -189,8 +215,10 @@ class AdamW:
                 missing = [key for key, there in zip(keys, present) if not there]
                 raise BadRequest(f"optimizer state for {name!r} is incomplete: missing {missing}")
             exp_avg, exp_avg_sq, step = (flat[key] for key in keys)
-            for key, tensor in ((keys[0], exp_avg), (keys[1], exp_avg_sq)):
-                if tuple(tensor.shape) != tuple(param.shape):
+            master_key = f"{name}.{MASTER}"
+            master = flat.get(master_key)
+            for key, tensor in ((keys[0], exp_avg), (keys[1], exp_avg_sq), (master_key, master)):
+                if tensor is not None and tuple(tensor.shape) != tuple(param.shape):
                     raise BadRequest(
                         f"optimizer state {key!r} has shape {list(tensor.shape)}; expected {list(param.shape)}"
                     )
@@ -201,31 +229,41 @@ class AdamW:
                 exp_avg.to(device=param.device, dtype=dtype).clone(),
                 exp_avg_sq.to(device=param.device, dtype=dtype).clone(),
                 int(step),
+                # Only a narrower parameter has a master; an fp32 one is its own.
+                master.to(device=param.device, dtype=dtype).clone() if master is not None and param.dtype != dtype else None,
             )
         self._state = state
 
 
-def _clipped_gradients(
+def _clip_factor(
     named: list[tuple[str, torch.Tensor]], grad_clip_norm: float
-) -> tuple[list[torch.Tensor], float]:
-    """The gradients in the state dtype, clipped to `grad_clip_norm` when it is > 0, and
-    the pre-clip global norm (§3.2 steps 1–2, shared by both families).
+) -> tuple[torch.Tensor | None, float]:
+    """The clipping factor (None: no clipping) and the pre-clip global norm (§3.2 steps 1–2,
+    shared by both families). Each norm is taken in the state dtype without a widened copy of
+    the gradient; `_clipped` then widens and scales one gradient at a time.
 
     Raises:
         BadRequest: the norm is NaN or inf (the caller drops the gradients).
     """
-    grads = [p.grad.to(_state_dtype(p)) for _, p in named]
     # Per tensor, then over the tensors, as clip_grad_norm_ does; in the state dtype (fp32 or wider).
-    norms = [torch.linalg.vector_norm(g, 2) for g in grads]
+    norms = [torch.linalg.vector_norm(p.grad, 2, dtype=_state_dtype(p)) for _, p in named]
     dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms])
     norm = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), 2)
     grad_norm = float(norm)
     if not math.isfinite(grad_norm):
         raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
-    if grad_clip_norm > 0:
-        factor = torch.clamp(grad_clip_norm / (norm + CLIP_EPS), max=1.0)
-        grads = [g * factor.to(g.dtype) for g in grads]
-    return grads, grad_norm
+    if grad_clip_norm <= 0:
+        return None, grad_norm
+    return torch.clamp(grad_clip_norm / (norm + CLIP_EPS), max=1.0), grad_norm
+
+
+def _clipped(param: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """`param`'s gradient in the state dtype, times the clipping factor: a new tensor (the
+    accumulated gradient is left as it is), one gradient at a time."""
+    grad = param.grad.to(_state_dtype(param))  # type: ignore[union-attr]
+    if factor is None:
+        return grad
+    return grad * factor.to(grad.dtype)
 
 
 # ---------------------------------------------------------------- Dimuon v1 (openrld), §4.2
@@ -330,13 +368,15 @@ class Dimuon:
         if not named:
             return metrics
         try:
-            grads, metrics["grad_norm:mean"] = _clipped_gradients(named, params.grad_clip_norm)
+            factor, metrics["grad_norm:mean"] = _clip_factor(named, params.grad_clip_norm)
         except BadRequest:
             self.zero_grad()
             raise
         scale = params.learning_rate * rank_lr_correction(self._rank, params.rank_lr_correction_exponent)
         with torch.no_grad():
-            for (name, param), grad in zip(named, grads):
+            for name, param in named:
+                grad = _clipped(param, factor)
+                param.grad = None
                 momentum = self._state.get(name)
                 if momentum is None:
                     momentum = _Momentum(torch.zeros_like(grad), 0)

@@ -102,9 +102,13 @@ class TorchTrainer(offload.ParksInSlot):
         dtype: torch.dtype | None = None,
         *,
         config: TrainerConfig = TrainerConfig(),
+        unembed_refusal: str | None = None,
     ) -> None:
         self.device = device
         self.config = config
+        # Set when this group's sampler cannot serve a LoRA on lm_head (vLLM, for some
+        # architectures): why, as the 400 that refuses such an adapter at creation.
+        self._unembed_refusal = unembed_refusal
         self._model = load_causal_lm(model_dir, device, dtype)  # peft injects its layers into this object
         self._peft: peft.PeftModel | None = None  # created with the first adapter
         self._adapters: dict[str, _Adapter] = {}
@@ -122,9 +126,11 @@ class TorchTrainer(offload.ParksInSlot):
 
         Raises:
             Conflict: `name` exists.  BadRequest: no spec, a name peft cannot key, rank < 1,
-            or an unknown optimizer family.
+            an unknown optimizer family, or train_unembed where this node's sampler cannot
+            serve it (`unembed_refusal`).
         """
         spec = _require_spec(spec)
+        self._check_unembed(spec)
         optimizer_for(optimizer, {}, spec.rank)  # refuse an unknown family before peft changes
         self._require_resident("add_adapter")  # peft would create the new tensors on the host
         if name in self._adapters:
@@ -273,6 +279,7 @@ class TorchTrainer(offload.ParksInSlot):
                 state) from the checkpoint's.
         """
         spec = _require_spec(spec)
+        self._check_unembed(spec)
         self._require_resident("load_state")
         resident = self._adapters.get(name)
         if resident is not None and resident.family != optimizer:
@@ -330,6 +337,10 @@ class TorchTrainer(offload.ParksInSlot):
         for adapter in self._adapters.values():
             state += adapter.optimizer.live_state()
         return state
+
+    def _check_unembed(self, spec: LoraSpec) -> None:
+        if spec.train_unembed and self._unembed_refusal is not None:
+            raise BadRequest(self._unembed_refusal, key="lora_config.train_unembed")
 
     def _require_resident(self, operation: str) -> None:
         self._slot.require_resident(operation)

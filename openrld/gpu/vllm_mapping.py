@@ -33,6 +33,17 @@ LENGTH = "length"
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM seeds a torch.Generator per seeded request; 63 bits keep the seed a positive int64 on every path.
 SEED_MASK = (1 << 63) - 1
+# vLLM's temperature rules (SamplingParams.__post_init__ / _verify_args, 0.30 to 0.33): above 2 it
+# raises VLLMValidationError; a positive temperature below 0.01 (its _MAX_TEMP) it raises to 0.01
+# with only a log line, and would report log q at 0.01. Both are refused here by name
+# (sampling.md 1.1: an option the server cannot honour is a 400, never silently changed).
+VLLM_MAX_TEMPERATURE = 2.0
+VLLM_MIN_TEMPERATURE = 0.01
+# Architectures whose vLLM model class takes no LoRA on the output layer (lm_head is not among
+# its LoRA modules: `embedding_modules` is empty), so vLLM refuses an adapter that trains it
+# ("expected target modules in [...]"). Loading the adapter without its lm_head part would
+# sample from other weights than the trainer's, so such an adapter is refused instead.
+VLLM_NO_UNEMBED_LORA = frozenset({"Qwen2ForCausalLM"})
 
 
 # ---------------------------------------------------------------------------
@@ -120,6 +131,77 @@ def child_params(job: SampleJob, index: int, limit: int, vocab: int) -> ChildPar
         spaces_between_special_tokens=False,
         detokenize=True,
     )
+
+
+def check_vllm_limits(job: SampleJob) -> None:
+    """Refuse what vLLM would refuse or silently change, naming the field (a 400, not a crash).
+
+    Raises:
+        BadRequest: temperature above 2, or positive and below 0.01.
+    """
+    temperature = job.params.temperature
+    if temperature > VLLM_MAX_TEMPERATURE:
+        raise BadRequest(
+            f"sampling_params.temperature: expected at most {VLLM_MAX_TEMPERATURE} on this node's vLLM sampler "
+            f"(vLLM's limit), got {temperature!r}",
+            key="sampling_params.temperature",
+        )
+    if 0 < temperature < VLLM_MIN_TEMPERATURE:
+        raise BadRequest(
+            f"sampling_params.temperature: expected 0 (greedy) or at least {VLLM_MIN_TEMPERATURE} on this node's "
+            f"vLLM sampler, got {temperature!r} (vLLM would sample at {VLLM_MIN_TEMPERATURE} and report those logprobs)",
+            key="sampling_params.temperature",
+        )
+
+
+def unembed_lora_refusal(architectures: Sequence[str]) -> str | None:
+    """Why vLLM cannot serve a LoRA adapter on lm_head for a model of `architectures`
+    (its config.json list), or None when it can."""
+    refused = sorted(set(architectures) & VLLM_NO_UNEMBED_LORA)
+    if not refused:
+        return None
+    return (
+        f"lora_config.train_unembed: this node samples LoRA adapters with vLLM, which cannot load a LoRA on lm_head "
+        f"for {refused[0]}; create the LoRA model with train_unembed=False (lora_config), or use a node whose "
+        f"sampler_backend is \"torch\""
+    )
+
+
+GIB = 1 << 30
+# What a starting vLLM engine takes before it checks free memory: the CUDA context of its
+# engine-core process (about half a GiB) and allocator slack. Left out of what it may claim.
+START_MARGIN_BYTES = GIB
+# The smallest KV cache worth starting an engine for.
+MIN_KV_CACHE_BYTES = 256 << 20
+# Weights plus what vLLM's profiling run needs besides them (activations of one max-size batch).
+WEIGHTS_OVERHEAD = 1.25
+
+
+def memory_share(*, free_bytes: int, total_bytes: int, wanted: float, weights_bytes: int) -> float:
+    """The `gpu_memory_utilization` to start a vLLM engine with on a device already in use.
+
+    vLLM's `gpu_memory_utilization` is a fraction of the device's *total* memory that must be
+    free when the engine starts (it refuses otherwise) and that it then takes for weights and
+    KV cache. So a second sampler replica, or one started after a trainer took more than
+    `1 - wanted` of the device, cannot start with the configured fraction. The share is the
+    configured one, lowered to what is free now (less START_MARGIN_BYTES), rounded down to
+    1/1000: each replica sizes itself from what the engines before it left.
+
+    Raises:
+        ValueError: what is free cannot hold the weights and a minimal KV cache (the
+            message gives the figures).
+    """
+    available = max(0, free_bytes - START_MARGIN_BYTES)
+    share_bytes = min(int(wanted * total_bytes), available)
+    needed = int(weights_bytes * WEIGHTS_OVERHEAD) + MIN_KV_CACHE_BYTES
+    if share_bytes < needed:
+        raise ValueError(
+            f"the vLLM sampler needs {needed / GIB:.2f} GiB of device memory (weights {weights_bytes / GIB:.2f} GiB "
+            f"and a minimal KV cache) but {free_bytes / GIB:.2f} of {total_bytes / GIB:.2f} GiB is free "
+            f"(other engines on the device hold the rest; vllm_gpu_memory_utilization = {wanted}); run fewer "
+            "sampler replicas or engines on this device"
+        )
+    return math.floor(share_bytes * 1000 / total_bytes) / 1000
 
 
 def check_logprob_caps(job: SampleJob, max_logprobs: int) -> None:

@@ -4,33 +4,46 @@
 `torch_sampler.TorchSampler`, and the sampler actor drives it the same way: it is a
 `SamplerEngine` (`openrld/engine_types.py`), with `park`/`resume` for the time-slicer
 served by vLLM's sleep mode (`sleep()` offloads the weights to host memory and drops
-the KV cache, `wake()` brings them back).
+the KV cache, `wake()` brings them back). It is written against vLLM 0.33.0 (the pin of
+`make vllm-env` and the image), and runs in that environment's process worker
+(`[workers] vllm_python`), which sees its device as cuda:0.
 
 How a request maps onto vLLM:
 - Sample i of a request is its own vLLM request (`"<id>#<i>"`, n=1) seeded from
-  (seed, i) as the torch engine seeds it (`sampling_math.stream_seed`), so a seed
-  reproduces a request however vLLM batches it; the samples share the prompt's
-  KV through vLLM's prefix cache. Sample 0 also scores the prompt when asked.
-- Every SamplingParams field is translated by `child_params` (a pure function).
+  (seed, i) as the torch engine seeds it (`sampling_math.stream_seed`); the samples
+  share the prompt's KV through vLLM's prefix cache. Sample 0 also scores the prompt
+  when asked. A seed reproduces a request that runs alone; batched with others, vLLM's
+  kernels give the same bits only in its batch-invariant mode (VLLM_BATCH_INVARIANT=1),
+  which this engine does not turn on, so a seed then reproduces up to kernel rounding
+  (sampling.md 1.4: "on GPU as far as the kernels allow").
+- Every SamplingParams field is translated by `child_params` (a pure function), after
+  `check_vllm_limits` refused what vLLM would refuse or silently change (temperature
+  above 2, or positive below 0.01). Anything vLLM still refuses at `add` (its
+  `VLLMValidationError`, which is not a ValueError) is a BadRequest for that request,
+  never an error that reaches the sampler group.
 - Logprobs follow `shared/spec/sampling.md` section 3: sampled tokens report log
   q_T, the distribution actually sampled from (after temperature, top-k and
-  top-p, renormalised); prompt scoring reports the raw model at T = 1. vLLM V1
+  top-p, renormalised); prompt scoring reports the raw model at T = 1. vLLM
   reports raw logprobs unless the engine is built with
-  `logprobs_mode="processed_logprobs"`; its `Sampler` docstring and
-  `TopKTopPSampler.forward_native` (vllm/v1/sample/sampler.py,
-  vllm/v1/sample/ops/topk_topp_sampler.py) compute that mode as
-  log_softmax(top-k/top-p-masked logits / T) in fp32, and FlashInfer's sampler is
-  not used in that mode. Prompt logprobs are `compute_logprobs(logits)`, raw,
-  whatever the mode (`_get_prompt_logprobs_dict` in vllm/v1/worker/gpu_model_runner.py).
+  `logprobs_mode="processed_logprobs"` (logprobs of the logits after temperature
+  and top-k/top-p processing, in fp32); prompt logprobs are raw whatever the mode.
   T = 0 is greedy in vLLM and reports 0.0 here, as the torch engine does.
 - LoRA versions are written as peft adapter directories and loaded under unique,
   immutable names: version k gets `openrld-v<k>` and LoRARequest int id k, never
   reused for the life of the engine, so vLLM's adapter cache (keyed by that id)
-  can never serve an older version's weights for a newer one.
+  can never serve an older version's weights for a newer one. An adapter that
+  trains lm_head is refused by name for architectures whose vLLM model takes no
+  LoRA there (`VLLM_NO_UNEMBED_LORA`).
+
+On one device: the engine's `gpu_memory_utilization` is sized from what is free when
+it starts (`memory_share`), so sampler replicas and a trainer can share a GPU, and a
+device too full is refused with the figures. vLLM starts its engine-core process with
+`spawn` (VLLM_WORKER_MULTIPROC_METHOD), never `fork`: the process that builds the
+engine may be multithreaded (the daemon's worker thread, a worker's heartbeats).
 
 Module import needs no vLLM: vLLM is imported only when an engine is built
 (`require_vllm`), and a missing package is a clear error naming it. The pure
-parts (`child_params`, `AdapterNames`, `to_sample_result`) live in
+parts (`child_params`, `AdapterNames`, `to_sample_result`, `memory_share`) live in
 `vllm_mapping` and are tested without vLLM on fake vLLM-shaped outputs; the
 engine itself runs in bench/gpu_check.py on a GPU. Not thread-safe; never
 imports trio.
@@ -40,7 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -52,9 +67,9 @@ import msgspec
 import torch
 import transformers
 
-from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.errors import BadRequest
 from openrld.gpu import lora_io, offload, torch_sampler
 from openrld.gpu.peft_export import save_peft_adapter
 from openrld.gpu.sample_alone import sample_alone
@@ -63,21 +78,28 @@ from openrld.gpu.vllm_mapping import (
     ChildParams,
     RequestOutputLike,
     check_logprob_caps,
+    check_vllm_limits,
     child_params,
     generation_limit,
     lora_tensors_only,
+    memory_share,
     scores_prompt,
     to_sample_result,
+    unembed_lora_refusal,
     vllm_max_lora_rank,
 )
+from openrld.worker.values import local_payload
 
 logger = logging.getLogger(__name__)
 
 VLLM_PACKAGE = "vllm"
 INSTALL_HINT = (
-    "install vLLM into the daemon's environment on a CUDA machine (`pip install vllm`; it brings its own CUDA "
-    "build of torch, so give it its own virtual environment), or set sampler_backend = \"torch\""
+    "build the vLLM environment with `make vllm-env` and set [workers] vllm_python to its interpreter "
+    "(the image has /opt/openrld/envs/vllm/bin/python); never install vLLM into the daemon's environment, "
+    "it replaces torch and transformers. Or set sampler_backend = \"torch\""
 )
+# vLLM reads its settings from the environment; its engine-core process must be spawned, not forked.
+MULTIPROC_METHOD = ("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 class VllmUnavailable(RuntimeError):
@@ -98,8 +120,9 @@ def require_vllm() -> ModuleType:
 class VllmSamplerConfig(msgspec.Struct, frozen=True):
     """Engine knobs; the node config sets the first, the rest are vLLM's usual choices."""
 
-    # Share of the GPU's memory vLLM takes for weights and KV cache. Below vLLM's 0.9
-    # default because the LoRA trainer of the same group shares the device.
+    # The most of the GPU's total memory one engine takes for weights and KV cache, lowered
+    # at start to what is free (`memory_share`). Below vLLM's 0.9 default because the LoRA
+    # trainer of the same group shares the device.
     gpu_memory_utilization: float = 0.5
     max_lora_rank: int = 128  # the node's max_lora_rank: vLLM sizes its LoRA buffers by it
     max_loras: int = 8  # distinct adapters in one running batch
@@ -115,6 +138,7 @@ class VllmSamplerConfig(msgspec.Struct, frozen=True):
 
 
 class VllmSamplerStatistics(msgspec.Struct, frozen=True):
+    gpu_memory_utilization: float  # the share of the device's memory the engine started with
     versions_loaded: int
     requests_done: int
     samples_done: int
@@ -142,14 +166,16 @@ class VllmSampler:
 
     Args:
         model_dir: a Hugging Face model directory with its tokenizer.
-        device: a CUDA device; vLLM runs on cuda:0 of the process (set
-            CUDA_VISIBLE_DEVICES to move it), so only that one is accepted.
+        device: a CUDA device; vLLM runs on cuda:0 of the process, so only that one is
+            accepted. The process launcher gives each worker one GPU through
+            CUDA_VISIBLE_DEVICES, which it then sees as cuda:0.
         config: engine knobs.
         adapter_root: where version directories are written (a fresh temporary
             directory by default, removed by `close`).
 
     Raises:
-        VllmUnavailable: vLLM is not installed, or `device` is not cuda:0.
+        VllmUnavailable: vLLM is not installed, `device` is not cuda:0, or too little of
+            the device's memory is free (`memory_share`).
     """
 
     def __init__(
@@ -160,23 +186,43 @@ class VllmSampler:
         *,
         adapter_root: Path | None = None,
     ) -> None:
-        if device.type != "cuda" or (device.index or 0) != 0:
+        if device.type != "cuda":
             raise VllmUnavailable(
-                f"the vLLM sampler runs on the process's cuda:0; this node's device is {device} "
-                "(use sampler_backend = \"torch\", or CUDA_VISIBLE_DEVICES to choose the GPU)"
+                f"the vLLM sampler runs on a CUDA device; this node's device is {device} "
+                "(use sampler_backend = \"torch\")"
             )
+        if (device.index or 0) != 0:
+            raise VllmUnavailable(
+                f"the vLLM sampler runs on its process's cuda:0, and was asked for {device} in the daemon's own "
+                "process: set [workers] vllm_python, so that it runs in a process worker that sees its GPU as cuda:0"
+            )
+        if os.environ.setdefault(*MULTIPROC_METHOD) != MULTIPROC_METHOD[1]:
+            logger.warning("%s=%s set by the operator; vLLM may fork a multithreaded process", *MULTIPROC_METHOD)
         vllm = require_vllm()
         self._lora_request_type = importlib.import_module(f"{VLLM_PACKAGE}.lora.request").LoRARequest
         self._sampling_params_type = vllm.SamplingParams
+        # What vLLM raises for a request it refuses: VLLMValidationError, which is not a ValueError
+        # (VLLMClientError <- VLLMError <- Exception); plain ValueErrors still come from some checks.
+        self._refusals = (getattr(importlib.import_module(f"{VLLM_PACKAGE}.exceptions"), "VLLMValidationError", ValueError), ValueError)
         # FINAL_ONLY: step() returns a sample once, when it has finished.
         self._final_only = importlib.import_module(f"{VLLM_PACKAGE}.sampling_params").RequestOutputKind.FINAL_ONLY
         self._config = config
         self._model_dir = str(model_dir)
+        free, total = _device_memory()
+        try:
+            self._memory_share = memory_share(
+                free_bytes=free, total_bytes=total, wanted=config.gpu_memory_utilization,
+                weights_bytes=_weights_bytes(Path(model_dir)),
+            )
+        except ValueError as error:
+            raise VllmUnavailable(str(error)) from error
+        self._unembed_refusal = unembed_lora_refusal(_architectures(Path(model_dir)))
+        logger.info("starting vLLM model=%s gpu_memory_utilization=%.3f", self._model_dir, self._memory_share)
         self._llm = vllm.LLM(
             model=self._model_dir,
             tokenizer=self._model_dir,
             dtype=config.dtype,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            gpu_memory_utilization=self._memory_share,
             enable_lora=True,
             max_lora_rank=vllm_max_lora_rank(config.max_lora_rank),
             max_loras=config.max_loras,
@@ -217,10 +263,13 @@ class VllmSampler:
         Raises:
             ValueError: not a LoRA version, already loaded, or vLLM refused the adapter (the
                 message says why).
+            BadRequest: the adapter trains lm_head, which vLLM takes no LoRA on for this model.
         """
         payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if spec is None or not isinstance(payload, Mapping):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
+        if spec.train_unembed and self._unembed_refusal is not None:
+            raise BadRequest(f"weight version {version!r}: {self._unembed_refusal}", key="lora_config.train_unembed")
         tensors: Mapping[str, torch.Tensor] = payload
         self._require_awake("load_version")
         slot = self._names.assign(version)
@@ -268,11 +317,13 @@ class VllmSampler:
         """Validate `job` and hand its samples to vLLM.
 
         Raises:
-            BadRequest: invalid job (the torch engine's checks, plus the logprob caps).
+            BadRequest: invalid job (the torch engine's checks, the logprob caps and vLLM's
+                temperature range), or one vLLM refused (its message, and the parameter it names).
             KeyError: `version` not loaded.  ValueError: `request_id` already live.
         """
         torch_sampler._validate(job, self._vocab, self._context)  # the same checks as the torch engine
         check_logprob_caps(job, self._config.max_logprobs)
+        check_vllm_limits(job)
         lora = None if version is None else self._lora_request(version)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the sampler")
@@ -289,7 +340,15 @@ class VllmSampler:
                 params = self._sampling_params(child_params(job, index, limit, self._vocab))
                 self._engine.add_request(child, prompt, params, lora_request=lora)
                 added.append(child)
-        except Exception:  # vLLM refused a sample (its ValueError reaches the client as a 400)
+        except self._refusals as error:  # vLLM refused the request: a 400 for it alone
+            if added:
+                self._engine.abort_request(added)
+            parameter = getattr(error, "parameter", None)
+            raise BadRequest(
+                f"the vLLM sampler refused the request: {error}",
+                key=f"sampling_params.{parameter}" if parameter else None,
+            ) from error
+        except Exception:
             if added:
                 self._engine.abort_request(added)
             raise
@@ -313,7 +372,10 @@ class VllmSampler:
         return bool(self._requests)
 
     def step(self) -> list[Finished]:
-        """One vLLM engine step; returns the requests whose every sample finished."""
+        """One vLLM engine step; returns the requests whose every sample finished.
+
+        vLLM's step() blocks until its engine core answers, so it is called only while a
+        sample of ours is live in it."""
         self._require_awake("step")
         finished = [self._finish(r) for r in list(self._requests.values()) if r.is_done]
         if self._by_child:
@@ -415,6 +477,7 @@ class VllmSampler:
 
     def statistics(self) -> VllmSamplerStatistics:
         return VllmSamplerStatistics(
+            gpu_memory_utilization=self._memory_share,
             versions_loaded=len(self._names),
             requests_done=self._requests_done,
             samples_done=self._samples_done,
@@ -422,6 +485,22 @@ class VllmSampler:
             requests_running=len(self._requests),
             is_asleep=self._is_asleep,
         )
+
+
+def _device_memory() -> tuple[int, int]:
+    """(free, total) bytes of the process's cuda:0, device-wide (other processes' use counted)."""
+    free, total = torch.cuda.mem_get_info(0)
+    return int(free), int(total)
+
+
+def _weights_bytes(model_dir: Path) -> int:
+    """The checkpoint's size on disk: what vLLM's weights take on the device, for dtype="auto"."""
+    return sum(path.stat().st_size for pattern in ("*.safetensors", "*.bin") for path in model_dir.glob(pattern))
+
+
+def _architectures(model_dir: Path) -> list[str]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return [str(name) for name in config.get("architectures") or []]
 
 
 def _free_device_bytes() -> int:

@@ -24,7 +24,8 @@ def build(start: Start) -> Any:
             from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
             config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
-            return TorchTrainer(start.model_dir, device, config=config)
+            refusal = options.get("unembed_refusal")  # the node's vLLM sampler takes no LoRA on lm_head here
+            return TorchTrainer(start.model_dir, device, config=config, unembed_refusal=None if refusal is None else str(refusal))
         case "full_trainer":
             from openrld.gpu.full_trainer import FullTrainer
             from openrld.gpu.torch_trainer import TrainerConfig

@@ -134,3 +134,43 @@ def test_a_delta_of_another_dtype_is_refused() -> None:
     change = delta.compute_delta(weights(torch.bfloat16, 1), weights(torch.bfloat16, 0), base_version=None)
     with pytest.raises(ValueError, match="is torch.bfloat16; the weight is torch.float32"):
         delta.apply_delta(weights(torch.float32), change)
+
+
+# ---------------------------------------------------------------------------
+# Devices. FakeTensorMode gives tensors that say they are on cuda:0 without a GPU, and
+# raises as CUDA would when an op mixes cuda and cpu tensors.
+
+
+def test_the_shadow_copy_stays_on_each_tensors_device() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        live = {"w": torch.empty(4, 4, device="cuda:0", dtype=torch.bfloat16)}
+        shadow = delta.clone_weights(live)
+    assert shadow["w"].device == torch.device("cuda:0")
+
+
+def test_a_delta_between_weights_on_two_devices_is_refused_by_name() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        live = {"w": torch.empty(4, 4, device="cuda:0", dtype=torch.bfloat16)}
+        with pytest.raises(ValueError, match=r"^w: the weights are on cuda:0 and the copy they are compared with on cpu"):
+            delta.compute_delta(live, {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}, base_version=None)
+
+
+def test_a_payload_leaves_the_device_as_host_copies() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        values = torch.empty(3, device="cuda:0", dtype=torch.bfloat16)
+        indices = torch.empty(3, device="cuda:0", dtype=torch.int32)
+        change = delta.WeightDelta(
+            base_version="v1", tensors=[delta.TensorDelta("a", indices, values), delta.TensorDelta("b", None, values)],
+            digest=7, mode="delta", changed_elements=6, total_elements=40, full_bytes=80, compute_s=0.0,
+        )
+        host = change.to_host()
+    assert [(t.values.device.type, None if t.indices is None else t.indices.device.type) for t in host.tensors] == [
+        ("cpu", "cpu"), ("cpu", None)
+    ]
+    assert (host.base_version, host.digest, host.changed_elements) == ("v1", 7, 6)

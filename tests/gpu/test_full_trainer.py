@@ -192,3 +192,25 @@ def test_a_lora_checkpoint_is_not_full_weights(model_dir: Path, tmp_path: Path) 
     lora.sampler_checkpoint("a", tmp_path)
     with pytest.raises(BadRequest, match="it is not full-model weights"):
         FullTrainer(model_dir, CPU, config=SMALL).load_state("job", tmp_path, None, with_optimizer=False)
+
+
+def test_the_delta_shadow_is_on_the_trainer_device_and_parks_with_the_weights(model_dir: Path) -> None:
+    trainer = FullTrainer(model_dir, CPU, config=SMALL, weight_sync="delta")
+    shadow = trainer._shadow
+    assert shadow is not None and {t.device for t in shadow.values()} == {trainer.device}
+    parked = {id(t) for t in trainer._slot._state()}  # what park() moves off the device
+    assert all(id(t) in parked for t in shadow.values())
+
+
+def test_bf16_weights_train_through_an_fp32_master_and_hold_it_rounded(model_dir: Path, sft_data) -> None:
+    trainer = FullTrainer(model_dir, CPU, torch.bfloat16, config=SMALL)
+    trainer.add_adapter("job", None, "adamw")
+    for _ in range(2):
+        trainer.forward_backward("job", fb(sft_data))
+        trainer.optim_step("job", AdamParams(learning_rate=1e-4))
+    master, weights = trainer.master_weights(), trainer.adapter_tensors("job")
+    assert sorted(master) == sorted(weights) and all(m.dtype == torch.float32 for m in master.values())
+    assert all(torch.equal(weights[k], master[k].to(torch.bfloat16)) for k in weights)
+    # 1e-4 steps are below bf16's rounding of most weights: the master moved where the weights did not.
+    moved = sum(int((master[k] != weights[k].float()).sum()) for k in weights)
+    assert moved > 0

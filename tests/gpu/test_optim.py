@@ -204,3 +204,62 @@ def test_negative_grad_clip_norm_means_no_clipping():
     AdamW(clipped_off).step(AdamParams(learning_rate=0.1, grad_clip_norm=-1.0))
     AdamW(reference).step(AdamParams(learning_rate=0.1, grad_clip_norm=0.0))
     assert all(torch.equal(clipped_off[name], reference[name]) for name in reference)
+
+
+# ---------------------------------------------------------------------------
+# Narrow parameters: an fp32 master copy, and gradients widened one at a time
+
+
+def test_a_bf16_parameter_keeps_steps_smaller_than_its_rounding_in_an_fp32_master() -> None:
+    # 1.0 in bf16 has a rounding step of 2^-8 ≈ 0.0039; each step moves it by 1e-3 (Adam's
+    # first steps are ±lr), so a bf16-only update would round every one of them away.
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    reference = torch.nn.Parameter(torch.ones(4, dtype=torch.float32))
+    optimizer, fp32 = AdamW({"p": p}), AdamW({"p": reference})
+    params = AdamParams(learning_rate=1e-3, weight_decay=0.0)
+    for _ in range(3):
+        p.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)
+        reference.grad = torch.full((4,), 0.5)
+        optimizer.step(params)
+        fp32.step(params)
+    assert torch.equal(optimizer.master_tensors()["p"], reference.detach())  # the fp32 run, bit for bit
+    assert torch.equal(p.detach(), reference.detach().to(torch.bfloat16))  # the master, rounded
+    assert p[0].item() != 1.0
+
+
+def test_the_master_copy_is_saved_and_restored_with_the_moments() -> None:
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = AdamW({"p": p})
+    p.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)
+    optimizer.step(AdamParams(learning_rate=1e-3))
+    state = safetensors.torch.load(safetensors.torch.save(optimizer.state_tensors()))
+    assert state["p.master"].dtype == torch.float32
+    resumed = AdamW({"p": torch.nn.Parameter(p.detach().clone())})
+    resumed.load_state_tensors(state)
+    assert torch.equal(resumed.master_tensors()["p"], optimizer.master_tensors()["p"])
+
+
+def test_gradients_are_widened_one_at_a_time_as_each_is_applied() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name == "_to_copy" and kwargs and kwargs.get("dtype") == torch.float32:
+                self.ops.append("widen")
+            elif name == "addcdiv_":
+                self.ops.append("update")
+            return func(*args, **(kwargs or {}))
+
+    params = {name: torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16)) for name in ("a", "b", "c")}
+    optimizer = AdamW(params)
+    for p in params.values():
+        p.grad = torch.full((8,), 0.5, dtype=torch.bfloat16)
+    with Log() as log:
+        optimizer.step(AdamParams(learning_rate=1e-3, grad_clip_norm=1.0))
+    # One widened gradient (then the master copy) per tensor, each applied before the next is made.
+    assert log.ops == ["widen", "widen", "update"] * 3

@@ -212,3 +212,45 @@ def test_max_tokens_0_returns_empty_length_sequences_with_prompt_scores() -> Non
     result = to_sample_result(job(2, max_tokens=0, prompt_logprobs=True), [out], 0, frozenset())
     assert [(s.tokens.tolist(), s.stop_reason) for s in result.sequences] == [([], "length"), ([], "length")]
     np.testing.assert_array_equal(result.prompt_logprobs, np.array([np.nan, -2.0, -2.0, -2.0], np.float32))
+
+
+# ---------------------------------------------------------------------------
+# vLLM's limits, and its share of a device in use
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("temperature", "refused"),
+    [(0.0, False), (0.01, False), (1.0, False), (2.0, False), (2.5, True), (0.005, True), (1e-6, True)],
+    ids=["greedy", "lowest", "one", "highest", "above-2", "below-0.01", "tiny"],
+)
+def test_vllm_temperature_range(temperature: float, refused: bool) -> None:
+    if refused:
+        with pytest.raises(BadRequest, match=r"^sampling_params.temperature: expected"):
+            vllm_mapping.check_vllm_limits(job(temperature=temperature))
+    else:
+        vllm_mapping.check_vllm_limits(job(temperature=temperature))
+
+
+@pytest.mark.parametrize(
+    ("free_gib", "share"),
+    [(139.0, 0.5), (70.0, 0.496), (40.0, 0.280)],
+    ids=["idle-device", "half-taken", "replica-after-trainer"],
+)
+def test_memory_share_is_the_configured_one_lowered_to_what_is_free(free_gib: float, share: float) -> None:
+    # 139 GiB device, 0.5 configured, 1 GiB kept for the engine's own CUDA context:
+    # min(69.5, free - 1) / 139, rounded down to 1/1000.
+    got = vllm_mapping.memory_share(free_bytes=int(free_gib * GIB), total_bytes=139 * GIB, wanted=0.5, weights_bytes=GIB)
+    assert got == share
+
+
+def test_memory_share_refuses_when_the_weights_and_a_kv_cache_do_not_fit() -> None:
+    # 16 GiB of weights need 16 × 1.25 + 0.25 = 20.25 GiB; 11 GiB are free.
+    with pytest.raises(ValueError, match=r"needs 20.25 GiB of device memory \(weights 16.00 GiB and a minimal KV cache\) but 11.00 of 139.00 GiB is free"):
+        vllm_mapping.memory_share(free_bytes=11 * GIB, total_bytes=139 * GIB, wanted=0.5, weights_bytes=16 * GIB)
+
+
+def test_only_the_architectures_vllm_takes_no_lm_head_lora_on_are_refused() -> None:
+    assert vllm_mapping.unembed_lora_refusal(["LlamaForCausalLM"]) is None
+    assert "for Qwen2ForCausalLM" in (vllm_mapping.unembed_lora_refusal(["Qwen2ForCausalLM"]) or "")

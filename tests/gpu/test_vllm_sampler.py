@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from openrld.batches import LoraSpec
+from openrld.errors import BadRequest
 from openrld.gpu import offload, vllm_mapping, vllm_sampler
 from openrld.gpu.lora_io import read_tensors
 from openrld.gpu.sample_alone import ALONE_REQUEST_ID
@@ -38,8 +43,13 @@ def completion(tokens: list[int], finish_reason: str = "length") -> Completion:
 
 def test_module_imports_without_vllm_and_require_names_the_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, even where it is
-    with pytest.raises(VllmUnavailable, match=r"needs the 'vllm' package, which is not installed .*pip install vllm"):
+    with pytest.raises(VllmUnavailable, match=r"needs the 'vllm' package, which is not installed .*`make vllm-env`"):
         vllm_sampler.require_vllm()
+
+
+def test_the_install_hint_never_advises_installing_vllm_into_the_daemon() -> None:
+    assert "pip install vllm" not in vllm_sampler.INSTALL_HINT
+    assert "[workers] vllm_python" in vllm_sampler.INSTALL_HINT
 
 
 def test_building_the_engine_without_vllm_names_the_package(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,52 +59,119 @@ def test_building_the_engine_without_vllm_names_the_package(tiny_llama: Path, mo
 
 
 def test_building_the_engine_on_a_cpu_device_is_refused(tiny_llama: Path) -> None:
-    with pytest.raises(VllmUnavailable, match="runs on the process's cuda:0; this node's device is cpu"):
+    with pytest.raises(VllmUnavailable, match="runs on a CUDA device; this node's device is cpu"):
         VllmSampler(tiny_llama, torch.device("cpu"))
+
+
+def test_a_gpu_other_than_cuda0_in_the_daemons_process_is_refused_naming_vllm_python(tiny_llama: Path) -> None:
+    with pytest.raises(VllmUnavailable, match=r"asked for cuda:3 in the daemon's own process: set \[workers\] vllm_python"):
+        VllmSampler(tiny_llama, torch.device("cuda:3"))
 
 
 # ---------------------------------------------------------------------------
 # The engine glue, against a fake of vLLM's LLM surface
 
 
-class FakeEngine:
-    """Finishes every request in the step after it is added: token j of a sample is
-    (its seed + j) % VOCAB, stopping at a stop id; every logprob is -0.25."""
+class VLLMError(Exception):
+    """vllm.exceptions (0.30-0.33): VLLMValidationError <- VLLMClientError <- VLLMError <- Exception."""
 
-    def __init__(self, vocab: int, context: int) -> None:
+
+class VLLMClientError(VLLMError):
+    pass
+
+
+class VLLMValidationError(VLLMClientError):
+    def __init__(self, message: str, *, parameter: str | None = None, value: object = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+class FakeSamplingParams:
+    """vllm.SamplingParams' checks (`__post_init__`, `_verify_args`), which raise
+    VLLMValidationError, and its silent rewrites: a positive temperature below 0.01 is
+    raised to 0.01 (`_MAX_TEMP`), a str stop becomes a list."""
+
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
+        temperature = float(kwargs.get("temperature", 1.0))  # type: ignore[arg-type]
+        if 0 < temperature < 0.01:
+            temperature = 0.01  # vLLM logs a warning and samples at 0.01
+        kwargs["temperature"] = temperature
+        stop = kwargs.get("stop") or []
+        kwargs["stop"] = [stop] if isinstance(stop, str) else list(stop)  # type: ignore[arg-type]
+        if not math.isfinite(temperature) or temperature < 0:
+            raise VLLMValidationError(f"temperature must be non-negative, got {temperature}.", parameter="temperature")
+        if temperature > 2.0:
+            raise VLLMValidationError(f"temperature must be in [0, 2], got {temperature}.", parameter="temperature")
+        if not 0.0 < float(kwargs.get("top_p", 1.0)) <= 1.0:  # type: ignore[arg-type]
+            raise VLLMValidationError(f"top_p must be in (0, 1], got {kwargs['top_p']}.", parameter="top_p")
+        if int(kwargs.get("top_k", 0)) < -1:  # type: ignore[call-overload]
+            raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {kwargs['top_k']}.")
+        if kwargs.get("max_tokens") is not None and int(kwargs["max_tokens"]) < 1:  # type: ignore[call-overload]
+            raise VLLMValidationError(f"max_tokens must be at least 1, got {kwargs['max_tokens']}.", parameter="max_tokens")
+        if any(not s for s in kwargs["stop"]):  # type: ignore[union-attr]
+            raise VLLMValidationError("stop cannot contain an empty string.")
+        if temperature < 1e-5 and int(kwargs.get("n", 1)) > 1:  # type: ignore[call-overload]
+            raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {kwargs['n']}.")
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as the sampler uses it. step() advances every live request by one
+    token: token j of a sample is (its seed + j) % VOCAB. A sample ends with finish_reason
+    "stop" on a stop id (stop_reason: the id) or on EOS unless ignore_eos (stop_reason None),
+    else "length" at max_tokens; with FINAL_ONLY only a finished sample is returned. Like
+    vLLM's, step() blocks until its engine core answers, which it never does with nothing
+    live (here: an error, so a test sees it), and abort_request skips unknown ids."""
+
+    def __init__(self, vocab: int, context: int, eos: int) -> None:
         self.model_config = types.SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=context)
         self.engine_core = types.SimpleNamespace(shutdown=lambda: None)
+        self.eos = eos
         self.added: list[tuple[str, list[int], object, object]] = []
-        self.live: dict[str, tuple[list[int], object]] = {}
+        self.live: dict[str, tuple[list[int], FakeSamplingParams, list[int]]] = {}
         self.aborted: list[str] = []
         self.loras: dict[int, object] = {}
         self.calls: list[str] = []
+        self.refuse_at: dict[str, VLLMValidationError] = {}  # request id -> what its processor raises
 
-    def add_request(self, request_id: str, prompt: dict, params: object, lora_request: object = None) -> str:
-        self.added.append((request_id, prompt["prompt_token_ids"], params, lora_request))
-        self.live[request_id] = (prompt["prompt_token_ids"], params)
-        return request_id
+    def add_request(self, request_id: str, prompt: dict, params: FakeSamplingParams, lora_request: object = None) -> None:
+        tokens = prompt["prompt_token_ids"]
+        if request_id in self.refuse_at:
+            raise self.refuse_at[request_id]
+        if len(tokens) > self.model_config.max_model_len:
+            raise VLLMValidationError(f"The decoder prompt (length {len(tokens)}) is longer than the maximum model length")
+        self.added.append((request_id, tokens, params, lora_request))
+        self.live[request_id] = (tokens, params, [])
 
     def step(self) -> list[Output]:
+        if not self.live:
+            raise AssertionError("vLLM's step() blocks forever with no request live")
         outputs = []
-        for request_id, (prompt, params) in self.live.items():
-            kw = params.kwargs  # type: ignore[attr-defined]
-            tokens = []
-            for j in range(kw["max_tokens"]):
-                tokens.append(((kw["seed"] or 0) + j) % VOCAB)
-                if tokens[-1] in kw["stop_token_ids"]:
-                    break
+        for request_id, (prompt, params, tokens) in list(self.live.items()):
+            kw = params.kwargs
+            tokens.append(((kw["seed"] or 0) + len(tokens)) % VOCAB)
+            finish, stop_reason = None, None
+            if tokens[-1] in kw["stop_token_ids"]:
+                finish, stop_reason = "stop", tokens[-1]
+            elif tokens[-1] == self.eos and not kw["ignore_eos"]:
+                finish = "stop"
+            elif len(tokens) == kw["max_tokens"]:
+                finish = "length"
+            if finish is None:
+                continue
             rows = None
             if kw["prompt_logprobs"] is not None:
                 rows = [None] + [{t: Logprob(-1.0)} for t in prompt[1:]]
-            outputs.append(Output(request_id, [completion(tokens)], prompt_logprobs=rows))
-        self.live.clear()
+            done = Completion(list(tokens), [{t: Logprob(-0.25)} for t in tokens], finish, stop_reason=stop_reason)
+            outputs.append(Output(request_id, [done], prompt_logprobs=rows))
+            del self.live[request_id]
         return outputs
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
         for request_id in request_ids:
-            self.live.pop(request_id)
+            self.live.pop(request_id, None)
 
     def add_lora(self, request: object) -> bool:
         self.loras[request.int_id] = request  # type: ignore[attr-defined]
@@ -111,7 +188,9 @@ class FakeEngine:
 class FakeLLM:
     def __init__(self, **kwargs: object) -> None:
         self.kwargs = kwargs
-        self.llm_engine = FakeEngine(VOCAB, 64)
+        self.environment = dict(os.environ)  # what vLLM's engine-core process would inherit
+        eos = json.loads((Path(str(kwargs["model"])) / "config.json").read_text())["eos_token_id"]
+        self.llm_engine = FakeEngine(VOCAB, 64, eos)
 
     def sleep(self, level: int) -> None:
         self.llm_engine.calls.append(f"sleep({level})")
@@ -131,13 +210,11 @@ class FakeLoRARequest:
         return self.lora_int_id
 
 
-class FakeSamplingParams:
-    def __init__(self, **kwargs: object) -> None:
-        self.kwargs = kwargs
+GIB = 1 << 30
+H200 = 139 * GIB  # total memory of the device the fakes pretend to have
 
 
-@pytest.fixture
-def engine(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> VllmSampler:
+def install_fake_vllm(monkeypatch: pytest.MonkeyPatch, free_bytes: int = H200) -> None:
     root = types.ModuleType("vllm")
     root.LLM = FakeLLM  # type: ignore[attr-defined]
     root.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
@@ -145,9 +222,18 @@ def engine(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     lora_request.LoRARequest = FakeLoRARequest  # type: ignore[attr-defined]
     sampling_params = types.ModuleType("vllm.sampling_params")
     sampling_params.RequestOutputKind = types.SimpleNamespace(FINAL_ONLY="final_only")  # type: ignore[attr-defined]
-    for name, module in (("vllm", root), ("vllm.lora", types.ModuleType("vllm.lora")),
+    exceptions = types.ModuleType("vllm.exceptions")
+    exceptions.VLLMValidationError = VLLMValidationError  # type: ignore[attr-defined]
+    for name, module in (("vllm", root), ("vllm.lora", types.ModuleType("vllm.lora")), ("vllm.exceptions", exceptions),
                          ("vllm.lora.request", lora_request), ("vllm.sampling_params", sampling_params)):
         monkeypatch.setitem(sys.modules, name, module)
+    # The device's memory, the CUDA edge: (free, total) of the process's cuda:0.
+    monkeypatch.setattr(vllm_sampler, "_device_memory", lambda: (free_bytes, H200))
+
+
+@pytest.fixture
+def engine(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> VllmSampler:
+    install_fake_vllm(monkeypatch)
     return VllmSampler(tiny_llama, torch.device("cuda:0"), adapter_root=tmp_path / "adapters")
 
 
@@ -209,3 +295,133 @@ def test_sleep_drops_the_prefix_cache_first_and_refuses_live_requests(engine: Vl
         engine.step()
     engine.wake()
     assert fake(engine).calls == ["reset_prefix_cache", "sleep(1)", "wake_up"]
+
+
+# ---------------------------------------------------------------------------
+# What vLLM refuses is a 400 for that request; the engine keeps serving
+
+
+def test_temperature_above_two_is_a_400_naming_it_and_the_engine_keeps_serving(engine: VllmSampler) -> None:
+    with pytest.raises(BadRequest, match=r"sampling_params.temperature: expected at most 2.0 .* got 2.5") as refused:
+        engine.add("hot", None, job(1, max_tokens=2, temperature=2.5))
+    assert refused.value.key == "sampling_params.temperature"
+    assert not engine.has_work() and fake(engine).added == []
+    assert len(engine.sample(None, job(1, max_tokens=2, temperature=2.0, stop_at_eos=False)).sequences[0].tokens) == 2
+
+
+def test_temperature_below_one_hundredth_is_refused_not_sampled_at_another(engine: VllmSampler) -> None:
+    # vLLM would sample at 0.01 and report log q at 0.01 (FakeSamplingParams clamps as it does).
+    with pytest.raises(BadRequest, match=r"expected 0 \(greedy\) or at least 0.01 .* got 0.005"):
+        engine.add("cold", None, job(1, max_tokens=2, temperature=0.005))
+    assert fake(engine).added == []
+
+
+def test_a_validation_error_vllm_raises_at_add_is_a_400_and_aborts_the_samples_added(engine: VllmSampler) -> None:
+    fake(engine).refuse_at["r#1"] = VLLMValidationError("max_tokens must be at least 1, got 0.", parameter="max_tokens")
+    with pytest.raises(BadRequest, match="the vLLM sampler refused the request: max_tokens must be at least 1") as refused:
+        engine.add("r", None, job(3, max_tokens=2))
+    assert refused.value.key == "sampling_params.max_tokens"
+    assert fake(engine).aborted == ["r#0"] and not engine.has_work()
+
+
+def test_a_stop_token_ends_a_sample_with_stop_and_the_token_kept(engine: VllmSampler) -> None:
+    seed = stream_seed(11, 0) & vllm_mapping.SEED_MASK
+    stop_id = (seed + 1) % VOCAB  # the sample's second token
+    result = engine.sample(None, job(1, max_tokens=5, seed=11, stop_token_ids=(stop_id,)))
+    assert result.sequences[0].tokens.tolist() == [seed % VOCAB, stop_id]
+    assert result.sequences[0].stop_reason == "stop"
+
+
+def test_cancel_mid_generation_aborts_and_step_never_waits_on_an_empty_vllm(engine: VllmSampler) -> None:
+    engine.add("r", None, job(1, max_tokens=4, stop_at_eos=False))
+    assert engine.step() == []  # one token of four
+    assert engine.cancel("r")
+    assert fake(engine).aborted == ["r#0"]
+    assert engine.step() == []  # the fake's step() raises if called with nothing live
+
+
+# ---------------------------------------------------------------------------
+# Starting on a shared device
+
+
+def test_the_engine_starts_vllm_with_spawn_not_fork(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install_fake_vllm(monkeypatch)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    sampler = VllmSampler(tiny_llama, torch.device("cuda:0"), adapter_root=tmp_path / "a")
+    assert sampler._llm.environment["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # type: ignore[attr-defined]
+
+
+def test_a_replica_on_a_busy_device_takes_what_is_free_not_the_configured_share(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A first replica holds 0.5 of the 139 GiB and a trainer 30 GiB: 39.5 GiB free, 1 GiB kept
+    # back for the new engine's CUDA context: floor(38.5 / 139, 3 places) = 0.276.
+    install_fake_vllm(monkeypatch, free_bytes=int(39.5 * GIB))
+    sampler = VllmSampler(tiny_llama, torch.device("cuda:0"), adapter_root=tmp_path / "a")
+    assert sampler._llm.kwargs["gpu_memory_utilization"] == 0.276  # type: ignore[attr-defined]
+    assert sampler.statistics().gpu_memory_utilization == 0.276
+
+
+def test_a_device_too_full_for_the_weights_is_refused_with_the_figures(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install_fake_vllm(monkeypatch, free_bytes=GIB + (100 << 20))  # 100 MiB past the start margin
+    with pytest.raises(VllmUnavailable, match=r"needs 0\.\d\d GiB .* but 1\.10 of 139\.00 GiB is free"):
+        VllmSampler(tiny_llama, torch.device("cuda:0"), adapter_root=tmp_path / "a")
+
+
+def test_the_vllm_worker_gets_its_gpu_through_cuda_visible_devices_and_sees_it_as_cuda0(tmp_path: Path) -> None:
+    from openrld.worker.hosting import WorkerHosting
+    from openrld.worker.launchers import WorkerSpec
+    from openrld.worker.launchers.process import ProcessLauncher
+    from openrld.worker.protocol import Start
+
+    seen = tmp_path / "env"
+    probe = f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"
+    hosting = WorkerHosting(vllm=ProcessLauncher(sys.executable, ("-c", probe)))
+    launcher = hosting.launcher_for("vllm_sampler")
+    spec = WorkerSpec(name="vllm", role="sampler", start=Start("vllm_sampler", "/m", "cuda:3"))
+    worker = launcher.launch(spec, str(tmp_path / "s.sock"), {})  # type: ignore[union-attr]
+    worker.stop(30)
+    hosting.close()
+    assert (seen.read_text(), worker.device) == ("3", "cuda:0")  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------
+# Adapters on lm_head, for architectures vLLM takes no LoRA on it
+
+
+def qwen2_labelled(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny Llama under a config.json naming Qwen2ForCausalLM, as vLLM reads architectures."""
+    directory = tmp_path / "qwen2-labelled"
+    shutil.copytree(tiny_llama, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForCausalLM"]}))
+    return directory
+
+
+def test_a_version_training_lm_head_is_refused_for_qwen2_naming_train_unembed(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install_fake_vllm(monkeypatch)
+    sampler = VllmSampler(qwen2_labelled(tiny_llama, tmp_path), torch.device("cuda:0"), adapter_root=tmp_path / "a")
+    with pytest.raises(BadRequest, match=r"cannot load a LoRA on lm_head for Qwen2ForCausalLM") as refused:
+        sampler.load_version("v", {}, LoraSpec(rank=2, train_unembed=True))
+    assert refused.value.key == "lora_config.train_unembed"
+    assert len(fake(sampler).loras) == 0
+
+
+def test_a_vllm_node_refuses_an_lm_head_adapter_on_qwen2_when_the_model_is_created(tiny_llama: Path, tmp_path: Path) -> None:
+    from openrld.gpu.engines import TorchEngineFactory
+    from openrld.model_catalog import ModelEntry
+
+    directory = qwen2_labelled(tiny_llama, tmp_path)
+    model = ModelEntry(name="qwen2", directory=str(directory), arch="llama", max_context=64)
+    factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=512, vllm=vllm_sampler.VllmSamplerConfig())
+    trainer = factory.trainer(model)()
+    with pytest.raises(BadRequest, match=r"lora_config.train_unembed: this node samples LoRA adapters with vLLM") as refused:
+        trainer.add_adapter("m", LoraSpec(rank=2, train_unembed=True))
+    assert refused.value.key == "lora_config.train_unembed"
+    trainer.add_adapter("m", LoraSpec(rank=2, train_unembed=False))  # without lm_head it trains
+    torch_node = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=512).trainer(model)()
+    torch_node.add_adapter("m", LoraSpec(rank=2, train_unembed=True))  # the torch sampler serves lm_head

@@ -33,6 +33,7 @@ class Completion:  # vllm.outputs.CompletionOutput
     finish_reason: str | None
     index: int = 0
     text: str = ""
+    stop_reason: int | str | None = None  # the stop id or string that ended it; None for EOS or length
 
 
 @dataclasses.dataclass
