@@ -10,6 +10,7 @@ With CONSOLE_SCREENSHOTS=<dir> set, each page is saved there as a PNG
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,28 @@ def shoot(driver, name: str) -> None:
 
 
 def wait(driver, condition, what: str):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=f"no {what} within {WAIT_S} s")
+    return WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]
+    ).until(condition, message=f"no {what} within {WAIT_S} s")
+
+
+def settled(read):
+    """`read()`, again if the page re-rendered what it was reading: it polls every 2 s and redraws."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(50):
+        try:
+            return read()
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return read()
+
+
+def text(driver, selector: str) -> str:
+    return settled(lambda: css(driver, selector)[0].text)
 
 
 def css(driver, selector: str):
@@ -55,11 +75,11 @@ def log_in(driver, url: str, key: str) -> None:
 
 
 def run_ids(driver) -> list[str]:
-    return [row.get_attribute("data-run-id") for row in css(driver, "#runs-table tbody tr")]
+    return settled(lambda: [row.get_attribute("data-run-id") for row in css(driver, "#runs-table tbody tr")])
 
 
 def open_run(driver, run_id: str) -> None:
-    css(driver, f'#runs-table tr[data-run-id="{run_id}"] a')[0].click()
+    settled(lambda: css(driver, f'#runs-table tr[data-run-id="{run_id}"] a')[0].click())
 
 
 def train_step(training) -> None:
@@ -105,7 +125,7 @@ def test_a_user_logs_in_and_sees_their_own_run_and_not_anothers(browser, daemon:
     assert run_ids(browser) == [runs[BOB].model_id]
     log_in(browser, daemon.url, ALICE)
     assert run_ids(browser) == [runs[ALICE].model_id]
-    assert css(browser, "#who")[0].text == "alice"
+    assert text(browser, "#who") == "alice"
     shoot(browser, "runs")
 
 
@@ -117,13 +137,13 @@ def test_a_wrong_key_is_refused_at_the_login_form(browser, daemon: Daemon):
     css(browser, "#key")[0].send_keys("tml-not-a-key")
     css(browser, "#login-button")[0].click()
     wait(browser, lambda d: css(d, "#login-error")[0].text == "The node refused this key.", "refusal")
-    assert css(browser, "#view")[0].text == ""
+    assert text(browser, "#view") == ""
 
 
 def test_a_run_named_with_markup_renders_it_as_text(browser, daemon: Daemon, runs):
     log_in(browser, daemon.url, ALICE)
-    [row] = css(browser, "#runs-table tbody tr")
-    assert row.find_element("css selector", "td.meta").text == f"name={HOSTILE}"
+    assert text(browser, "#runs-table tbody tr td.meta") == f"name={HOSTILE}"
+    assert len(css(browser, "#runs-table tbody tr")) == 1
     assert browser.execute_script("return window.pwned") is None
     assert browser.execute_script("return document.scripts.length") == 1  # console.js, and nothing injected
     assert browser.execute_script("return document.querySelectorAll('#view img').length") == 0
@@ -141,7 +161,7 @@ def test_the_loss_curve_grows_while_the_client_trains(browser, daemon: Daemon, r
             browser, lambda d, n=str(step + 1): css(d, loss)[0].get_attribute("data-points") == n,
             f"point {step + 1} drawn",
         )
-    assert css(browser, "#run-title")[0].text == training.model_id
+    assert text(browser, "#run-title") == training.model_id
     for step in range(4, 24):  # a longer curve for the picture
         train_step(training)
     sampler = training.save_weights_and_get_sampling_client().result()
@@ -156,13 +176,13 @@ def test_a_run_leads_to_its_checkpoints(browser, daemon: Daemon, runs):
     log_in(browser, daemon.url, ALICE)
     open_run(browser, training.model_id)
     wait(browser, lambda d: css(d, "#tab-checkpoints"), "run page")
-    css(browser, "#tab-checkpoints")[0].click()
+    settled(lambda: css(browser, "#tab-checkpoints")[0].click())
     path = f"tinker://{training.model_id}/weights/step-1"
     wait(browser, lambda d: css(d, "#checkpoints-table tbody tr"), "checkpoints table")
-    [row] = css(browser, "#checkpoints-table tbody tr")
-    assert row.get_attribute("data-path") == path
-    assert row.find_element("css selector", "code.path").text == path
-    assert "expires" in row.text and "private" in row.text
+    rows = settled(lambda: [(r.get_attribute("data-path"), r.text) for r in css(browser, "#checkpoints-table tbody tr")])
+    assert [p for p, _ in rows] == [path]
+    assert text(browser, "#checkpoints-table tbody tr code.path") == path
+    assert "expires" in rows[0][1] and "private" in rows[0][1]
     shoot(browser, "checkpoints")
 
 
@@ -170,8 +190,8 @@ def test_the_device_page_shows_the_group_on_the_nodes_device(browser, daemon: Da
     log_in(browser, daemon.url, BOB)
     browser.get(daemon.url + "/console#/cluster")
     wait(browser, lambda d: css(d, "#devices-table tbody tr"), "devices table")
-    assert [r.get_attribute("data-device") for r in css(browser, "#devices-table tbody tr")] == ["cpu"]
-    workers = sorted(r.get_attribute("data-worker") for r in css(browser, "#workers-table tbody tr"))
+    assert settled(lambda: [r.get_attribute("data-device") for r in css(browser, "#devices-table tbody tr")]) == ["cpu"]
+    workers = settled(lambda: sorted(r.get_attribute("data-worker") for r in css(browser, "#workers-table tbody tr")))
     assert workers == ["tiny-llama sampler", "tiny-llama trainer"]
     shoot(browser, "devices")
 
@@ -194,8 +214,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
 
 
 def member_state(driver, name: str) -> str | None:
-    rows = css(driver, f'#members-table tr[data-node="{name}"]')
-    return rows[0].get_attribute("data-state") if rows else None
+    def read() -> str | None:
+        rows = css(driver, f'#members-table tr[data-node="{name}"]')
+        return rows[0].get_attribute("data-state") if rows else None
+
+    return settled(read)
 
 
 def test_a_killed_node_goes_dead_on_the_cluster_page(browser, cluster: dict[str, Daemon]):
@@ -204,5 +227,5 @@ def test_a_killed_node_goes_dead_on_the_cluster_page(browser, cluster: dict[str,
     assert member_state(browser, "node-a") == "alive"
     cluster["node-b"].kill()
     wait(browser, lambda d: member_state(d, "node-b") == "dead", "node-b dead")
-    assert css(browser, '#members-table tr[data-node="node-b"] td.state')[0].text == "dead"
+    assert text(browser, '#members-table tr[data-node="node-b"] td.state') == "dead"
     shoot(browser, "cluster")
