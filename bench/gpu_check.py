@@ -1,6 +1,6 @@
-"""The device check for issues 4 and 6: CUDA offload of engines, and the vLLM sampler engine.
+"""The device check: every CUDA path of openrld, one PASS/FAIL/SKIP line each.
 
-One script, about five minutes on one GPU, one line per check:
+One script, under eight minutes on one H200, one line per check:
     PASS <check>: <figures>    FAIL <check>: <what differed>    SKIP <check>: <why>
 and exit status 1 when any check failed. Without CUDA every check SKIPs (so it runs
 anywhere, as CI-less proof that it starts); without vLLM the vLLM checks SKIP.
@@ -9,32 +9,42 @@ Checks:
 - offload.trainer_round_trip: a tiny Llama TorchTrainer on cuda with an adapter, its
   gradients and AdamW moments; park() moves them all to pinned host memory and frees
   the device (device_bytes_freed >= bytes_moved); resume() brings back every tensor
-  bit for bit, the same tensor objects.
+  bit for bit, the same tensor objects, and the device memory it held.
 - offload.training_across_park: two adapters with the same seed, one parked and
   resumed between its steps, give identical losses and identical weights.
 - offload.sampler_round_trip: a TorchSampler parked and resumed samples the same
   seeded tokens and logprobs as before.
 - offload.throughput: park/resume of a ~100M-parameter bf16 model: GB/s each way.
-- worker.cuda_trainer: a TorchTrainer on cuda in a process worker (the worker protocol)
-  (`trainer_process = true`) trains as the in-process one does (losses within 1e-5),
-  hands back adapter tensors on the device, and parks and resumes through the pipe.
+- sampler.torch_logprobs: the torch sampler on cuda (fp32) reports sampled and prompt
+  logprobs equal to the trainer's forward within 1e-3 (issue 4).
+- worker.cuda_trainer: a LoRA TorchTrainer on cuda in a process worker (the worker
+  protocol) trains as the in-process one does (losses within 1e-5), hands back adapter
+  tensors as host copies equal to the in-process ones, and parks and resumes.
+- full.trainer_bf16: a FullTrainer on cuda in bf16 keeps fp32 master weights; its losses
+  follow the CPU's fp32 run (2e-2 relative: bf16 forward) and its weights are the
+  master rounded.
+- worker.cuda_full_trainer: the same FullTrainer as a process worker trains bit for bit
+  as in process.
+- delta.sync_10: a FullTrainer (weight_sync=delta) and a FullSampler on one device, ten
+  steps each followed by a sync: every sync's digest checks on the sampler, the payload
+  is in host memory, the sampler's weights equal the trainer's bit for bit, and device
+  memory after the tenth sync is what it was after the first (no payload accumulates).
+- timeslicer.two_jobs: two full fine-tuning jobs on one device under the TimeSlicer actor
+  (a party each): they take turns, the one waiting is parked (device memory at each turn
+  is one job's), and each job's losses equal its run alone, bit for bit.
+- worker.launcher_measurement: two LoRA trainers on one device stepping at once, as two
+  threads of one process (one CUDA context, the GIL shared) against two process workers
+  (a CUDA context each): steps per second of each, and their ratio. The figure the
+  default launcher for GPU nodes is decided from.
 - vllm.*: a tiny random Llama (head_dim 64) served by VllmSampler: sampled-token and
   prompt logprobs at T = 1 against the trainer's forward (1e-3 in fp32; 5e-2 if vLLM
-  must run it in bf16), T = 0.7 logprobs against log_softmax(logits / 0.7), a seed
-  reproducing its tokens, a LoRA version against the trainer's forward with that
-  adapter, a reloaded version under a new adapter name, and sleep/wake (memory freed,
-  the same seeded tokens after waking).
+  must run it in bf16), T = 0.7 logprobs against log_softmax(logits / 0.7), T = 2.5
+  refused as a 400 with the engine still serving, a seed reproducing its tokens, a LoRA
+  version against the trainer's forward with that adapter, a reloaded version under a
+  new adapter name, and sleep/wake (memory freed, the same seeded tokens after waking).
 
-Run from the repository root: `PYTHONPATH=. python3 bench/gpu_check.py`. On the device
-machine its image lacks msgspec, and its transformers (5.17 when last run) is older than
-the 5.24 we pin, under which `gpu/kv_batch.py`'s cache handling fails (the sampler check
-then fails on the CPU too); carry both as wheels (see the device README), adding
-`transformers==5.24.0` to the download below:
-    here:   echo /.whl/ >> .git/info/exclude
-            python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-                --implementation cp --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
-    there:  carry [".whl"]; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
-                && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 timeout 420 python3 bench/gpu_check.py
+Run on the GPU test machine with bench/gpu_check.sh (it says what it needs), or from the
+repository root: `PYTHONPATH=. python3 bench/gpu_check.py`.
 """
 
 from __future__ import annotations
@@ -125,6 +135,7 @@ def check_trainer_round_trip(model_dir: Path, device: torch.device) -> str:
     trainer.forward_backward("a", batch)  # gradients to park as well
     state = trainer_state(trainer, ["a"])
     before = [t.detach().clone() for t in state]
+    held = torch.cuda.memory_allocated(device)
     report = trainer.park()
     parked = trainer_state(trainer, ["a"])
     require(all(t.device.type == "cpu" and t.is_pinned() for t in parked), "a parked tensor is not in pinned host memory")
@@ -135,6 +146,8 @@ def check_trainer_round_trip(model_dir: Path, device: torch.device) -> str:
     require([id(t) for t in after] == [id(t) for t in state], "resume changed the tensor objects")
     require(all(t.device == state[0].device for t in after), "a resumed tensor is not on the device")
     require(all(bit_equal(a, b) for a, b in zip(after, before)), "a tensor changed across park/resume")
+    restored = torch.cuda.memory_allocated(device)
+    require(restored >= held - 2**20, f"resume restored {gb(restored)} of the {gb(held)} held before park")
     return (
         f"{report.tensors} tensors, moved {gb(report.bytes_moved)}, freed {gb(report.device_bytes_freed)}, "
         f"reserved after {gb(report.device_bytes_reserved_after)}, park {report.seconds * 1e3:.1f} ms, "
@@ -184,13 +197,19 @@ def check_trainer_process(model_dir: Path, device: torch.device) -> str:
         batch, adam = sft_batch(model_dir), AdamParams(learning_rate=1e-2)
         losses: list[list[float]] = [[], []]
         for engine, out in zip((remote, local), losses):
-            engine.add_adapter("a", SPEC)
+            engine.add_adapter("a", SPEC, "adamw")
             for _ in range(3):
                 results, _ = engine.forward_backward_then_step("a", [batch], adam)
                 out.append(results[0].metrics["loss:sum"])
         require(np.allclose(losses[0], losses[1], rtol=0, atol=1e-5), f"losses differ: {losses[0]} vs {losses[1]}")
-        tensors = remote.adapter_tensors("a")
-        require(all(t.device == torch.device(device) for t in tensors.values()), "adapter tensors left the device")
+        from openrld.worker.values import local_payload
+
+        tensors, expected = local_payload(remote.adapter_tensors("a")), local.adapter_tensors("a")
+        # adapter_tensors hands back host copies (what a sampler or a checkpoint takes), not device tensors.
+        require(all(t.device.type == "cpu" for t in tensors.values()), "adapter_tensors returned device tensors")
+        require(sorted(tensors) == sorted(expected), "the worker's adapter has other tensors")
+        worst = max(float((tensors[k] - expected[k]).abs().max()) for k in tensors)
+        require(worst <= 1e-5, f"adapter tensors differ from the in-process trainer's by {worst:.2e}")
         parked = remote.park()
         remote.resume()
         require(parked.bytes_moved > 0, "park moved nothing")
@@ -246,6 +265,210 @@ def check_throughput(root: Path, device: torch.device) -> str:
         f"{gb(park.bytes_moved)}: park {park.bytes_moved / park.seconds / 1e9:.1f} GB/s ({park.seconds * 1e3:.0f} ms), "
         f"resume {resume.bytes_moved / resume.seconds / 1e9:.1f} GB/s ({resume.seconds * 1e3:.0f} ms), "
         f"freed {gb(park.device_bytes_freed)}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# The torch sampler, the full trainer, delta sync and the time-slicer on CUDA
+
+
+def check_torch_sampler_logprobs(model_dir: Path, device: torch.device) -> str:
+    sampler = TorchSampler(model_dir, device, torch.float32)
+    trainer = TorchTrainer(model_dir, device, dtype=torch.float32)
+    trainer.add_adapter("zero", LoraSpec(rank=8, seed=1))  # B = 0: the base model exactly
+    prompt = np.array(transformers.AutoTokenizer.from_pretrained(str(model_dir))(TEXT)["input_ids"], np.int64)
+    job = SampleJob(prompt=prompt, num_samples=2, prompt_logprobs=True,
+                    params=SamplingSpec(max_tokens=8, seed=5, stop_at_eos=False))
+    result = sampler.sample(None, job)
+    worst = 0.0
+    for sequence in result.sequences:
+        ids = np.concatenate([prompt, sequence.tokens.astype(np.int64)])
+        datum = TrainDatum(tokens=ids[:-1], inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1, np.float32)})
+        expected = trainer.forward_backward("zero", ForwardBackwardBatch(
+            data=[datum], loss_fn="cross_entropy", loss_config={}, forward_only=True)).logprobs[0]
+        worst = max(worst, float(np.abs(sequence.logprobs - expected[len(prompt) - 1:]).max()))
+        worst = max(worst, float(np.abs(result.prompt_logprobs[1:] - expected[: len(prompt) - 1]).max()))
+    require(worst <= FP32_TOLERANCE, f"max |torch sampler - trainer forward| = {worst:.2e} > {FP32_TOLERANCE}")
+    return f"max |diff| {worst:.2e} over 2x8 sampled + prompt logprobs (fp32)"
+
+
+def full_losses(trainer, steps: int, batch: ForwardBackwardBatch, lr: float = 1e-4) -> list[float]:
+    trainer.add_adapter("job", None, "adamw")
+    losses = []
+    for _ in range(steps):
+        results, _ = trainer.forward_backward_then_step("job", [batch], AdamParams(learning_rate=lr))
+        losses.append(results[0].metrics["loss:sum"])
+    return losses
+
+
+def check_full_trainer_bf16(model_dir: Path, device: torch.device) -> str:
+    from openrld.gpu.full_trainer import FullTrainer
+
+    batch = sft_batch(model_dir)
+    gpu = FullTrainer(model_dir, device, torch.bfloat16)
+    cpu = FullTrainer(model_dir, torch.device("cpu"), torch.float32)
+    on_gpu, on_cpu = full_losses(gpu, 4, batch), full_losses(cpu, 4, batch)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(on_gpu, on_cpu))
+    require(worst <= 2e-2, f"bf16 GPU losses {on_gpu} vs fp32 CPU {on_cpu}: {worst:.2e} relative")
+    master, weights = gpu.master_weights(), gpu.adapter_tensors("job")
+    require(sorted(master) == sorted(weights), f"{len(master)} master copies for {len(weights)} weights")
+    require(all(bit_equal(weights[k], master[k].to(torch.bfloat16).cpu()) for k in weights), "weights are not the master rounded")
+    kept = sum(int((master[k].cpu() != weights[k].float()).sum()) for k in weights)
+    require(kept > 0, "the fp32 master holds nothing the bf16 weights do not")
+    return f"losses within {worst:.1e} of the fp32 CPU run; {kept} master elements below bf16 rounding kept"
+
+
+def start_worker_engine(kind: str, role: str, model_dir: Path, device: torch.device, options: dict):
+    from openrld.worker.client import RemoteSampler, RemoteTrainer
+    from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
+    from openrld.worker.launchers.process import ProcessLauncher
+    from openrld.worker.protocol import Start
+
+    spec = WorkerSpec(name=f"gpu-check {kind}", role=role, start=Start(kind, str(model_dir), str(device), options=options))
+    connection = start_worker(ProcessLauncher(), spec, socket_directory())[0]
+    return RemoteTrainer(connection) if role == "trainer" else RemoteSampler(connection)
+
+
+def check_full_trainer_worker(model_dir: Path, device: torch.device) -> str:
+    from openrld.gpu.full_trainer import FullTrainer
+
+    batch = sft_batch(model_dir)
+    remote = start_worker_engine("full_trainer", "trainer", model_dir, device, {"max_batch_tokens": 8192, "weight_sync": "delta"})
+    try:
+        local = FullTrainer(model_dir, device)
+        got, expected = full_losses(remote, 3, batch), full_losses(local, 3, batch)
+        require(got == expected, f"worker losses {got} != in-process {expected}")
+        parked = remote.park()
+        remote.resume()
+        require(parked.bytes_moved > 0, "park moved nothing")
+        return f"3 steps bit-identical to in process ({['%.6f' % x for x in got]}), parked {gb(parked.bytes_moved)}"
+    finally:
+        remote.close()
+
+
+def check_delta_sync(model_dir: Path, device: torch.device) -> str:
+    from openrld.gpu import delta
+    from openrld.gpu.full_sampler import FullSampler
+    from openrld.gpu.full_trainer import FullTrainer
+
+    batch = sft_batch(model_dir)
+    trainer = FullTrainer(model_dir, device, weight_sync="delta")
+    sampler = FullSampler(model_dir, device)
+    trainer.add_adapter("job", None, "adamw")
+    allocated: list[int] = []
+    moved = 0
+    for step in range(10):
+        trainer.forward_backward_then_step("job", [batch], AdamParams(learning_rate=1e-4))
+        payload = trainer.sampler_payload("job", f"v{step}")
+        require(all(t.values.device.type == "cpu" for t in payload.tensors), "a payload holds device tensors")
+        sampler.load_version(f"v{step}", payload)  # checks the digest: WeightMismatch otherwise
+        if step >= 1:
+            sampler.drop_version(f"v{step - 1}")
+        moved += payload.bytes_moved
+        torch.cuda.synchronize(device)
+        allocated.append(torch.cuda.memory_allocated(device))
+    live, trained = sampler.live_weights(), trainer.live_tensors("job")
+    require(all(bit_equal(live[k], trained[k]) for k in trained), "the sampler's weights differ from the trainer's")
+    growth = allocated[-1] - allocated[0]
+    require(growth <= 2**20, f"device memory grew by {gb(growth)} over 9 syncs: {[gb(a) for a in allocated]}")
+    stats = trainer.last_sync
+    return (
+        f"10 syncs, {gb(moved)} moved in all, last changed {stats.changed_fraction:.3f} of the weights; "
+        f"device memory {gb(allocated[0])} after the first and {gb(allocated[-1])} after the tenth"
+    )
+
+
+def check_timeslicer_two_jobs(model_dir: Path, device: torch.device) -> str:
+    import trio
+
+    from openrld.actors.timeslicer import TimeSlicer
+    from openrld.gpu.full_trainer import FullTrainer
+
+    batch, steps = sft_batch(model_dir), 4
+    alone = full_losses(FullTrainer(model_dir, device), steps, batch)
+    torch.cuda.empty_cache()
+    one_job = torch.cuda.memory_allocated(device)  # nothing of ours: the baseline
+    limiter = trio.CapacityLimiter(1)
+    turns: list[tuple[str, int]] = []
+    parks = [0]
+
+    class Parks:
+        def __init__(self, engine) -> None:
+            self.engine = engine
+
+        async def park(self) -> bool:
+            await trio.to_thread.run_sync(self.engine.park, limiter=limiter)
+            parks[0] += 1
+            return True
+
+        async def resume(self) -> None:
+            await trio.to_thread.run_sync(self.engine.resume, limiter=limiter)
+
+    async def job(name: str, lease, engine, out: list[float]) -> None:
+        for done in range(1, steps + 1):
+            async with lease.hold(has_more=lambda: done < steps):
+                turns.append((name, torch.cuda.memory_allocated(device)))
+                results, _ = await trio.to_thread.run_sync(
+                    engine.forward_backward_then_step, "job", [batch], AdamParams(learning_rate=1e-4), limiter=limiter
+                )
+                out.append(results[0].metrics["loss:sum"])
+        lease.close()
+
+    engines = {name: FullTrainer(model_dir, device) for name in ("a", "b")}
+    footprint = (torch.cuda.memory_allocated(device) - one_job) // 2
+    for engine in engines.values():
+        engine.add_adapter("job", None, "adamw")
+    losses: dict[str, list[float]] = {"a": [], "b": []}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            slicer = await nursery.start(TimeSlicer(str(device), quantum_s=0.0).run)
+            leases = {name: slicer.register(name, name, Parks(engine)) for name, engine in engines.items()}
+            for name, lease in leases.items():
+                if not lease.claim_resident():  # another party is on the device: park until its turn
+                    engines[name].park()
+            async with trio.open_nursery() as jobs:
+                for name, engine in engines.items():
+                    jobs.start_soon(job, name, leases[name], engine, losses[name])
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    require(losses["a"] == alone and losses["b"] == alone, f"losses {losses} differ from the job alone {alone}")
+    require(parks[0] >= 1, "no job was ever parked")
+    worst = max(held for _, held in turns) - one_job
+    require(worst <= 1.5 * footprint, f"{gb(worst)} held at a turn, one job holds {gb(footprint)}: the other was not parked")
+    return f"{len(turns)} turns, {parks[0]} parks, at most {gb(worst)} held at a turn (one job {gb(footprint)}); losses as alone"
+
+
+def check_launcher_measurement(model_dir: Path, device: torch.device) -> str:
+    import threading
+
+    batch, adam, steps = sft_batch(model_dir), AdamParams(learning_rate=1e-3), 30
+
+    def run_pair(engines) -> float:
+        for engine in engines:
+            engine.add_adapter("a", SPEC, "adamw")
+            engine.forward_backward_then_step("a", [batch], adam)  # warm
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        threads = [threading.Thread(target=lambda e=e: [e.forward_backward_then_step("a", [batch], adam) for _ in range(steps)])
+                   for e in engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return 2 * steps / (time.perf_counter() - start)
+
+    inproc = run_pair([TorchTrainer(model_dir, device), TorchTrainer(model_dir, device)])
+    workers = [start_worker_engine("lora_trainer", "trainer", model_dir, device, {"max_batch_tokens": 8192}) for _ in range(2)]
+    try:
+        process = run_pair(workers)
+    finally:
+        for worker in workers:
+            worker.close()
+    return (
+        f"two LoRA trainers on one GPU: {inproc:.1f} steps/s as threads of one process (one CUDA context, one GIL), "
+        f"{process:.1f} steps/s as two process workers (a context each): process/inproc = {process / inproc:.2f}"
     )
 
 
@@ -333,6 +556,20 @@ def check_vllm_temperature(setup: VllmSetup) -> str:
     return f"T=0.7 sampled logprobs are log q_T: max |diff| {worst:.2e}"
 
 
+def check_vllm_refusal(setup: VllmSetup) -> str:
+    from openrld.errors import BadRequest
+
+    try:
+        setup.engine.add("too-hot", None, setup.job(temperature=2.5))
+        raise AssertionError("T = 2.5 was accepted; vLLM samples at most at 2")
+    except BadRequest as refused:
+        detail = str(refused)
+    require(not setup.engine.has_work(), "the refused request left work in the engine")
+    result = setup.engine.sample(None, setup.job(temperature=2.0))
+    require(len(result.sequences) == 2, "the engine stopped serving after a refusal")
+    return f"T=2.5 refused ({detail[:60]}...), T=2.0 served"
+
+
 def check_vllm_lora(setup: VllmSetup) -> str:
     spec = LoraSpec(rank=8, seed=3)
     setup.trainer.add_adapter("trained", spec)
@@ -384,16 +621,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="openrld-gpu-check-") as tmp:
         root = Path(tmp)
         tiny = build_tiny_model(root / "tiny-llama", "llama", seed=0)
-        offload_checks = {
+        cuda_checks = {
             "offload.trainer_round_trip": lambda: check_trainer_round_trip(tiny, device),
             "offload.training_across_park": lambda: check_training_across_park(tiny, device),
             "offload.sampler_round_trip": lambda: check_sampler_round_trip(tiny, device),
             "offload.throughput": lambda: check_throughput(root, device),
+            "sampler.torch_logprobs": lambda: check_torch_sampler_logprobs(tiny, device),
             "worker.cuda_trainer": lambda: check_trainer_process(tiny, device),
+            "full.trainer_bf16": lambda: check_full_trainer_bf16(tiny, device),
+            "worker.cuda_full_trainer": lambda: check_full_trainer_worker(tiny, device),
+            "delta.sync_10": lambda: check_delta_sync(tiny, device),
+            "timeslicer.two_jobs": lambda: check_timeslicer_two_jobs(tiny, device),
+            "worker.launcher_measurement": lambda: check_launcher_measurement(tiny, device),
         }
-        for name, check in offload_checks.items():
+        for name, check in cuda_checks.items():
             report.run(name, check if has_cuda else _skip("no CUDA device here"))
-        vllm_checks = ("vllm.base_logprobs", "vllm.temperature_logprobs", "vllm.lora_version", "vllm.sleep_wake")
+            if has_cuda:
+                torch.cuda.empty_cache()  # each check starts from a device the last one left clean
+        vllm_checks = ("vllm.base_logprobs", "vllm.temperature_logprobs", "vllm.refusal_is_a_400", "vllm.lora_version", "vllm.sleep_wake")
         if not (has_cuda and has_vllm):
             for name in vllm_checks:
                 report.run(name, _skip("no CUDA device here" if not has_cuda else "vllm is not installed here"))
@@ -403,7 +648,8 @@ def main() -> int:
             if setup_box:
                 setup = setup_box[0]
                 for name, check in zip(
-                    vllm_checks, (check_vllm_base_logprobs, check_vllm_temperature, check_vllm_lora, check_vllm_sleep)
+                    vllm_checks,
+                    (check_vllm_base_logprobs, check_vllm_temperature, check_vllm_refusal, check_vllm_lora, check_vllm_sleep),
                 ):
                     report.run(name, lambda check=check: check(setup))
                 setup.engine.close()
