@@ -4,8 +4,9 @@
    call, as the trainer actor makes it) through the process launcher and the container
    launcher (podman), against the same engine in this process (inproc), on the tiny Llama
    at 8x128, 32x256 and 4x1024 tokens, and on SmolLM2-135M-Instruct at 8x128. Each worker
-   has this process's torch thread count. The engines take turns, round by round, so drift
-   in the machine's speed hits all of them. Printed per shape:
+   has this process's torch thread count. The engines take turns, one step each, so drift
+   in the machine's speed hits all of them; the figure is the median step. Also printed:
+   the round trip of a call that does no work. Printed per shape:
 
        process ratio   = inproc seconds per step / process seconds per step
        container ratio = inproc seconds per step / container seconds per step
@@ -101,16 +102,17 @@ def engines(model: Path, container) -> dict[str, object]:
 
 
 def step_times(built: dict[str, object], work: ForwardBackwardBatch, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each engine, stepping in turns, one step each, so that this
+    shared machine's swings in speed (up to 1.5x between seconds here) fall on all alike."""
     for engine in built.values():  # warm: allocator, kernels
         engine.forward_backward_then_step("a", [work], ADAM)
     times: dict[str, list[float]] = {name: [] for name in built}
     names = list(built)
-    for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+    for turn in range(rounds * steps):
+        for name in names[turn % len(names):] + names[: turn % len(names)]:
             began = time.perf_counter()
-            for _ in range(steps):
-                built[name].forward_backward_then_step("a", [work], ADAM)
-            times[name].append((time.perf_counter() - began) / steps)
+            built[name].forward_backward_then_step("a", [work], ADAM)
+            times[name].append(time.perf_counter() - began)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -118,6 +120,12 @@ def training(label: str, model: Path, shapes, container, rounds: int, steps: int
     vocab = int(__import__("json").loads((model / "config.json").read_text())["vocab_size"])
     built = engines(model, container)
     try:
+        trips = []
+        for _ in range(200):
+            began = time.perf_counter()
+            built["process"].has_adapter("a")
+            trips.append(time.perf_counter() - began)
+        print(f"{label}: a call that does no work, process worker: {statistics.median(trips) * 1e6:.0f} us", flush=True)
         for rows, length in shapes:
             median = step_times(built, batch(rows, length, vocab), rounds, steps)
             figures = ", ".join(
