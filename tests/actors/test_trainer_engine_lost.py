@@ -1,7 +1,7 @@
 """The trainer actor when its engine is lost (a trainer process that died): it builds another,
 the jobs the dead one held fail until they load a state, and other jobs train on.
 
-The engine is a stand-in (the edge: a process killed by the kernel); tests/e2e/test_trainer_process.py
+The engine is a stand-in (the edge: a process killed by the kernel); tests/e2e/test_process_workers.py
 kills a real trainer process under the real SDK.
 """
 

@@ -43,7 +43,10 @@ def test_info_settings_schema_is_the_one_settings_validate_with(info):
     assert info["settings_schema"] == settings_json_schema()
     keys = info["settings_schema"]["$defs"]["JobSettings"]["properties"]
     assert sorted(keys) == sorted(
-        ["fine_tuning_type", "weight_sync", "exclusive", "trainer_backend", "trainer_gpus", "trainer_cp", "sampler_replicas"]
+        [
+            "fine_tuning_type", "weight_sync", "exclusive", "trainer_backend", "trainer_gpus", "trainer_cp",
+            "sampler_replicas", "sampler_backend",
+        ]
     )
 
 
@@ -51,7 +54,7 @@ def test_info_lists_losses_and_backends(info):
     assert info["losses"] == list(SUPPORTED_LOSSES)
     assert info["refused_losses"] == ["custom"]
     assert [(b["name"], b["built"]) for b in info["trainer_backends"]] == [
-        ("pytorch", True), ("automodel", False), ("image", False),
+        ("pytorch", True), ("automodel", False), ("image", True),
     ]
     assert [(b["name"], b["built"]) for b in info["sampler_backends"]] == [("torch", True), ("vllm", True)]
 
