@@ -234,6 +234,7 @@ def test_a_killed_daemons_workers_exit_on_their_own(tmp_path: Path, tiny_llama: 
     daemon = start_process_daemon(tmp_path, tiny_llama)
     client = tinker.ServiceClient(base_url=daemon.url, api_key=API_KEY)
     train(client, steps=1, seed=17)
+    client.close("success").result()  # the base model's group, and its workers, outlive the session
     workers = engine_processes(daemon.proc.pid)
     assert len(workers) == 2
     daemon.proc.kill()  # the daemon alone, as the OOM killer would: its workers see their sockets close

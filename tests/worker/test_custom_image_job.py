@@ -19,7 +19,7 @@ from conftest import Daemon, write_config
 from tinker import types
 
 import podman_support
-from podman_support import GLOBAL_ARGS, REPO, containers_of
+from podman_support import GLOBAL_ARGS, REPO, containers_of, podman
 
 API_KEY = "tml-test"
 ADAM = types.AdamParams(learning_rate=1e-2)
@@ -55,10 +55,19 @@ def image_daemon(tmp_path_factory, tiny_llama: Path, images: tuple[str, str]):
     config = write_config(root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama}, extra)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CONTAINERS_CONF", podman_support.write_containers_conf(root))
+        # What an earlier daemon of this node left: the one starting now removes it.
+        podman("create", "--label", f"openrld.node={node}", "--name", f"openrld-worker-{node}", images[1])
+        left = containers_of(node)
         daemon = Daemon(root / "data", config, root / "daemon.log").start()
+    assert left == [f"openrld-worker-{node}"]
     yield daemon, node
     daemon.stop()
     assert containers_of(node) == [], "a worker container outlived its daemon"
+
+
+def test_a_starting_daemon_removes_the_worker_containers_an_earlier_one_left(image_daemon):
+    _, node = image_daemon
+    assert containers_of(node) == []
 
 
 def datum(tokens) -> types.Datum:
