@@ -8,6 +8,8 @@ operator did not write).
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -125,3 +127,15 @@ def test_a_worker_that_breaks_a_call_is_lost_stopped_and_stays_lost(hostile, mod
     with pytest.raises(EngineLost) as again:
         trainer.has_adapter("a")
     assert again.value is first.value
+
+
+def test_a_dead_daemons_socket_directory_is_removed_and_a_live_ones_kept(tmp_path: Path):
+    dead = tmp_path / "openrld-999999999-0badcafe"  # no such pid
+    dead.mkdir()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(dead / "w-1.sock"))
+    stale.close()
+    alive = tmp_path / f"openrld-{os.getpid()}-00000000"
+    alive.mkdir()
+    mine = socket_directory(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, mine.name])

@@ -85,12 +85,41 @@ class Launcher(Protocol):
 
 
 def socket_directory(root: Path | None = None) -> Path:
-    """A private directory for this daemon's worker sockets (a socket path has at most 107 bytes)."""
+    """A private directory for this daemon's worker sockets (a socket path has at most 107 bytes).
+
+    The directories of daemons that are gone (killed before they could remove theirs) are
+    removed first; only their sockets can be in them.
+    """
     base = root or Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
     base.mkdir(parents=True, exist_ok=True)
+    for left in base.glob("openrld-*-*"):
+        _remove_if_orphaned(left)
     directory = base / f"openrld-{os.getpid()}-{secrets.token_hex(4)}"
     directory.mkdir(mode=0o700)
     return directory
+
+
+def _remove_if_orphaned(directory: Path) -> None:
+    """Remove a socket directory whose daemon is gone; anything else is left alone."""
+    _, pid, _ = directory.name.split("-", 2)
+    if not pid.isdigit() or not directory.is_dir() or directory.is_symlink() or directory.stat().st_uid != os.getuid():
+        return
+    try:
+        os.kill(int(pid), 0)
+        return  # that daemon (or whatever has its pid now) lives
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    try:
+        for entry in directory.iterdir():
+            if not entry.is_socket():
+                return  # not one of ours after all
+        for entry in directory.iterdir():
+            entry.unlink()
+        directory.rmdir()
+    except OSError:
+        pass  # another daemon starting at the same time removed it first
 
 
 def start_worker(
