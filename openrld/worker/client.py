@@ -32,7 +32,7 @@ from openrld.batches import (
     SyncStats,
 )
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
-from openrld.errors import BadRequest, EngineLost, OpenrldError
+from openrld.errors import BadRequest, EngineLost, OpenrldError, ServerError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, ProtocolError
 from openrld.worker.methods import METHODS, AddRequest, StepCall, split_params
@@ -64,10 +64,6 @@ class WorkerConnection:
         self._lost: EngineLost | None = None
         self._closed = False
 
-    @property
-    def is_lost(self) -> bool:
-        return self._lost is not None
-
     def call(self, method: str, *args: Any) -> Any:
         with self._lock:
             if self._lost is not None:
@@ -79,7 +75,7 @@ class WorkerConnection:
                 encoding = values.Encoding()
                 encoded = encoding.encode(args)
             except (NotImplementedError, TypeError) as error:
-                raise OpenrldError(f"cannot send {method} to {self.name}: {error}") from error
+                raise ServerError(f"cannot send {method} to {self.name}: {error}") from error
             try:
                 self._in_flight = call_id
                 self.frames.send(Call(call_id, method, encoded), encoding.buffers)
@@ -115,7 +111,7 @@ class WorkerConnection:
                 case Result(value=raw):
                     return values.decode(raw, self.methods[method].result, buffers)
                 case Failure(kind=kind, message=text, key=key, trace=trace):
-                    if trace and kind not in ("BadRequest", "NotSupportedYet", "Conflict", "NotFound", "Gone"):
+                    if trace:  # a worker sends one for a fault, never for an error its engine means
                         logger.error("worker %s: %s failed in the worker:\n%s", self.name, method, trace)
                     raise values.error_from(kind, text, key)
                 case _:
