@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from openrld.worker.client import RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.protocol import Start
+
+from in_call import InCall
 
 PATIENT = Path(__file__).with_name("cancellable_worker.py")
 BATCH = ForwardBackwardBatch(
@@ -34,45 +35,36 @@ def patient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ProcessLauncher(sys.executable, (str(PATIENT),)), spec, socket_directory(tmp_path), timeouts=timeouts
     )
     trainer = RemoteTrainer(connection)
-    outcome: list[BaseException | object] = []
-
-    def call() -> None:
-        try:
-            outcome.append(trainer.forward_backward("a", BATCH))
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=call)
-    thread.start()
+    call = InCall(lambda: trainer.forward_backward("a", BATCH))
     deadline = time.monotonic() + 30
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert marker.exists(), "the call never began"
-    yield trainer, thread, outcome
+    yield trainer, call
     trainer.close()
 
 
 def test_a_cancelled_call_stops_early_with_the_engines_error(patient):
-    trainer, thread, outcome = patient
+    trainer, call = patient
     assert trainer.connection.cancel() is True
-    thread.join(5)
+    outcome = call.join(5)
     assert [type(o) for o in outcome] == [Gone]
     assert outcome[0].detail == "forward_backward stopped: the daemon cancelled it"
     assert trainer.has_adapter("a") is True  # the worker serves on
 
 
 def test_closing_a_connection_cancels_its_call_in_flight(patient):
-    trainer, thread, outcome = patient
+    trainer, call = patient
     began = time.monotonic()
     trainer.close()
-    thread.join(5)
+    outcome = call.join(5)
     assert time.monotonic() - began < 5
     assert [type(o) for o in outcome] == [Gone]
     assert trainer.connection.worker.poll() == 0
 
 
 def test_with_no_call_in_flight_there_is_nothing_to_cancel(patient):
-    trainer, thread, outcome = patient
+    trainer, call = patient
     trainer.connection.cancel()
-    thread.join(5)
+    call.join(5)
     assert trainer.connection.cancel() is False

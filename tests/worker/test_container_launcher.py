@@ -13,9 +13,7 @@ import json
 import mmap
 import os
 import secrets
-import select
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +29,7 @@ from openrld.worker.launchers.container import ContainerLauncher, ContainerRunti
 from openrld.worker.protocol import Start
 from openrld.worker.values import local_payload
 
+from in_call import InCall, entered
 import podman_support
 from podman_support import GLOBAL_ARGS, REPO, containers_of, podman
 
@@ -166,26 +165,10 @@ def test_a_container_killed_mid_call_raises_engine_lost_and_is_removed(
     connection, _ = start_worker(launcher, spec, directory, timeouts=QUICK)
     remote = RemoteTrainer(connection)
     remote.add_adapter("a", None, "adamw")
-    raised: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            remote.forward_backward("a", batch(0))
-        except BaseException as error:
-            raised.append(error)
-
-    caller = threading.Thread(target=call, daemon=True)
-    caller.start()
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        entered, _, _ = select.select([reader], [], [], 60.0)  # the worker's byte: it is inside the call
-    finally:
-        os.close(reader)
-    assert entered, "the worker never entered forward_backward"
+    call = InCall(lambda: remote.forward_backward("a", batch(0)))
+    entered(fifo, "the worker")  # its byte: it is inside forward_backward
     podman("kill", connection.worker.name)
-    caller.join(60.0)
-    assert not caller.is_alive()
-    [error] = raised
+    [error] = call.join()
     assert isinstance(error, EngineLost)
     assert str(error) == (
         "blocking trainer died (exit status 137); the weights and optimizer state it held are gone: "

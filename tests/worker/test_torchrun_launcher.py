@@ -10,10 +10,8 @@ leave the group running share one.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,8 @@ from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.launchers.torchrun import TorchrunGroup, TorchrunLauncher, group_devices
 from openrld.worker.protocol import Start
 from openrld.worker.ranks import rank_device
+
+from in_call import InCall, entered
 
 RANK_WORKER = Path(__file__).with_name("rank_worker.py")
 # Two interpreters importing torch on two shared cores: seconds, not the default's minutes.
@@ -142,28 +142,11 @@ def test_sigkill_of_rank_1_mid_call_raises_engine_lost_and_leaves_no_process_of_
     os.mkfifo(fifo)
     trainer, group = start_group(socket_directory(tmp_path), {"fifo": str(fifo)})
     pids = group_pids(group)
-    raised: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            trainer.forward_backward("block:1", BATCH)
-        except BaseException as error:
-            raised.append(error)
-
-    caller = threading.Thread(target=call, daemon=True)
-    caller.start()
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        entered, _, _ = select.select([reader], [], [], 60.0)  # rank 1 wrote its pid: it is inside the call
-        assert entered, "rank 1 never entered forward_backward"
-        rank_1 = int(os.read(reader, 32))
-    finally:
-        os.close(reader)
+    call = InCall(lambda: trainer.forward_backward("block:1", BATCH))
+    rank_1 = int(entered(fifo, "rank 1"))  # it wrote its pid: it is inside forward_backward
     assert rank_1 == pids[2]
     os.kill(rank_1, signal.SIGKILL)
-    caller.join(60.0)
-    assert not caller.is_alive()
-    [error] = raised
+    [error] = call.join()
     assert isinstance(error, EngineLost)
     assert str(error) == f"rank group died (exit status 1); {LOST}"
     assert running(pids) == []
