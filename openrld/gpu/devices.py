@@ -150,17 +150,20 @@ def inventory(names: Sequence[str], device: str = "auto") -> list[DeviceInfo]:
 def cpu_threads(configured: int, devices: Sequence[DeviceInfo], cores: int | None = None) -> int | None:
     """Torch's intra-op threads for this node's CPU work; None leaves torch's default (no CPU device).
 
-    `configured` > 0 is taken as it is. Otherwise each CPU device runs a trainer
-    and a sampler at once, so the cores are shared out between them: on a
-    2-core machine one thread each. More threads than that make every parallel
-    region wait for a core another engine (or another process) holds.
+    `configured` > 0 is taken as it is. Otherwise each CPU device gets an equal
+    share of the cores, all of it for whichever engine holds the device's turn:
+    the engines of one device (its trainers, samplers and replicas) take turns
+    under one limiter (actors/device_pool.py), so a synchronous RL loop's
+    trainer and sampler each compute with every core while the other waits.
+    Torch's pool waits passively (openrld/__init__.py), so the idle engine's
+    threads hold no core.
     """
     if configured > 0:
         return configured
     cpu_devices = sum(1 for d in devices if d.kind == "cpu")
     if cpu_devices == 0:
         return None
-    return max(1, (cores or os.cpu_count() or 1) // (2 * cpu_devices))
+    return max(1, (cores or os.cpu_count() or 1) // cpu_devices)
 
 
 def apply_cpu_threads(threads: int | None) -> None:

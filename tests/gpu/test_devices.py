@@ -62,9 +62,10 @@ CPU = DeviceInfo("cpu", "cpu", 1, 1)
 CUDA = DeviceInfo("cuda:0", "cuda", 1, 1)
 
 
-def test_cpu_threads_share_the_cores_between_a_trainer_and_a_sampler_per_cpu_device():
-    assert [cpu_threads(0, [CPU], cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
-    assert cpu_threads(0, [CPU, msgspec.structs.replace(CPU, name="cpu:1")], 16) == 4
+def test_cpu_threads_give_each_cpu_device_all_its_share_of_the_cores():
+    assert [cpu_threads(0, [CPU], cores) for cores in (1, 2, 3, 16)] == [1, 2, 3, 16]
+    assert cpu_threads(0, [CPU, msgspec.structs.replace(CPU, name="cpu:1")], 16) == 8
+    assert cpu_threads(0, [CPU, msgspec.structs.replace(CPU, name="cpu:1")], 3) == 1
 
 
 def test_configured_cpu_threads_are_taken_as_they_are():
