@@ -18,7 +18,8 @@ def tokens(start: int, count: int) -> np.ndarray:
 
 def prompt(prefix: int, suffix: int, prefix_tokens: int = 32, suffix_tokens: int = 8) -> np.ndarray:
     """A family's shared prefix (`prefix` picks the family) and a short distinct suffix."""
-    return np.concatenate([tokens(1000 * prefix, prefix_tokens), tokens(1000 * prefix + 500 + 10 * suffix, suffix_tokens)])
+    shared = tokens(1000 * prefix, prefix_tokens)
+    return np.concatenate([shared, tokens(1000 * prefix + 500 + 10 * suffix, suffix_tokens)])
 
 
 def blocks(p: np.ndarray, version: str | None = None) -> tuple[bytes, ...]:
@@ -67,7 +68,8 @@ def test_a_prompt_shorter_than_a_block_is_routed_by_load_alone():
 def test_load_penalty_sends_to_the_idle_replica_past_a_threshold(busy_load: int, expected: RouteChoice):
     router = PrefixRouter(2)
     router.assign(0, blocks(prompt(7, 0, prefix_tokens=64)))
-    assert router.choose(blocks(prompt(7, 1, prefix_tokens=64)), loads=[busy_load, 0], has_room=[True, True]) == expected
+    request = blocks(prompt(7, 1, prefix_tokens=64))
+    assert router.choose(request, loads=[busy_load, 0], has_room=[True, True]) == expected
 
 
 @pytest.mark.parametrize(
