@@ -13,9 +13,15 @@ passes). The requests a step finished are handed to the event loop at once,
 which resolves them while the next step runs. Requests join and leave the
 running batch between steps, so a new request waits at most one step, never
 for a whole other request. With N
-replicas, N workers drain the one queue; a worker admits while its engine has
-fewer than `MAX_LIVE_PER_ENGINE` requests and none holds fewer, so an idle
-replica takes the next request and the load spreads. Each replica is its own
+replicas, N workers drain the one queue, oldest request first, and `routing`
+says which worker takes the next one. "prefix" (the default): the replica most
+likely to hold the request's prompt prefix in its engine's prefix cache,
+weighed against the requests each holds (actors/prefix_routing.py; an idle
+replica still takes work when the preferred one is much busier), so that a
+group's samples and an episode's next turn land where their prefix is.
+"least_loaded": a worker admits while its engine has fewer than
+`MAX_LIVE_PER_ENGINE` requests and none holds fewer, so an idle replica takes
+the next request and the load spreads. Each replica is its own
 engine instance (`build_engine` is called once per replica), on the group's
 device limiter: on one device the replicas' steps take turns. A shared LoRA
 group runs the most replicas any of its jobs asked for (`ensure_replicas`
@@ -68,12 +74,13 @@ import logging
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import msgspec
 import trio
 
 from openrld.actors.futures import Completed, FutureTable
+from openrld.actors.prefix_routing import PrefixRouter, prefix_block_hashes
 from openrld.actors.stability import StabilityRecord, StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
@@ -92,6 +99,9 @@ MAX_LIVE_PER_ENGINE = 64  # requests one engine holds (the rest wait in the queu
 # `timeslice_quantum_s`), and how long a group's end waits for the call.
 STEPS_CALL_S = 0.1
 MAX_REPLICAS = 8  # the openrl.sampler_replicas range (settings.py)
+
+# How a replica is picked for the next request: see the module docstring.
+Routing = Literal["prefix", "least_loaded"]
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -142,6 +152,12 @@ class SamplerStatistics(msgspec.Struct, frozen=True):
     last_sync: SyncStats | None = None  # full fine-tuning: the last sync that landed, with its apply time
     syncs: int = 0  # weight syncs that landed in this sampler
     sync_bytes: int = 0  # bytes those syncs moved (delta indices + values, or whole tensors)
+    routing: str = "prefix"  # how a replica is picked: "prefix" or "least_loaded"
+    routed_by_prefix: int = 0  # requests sent to a replica that had served a prefix of their prompt
+    routed_by_load: int = 0  # the other requests
+    routed_prefix_tokens: int = 0  # prompt tokens those replicas had served (the router's guess of the hits)
+    prompt_tokens: int = 0  # prompt tokens of the requests taken into engines
+    prompt_cache_hit_tokens: int = 0  # of those, the tokens the engines reported reused from a cache
 
 
 # ---------------------------------------------------------------------------
@@ -178,6 +194,10 @@ class SampleQueue:
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
+
+    def peek(self) -> Sample:
+        """The oldest waiting request, left waiting."""
+        return self._waiting[0]
 
     def take(self) -> Sample:
         """The oldest waiting request, now running."""
@@ -306,12 +326,14 @@ class SamplerHandle:
 class _Worker:
     """One engine and the versions it holds."""
 
-    def __init__(self, engine: SamplerEngine, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
+    def __init__(self, engine: SamplerEngine, index: int, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
         self.engine = engine
+        self.index = index  # its place among the actor's replicas, and in the router's records
         self.versions = VersionCache(max_loaded)
         # Versions to load before anything else, in publish order (eager_versions only).
         self.deliveries: deque[tuple[str, WeightPayload, LoraSpec | None]] = deque()
         self.live: set[str] = set()  # request ids inside the engine
+        self.taking = 0  # requests taken from the queue and being admitted (their versions loading)
         self.busy = False
         self.requests_done = 0
         self.wake = trio.Event()  # set when there may be work for it
@@ -332,8 +354,10 @@ class SamplerActor:
         max_host_versions: int = MAX_HOST_VERSIONS,
         eager_versions: bool = False,
         lease_from: Callable[[Parkable], DeviceLease] | None = None,
+        routing: Routing = "prefix",
     ) -> None:
         assert 1 <= replicas <= MAX_REPLICAS, f"replicas must be in 1..{MAX_REPLICAS}, got {replicas}"
+        assert routing in ("prefix", "least_loaded"), f"routing must be 'prefix' or 'least_loaded', got {routing!r}"
         self.name = name
         self.queue = SampleQueue(queue_limit)
         self.host = HostVersions(max_host_versions)
@@ -362,6 +386,13 @@ class SamplerActor:
         self._lease: DeviceLease | NoLease = NoLease()
         self._parked_workers: list[_Worker] = []  # replicas whose engines are parked, in park order
         self._arrivals = 0  # submissions, cancels and deliveries so far
+        self._routing = routing
+        # Which prefixes each replica served. Recorded under both policies, so that their statistics compare.
+        self._router = PrefixRouter(0)
+        # ((request id, version), block hashes) of the last request routed: the queue's head.
+        self._head_blocks: tuple[tuple[str, str | None], tuple[bytes, ...]] | None = None
+        self._prompt_tokens = 0
+        self._prompt_cache_hit_tokens = 0
 
     # -- called from the API's event loop ----------------------------------
 
@@ -404,10 +435,15 @@ class SamplerActor:
                 # In the sampler's turn: while it is parked, another party holds the device.
                 async with self._lease.hold(has_more=lambda: False):
                     engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-                worker = _Worker(engine, self._max_loaded)
-                self._workers.append(worker)
+                worker = self._add_worker(engine)
                 self._nursery.start_soon(self._work, worker)
                 logger.info("sampler replica added group=%s replicas=%d", self.name, len(self._workers))
+
+    def _add_worker(self, engine: SamplerEngine) -> _Worker:
+        worker = _Worker(engine, self._router.add_replica(), self._max_loaded)
+        assert worker.index == len(self._workers), (worker.index, len(self._workers))
+        self._workers.append(worker)
+        return worker
 
     # -- the loops ---------------------------------------------------------
 
@@ -419,7 +455,7 @@ class SamplerActor:
             async with self._lease.hold(has_more=lambda: False):
                 for _ in range(self._replicas):
                     engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-                    self._workers.append(_Worker(engine, self._max_loaded))
+                    self._add_worker(engine)
             logger.info("sampler ready group=%s replicas=%d", self.name, self._replicas)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -459,7 +495,11 @@ class SamplerActor:
                 await self._turn(worker)
 
     def _can_admit(self, worker: _Worker) -> bool:
-        return self.queue.has_waiting() and len(worker.live) < MAX_LIVE_PER_ENGINE and self._least_loaded(worker)
+        if not self.queue.has_waiting() or len(worker.live) >= MAX_LIVE_PER_ENGINE:
+            return False
+        if self._routing == "least_loaded":
+            return self._least_loaded(worker)
+        return self._routed_to(self.queue.peek()) is worker
 
     def _wants_device(self, worker: _Worker) -> bool:
         return bool(worker.deliveries) or self._can_admit(worker) or worker.engine.has_work()
@@ -468,8 +508,20 @@ class SamplerActor:
         """One step of `worker`'s engine, with the versions and requests it takes first."""
         while worker.deliveries:
             await self._deliver(worker, *worker.deliveries.popleft())
+        admitted = False
         while self._can_admit(worker) and not self._lease.is_due():
-            await self._admit(worker, self.queue.take())
+            op = self.queue.take()
+            self._router.assign(worker.index, self._blocks_of(op))
+            self._prompt_tokens += len(op.job.prompt)
+            worker.taking += 1
+            try:
+                await self._admit(worker, op)
+            finally:
+                worker.taking -= 1
+            admitted = True
+        if admitted and self._routing == "prefix" and len(self._workers) > 1 and self.queue.has_waiting():
+            # The new head may be another replica's; it must look now, not after its running call.
+            self._wake_all()
         if not worker.engine.has_work():
             return
         worker.busy = True
@@ -507,6 +559,7 @@ class SamplerActor:
             logger.exception("sampler engine rebuild failed group=%s", self.name)
             return
         worker.versions = VersionCache(self._max_loaded)
+        self._router.forget(worker.index)
         if worker in self._parked_workers:  # the new engine is resident
             self._parked_workers.remove(worker)
         logger.info("sampler engine rebuilt group=%s", self.name)
@@ -524,6 +577,7 @@ class SamplerActor:
                 continue
             self._done += 1
             worker.requests_done += 1
+            self._prompt_cache_hit_tokens += done.result.prompt_cache_hit_tokens
             try:
                 self._record(done.request_id, done.result)
             except Exception:  # a record is bookkeeping; the caller still gets its result
@@ -538,6 +592,7 @@ class SamplerActor:
             if worker not in self._parked_workers:
                 await trio.to_thread.run_sync(worker.engine.park, limiter=self._limiter)
                 self._parked_workers.append(worker)
+                self._router.forget(worker.index)  # parking drops the engine's caches, its prefix cache too
         return True
 
     async def resume(self) -> None:
@@ -550,6 +605,25 @@ class SamplerActor:
     def _least_loaded(self, worker: _Worker) -> bool:
         # Spread requests over replicas: only a worker holding no more than any other admits.
         return len(worker.live) <= min(len(w.live) for w in self._workers)
+
+    def _routed_to(self, op: Sample) -> _Worker | None:
+        """The replica the prefix router picks for `op` now; None when every replica is full."""
+        loads = [len(w.live) + w.taking for w in self._workers]
+        choice = self._router.choose(self._blocks_of(op), loads, [load < MAX_LIVE_PER_ENGINE for load in loads])
+        return None if choice is None else self._workers[choice.replica]
+
+    def _blocks_of(self, op: Sample) -> tuple[bytes, ...]:
+        """`op`'s prompt block hashes under the version it would sample from now (kept for the
+        queue's head, which every worker asks about in turn)."""
+        version = op.version
+        if op.inflight_model is not None:
+            target = self._inflight.get(op.inflight_model)
+            version = None if target is None else target.version
+        key = (op.request_id, version)
+        if self._head_blocks is None or self._head_blocks[0] != key:
+            blocks = prefix_block_hashes(version, op.job.prompt, self._router.block_tokens)
+            self._head_blocks = (key, blocks)
+        return self._head_blocks[1]
 
     async def _admit(self, worker: _Worker, op: Sample) -> None:
         try:
@@ -659,6 +733,7 @@ class SamplerActor:
 
     def statistics(self) -> SamplerStatistics:
         waiting, running = self.queue.counts()
+        routes = self._router.statistics()
         return SamplerStatistics(
             queue_depth=waiting + running,
             waiting=waiting,
@@ -678,6 +753,12 @@ class SamplerActor:
             last_sync=self._last_sync,
             syncs=self._syncs,
             sync_bytes=self._sync_bytes,
+            routing=self._routing,
+            routed_by_prefix=routes.routed_by_prefix,
+            routed_by_load=routes.routed_by_load,
+            routed_prefix_tokens=routes.routed_prefix_tokens,
+            prompt_tokens=self._prompt_tokens,
+            prompt_cache_hit_tokens=self._prompt_cache_hit_tokens,
         )
 
 
