@@ -229,6 +229,18 @@ def _group_lines(groups: list[GroupStatistics]) -> list[str]:
         *_family("openrld_sampler_replica_requests_total", "counter", "Sample requests each sampler replica finished.",
                  [((("base_model", g.base_model), ("replica", str(i))), float(n))
                   for g in groups for i, n in enumerate(g.sampler.requests_by_replica)]),
+        *_family("openrld_sampler_routed_requests_total", "counter",
+                 "Sample requests routed to a replica that had served a prefix of their prompt (by prefix), "
+                 "or not (by load).",
+                 [((("base_model", g.base_model), ("by", by)), float(n))
+                  for g in groups if g.sampler.replicas > 1
+                  for by, n in (("prefix", g.sampler.routed_by_prefix), ("load", g.sampler.routed_by_load))]),
+        *_family("openrld_sampler_prompt_tokens_total", "counter",
+                 "Prompt tokens of the sample requests taken into engines.",
+                 per_group(lambda g: g.sampler.prompt_tokens)),
+        *_family("openrld_sampler_prompt_cache_hit_tokens_total", "counter",
+                 "Prompt tokens the sampler engines reused from a cache instead of prefilling them.",
+                 per_group(lambda g: g.sampler.prompt_cache_hit_tokens)),
         *_family("openrld_device_lease_seconds_total", "counter",
                  "Time each worker held its device under the time-slicer's lease.",
                  [((("base_model", g.base_model), ("worker", role), ("device", lease_of.device)), lease_of.lease.lease_s)

@@ -97,6 +97,8 @@ def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
         openrld_sampler_requests_total{{{label},outcome="failed"}} 0
         openrld_sampler_replicas{{{label}}} 1
         openrld_sampler_replica_requests_total{{{label},replica="0"}} 9
+        openrld_sampler_prompt_tokens_total{{{label}}} 0
+        openrld_sampler_prompt_cache_hit_tokens_total{{{label}}} 0
         openrld_weight_syncs_total{{{label}}} 0
         openrld_weight_sync_bytes_total{{{label}}} 0
         """
@@ -122,6 +124,19 @@ def test_render_reports_futures_and_store():
         "openrld_store_checkpoint_bytes": "5000",
         "openrld_store_pending_requests": "6",
     }
+
+
+def test_render_counts_routed_requests_only_where_a_sampler_has_replicas_to_route_between():
+    node = _node(RequestMetrics())
+    [group] = node.groups
+    sampler = msgspec.structs.replace(group.sampler, replicas=2, routed_by_prefix=6, routed_by_load=2)
+    two = msgspec.structs.replace(node, groups=[msgspec.structs.replace(group, base_model="m", sampler=sampler)])
+    assert [line for line in render_prometheus(two).splitlines() if line.startswith("openrld_sampler_routed")] == [
+        'openrld_sampler_routed_requests_total{base_model="m",by="prefix"} 6',
+        'openrld_sampler_routed_requests_total{base_model="m",by="load"} 2',
+    ]
+    # One replica: nothing to route, so no sample (the family's HELP and TYPE lines stay).
+    assert not [line for line in render_prometheus(node).splitlines() if line.startswith("openrld_sampler_routed")]
 
 
 def test_render_counts_weight_syncs_and_their_bytes_with_the_last_changed_fraction():
