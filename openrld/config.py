@@ -121,6 +121,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 128
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
     sampler_backend: Literal["torch", "vllm"] = "torch"
+    sampler_routing: Literal["prefix", "least_loaded"] = "prefix"  # which sampler replica takes a request
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     log_json: bool = False
     jwt_auth: bool = False

@@ -192,6 +192,7 @@ async def serve(
                 futures=futures,
                 checkpoints=CheckpointWriter(store),
                 sample_queue_limit=config.sample_queue_limit,
+                sampler_routing=config.sampler_routing,
                 devices=node_devices,
             )
             usage = UsageMeter()

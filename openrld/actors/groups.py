@@ -30,7 +30,7 @@ import trio
 
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
-from openrld.actors.sampler import SamplerActor, SamplerHandle, SamplerStatistics
+from openrld.actors.sampler import Routing, SamplerActor, SamplerHandle, SamplerStatistics
 from openrld.actors.stability import StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
@@ -121,6 +121,7 @@ class GroupTable:
         checkpoints: CheckpointSink,
         sample_queue_limit: int,
         devices: NodeDevices | None = None,
+        sampler_routing: Routing = "prefix",
     ) -> None:
         self._nursery = nursery
         # The node's devices: placement, time-slicers, a limiter each. None: one device, `limiter`, no turns.
@@ -131,6 +132,7 @@ class GroupTable:
         self._futures = futures
         self._checkpoints = checkpoints
         self._sample_queue_limit = sample_queue_limit
+        self._sampler_routing = sampler_routing  # config sampler_routing: how a sampler picks a replica
         self._groups: dict[str, Group] = {}
         self._starting: dict[str, trio.Event] = {}
         self._start_errors: dict[str, str] = {}
@@ -304,6 +306,7 @@ class GroupTable:
                 futures=self._futures,
                 queue_limit=self._sample_queue_limit,
                 stability=self.stability,
+                routing=self._sampler_routing,
             ).run
         )
         trainer = await nursery.start(
@@ -334,6 +337,7 @@ class GroupTable:
                 futures=self._futures,
                 queue_limit=self._sample_queue_limit,
                 stability=self.stability,
+                routing=self._sampler_routing,
                 max_loaded_versions=FULL_LOADED_VERSIONS,
                 max_host_versions=FULL_HOST_VERSIONS,
                 eager_versions=True,
