@@ -158,6 +158,7 @@ class FullSampler:
             self._held[self._live] = _host_copy(self._weights)
         started = time.perf_counter()
         weight_delta.apply_delta(self._weights, change)
+        self._inner.base_weights_changed()  # the inner engine's cached prefixes were the old weights'
         digest = weight_delta.digest(self._weights)
         if digest != change.digest:
             self._live, self._live_is_held = DAMAGED, False  # the live weights are no version now
@@ -198,6 +199,7 @@ class FullSampler:
         with torch.no_grad():
             for key, param in self._weights.items():
                 param.copy_(self._held[version][key])
+        self._inner.base_weights_changed()
         self._live = version
         self._live_is_held = True
         self._switches += 1

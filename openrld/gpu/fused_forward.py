@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from openrld.gpu.kv_batch import KvBatch
+from openrld.gpu.kv_batch import KvBatch, KvLayers
 
 logger = logging.getLogger(__name__)
 
@@ -172,21 +172,28 @@ class FusedForward:
         return self._forward(tokens[None, :], positions, cached + length, attend, append, rows, keep)[0]
 
     def prefill_many(
-        self, prompts: list[torch.Tensor], adapters: list[str], keep: int
-    ) -> tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
-        """Several whole prompts in one forward, left-padded to the longest.
+        self, prompts: list[torch.Tensor], adapters: list[str], keep: int, pasts: list[KvLayers | None] | None = None
+    ) -> tuple[torch.Tensor, list[KvLayers]]:
+        """Several whole prompts in one forward, left-padded to the longest, each after its own
+        cached prefix (if any).
 
         Args:
-            prompts: (P_r,) int64 each, none empty.
+            prompts: (P_r,) int64 each, none empty: the tokens to run.
             adapters: each prompt's peft adapter name.
             keep: logits for the batch's last `keep` positions (for a prompt shorter than
                 that, the first rows are padding's and meaningless).
+            pasts: each prompt's cached prefix, per layer (keys, values) (1, heads, M_r, D) for
+                positions 0 .. M_r-1 (the prompt then sits at M_r ..), or None for none.
 
         Returns:
-            (N, keep, V) logits in the model's dtype, and each prompt's own KV cache: per
-            layer (keys, values), (1, heads, P_r, D), views of the batch's tensors.
+            (N, keep, V) logits in the model's dtype, and each prompt's KV cache, prefix included:
+            per layer (keys, values), (1, heads, M_r + P_r, D); without a prefix, views of the
+            batch's tensors.
         """
         device = prompts[0].device
+        pasts = pasts if pasts is not None else [None] * len(prompts)
+        past_lengths = [0 if past is None else past[0][0].shape[2] for past in pasts]
+        past_width = max(past_lengths)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         width = int(lengths.max())
         pads = width - lengths  # (N,)
@@ -194,24 +201,45 @@ class FusedForward:
         for row, prompt in enumerate(prompts):
             tokens[row, width - len(prompt) :] = prompt
         columns = torch.arange(width, device=device)
-        positions = (columns[None, :] - pads[:, None]).clamp_(min=0)  # (N, T)
+        starts = torch.tensor(past_lengths, device=device)  # (N,): each prompt's first position
+        positions = (columns[None, :] - pads[:, None]).clamp_(min=0) + starts[:, None]  # (N, T)
         causal = columns[None, :] <= columns[:, None]  # (T, T)
         real = columns[None, :] >= pads[:, None]  # (N, T): key column holds a prompt token
         # A padding query attends to itself alone, so that no row of the softmax is empty;
         # what it computes is never read.
-        attend = ((causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device))[:, None]
+        attend = (causal[None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)  # (N, T, T)
+        past_layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if past_width:
+            # The prefixes, right-aligned in columns 0 .. past_width-1 before the prompts' columns;
+            # a prompt's real queries attend to its prefix's real columns.
+            past_real = torch.arange(past_width, device=device)[None, :] >= (past_width - starts)[:, None]  # (N, Wp)
+            attend = torch.cat((past_real[:, None, :] & real[:, :, None], attend), dim=-1)  # (N, T, Wp + T)
+            past_layers = [_padded_pasts(pasts, index, past_width) for index in range(len(self._layers))]
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def append(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if past_layers:
+                keys = torch.cat((past_layers[layer][0], keys), dim=2)
+                values = torch.cat((past_layers[layer][1], values), dim=2)
             layers.append((keys, values))
             return keys, values
 
-        logits = self._forward(tokens, positions, width, attend, append, adapter_rows(adapters, device), keep)
-        caches = [
-            [(keys[row : row + 1, :, width - len(prompt) :], values[row : row + 1, :, width - len(prompt) :])
-             for keys, values in layers]
-            for row, prompt in enumerate(prompts)
-        ]
+        end = int((lengths + starts).max())
+        rows = adapter_rows(adapters, device)
+        logits = self._forward(tokens, positions, end, attend[:, None], append, rows, keep)
+        total = past_width + width
+        caches = []
+        for row, (prompt, past_length) in enumerate(zip(prompts, past_lengths)):
+            own = total - len(prompt)  # the row's first prompt column
+            if past_length == 0:
+                caches.append([(k[row : row + 1, :, own:], v[row : row + 1, :, own:]) for k, v in layers])
+                continue
+            first = past_width - past_length  # the row's first prefix column
+            caches.append([
+                (torch.cat((k[row : row + 1, :, first:past_width], k[row : row + 1, :, own:]), dim=2),
+                 torch.cat((v[row : row + 1, :, first:past_width], v[row : row + 1, :, own:]), dim=2))
+                for k, v in layers
+            ])
         return logits, caches
 
     def _forward(
@@ -266,6 +294,22 @@ class FusedForward:
             enable_gqa=self._heads != self._kv_heads,
         )  # (B, H, T, D)
         return _linear(layer.o, out.transpose(1, 2).reshape(b, t, self._heads * self._head_dim), rows)
+
+
+def _padded_pasts(pasts: list[KvLayers | None], layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (keys, values) of every row's prefix, (N, heads, width, D), right-aligned with
+    zeros in front (and all zeros for a row without one)."""
+    shape_of = next(past for past in pasts if past is not None)[layer]
+    keys, values = [], []
+    for past in pasts:
+        if past is None:
+            keys.append(shape_of[0].new_zeros(shape_of[0].shape[:2] + (width,) + shape_of[0].shape[3:]))
+            values.append(shape_of[1].new_zeros(shape_of[1].shape[:2] + (width,) + shape_of[1].shape[3:]))
+            continue
+        missing = width - past[layer][0].shape[2]
+        keys.append(F.pad(past[layer][0], (0, 0, missing, 0)))
+        values.append(F.pad(past[layer][1], (0, 0, missing, 0)))
+    return torch.cat(keys), torch.cat(values)
 
 
 def _mlp(layer: _Layer, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:

@@ -30,6 +30,15 @@ def cache_tensors(cache: transformers.DynamicCache) -> KvLayers:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def cache_holding(config: transformers.PretrainedConfig, layers: KvLayers) -> transformers.DynamicCache:
+    """A cache that holds `layers` (each (1, H, L, D)) as its positions 0 .. L-1, to run more after."""
+    cache = transformers.DynamicCache(config=config)
+    assert len(cache.layers) == len(layers), f"{len(layers)} cached layers for a model of {len(cache.layers)}"
+    for layer, (keys, values) in zip(cache.layers, layers):
+        _assign(layer, keys, values)
+    return cache
+
+
 def _assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
     if not layer.is_initialized:
         layer.lazy_initialization(keys, values)

@@ -31,10 +31,22 @@ reports 0.0. Sample i draws one uniform per step from its own CPU generator
 seeded from (seed mod 2^64, i), so its tokens do not depend on what else
 shares the batch. Prompt scoring is always the raw model at T = 1.
 
-`prompt_cache_hit_tokens`: a request's n samples all start from its one
-prefilled KV cache, so when n > 1 and anything is generated, the whole prompt
-was reused and the request reports len(prompt); otherwise 0. Nothing is
-cached across requests.
+Prefix cache (`prefix_cache.PrefixCache`, keyed by the version's adapter):
+a prompt whose leading whole blocks were run before, under the same weights,
+takes their KV from the cache and prefills only the rest (always at least its
+last token, whose logits draw the first token; and every position whose
+logits the job scores). Every prefill keeps its prompt's blocks, and every
+finished sample keeps its prompt + completion's, so that the next turn of an
+episode (that prompt, that completion, new text) prefills only what is new.
+Prompts admitted in one step that share blocks none of them has yet are
+prefilled in two waves: the first computes the shared blocks and the second
+reuses them. A version's blocks go when it is dropped, every block on a park,
+on `base_weights_changed` and on close.
+
+`prompt_cache_hit_tokens`: the prompt positions taken from the prefix cache;
+and since a request's n samples all start from its one prefilled KV cache,
+when n > 1 and anything is generated the whole prompt was reused, and the
+request reports len(prompt).
 
 Guarantees: versions are immutable once loaded; loading a version never
 changes the shared base weights; version `None` is always the base model
@@ -66,7 +78,8 @@ from openrld.errors import BadRequest
 from openrld.gpu import lora_io, models, offload
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
-from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_tensors
+from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_holding, cache_tensors
+from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
     TOPK_EMPTY_TOKEN,
@@ -85,6 +98,10 @@ logger = logging.getLogger(__name__)
 STOP = "stop"
 LENGTH = "length"
 UNIFORM_BLOCK = 32  # uniforms a sample draws from its generator at once
+# 256 MiB of prefix KV: SmolLM2-135M in fp32 keeps ~46 KiB a token, so ~5,800 tokens (an
+# RL step's shared prefixes and the recent turns of a few dozen episodes); a model 10x
+# larger per token still keeps a few hundred tokens, a system prompt.
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -97,6 +114,7 @@ class TorchSamplerStatistics(msgspec.Struct, frozen=True):
     requests_running: int  # prefilled, with samples in (or waiting for) batch rows
     rows_running: int
     decode_steps: int
+    prefix_cache: PrefixCacheStatistics  # cross-request prompt KV reuse
 
 
 # ---------------------------------------------------------------------------
@@ -133,6 +151,9 @@ class _Request:
     job: SampleJob
     limit: int  # generated tokens allowed per sample: max_tokens and the context window
     samples: list[_Sample]
+    prompt_ids: list[int]  # job.prompt as Python ints, for the prefix cache's block hashes
+    cache_hit_tokens: int = 0  # leading prompt positions whose KV came from the prefix cache
+    prefix: KvLayers | None = None  # that KV, from lookup until the prefill takes it
     prefill: KvLayers | None = None  # batch 1, held until every sample has a row
     pending: list[_Sample] = dataclasses.field(default_factory=list)  # first token drawn, no row yet
     prompt_logprobs: np.ndarray | None = None
@@ -165,9 +186,7 @@ class _PromptWork:
             return None
         prompt = torch.as_tensor(job.prompt, dtype=torch.int64, device=device)
         prompt_len = prompt.shape[0]
-        first_scored = prompt_len - (job.prompt_logprobs_last_n or prompt_len - 1)  # position 0 never
-        # Logits at position q predict q + 1: scoring needs rows first_scored-1 .. P-2, sampling P-1.
-        first_needed = first_scored - 1 if scores else prompt_len - 1
+        first_needed = _first_needed(job)
         k = job.topk_prompt_logprobs
         topk_ids, topk_lps = empty_topk(prompt_len, k)
         logprobs = np.full(prompt_len, np.nan, np.float32)
@@ -189,8 +208,19 @@ class _PromptWork:
             self.topk_ids[lo + 1 : scored_end + 1], self.topk_lps[lo + 1 : scored_end + 1] = top_k_rows(logp, self.k)
 
 
-def _prompt_len(request: _Request) -> int:
-    return len(request.job.prompt)
+def _first_needed(job: SampleJob) -> int:
+    """The first prompt position whose logits the job needs; the positions before it may come
+    from the prefix cache."""
+    prompt_len = len(job.prompt)
+    if not (job.prompt_logprobs or job.topk_prompt_logprobs > 0):
+        return prompt_len - 1  # the last position's logits draw the first token
+    first_scored = prompt_len - (job.prompt_logprobs_last_n or prompt_len - 1)  # position 0 never
+    # Logits at position q predict q + 1: scoring needs rows first_scored-1 .. P-2, sampling P-1.
+    return first_scored - 1
+
+
+def _uncached_len(request: _Request) -> int:
+    return len(request.job.prompt) - request.cache_hit_tokens
 
 
 # ---------------------------------------------------------------------------
@@ -213,6 +243,10 @@ class TorchSampler(offload.ParksInSlot):
         fused_forward: decode and prefill with `fused_forward.FusedForward` (the
             same math as flat torch calls) where the architecture allows; False
             keeps Hugging Face's forward for every call.
+        prefix_cache_bytes: the most KV the cross-request prefix cache keeps, on
+            `device`; 0 turns it off.
+        prefix_block_tokens: prefixes are cached and matched in blocks of this
+            many positions.
     """
 
     def __init__(
@@ -225,6 +259,8 @@ class TorchSampler(offload.ParksInSlot):
         prefill_chunk_tokens: int = 1024,
         prefill_tokens_per_step: int = 2048,
         fused_forward: bool = True,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
         self._device = device
@@ -246,6 +282,7 @@ class TorchSampler(offload.ParksInSlot):
         self._prefilled: collections.deque[_Request] = collections.deque()  # samples waiting for rows
         self._batch = KvBatch(self._model.config, device)
         self._rows: list[tuple[_Request, _Sample]] = []  # row r of the batch
+        self._prefixes = PrefixCache(prefix_cache_bytes, prefix_block_tokens)  # keyed by adapter name
         self._requests_done = 0
         self._samples_done = 0
         self._tokens_generated = 0
@@ -263,8 +300,14 @@ class TorchSampler(offload.ParksInSlot):
 
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
         """The base model's parameters by name, for an owner that replaces them in place
-        between steps (full fine-tuning: `full_sampler`); LoRA versions never change them."""
+        between steps (full fine-tuning: `full_sampler`); LoRA versions never change them.
+        That owner calls `base_weights_changed` after each change."""
         return dict(self._model.named_parameters())
+
+    def base_weights_changed(self) -> None:
+        """The base weights were replaced in place: every cached prefix's KV is stale, under
+        every version (each adds its adapter to the base)."""
+        self._prefixes.clear()
 
     def validate(self, job: SampleJob) -> None:
         """Raise BadRequest for a job that `add` would refuse (the message names the field)."""
@@ -338,6 +381,7 @@ class TorchSampler(offload.ParksInSlot):
         adapter = self._adapters.pop(version)
         assert self._peft is not None
         self._peft.delete_adapter(adapter)
+        self._prefixes.drop(adapter)
         logger.info("dropped weight version=%s adapter=%s", version, adapter)
 
     def _check_base_tensors(self, version: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -387,7 +431,7 @@ class TorchSampler(offload.ParksInSlot):
             limit = min(limit, job.params.max_tokens)
         request = _Request(
             request_id=request_id, version=version, adapter=self._adapter_name(version), job=job,
-            limit=limit, samples=self._new_samples(job),
+            limit=limit, samples=self._new_samples(job), prompt_ids=job.prompt.tolist(),
         )
         self._requests[request_id] = request
         self._queued.append(request)
@@ -438,14 +482,19 @@ class TorchSampler(offload.ParksInSlot):
             has_room = len(self._rows) + waiting_rows < self._decode_batch_rows
             if request.limit > 1 and not has_room:
                 break  # its samples would only wait for rows, holding a prefill cache meanwhile
-            if budget < self._prefill_tokens_per_step and len(request.job.prompt) > budget:
+            # Only what the prefix cache does not hold will be computed.
+            cost = len(request.job.prompt) - self._cached_tokens(request)
+            if budget < self._prefill_tokens_per_step and cost > budget:
                 break
             self._queued.popleft()
-            budget -= len(request.job.prompt)
+            budget -= cost
             admitted.append(request)
         first: list[tuple[_Request, torch.Tensor]] = []
-        for group in self._prefill_groups(admitted):
-            first += self._prefill(group[0]) if len(group) == 1 else self._prefill_together(group)
+        for wave in self._prefill_waves(admitted):
+            for request in wave:
+                self._look_up_prefix(request)
+            for group in self._prefill_groups(wave):
+                first += self._prefill(group[0]) if len(group) == 1 else self._prefill_together(group)
         self._draw_first(first)
         for request in admitted:
             if request.pending:
@@ -453,16 +502,77 @@ class TorchSampler(offload.ParksInSlot):
             else:
                 finished.append(self._finish(request))
 
+    # -- prefix cache -----------------------------------------------------
+
+    def _cacheable(self, request: _Request) -> int:
+        """How many leading prompt positions may come from the prefix cache."""
+        return _first_needed(request.job)
+
+    def _cached_tokens(self, request: _Request) -> int:
+        return self._prefixes.cached_tokens(request.adapter, request.prompt_ids, self._cacheable(request))
+
+    def _look_up_prefix(self, request: _Request) -> None:
+        """Take the longest cached prefix of the request's prompt, if any, for its prefill."""
+        if request.limit == 0 and not (request.job.prompt_logprobs or request.job.topk_prompt_logprobs > 0):
+            return  # no forward at all
+        hit, prefix = self._prefixes.match(request.adapter, request.prompt_ids, self._cacheable(request))
+        request.cache_hit_tokens, request.prefix = hit, prefix
+
+    def _prefill_waves(self, requests: list[_Request]) -> list[list[_Request]]:
+        """Split requests admitted together so that blocks some of them share, and the cache
+        lacks, are computed once: a request that an earlier one's prefill would give a longer
+        cached prefix than the cache has now waits for the second wave."""
+        if not self._prefixes.is_enabled or len(requests) < 2:
+            return [requests]
+        first: list[_Request] = []
+        later: list[_Request] = []
+        coming: set[int] = set()  # blocks the first wave's prefills will cache
+        for request in requests:
+            wanted = self._prefixes.chain(request.adapter, request.prompt_ids, self._cacheable(request))
+            shared = next((i for i, name in enumerate(wanted) if name not in coming), len(wanted))
+            if shared * self._prefixes.block_tokens > self._cached_tokens(request):
+                later.append(request)
+            else:
+                first.append(request)
+                coming.update(self._prefixes.chain(request.adapter, request.prompt_ids))
+        return [wave for wave in (first, later) if wave]
+
+    def _keep_prefix(self, request: _Request, tokens: list[int], layers: KvLayers) -> None:
+        """Cache the whole blocks of `tokens`, whose KV `layers` holds from column 0."""
+        self._prefixes.insert(request.adapter, tokens, layers)
+
+    def _keep_finished_rows(self) -> None:
+        """Cache the prompt + completion KV of the rows that finished in this step (all but the
+        last token, which no forward has seen), for a next turn that extends them."""
+        width = self._batch.width
+        for row, (request, s) in enumerate(self._rows):
+            if s.stop_reason is None:
+                continue
+            length = self._batch.lengths[row]
+            tokens = request.prompt_ids + s.tokens[:-1]
+            assert length == len(tokens), f"row {row} caches {length} positions for {len(tokens)} tokens"
+            if length < self._prefixes.block_tokens:
+                continue
+            layers = [
+                (layer.keys[row : row + 1, :, width - length :], layer.values[row : row + 1, :, width - length :])
+                for layer in self._batch.cache.layers
+            ]
+            self._keep_prefix(request, tokens, layers)
+
+    # -- prefill ----------------------------------------------------------
+
     def _prefill_groups(self, requests: list[_Request]) -> list[list[_Request]]:
-        """Requests whose prompts share one fused forward (each fits one prefill chunk, and the
-        group's padded tokens fit one chunk too); every other request is a group of its own."""
+        """Requests whose prompts share one fused forward (what each computes, its prompt after
+        its cached prefix, fits one prefill chunk, and so do the group's padded tokens); every
+        other request is a group of its own."""
         if self._fused is None:
             return [[r] for r in requests]
-        short = sorted((r for r in requests if len(r.job.prompt) <= self._prefill_chunk_tokens), key=_prompt_len)
-        groups = [[r] for r in requests if len(r.job.prompt) > self._prefill_chunk_tokens]
+        chunk = self._prefill_chunk_tokens
+        short = sorted((r for r in requests if _uncached_len(r) <= chunk), key=_uncached_len)
+        groups = [[r] for r in requests if _uncached_len(r) > chunk]
         together: list[_Request] = []
         for request in short:  # ascending length: the newest member is the longest
-            if together and (len(together) + 1) * len(request.job.prompt) > self._prefill_chunk_tokens:
+            if together and (len(together) + 1) * _uncached_len(request) > chunk:
                 groups.append(together)
                 together = []
             together.append(request)
@@ -510,6 +620,8 @@ class TorchSampler(offload.ParksInSlot):
             else:
                 self._draw([(request, [s]) for request, s in self._rows], logits)
         requests = list(dict.fromkeys(request for request, _ in self._rows))
+        if self._prefixes.is_enabled:
+            self._keep_finished_rows()
         self._keep_rows([r for r, (_, s) in enumerate(self._rows) if s.stop_reason is None])
         finished.extend(self._finish(request) for request in requests if request.is_done)
 
@@ -532,6 +644,7 @@ class TorchSampler(offload.ParksInSlot):
                 s.stop_reason = LENGTH  # only when limit == 0: nothing was generated
         job = request.job
         shared_prompt = job.num_samples > 1 and request.limit > 0
+        cache_hit_tokens = len(job.prompt) if shared_prompt else request.cache_hit_tokens
         self._requests_done += 1
         self._samples_done += len(request.samples)
         self._tokens_generated += sum(len(s.tokens) for s in request.samples)
@@ -539,7 +652,7 @@ class TorchSampler(offload.ParksInSlot):
             sequences=[_to_sequence(s, job.topk_sample_logprobs) for s in request.samples],
             prompt_logprobs=request.prompt_logprobs if job.prompt_logprobs else None,
             topk_prompt=request.topk_prompt,
-            prompt_cache_hit_tokens=len(job.prompt) if shared_prompt else 0,
+            prompt_cache_hit_tokens=cache_hit_tokens,
         )
         return Finished(request_id=request.request_id, result=result)
 
@@ -573,8 +686,12 @@ class TorchSampler(offload.ParksInSlot):
         if work is None:
             return []
         prompt, prompt_len = work.prompt, len(work.prompt)
-        cache = transformers.DynamicCache(config=self._model.config)
-        for start in range(0, prompt_len, self._prefill_chunk_tokens):
+        if request.prefix is not None:
+            cache = cache_holding(self._model.config, request.prefix)
+            request.prefix = None
+        else:
+            cache = transformers.DynamicCache(config=self._model.config)
+        for start in range(request.cache_hit_tokens, prompt_len, self._prefill_chunk_tokens):
             end = min(start + self._prefill_chunk_tokens, prompt_len)
             lo = max(start, work.first_needed)
             # logits_to_keep=0 would mean "all", so a chunk that needs none still keeps one row.
@@ -586,10 +703,13 @@ class TorchSampler(offload.ParksInSlot):
                 logits = out.logits[0].float()  # (keep, V): positions end-keep .. end-1
             self._prompt_tokens_prefilled += end - start
             work.take(logits, lo, end)
-        return self._prefilled_into(request, work, cache_tensors(cache))
+        layers = cache_tensors(cache)
+        self._keep_prefix(request, request.prompt_ids, layers)
+        return self._prefilled_into(request, work, layers)
 
     def _prefill_together(self, requests: list[_Request]) -> list[tuple[_Request, torch.Tensor]]:
-        """`_prefill` for several requests whose whole prompts share one fused forward."""
+        """`_prefill` for several requests whose prompts (after their cached prefixes) share one
+        fused forward."""
         works = [(request, _PromptWork.of(request, self._device)) for request in requests]
         works = [(request, work) for request, work in works if work is not None]
         if not works:
@@ -597,12 +717,17 @@ class TorchSampler(offload.ParksInSlot):
         assert self._fused is not None
         needed = [len(work.prompt) - work.first_needed for _, work in works]
         logits, caches = self._fused.prefill_many(
-            [work.prompt for _, work in works], [request.adapter for request, _ in works], max(needed)
+            [work.prompt[request.cache_hit_tokens :] for request, work in works],
+            [request.adapter for request, _ in works],
+            max(needed),
+            pasts=[request.prefix for request, _ in works],
         )
         first = []
         for (request, work), rows, own, cache in zip(works, needed, logits.float(), caches):
-            self._prompt_tokens_prefilled += len(work.prompt)
+            request.prefix = None
+            self._prompt_tokens_prefilled += len(work.prompt) - request.cache_hit_tokens
             work.take(own[len(own) - rows :], work.first_needed, len(work.prompt))
+            self._keep_prefix(request, request.prompt_ids, cache)
             first += self._prefilled_into(request, work, cache)
         return first
 
@@ -708,9 +833,10 @@ class TorchSampler(offload.ParksInSlot):
     # -- time-slicing -----------------------------------------------------
 
     # park, resume, is_parked: offload.ParksInSlot, over the model and every loaded version; a
-    # park drops the KV cache first (queued requests stay queued).
+    # park drops the KV caches first (queued requests stay queued).
     def _drop_kv_cache(self) -> int:
-        """Free the decode batch's KV cache; its bytes. Raises CannotPark while a request decodes."""
+        """Free the decode batch's KV cache and the prefix cache; their bytes. Raises CannotPark
+        while a request decodes."""
         if self._rows or self._prefilled:
             live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
@@ -720,7 +846,7 @@ class TorchSampler(offload.ParksInSlot):
             if layer.keys is not None and layer.values is not None
         )
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
-        return dropped
+        return dropped + self._prefixes.clear()
 
     @property
     def last_sync(self) -> SyncStats | None:
@@ -728,7 +854,8 @@ class TorchSampler(offload.ParksInSlot):
         return None
 
     def close(self) -> None:
-        """Nothing to free beyond what garbage collection takes: the engine holds no process or file."""
+        """Free the prefix cache; the rest goes with garbage collection (no process or file is held)."""
+        self._prefixes.clear()
 
     def _require_resident(self, operation: str) -> None:
         self._slot.require_resident(operation)
@@ -744,6 +871,7 @@ class TorchSampler(offload.ParksInSlot):
             requests_running=len(self._requests) - len(self._queued),
             rows_running=len(self._rows),
             decode_steps=self._decode_steps,
+            prefix_cache=self._prefixes.statistics(),
         )
 
 
