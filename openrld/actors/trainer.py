@@ -13,8 +13,12 @@ Ordering guarantees:
 - a job's consecutive forward_backward ops that are all here (the chunks of one SDK
   call, or calls pipelined before an optim_step) run as one engine pass, up to
   `MAX_COMBINED_TOKENS`: fewer, fuller micro-batches, and the same result; an
-  optim_step already here right after them runs in the same worker-thread call,
-  which saves a pipelining client a round trip through the event loop per step.
+  optim_step already here right after them runs in the same engine call.
+
+Every engine call runs on the actor's one engine thread (actors/engine_thread.py).
+forward_backward and optim_step runs are queued on it before the run ahead of them
+is settled (`PIPELINE_DEPTH`), so a pipelining client's next step starts the moment
+the last one ends, without a round trip through the event loop between them.
 
 A failure inside an op fails that op's future and consumes its `seq_id`, so the
 job's later ops still run. The actor never imports torch, nor anything of `gpu/`:
@@ -44,6 +48,7 @@ from typing import Any, Callable, Protocol, TypeVar
 import msgspec
 import trio
 
+from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
@@ -59,6 +64,9 @@ MAILBOX_CAPACITY = 4096  # ops in flight per group; past it the API answers 429
 # engine pass. It bounds how long one job holds its turn; the engine still splits the
 # pass into micro-batches of its own token budget.
 MAX_COMBINED_TOKENS = 65536
+# Runs of engine ops queued on the engine thread at once: the one it runs and the next, so that
+# the next is there when the engine is free, and a failure is settled before more pile up.
+PIPELINE_DEPTH = 2
 
 _T = TypeVar("_T")
 
@@ -226,7 +234,7 @@ class TrainerQueues:
             raise Conflict(f"model {op.model_id}: seq_id {op.seq_id} was already submitted")
         job.waiting[op.seq_id] = op
 
-    def pop_ready(self, max_combined_tokens: int = 0) -> list[TrainOp]:
+    def pop_ready(self, max_combined_tokens: int = 0, accept: Callable[[TrainOp], bool] | None = None) -> list[TrainOp]:
         """The next ops to run, all of one job, in seq_id order; empty when none is ready.
 
         It takes the first job in turn order whose next seq_id is here. When that op is a
@@ -236,14 +244,21 @@ class TrainerQueues:
         run as one pass, which is what seq_id order would give anyway: nothing between
         them changes the weights. When combining, an OptimStep that is the job's next op
         ends the run (it runs after the pass, in seq_id order).
+
+        With `accept`, the run is taken only when `accept` takes its first op; otherwise
+        nothing is taken and that job keeps its turn.
         """
         for _ in range(len(self._turns)):
             model_id = self._turns[0]
-            self._turns.rotate(-1)
             job = self._jobs[model_id]
-            op = job.waiting.pop(job.next_seq, None)
+            op = job.waiting.get(job.next_seq)
             if op is None:
+                self._turns.rotate(-1)
                 continue
+            if accept is not None and not accept(op):
+                return []
+            self._turns.rotate(-1)
+            del job.waiting[job.next_seq]
             job.next_seq += 1
             run = [op]
             if isinstance(op, ForwardBackward):
@@ -363,6 +378,7 @@ class TrainerActor:
         self._specs: dict[str, LoraSpec | None] = dict(specs or {})
         self._wake = trio.Event()
         self._engine: TrainerEngine | None = None
+        self._thread: EngineThread | None = None  # every engine call runs on it; made in `run`
         self._busy = False
         self._max_combined_tokens = max_combined_tokens
         self._done = 0
@@ -380,10 +396,11 @@ class TrainerActor:
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
             self._lease = self._lease_from(self)
+        self._thread = EngineThread(f"trainer {self.name}")
         try:
             # Loading the weights onto the device is a turn: another party on the device parks first.
             async with self._lease.hold(has_more=lambda: False):
-                self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+                self._engine = await self._in_thread(self._build_engine)
             logger.info("trainer ready group=%s", self.name)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._input_loop)
@@ -392,13 +409,13 @@ class TrainerActor:
         finally:
             self._lease.close()  # a stopped worker takes no more turns
             await self._close_engine(self._engine)
+            self._thread.stop()
 
-    @staticmethod
-    async def _close_engine(engine: TrainerEngine | None) -> None:
+    async def _close_engine(self, engine: TrainerEngine | None) -> None:
         # An engine in a process of its own stops that process; the others free what they hold.
-        if engine is not None:
+        if engine is not None and self._thread is not None:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(engine.close)
+                await self._thread.call(engine.close)
 
     async def _input_loop(self) -> None:
         async for op in self.mailbox.receive:
@@ -419,12 +436,66 @@ class TrainerActor:
             self._busy, self._running_job, self._in_hand = True, run[0].model_id, run
             try:
                 async with self._lease.hold(has_more=self.queues.has_ready):
-                    if len(run) > 1 and await self._run_combined(run):
+                    if self._engine is not None and self._is_engine_op(run[0]):
+                        await self._run_engine_ops(run)
                         continue
                     for op in run:
                         await self._run_one(op)
             finally:
                 self._busy, self._running_job, self._in_hand = False, None, []
+
+    def _is_engine_op(self, op: TrainOp) -> bool:
+        """Whether `op` is engine work alone, with nothing for the event loop around it."""
+        return isinstance(op, (ForwardBackward, OptimStep)) and op.model_id not in self._lost
+
+    async def _run_engine_ops(self, run: list[TrainOp]) -> None:
+        """`run`, and the runs of engine ops that are ready behind it, queued on the engine thread
+        before the run ahead is settled: the engine goes from one to the next without the event loop.
+
+        Queueing stops when the device's turn is due (the queued runs finish first) and after an
+        engine is lost (every run queued on it fails with the loss, and the engine is replaced).
+        """
+        assert self._engine is not None and self._thread is not None
+        engine, thread, lost = self._engine, self._thread, None
+        queued: deque[tuple[list[TrainOp], Pending[tuple[list[Any], bool]]]] = deque()
+        async with self._limiter:  # the device's turn, for every call queued below
+            while run or queued:
+                if run:
+                    queued.append((run, thread.submit(run_engine_ops, engine, run, on_done=self._poke)))
+                    self._in_hand = [op for ops, _ in queued for op in ops]
+                    run = []
+                if lost is None and len(queued) < PIPELINE_DEPTH and not self._lease.is_due():
+                    run = self.queues.pop_ready(self._max_combined_tokens, accept=self._is_engine_op)
+                    if run:
+                        continue
+                ops, pending = queued[0]
+                if not pending.done:  # wait for it, or for an op that could be queued behind it
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                queued.popleft()
+                outcomes, combined = await pending.wait()
+                lost = self._settle_run(ops, outcomes, combined) or lost
+                self._in_hand = [op for ops, _ in queued for op in ops]
+                self._running_job = self._in_hand[0].model_id if self._in_hand else None
+        if lost is not None:
+            await self._replace_engine(lost)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    def _settle_run(self, run: list[TrainOp], outcomes: list[Any], combined: bool) -> EngineLost | None:
+        """Resolve each op of an engine run with its value or its error; the engine's loss, if it was lost."""
+        lost = None
+        if combined:
+            self._combined += sum(1 for op in run if isinstance(op, ForwardBackward))
+        for op, value in zip(run, outcomes, strict=True):
+            if isinstance(value, Exception):
+                self._settle_failed(op, value)
+                lost = value if isinstance(value, EngineLost) else lost
+            else:
+                self._settle(op, value)
+        return lost
 
     def fail_pending(self, error: OpenrldError) -> None:
         """The group ended: fail every op still here (queued, in the mailbox, or cut short)."""
@@ -468,7 +539,7 @@ class TrainerActor:
         lost, self._engine = self._engine, None
         await self._close_engine(lost)
         try:
-            self._engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+            self._engine = await self._in_thread(self._build_engine)
         except Exception:  # the next op finds no engine, fails, and this is tried again
             logger.exception("trainer engine rebuild failed group=%s", self.name)
             return
@@ -500,46 +571,11 @@ class TrainerActor:
             version = value.path
         self._progress[op.model_id] = JobProgress(op.model_id, steps, version, error or old.last_error)
 
-    async def _run_combined(self, run: list[TrainOp]) -> bool:
-        """Consecutive forward_backward ops of one job in one engine pass, and the optim_step
-        that may end the run, in one worker-thread call.
-
-        Returns False when the pass failed as a whole (it added nothing): the caller then
-        runs the ops one by one, so that each failure lands on its own request.
-        """
-        step = run[-1] if isinstance(run[-1], OptimStep) else None
-        passes = run[:-1] if step is not None else run
-        batches = [op.batch for op in passes if isinstance(op, ForwardBackward)]
-        assert len(batches) == len(passes), "only ForwardBackward ops share a pass"
-        params = step.params if step is not None else None
-        if run[0].model_id in self._lost or self._engine is None:
-            return False  # one by one: each op then fails with its own error
-        try:
-            results, stepped = await self._in_thread(
-                self._engine.forward_backward_then_step, run[0].model_id, batches, params
-            )
-        except EngineLost as error:
-            for op in run:
-                self._settle_failed(op, error)
-            await self._replace_engine(error)
-            return True
-        except OpenrldError:
-            return False
-        except Exception:  # rerun one by one: each op then fails, or succeeds, on its own
-            logger.exception("combined forward_backward failed group=%s model_id=%s", self.name, run[0].model_id)
-            return False
-        self._combined += len(passes)
-        for op, value in zip(passes, results):
-            self._settle(op, value)
-        if step is not None:
-            if isinstance(stepped, Exception):
-                self._settle_failed(step, stepped)
-            else:
-                self._settle(step, stepped)
-        return True
-
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        """`fn(*args)` on the engine thread, in the device's turn."""
+        assert self._thread is not None, "made first thing in `run`"
+        async with self._limiter:
+            return await self._thread.call(fn, *args)
 
     async def _execute(self, op: TrainOp) -> Any:
         engine = self._engine
@@ -548,11 +584,7 @@ class TrainerActor:
             raise ServerError(lost.detail)  # not EngineLost: the engine now in place is alive
         if engine is None:
             raise EngineLost(f"the trainer of {self.name} could not be rebuilt after its engine was lost")
-        match op:
-            case ForwardBackward():
-                return await self._in_thread(engine.forward_backward, op.model_id, op.batch)
-            case OptimStep():
-                return await self._in_thread(engine.optim_step, op.model_id, op.params)
+        match op:  # forward_backward and optim_step run in `_run_engine_ops`
             case CreateAdapter():
                 await self._in_thread(engine.add_adapter, op.model_id, op.spec, op.optimizer)
                 self._specs[op.model_id] = op.spec
@@ -614,3 +646,41 @@ class TrainerActor:
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
         )
+
+
+def run_engine_ops(engine: TrainerEngine, run: list[TrainOp]) -> tuple[list[Any], bool]:
+    """A run of one job's forward_backward ops and optim_step, on the engine thread (never on
+    the event loop): each op's value or exception, in order, and whether the run shared one pass.
+
+    A run of several ops is one engine call (`forward_backward_then_step`). When that call
+    fails as a whole (it added nothing), the ops run again one by one, so that each failure
+    lands on its own request. A lost engine fails the rest of the run with the loss.
+    """
+    step = run[-1] if isinstance(run[-1], OptimStep) else None
+    passes = [op for op in run if isinstance(op, ForwardBackward)]
+    if len(run) > 1:
+        try:
+            results, stepped = engine.forward_backward_then_step(
+                run[0].model_id, [op.batch for op in passes], step.params if step is not None else None
+            )
+        except EngineLost as error:
+            return [error] * len(run), False
+        except OpenrldError:
+            pass
+        except Exception:
+            logger.exception("combined forward_backward failed model_id=%s", run[0].model_id)
+        else:
+            return [*results, *([stepped] if step is not None else [])], True
+    outcomes: list[Any] = []
+    for op in run:
+        try:
+            if isinstance(op, ForwardBackward):
+                outcomes.append(engine.forward_backward(op.model_id, op.batch))
+            else:
+                assert isinstance(op, OptimStep), "only forward_backward and optim_step are engine runs"
+                outcomes.append(engine.optim_step(op.model_id, op.params))
+        except EngineLost as error:
+            return outcomes + [error] * (len(run) - len(outcomes)), False
+        except Exception as error:
+            outcomes.append(error)
+    return outcomes, False
