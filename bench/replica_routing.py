@@ -21,7 +21,7 @@ Printed, all measured in this run:
     routed     = requests routed by prefix / by load (the daemon's /metrics)
     throughput = requests/s over the round (median over ROUNDS); ratio = prefix / least_loaded
 
-Until the engines keep a prefix cache across requests, both hit rates are 0 and the ratio ~1.
+An engine without a prefix cache across requests reports 0 hits under both policies.
 
 Run: `.venv/bin/python bench/replica_routing.py` (tiny Llama; about 2 minutes on 2 CPU cores),
 `--model smollm2` for SmolLM2-135M-Instruct, `--rounds N`.

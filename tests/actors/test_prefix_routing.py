@@ -44,6 +44,15 @@ def test_same_prefix_goes_to_the_replica_that_served_it():
     assert router.choose(blocks(prompt(7, 1)), loads=[0, 1], has_room=[True, True]) == RouteChoice(1, 32)
 
 
+def test_an_episode_next_turn_goes_where_its_last_turn_went():
+    router = PrefixRouter(2)
+    last_turn = prompt(7, 0)  # 40 tokens: 2 full blocks
+    router.assign(1, blocks(last_turn))
+    next_turn = np.concatenate([last_turn, tokens(2000, 30)])  # the completion and the next message
+    # 4 full blocks; the first 2 are the last turn's: 32 matched, - 16 for the one request held.
+    assert router.choose(blocks(next_turn), loads=[0, 1], has_room=[True, True]) == RouteChoice(1, 32)
+
+
 def test_a_prompt_that_matches_nowhere_goes_to_the_least_loaded_then_the_lowest_index():
     router = PrefixRouter(3)
     router.assign(0, blocks(prompt(7, 0)))
