@@ -239,5 +239,6 @@ class PrefixCache:
 
     def _block_bytes(self, layers: KvLayers) -> int:
         keys, values = layers[0]
-        heads_dims = keys.shape[1] * keys.shape[3] * keys.element_size() + values.shape[1] * values.shape[3] * values.element_size()
-        return max(1, len(layers) * heads_dims * self.block_tokens)
+        per_position = keys.shape[1] * keys.shape[3] * keys.element_size()
+        per_position += values.shape[1] * values.shape[3] * values.element_size()
+        return max(1, len(layers) * per_position * self.block_tokens)
