@@ -122,6 +122,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256
     sampler_backend: Literal["torch", "vllm"] = "torch"
     sampler_routing: Literal["prefix", "least_loaded"] = "prefix"  # which sampler replica takes a request
+    sampler_prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024  # per torch sampler; 0: off
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     log_json: bool = False
     jwt_auth: bool = False

@@ -186,7 +186,7 @@ async def serve(
                 nursery=nursery,
                 engines=TorchEngineFactory(
                     device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config),
-                    cpu_threads=threads, hosting=hosting,
+                    cpu_threads=threads, hosting=hosting, prefix_cache_bytes=config.sampler_prefix_cache_bytes,
                 ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,

@@ -39,6 +39,7 @@ class TorchEngineFactory:
         vllm: VllmSamplerConfig | None = None,
         cpu_threads: int | None = None,
         hosting: WorkerHosting | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         self.device = device
         self.vllm = vllm  # set: LoRA groups sample with vLLM (sampler_backend = "vllm"), else with torch
@@ -47,6 +48,8 @@ class TorchEngineFactory:
         self.converter = converter
         self.cpu_threads = cpu_threads  # a worker's torch threads, as this process has
         self.hosting = hosting or WorkerHosting.inproc()
+        # A torch sampler's prefix KV cache (None: the engine's default).
+        self.sampler_options: dict[str, Scalar] = {} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}
 
     def on(self, device: str) -> TorchEngineFactory:
         """This factory, building its engines on `device` (a label of the node's inventory)."""
@@ -77,7 +80,7 @@ class TorchEngineFactory:
         if self.vllm is not None:
             options = {k: v for k, v in msgspec.to_builtins(self.vllm).items() if v is not None}
             return lambda: self._build("sampler", "vllm_sampler", model, options, image=image, job=job)
-        return lambda: self._build("sampler", "torch_sampler", model, {}, image=image, job=job)
+        return lambda: self._build("sampler", "torch_sampler", model, self.sampler_options, image=image, job=job)
 
     def full_trainer(
         self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
@@ -90,7 +93,7 @@ class TorchEngineFactory:
         self, model: ModelEntry, image: str | None = None, job: str | None = None
     ) -> Callable[[], SamplerEngine]:
         """A sampler for one full fine-tuning job's weight versions."""
-        return lambda: self._build("sampler", "full_sampler", model, {}, image=image, job=job)
+        return lambda: self._build("sampler", "full_sampler", model, self.sampler_options, image=image, job=job)
 
     def _unembed_refusal(self, model: ModelEntry) -> str | None:
         """Why an adapter on lm_head cannot be sampled here (None: it can)."""

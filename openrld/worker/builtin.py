@@ -35,11 +35,11 @@ def build(start: Start) -> Any:
         case "torch_sampler":
             from openrld.gpu.torch_sampler import TorchSampler
 
-            return TorchSampler(start.model_dir, device)
+            return TorchSampler(start.model_dir, device, **_sampler_options(options))
         case "full_sampler":
             from openrld.gpu.full_sampler import FullSampler
 
-            return FullSampler(start.model_dir, device)
+            return FullSampler(start.model_dir, device, **_sampler_options(options))
         case "vllm_sampler":
             import msgspec
 
@@ -47,3 +47,8 @@ def build(start: Start) -> Any:
 
             return VllmSampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
     raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")
+
+
+def _sampler_options(options: dict) -> dict[str, int]:
+    """A torch sampler's settings from the node's: its prefix cache's bytes, when set."""
+    return {key: int(options[key]) for key in ("prefix_cache_bytes",) if key in options}

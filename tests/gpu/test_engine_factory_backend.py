@@ -27,3 +27,18 @@ def test_the_factory_builds_the_vllm_sampler_when_configured(tiny_llama: Path) -
     factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, vllm=VllmSamplerConfig())
     with pytest.raises(VllmUnavailable, match="the vLLM sampler runs on a CUDA device; this node.s device is cpu"):
         factory.sampler(entry(tiny_llama))()
+
+
+def test_the_nodes_prefix_cache_bytes_reach_the_torch_samplers(tiny_llama: Path) -> None:
+    factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, prefix_cache_bytes=12345)
+    lora, full = factory.sampler(entry(tiny_llama))(), factory.full_sampler(entry(tiny_llama))()
+    assert lora.statistics().prefix_cache.budget_bytes == 12345
+    assert full.statistics().engine.prefix_cache.budget_bytes == 12345
+
+
+def test_a_worker_process_builds_its_sampler_with_the_nodes_prefix_cache_bytes(tiny_llama: Path) -> None:
+    from openrld.worker.builtin import build
+    from openrld.worker.protocol import Start
+
+    engine = build(Start("torch_sampler", str(tiny_llama), "cpu", options={"prefix_cache_bytes": 0}))
+    assert engine.statistics().prefix_cache.budget_bytes == 0
