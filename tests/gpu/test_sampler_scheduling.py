@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SamplingSpec
+from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.tiny_models import build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
 from tests.gpu.test_torch_sampler import make_lora
@@ -41,7 +42,7 @@ def job(prompt: list[int], n: int = 1, **params) -> SampleJob:
     return SampleJob(prompt=np.asarray(prompt, dtype=np.int64), num_samples=n, params=SamplingSpec(**params))
 
 
-def run_until_idle(engine: TorchSampler) -> dict[str, SampleResult]:
+def run_until_idle(engine: TorchSampler | FullSampler) -> dict[str, SampleResult]:
     results = {}
     while engine.has_work():
         results.update((f.request_id, f.result) for f in engine.step())

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from openrld.batches import LoraSpec, SampleJob, SampleResult, SamplingSpec
+from openrld.batches import LoraSpec, SampleJob, SamplingSpec
 from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.tiny_models import build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
+from tests.gpu.test_sampler_scheduling import assert_same_samples, run_until_idle
 from tests.gpu.test_torch_sampler import make_lora
 
 CPU = torch.device("cpu")
@@ -41,19 +42,6 @@ def job(prompt: list[int], n: int = 1, **params) -> SampleJob:
     return SampleJob(prompt=np.asarray(prompt, dtype=np.int64), num_samples=n, params=SamplingSpec(**params), **scoring)
 
 
-def run_until_idle(engine: TorchSampler | FullSampler) -> dict[str, SampleResult]:
-    results = {}
-    while engine.has_work():
-        results.update((f.request_id, f.result) for f in engine.step())
-    return results
-
-
-def assert_same_samples(got: SampleResult, expected: SampleResult) -> None:
-    assert len(got.sequences) == len(expected.sequences)
-    for x, y in zip(got.sequences, expected.sequences):
-        np.testing.assert_array_equal(x.tokens, y.tokens)
-        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
-        assert x.stop_reason == y.stop_reason
 
 
 def test_a_prompt_sharing_a_cached_prefix_reuses_its_whole_blocks(llama_dir: Path) -> None:
