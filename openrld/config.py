@@ -125,6 +125,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     sampler_prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024  # per torch sampler; 0: off
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     log_json: bool = False
+    loop_watch_ms: Annotated[int, msgspec.Meta(ge=0)] = 0  # debug: log event-loop steps over this; 0: off
     jwt_auth: bool = False
     jwt_ttl_s: Annotated[int, msgspec.Meta(ge=120, le=7 * 24 * 3600)] = 3600
     maintenance_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 30.0

@@ -42,6 +42,7 @@ from openrld.api.http1 import Server
 from openrld.api.signing import Signer
 from openrld.capabilities import DeviceSummary
 from openrld.config import ConfigError, NodeConfig, load_api_keys
+from openrld.loop_watch import LoopWatch
 from openrld.metrics import HttpCounters
 from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
@@ -135,6 +136,17 @@ async def _open_membership(config: NodeConfig, verify: ssl.SSLContext | bool) ->
     return await ClusterMembership.open(settings, verify=verify)
 
 
+def _watch_loop(watch: LoopWatch) -> None:
+    """Time every step of this trio run from now on, and report slow ones (loop_watch.py).
+
+    Armed once the node is ready: no client can be waiting on it before, and startup
+    (store recovery, building the routes) runs in order by design.
+    """
+    trio.lowlevel.add_instrument(watch)
+    watch.start_sampler()
+    logger.info("loop_watch: reporting event-loop steps over %g ms", watch.threshold_s * 1000)
+
+
 async def serve(
     config: NodeConfig,
     *,
@@ -157,6 +169,7 @@ async def serve(
     tls = server_context(config)
     verify_peers = peer_context(config)
     _raise_file_limit(config)
+    loop_watch = LoopWatch(config.loop_watch_ms / 1000) if config.loop_watch_ms else None
     store = Store.open(Path(config.data_dir), checkpoint_root=config.checkpoint_root)
     hosting = _worker_hosting(config, store)
     try:
@@ -225,6 +238,7 @@ async def serve(
                     node=membership.node.name if membership is not None else config.node_name,
                 ),
                 node_devices=node_devices,
+                loop_watch=loop_watch,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
@@ -251,6 +265,8 @@ async def serve(
                 # node. Frozen, the collector never rescans it: with ~400k such objects each full
                 # collection stopped every thread for ~0.4 s (the first came ~65 requests in).
                 gc.freeze()
+                if loop_watch is not None:
+                    _watch_loop(loop_watch)
                 task_status.started(binds[0])
                 await stop.wait()
                 futures.close()  # pending long-polls answer 503 now, within the server's graceful drain
@@ -261,6 +277,9 @@ async def serve(
     finally:
         hosting.close()
         store.close()
+        if loop_watch is not None and loop_watch.is_sampling:
+            loop_watch.stop_sampler()
+            trio.lowlevel.remove_instrument(loop_watch)
 
 
 def _sampler_run(store: Store, sampler_id: str) -> str | None:

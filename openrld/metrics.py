@@ -23,6 +23,7 @@ from openrld.actors.groups import GroupStatistics
 from openrld.actors.membership.codec import DropReason
 from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.stability import StabilityStatistics
+from openrld.loop_watch import LoopWatchStatistics
 from openrld.store import StoreStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -140,6 +141,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     membership: MembershipStatistics | None = None  # gossip; None on a node outside any cluster
     relay: RelayStatistics | None = None  # any-node-answers relaying; None on a node outside any cluster
     http: HttpStatistics | None = None  # the HTTP server's connections; None when no server counts them
+    loop: LoopWatchStatistics | None = None  # slow event-loop steps; None unless loop_watch_ms is set
 
 
 # ---------------------------------------------------------------- text format
@@ -288,8 +290,19 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *(_gossip_lines(stats.membership) if stats.membership is not None else []),
         *(_relay_lines(stats.relay) if stats.relay is not None else []),
         *(_http_lines(stats.http) if stats.http is not None else []),
+        *(_loop_lines(stats.loop) if stats.loop is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _loop_lines(loop: LoopWatchStatistics) -> list[str]:
+    return [
+        *_family("openrld_loop_slow_steps_total", "counter",
+                 f"Event-loop task steps longer than {loop.threshold_s * 1000:g} ms (loop_watch_ms).",
+                 [((), loop.slow_steps)]),
+        *_family("openrld_loop_longest_step_seconds", "gauge", "The longest event-loop task step seen.",
+                 [((), loop.longest_step_s)]),
+    ]
 
 
 def _http_lines(http: HttpStatistics) -> list[str]:

@@ -23,6 +23,63 @@ from openrld.gpu.tiny_models import build_tiny_model
 
 DAEMON_START_TIMEOUT_S = 120.0
 
+# Every daemon the suite starts watches its event loop (openrld/loop_watch.py) and logs any step
+# longer than this; `fail_on_slow_loop_steps` fails the test during which one did.
+LOOP_WATCH_MS = "50"
+
+
+class _LoopWatchedLogs:
+    """The log files of the daemons started in this run, and how far each has been checked."""
+
+    def __init__(self) -> None:
+        self.checked: dict[Path, int] = {}
+
+    def add(self, log_path: Path) -> None:
+        self.checked.setdefault(log_path, log_path.stat().st_size if log_path.exists() else 0)
+
+    def new_slow_steps(self) -> list[str]:
+        """The slow-step reports logged since the last call, each with its log file's name."""
+        from openrld.loop_watch import SLOW_STEP_PREFIX
+
+        found: list[str] = []
+        for path, offset in list(self.checked.items()):
+            if not path.exists():
+                continue
+            with path.open("rb") as log:
+                log.seek(offset)
+                text = log.read().decode(errors="replace")
+            # Only whole lines: a report being written now is read whole next time.
+            whole = text[: text.rfind("\n") + 1]
+            self.checked[path] = offset + len(whole.encode())
+            lines = whole.splitlines()
+            for i, line in enumerate(lines):
+                if SLOW_STEP_PREFIX in line:
+                    found.append(f"{path.name}: " + "\n".join(lines[i : i + 14]))
+        return found
+
+
+_watched_logs = _LoopWatchedLogs()
+
+
+def loop_watched_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the event-loop watch on, unless the test set OPENRLD_LOOP_WATCH_MS itself."""
+    env.setdefault("OPENRLD_LOOP_WATCH_MS", LOOP_WATCH_MS)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def fail_on_slow_loop_steps():
+    """Fail a test during which a daemon it talks to held its event loop over LOOP_WATCH_MS in one step.
+
+    The check reads what every daemon started so far logged since the last test's check, so a
+    module's shared daemon is checked at each of its tests.
+    """
+    yield
+    slow = _watched_logs.new_slow_steps()
+    # Until the e2e files run clean under the watch, a slow step fails a test only when asked.
+    if slow and os.environ.get("OPENRLD_TEST_LOOP_WATCH_FAIL") == "1":
+        pytest.fail("a daemon's event loop was blocked:\n" + "\n\n".join(slow), pytrace=False)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -98,7 +155,8 @@ class Daemon:
         self.url = ""
 
     def start(self) -> "Daemon":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = loop_watched_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+        _watched_logs.add(self.log_path)
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [*self.command_prefix, sys.executable, "-m", "openrld.cli", "serve", "--port", str(self.port),
@@ -167,12 +225,13 @@ class ServeCommand:
     ) -> None:
         self.argv = argv
         self.log_path = log_path
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1") if env is None else env
+        self.env = loop_watched_env(dict(os.environ, PYTHONUNBUFFERED="1") if env is None else dict(env))
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
         self.printed: list[str] = []  # stdout up to the address line
 
     def start(self) -> str:
+        _watched_logs.add(self.log_path)
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True, env=self.env, cwd=self.cwd,
             start_new_session=True,

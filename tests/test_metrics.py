@@ -12,6 +12,7 @@ from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
+from openrld.loop_watch import LoopWatchStatistics
 from openrld.metrics import (
     LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RelayStatistics, RequestMetrics, render_prometheus,
 )
@@ -213,4 +214,20 @@ def test_render_reports_open_refused_and_timed_out_http_connections():
         'openrld_http_connection_timeouts_total{phase="keep_alive"} 0',
         'openrld_http_connection_timeouts_total{phase="discard"} 0',
         'openrld_http_connection_timeouts_total{phase="write"} 1',
+    ]
+
+
+def test_render_reports_slow_event_loop_steps_only_when_the_watch_is_on():
+    assert "openrld_loop_" not in render_prometheus(_node(RequestMetrics()))
+    node = msgspec.structs.replace(
+        _node(RequestMetrics()), loop=LoopWatchStatistics(threshold_s=0.05, slow_steps=2, longest_step_s=0.25)
+    )
+    lines = [line for line in render_prometheus(node).splitlines() if "openrld_loop_" in line]
+    assert lines == [
+        "# HELP openrld_loop_slow_steps_total Event-loop task steps longer than 50 ms (loop_watch_ms).",
+        "# TYPE openrld_loop_slow_steps_total counter",
+        "openrld_loop_slow_steps_total 2",
+        "# HELP openrld_loop_longest_step_seconds The longest event-loop task step seen.",
+        "# TYPE openrld_loop_longest_step_seconds gauge",
+        "openrld_loop_longest_step_seconds 0.25",
     ]

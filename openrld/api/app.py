@@ -35,6 +35,7 @@ from openrld.api.fastpath import FastPath, error_headers
 from openrld.api.gate import Gate
 from openrld.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
+from openrld.loop_watch import LoopWatch
 from openrld.metrics import UNMATCHED_ENDPOINT, HttpCounters, RelayCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store
@@ -66,6 +67,7 @@ class Services:
     http: HttpCounters = field(default_factory=HttpCounters)  # the HTTP server's connections, for /metrics
     console: ConsoleViews | None = None  # the console's reads; None: the node serves no console routes
     node_devices: NodeDevices | None = None  # placement and time-slicers, for the console's device view
+    loop_watch: LoopWatch | None = None  # slow event-loop steps, for /metrics; None unless loop_watch_ms is set
 
 
 def json_response(value: Any, status: int = 200) -> Response:

@@ -81,5 +81,6 @@ def register(app: QuartTrio, services: Services) -> None:
             membership=services.cluster.statistics() if services.cluster is not None else None,
             relay=services.relays.statistics() if services.cluster is not None else None,
             http=services.http.statistics(),
+            loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
         )
         return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)
