@@ -195,6 +195,7 @@ async def serve(
             node_devices = await nursery.start(
                 NodeDevices([d.name for d in device_records], quantum_s=config.timeslice_quantum_s).run
             )
+            checkpoints = CheckpointWriter(store)  # publishing, deleting, adopting: files in its threads
             groups = GroupTable(
                 nursery=nursery,
                 engines=TorchEngineFactory(
@@ -203,7 +204,7 @@ async def serve(
                 ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,
-                checkpoints=CheckpointWriter(store),
+                checkpoints=checkpoints,
                 sample_queue_limit=config.sample_queue_limit,
                 sampler_routing=config.sampler_routing,
                 devices=node_devices,
@@ -217,7 +218,7 @@ async def serve(
                 id_tag=ids.node_tag(membership.node.name) if membership is not None else "",
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
-            await nursery.start(partial(run_maintenance, store, usage, interval_s=config.maintenance_interval_s))
+            await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))
             # Configured GGUF models convert in the background; progress is in /openrl/v1/info.
             await nursery.start(prepare_models, catalog, converter.ensure)
             # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon (relay.py).
@@ -239,6 +240,7 @@ async def serve(
                 ),
                 node_devices=node_devices,
                 loop_watch=loop_watch,
+                checkpoints=checkpoints,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:

@@ -707,6 +707,16 @@ class Store:
         The row goes first: a crash in between leaves an unlisted directory,
         never a listed checkpoint with no files. The directory is renamed into
         tmp/ before it is removed, so a half-deleted one is never visible.
+        The daemon runs the two halves apart (`delete_checkpoint_row` on the
+        event loop, `remove_checkpoint_files` in a thread: actors/checkpoints.py).
+
+        Raises:
+            NotFound: no such checkpoint.
+        """
+        self.remove_checkpoint_files(self.delete_checkpoint_row(run_id, kind, name))
+
+    def delete_checkpoint_row(self, run_id: str, kind: CheckpointKind | str, name: str) -> TinkerPath:
+        """The row half of `delete_checkpoint`; touches no file. Returns the checkpoint's path.
 
         Raises:
             NotFound: no such checkpoint.
@@ -718,6 +728,10 @@ class Store:
         ).rowcount
         if deleted == 0:
             raise NotFound(f"checkpoint {path.uri} not found")
+        return path
+
+    def remove_checkpoint_files(self, path: TinkerPath) -> None:
+        """The file half of `delete_checkpoint`, once the row is gone; touches no row (for a worker thread)."""
         directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
         if directory.exists():
             doomed = self._tmp / f"deleted-{secrets.token_hex(8)}"
@@ -861,14 +875,25 @@ class Store:
         Raises:
             ServerError: the directory resolves outside the root (a planted symlink).
         """
+        return self.insert_adopted(path, self.read_adoptable(path))
+
+    def read_adoptable(self, path: TinkerPath) -> CheckpointManifest | None:
+        """The file half of `adopt_checkpoint`: the manifest to adopt `path` from, or None; touches no row.
+
+        Raises:
+            ServerError: the directory resolves outside the root (a planted symlink).
+        """
         if not self.is_shared:
             return None  # alone, a directory without a row is a checkpoint being deleted or never recorded
         directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
         try:
-            manifest = read_manifest(directory, path)
+            return read_manifest(directory, path)
         except ManifestError as exc:
             logger.warning("checkpoint_root=%s tinker_path=%s: not adopted: %s", self._checkpoints, path.uri, exc)
             return None
+
+    def insert_adopted(self, path: TinkerPath, manifest: CheckpointManifest | None) -> CheckpointRow | None:
+        """The row half of `adopt_checkpoint`, from what `read_adoptable` returned; touches no file."""
         if manifest is None:
             return None
         with _transaction(self._conn):
@@ -920,8 +945,25 @@ class Store:
         """
         if not self.is_shared:
             return None
+        for path in self.run_checkpoint_paths(run_id):
+            if self.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                self.adopt_checkpoint(path)
+        return self.get_run(run_id)
+
+    def run_checkpoint_paths(self, run_id: str) -> list[TinkerPath]:
+        """The checkpoints under a run's directory on a shared root ([] when not shared); touches no row.
+
+        A directory listing of the shared root: `adopt_run` reads it, and the daemon in a thread.
+
+        Raises:
+            BadRequest: an unsafe run id.
+            ServerError: the run's directory resolves outside the root.
+        """
+        if not self.is_shared:
+            return []
         run_dir = self._checkpoints / validate_name(run_id, "run id")
         self._require_under(run_dir)
+        paths: list[TinkerPath] = []
         for kind in CheckpointKind:
             try:
                 names = sorted(os.listdir(run_dir / kind.value))
@@ -929,12 +971,10 @@ class Store:
                 continue
             for name in names:
                 try:
-                    path = TinkerPath.of(run_id, kind, name)
+                    paths.append(TinkerPath.of(run_id, kind, name))
                 except BadRequest:
                     continue
-                if self.get_checkpoint(path.run_id, path.kind, path.name) is None:
-                    self.adopt_checkpoint(path)
-        return self.get_run(run_id)
+        return paths
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -975,7 +1015,15 @@ class Store:
     # --- checkpoint lifecycle, projects, audit and usage (issue 5) ----------------------------------
 
     def set_checkpoint_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
-        """Publish (other users may read it) or unpublish a checkpoint. Raises NotFound."""
+        """Publish (other users may read it) or unpublish a checkpoint: its row, then its manifest. Raises NotFound.
+
+        The daemon runs the halves apart: `set_checkpoint_public_row` on the event loop,
+        `update_manifest` in a thread (actors/checkpoints.py).
+        """
+        self.update_manifest(self.set_checkpoint_public_row(run_id, kind, name, public), public=public)
+
+    def set_checkpoint_public_row(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> TinkerPath:
+        """The row half of `set_checkpoint_public`; touches no file. Raises NotFound."""
         path = TinkerPath.of(run_id, kind, name)
         updated = self._conn.execute(
             "UPDATE checkpoints SET public = ? WHERE run_id = ? AND kind = ? AND name = ?",
@@ -983,12 +1031,18 @@ class Store:
         ).rowcount
         if updated == 0:
             raise NotFound(f"checkpoint {path.uri} not found")
-        self._update_manifest(path, public=public)
+        return path
 
     def set_checkpoint_expiry(
         self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
     ) -> None:
-        """Set (or, with None, remove) when a checkpoint expires. Raises NotFound."""
+        """Set (or, with None, remove) when a checkpoint expires: its row, then its manifest. Raises NotFound."""
+        self.update_manifest(self.set_checkpoint_expiry_row(run_id, kind, name, expires_at), expires_at=expires_at)
+
+    def set_checkpoint_expiry_row(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> TinkerPath:
+        """The row half of `set_checkpoint_expiry`; touches no file. Raises NotFound."""
         path = TinkerPath.of(run_id, kind, name)
         updated = self._conn.execute(
             "UPDATE checkpoints SET expires_us = ? WHERE run_id = ? AND kind = ? AND name = ?",
@@ -996,14 +1050,15 @@ class Store:
         ).rowcount
         if updated == 0:
             raise NotFound(f"checkpoint {path.uri} not found")
-        self._update_manifest(path, expires_at=expires_at)
+        return path
 
-    def _update_manifest(self, path: TinkerPath, **changes: object) -> None:
+    def update_manifest(self, path: TinkerPath, **changes: object) -> None:
         """Rewrite a checkpoint's manifest with `changes`, so that a node adopting it later sees them.
 
         The new manifest is written and fsynced in staging, then renamed over
         the old one: a reader sees one or the other, whole. A checkpoint with no
-        valid manifest (written before manifests) is left as it is.
+        valid manifest (written before manifests), or deleted meanwhile, is left
+        as it is. Touches no row (for a worker thread).
         """
         try:
             directory = self.checkpoint_dir(path.run_id, path.kind, path.name)
@@ -1014,10 +1069,15 @@ class Store:
         if manifest is None:
             return
         staging = self.staging_dir()
-        write_manifest(staging, msgspec.structs.replace(manifest, **changes))
-        _fsync_tree(staging)
-        os.replace(staging / MANIFEST_NAME, directory / MANIFEST_NAME)
-        _fsync_dir(directory)
+        try:
+            write_manifest(staging, msgspec.structs.replace(manifest, **changes))
+            _fsync_tree(staging)
+            os.replace(staging / MANIFEST_NAME, directory / MANIFEST_NAME)
+            _fsync_dir(directory)
+        except FileNotFoundError as exc:  # a delete moved the directory away after the read
+            logger.warning("tinker_path=%s: manifest not updated: %s", path.uri, exc)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
         staging.rmdir()
 
     def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:

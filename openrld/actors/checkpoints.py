@@ -8,17 +8,28 @@ writes the manifest beside the files and renames the whole into place, and
 leaves either the whole checkpoint, listed, or nothing visible: the store
 removes leftover staging directories when it opens. On a shared checkpoint
 root the manifest is what lets another node adopt the checkpoint.
+
+It also owns the filesystem work on checkpoints that exist: deleting one,
+rewriting its manifest (publish, TTL), and adopting another node's from a
+shared root. Each is a row half, on the event loop (SQLite, as every other
+row), and a file half (rename, rmtree, fsync, directory listings, manifest
+reads), in a worker thread under this writer's limiter: on a slow or shared
+filesystem (NFS, GCS FUSE) those take seconds, and on the loop they would
+stall every client of the node.
 """
 
 from __future__ import annotations
 
 import shutil
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
+
+import trio
 
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import BadRequest, Conflict
-from openrld.store import Store, utc_now
+from openrld.ids import CheckpointKind, TinkerPath
+from openrld.store import CheckpointRow, RunRow, Store, utc_now
 
 MIN_TTL_S = 3600  # the SDK documents 3600 s to 10 years
 MAX_TTL_S = 10 * 365 * 24 * 3600
@@ -30,9 +41,15 @@ def check_ttl(ttl_seconds: int | None) -> None:
         raise BadRequest(f"ttl_seconds: expected {MIN_TTL_S}..{MAX_TTL_S}, got {ttl_seconds}")
 
 
+# Worker threads for deletes, manifest rewrites and adoption at once: a slow disk queues them here
+# rather than taking a thread per request (saves commit in the trainer's own threads).
+FILE_THREADS = 4
+
+
 class CheckpointWriter:
     def __init__(self, store: Store) -> None:
         self._store = store
+        self._files = trio.CapacityLimiter(FILE_THREADS)
 
     def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
         """(staging, final) for a new checkpoint; refuses a bad name or an existing one up front."""
@@ -79,3 +96,45 @@ class CheckpointWriter:
             },
         )
         return row.tinker_path
+
+    # ------------------------------------------------------------ checkpoints that exist
+
+    async def _in_thread(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._files)
+
+    async def delete(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
+        """Remove a checkpoint: its row now, its files in a thread (`Store.delete_checkpoint`'s order).
+
+        Raises:
+            NotFound: no such checkpoint.
+        """
+        path = self._store.delete_checkpoint_row(run_id, kind, name)
+        await self._in_thread(self._store.remove_checkpoint_files, path)
+
+    async def set_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
+        """Publish or unpublish: the row now, the manifest (fsynced) in a thread. Raises NotFound."""
+        path = self._store.set_checkpoint_public_row(run_id, kind, name, public)
+        await self._in_thread(lambda: self._store.update_manifest(path, public=public))
+
+    async def set_expiry(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> None:
+        """Set or clear a TTL: the row now, the manifest (fsynced) in a thread. Raises NotFound."""
+        path = self._store.set_checkpoint_expiry_row(run_id, kind, name, expires_at)
+        await self._in_thread(lambda: self._store.update_manifest(path, expires_at=expires_at))
+
+    async def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
+        """`Store.adopt_checkpoint`, its manifest read in a thread; None at once off a shared root."""
+        if not self._store.is_shared:
+            return None
+        manifest = await self._in_thread(self._store.read_adoptable, path)
+        return self._store.insert_adopted(path, manifest)
+
+    async def adopt_run(self, run_id: str) -> RunRow | None:
+        """`Store.adopt_run`, the run's directory listed and manifests read in a thread."""
+        if not self._store.is_shared:
+            return None
+        for path in await self._in_thread(self._store.run_checkpoint_paths, run_id):
+            if self._store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+                await self.adopt_checkpoint(path)
+        return self._store.get_run(run_id)

@@ -2,7 +2,7 @@
 
 `run_maintenance` is a long-running task started from daemon.py. Every
 `interval_s` it deletes the checkpoints whose TTL has passed (row first, then
-files, as `Store.delete_checkpoint` guarantees), writing a
+files in a worker thread, through the checkpoint writer), writing a
 `checkpoint_expired` audit event for each, flushes the usage meter into
 the store, and forgets logged requests that finished over REQUEST_LOG_KEEP
 ago: a busy node logs tens of requests a second, and before this the table
@@ -21,6 +21,7 @@ from datetime import datetime
 
 import trio
 
+from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.usage import UsageMeter
 from openrld.errors import NotFound
 from openrld.store import REQUEST_LOG_KEEP, Store, utc_now
@@ -28,12 +29,12 @@ from openrld.store import REQUEST_LOG_KEEP, Store, utc_now
 logger = logging.getLogger(__name__)
 
 
-def expire_checkpoints(store: Store, now: datetime) -> list[str]:
+async def expire_checkpoints(store: Store, checkpoints: CheckpointWriter, now: datetime) -> list[str]:
     """Delete every checkpoint expired at `now`; returns their tinker paths."""
     gone: list[str] = []
     for row in store.expired_checkpoints(now):
         try:
-            store.delete_checkpoint(row.run_id, row.kind, row.name)
+            await checkpoints.delete(row.run_id, row.kind, row.name)
         except NotFound:
             continue  # deleted by its owner since the query
         store.record_audit(
@@ -48,6 +49,7 @@ def expire_checkpoints(store: Store, now: datetime) -> list[str]:
 async def run_maintenance(
     store: Store,
     usage: UsageMeter,
+    checkpoints: CheckpointWriter,
     *,
     interval_s: float,
     now: Callable[[], datetime] = utc_now,
@@ -61,7 +63,7 @@ async def run_maintenance(
     task_status.started()
     try:
         while True:
-            expire_checkpoints(store, now())
+            await expire_checkpoints(store, checkpoints, now())
             usage.flush(store)
             store.prune_requests(now() - REQUEST_LOG_KEEP)
             await trio.sleep(interval_s)

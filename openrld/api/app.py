@@ -19,6 +19,7 @@ import msgspec
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
+from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.console_views import ConsoleViews
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.directory import Directory
@@ -57,6 +58,7 @@ class Services:
     futures: FutureTable
     jobs: JobTable
     groups: GroupTable
+    checkpoints: CheckpointWriter  # checkpoint files (delete, publish, TTL, adoption): in its worker threads
     devices: tuple[DeviceSummary, ...] = ()  # what the daemon resolved at startup, for /openrl/v1/info
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage

@@ -127,20 +127,20 @@ def register(app: QuartTrio, services: Services) -> None:
 
     # ------------------------------------------------------------ publish, unpublish, TTL
 
-    def set_public(run_id: str, kind: str, name: str, public: bool) -> Response:
+    async def set_public(run_id: str, kind: str, name: str, public: bool) -> Response:
         user = caller(services)
         row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
-        store.set_checkpoint_public(row.run_id, row.kind, row.name, public)
+        await services.checkpoints.set_public(row.run_id, row.kind, row.name, public)
         audit(user, "checkpoint_published" if public else "checkpoint_unpublished", row)
         return json_response({})
 
     @app.post("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
     async def publish(run_id: str, kind: str, name: str) -> Response:
-        return set_public(run_id, kind, name, True)
+        return await set_public(run_id, kind, name, True)
 
     @app.delete("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
     async def unpublish(run_id: str, kind: str, name: str) -> Response:
-        return set_public(run_id, kind, name, False)
+        return await set_public(run_id, kind, name, False)
 
     @app.put("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/ttl")
     async def set_ttl(run_id: str, kind: str, name: str) -> Response:
@@ -149,7 +149,7 @@ def register(app: QuartTrio, services: Services) -> None:
         row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
         check_ttl(req.ttl_seconds)
         expires_at = None if req.ttl_seconds is None else utc_now() + timedelta(seconds=req.ttl_seconds)
-        store.set_checkpoint_expiry(row.run_id, row.kind, row.name, expires_at)
+        await services.checkpoints.set_expiry(row.run_id, row.kind, row.name, expires_at)
         audit(user, "checkpoint_ttl_set", row, ttl_seconds=str(req.ttl_seconds))
         return json_response({})
 

@@ -132,7 +132,7 @@ def register(app: QuartTrio, services: Services) -> None:
         path = ids.TinkerPath.of(run_id, kind, name)
         if store.get_checkpoint(path.run_id, path.kind, path.name) is None:
             raise NotFound(f"no checkpoint {path.uri}")
-        store.delete_checkpoint(path.run_id, path.kind, path.name)
+        await services.checkpoints.delete(path.run_id, path.kind, path.name)
         store.record_audit(
             caller(services), "checkpoint_deleted", {"tinker_path": path.uri, "model_id": path.run_id, "actor": caller(services)}
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import trio
 
+from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.maintenance import expire_checkpoints, run_maintenance
 from openrld.actors.usage import UsageMeter
 from openrld.ids import CheckpointKind
@@ -30,9 +31,9 @@ def _store_with_checkpoints(tmp_path: Path) -> Store:
     return store
 
 
-def test_only_checkpoints_past_their_ttl_are_deleted_with_their_files(tmp_path: Path) -> None:
+async def test_only_checkpoints_past_their_ttl_are_deleted_with_their_files(tmp_path: Path) -> None:
     with _store_with_checkpoints(tmp_path) as store:
-        gone = expire_checkpoints(store, T0 + timedelta(hours=2))
+        gone = await expire_checkpoints(store, CheckpointWriter(store), T0 + timedelta(hours=2))
         assert gone == ["tinker://s-1:train:0/weights/old"]
         assert [c.name for c in store.list_checkpoints("s-1:train:0")] == ["young", "forever"]
         assert not store.checkpoint_dir("s-1:train:0", "weights", "old").exists()
@@ -61,6 +62,6 @@ async def test_a_sweep_forgets_requests_finished_over_the_keep_ago(tmp_path: Pat
             store.finish_requests([RequestFinish(request_id, finished)])
         async with trio.open_nursery() as nursery:
             now = lambda: T0 + REQUEST_LOG_KEEP + timedelta(hours=1)  # noqa: E731
-            await nursery.start(partial(run_maintenance, store, UsageMeter(), interval_s=3600, now=now))
+            await nursery.start(partial(run_maintenance, store, UsageMeter(), CheckpointWriter(store), interval_s=3600, now=now))
             nursery.cancel_scope.cancel()
         assert (store.request_state("r-old"), store.request_state("r-recent")) == (None, "done")
