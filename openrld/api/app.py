@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -85,6 +86,19 @@ def error_response(status: int, detail: str, headers: dict[str, str] | None = No
 
 def caller(services: Services) -> str:
     return services.auth.user_for(request.headers.get("X-API-Key"))
+
+
+# A route handler: a module-level `async def name(services, **url_values) -> Response`.
+RouteHandler = Callable[..., Awaitable[Response]]
+
+
+def add_route(app: QuartTrio, services: Services, method: str, rule: str, handler: RouteHandler) -> None:
+    """Serve `method rule` with `handler`, given `services` as its first argument.
+
+    The endpoint is the handler's name, so a route is found by the name of its
+    function (quart refuses two different handlers under one endpoint).
+    """
+    app.add_url_rule(rule, handler.__name__, partial(handler, services), methods=[method])
 
 
 def build_app(services: Services) -> Gate:

@@ -495,6 +495,13 @@ class ErrorResponse(ResponseBody):
     detail: str
 
 
+class EmptyResponse(ResponseBody):
+    """`{}`: the answer of a route that only acknowledges (delete, publish, TTL, finish, cancel).
+
+    The SDK reads no field of it; an empty object rather than no body keeps every answer JSON.
+    """
+
+
 # ================================================================ responses: futures (§4)
 
 
