@@ -2,7 +2,7 @@
 
 It owns the group's sampling queue, the immutable weight versions it can
 serve, and its engines (`SamplerEngine`s, `replicas` of them, each run in a
-worker thread under the device's capacity limiter).
+thread of its own (actors/engine_thread.py) under the device's capacity limiter).
 
 Scheduling: the engine is a step-level scheduler (continuous batching), and
 this actor feeds it step by step. Each engine worker loops: apply the cancels
@@ -74,11 +74,12 @@ import logging
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import msgspec
 import trio
 
+from openrld.actors.engine_thread import EngineThread
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.prefix_routing import PrefixRouter, prefix_block_hashes
 from openrld.actors.stability import StabilityRecord, StabilityRecords
@@ -88,6 +89,8 @@ from openrld.engine_types import Finished, SamplerEngine, WeightPayload
 from openrld.errors import BadRequest, EngineLost, Gone, OpenrldError, ServerError, TooManyRequests
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 MAX_LOADED_VERSIONS = 32  # adapters resident in one engine at once
 MAX_HOST_VERSIONS = 256  # unnamed (in-memory only) versions kept for reloading
@@ -326,8 +329,11 @@ class SamplerHandle:
 class _Worker:
     """One engine and the versions it holds."""
 
-    def __init__(self, engine: SamplerEngine, index: int, max_loaded: int = MAX_LOADED_VERSIONS) -> None:
+    def __init__(
+        self, engine: SamplerEngine, thread: EngineThread, index: int, max_loaded: int = MAX_LOADED_VERSIONS
+    ) -> None:
         self.engine = engine
+        self.thread = thread  # the engine's own thread: every call that computes runs on it, in order
         self.index = index  # its place among the actor's replicas, and in the router's records
         self.versions = VersionCache(max_loaded)
         # Versions to load before anything else, in publish order (eager_versions only).
@@ -434,16 +440,28 @@ class SamplerActor:
             while len(self._workers) < min(replicas, MAX_REPLICAS):
                 # In the sampler's turn: while it is parked, another party holds the device.
                 async with self._lease.hold(has_more=lambda: False):
-                    engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-                worker = self._add_worker(engine)
+                    worker = await self._add_worker()
                 self._nursery.start_soon(self._work, worker)
                 logger.info("sampler replica added group=%s replicas=%d", self.name, len(self._workers))
 
-    def _add_worker(self, engine: SamplerEngine) -> _Worker:
-        worker = _Worker(engine, self._router.add_replica(), self._max_loaded)
+    async def _add_worker(self) -> _Worker:
+        """A replica: its engine thread, and the engine built on it."""
+        thread = EngineThread(f"sampler {self.name} {len(self._workers)}")
+        try:
+            async with self._limiter:
+                engine = await thread.call(self._build_engine)
+        except BaseException:
+            thread.stop()
+            raise
+        worker = _Worker(engine, thread, self._router.add_replica(), self._max_loaded)
         assert worker.index == len(self._workers), (worker.index, len(self._workers))
         self._workers.append(worker)
         return worker
+
+    async def _in_thread(self, worker: _Worker, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the worker's engine thread, in the device's turn."""
+        async with self._limiter:
+            return await worker.thread.call(fn, *args)
 
     # -- the loops ---------------------------------------------------------
 
@@ -454,8 +472,7 @@ class SamplerActor:
             # Loading the weights onto the device is a turn: another party on the device parks first.
             async with self._lease.hold(has_more=lambda: False):
                 for _ in range(self._replicas):
-                    engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
-                    self._add_worker(engine)
+                    await self._add_worker()
             logger.info("sampler ready group=%s replicas=%d", self.name, self._replicas)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -468,7 +485,8 @@ class SamplerActor:
             # Shielded: a stopping group still frees what its engines hold (vLLM's engine process).
             with trio.CancelScope(shield=True):
                 for worker in self._workers:
-                    await trio.to_thread.run_sync(worker.engine.close)
+                    await worker.thread.call(worker.engine.close)
+                    worker.thread.stop()
 
     def fail_pending(self, error: OpenrldError) -> None:
         for request_id in self.queue.request_ids():
@@ -531,9 +549,7 @@ class SamplerActor:
         # call's own return (trio reports a thread's result through the same queue).
         settle = lambda finished: token.run_sync_soon(self._settle, worker, finished)  # noqa: E731
         try:
-            await trio.to_thread.run_sync(
-                run_steps, worker.engine, lambda: self._arrivals != seen, settle, limiter=self._limiter
-            )
+            await self._in_thread(worker, run_steps, worker.engine, lambda: self._arrivals != seen, settle)
         except EngineLost as error:  # a worker that died or broke the protocol: its requests fail, another takes over
             self._fail_all(worker, error)
             await self._replace_engine(worker, error)
@@ -552,9 +568,9 @@ class SamplerActor:
         """
         logger.error("sampler engine lost group=%s: %s", self.name, error.detail)
         lost = worker.engine
-        await trio.to_thread.run_sync(lost.close)
+        await worker.thread.call(lost.close)
         try:
-            worker.engine = await trio.to_thread.run_sync(self._build_engine, limiter=self._limiter)
+            worker.engine = await self._in_thread(worker, self._build_engine)
         except Exception:  # its next step fails again, and this is tried again then
             logger.exception("sampler engine rebuild failed group=%s", self.name)
             return
@@ -590,7 +606,7 @@ class SamplerActor:
             return False  # requests mid-decode would lose their KV cache; they finish first
         for worker in self._workers:
             if worker not in self._parked_workers:
-                await trio.to_thread.run_sync(worker.engine.park, limiter=self._limiter)
+                await self._in_thread(worker, worker.engine.park)
                 self._parked_workers.append(worker)
                 self._router.forget(worker.index)  # parking drops the engine's caches, its prefix cache too
         return True
@@ -599,7 +615,7 @@ class SamplerActor:
         # Only the engines it parked: a replica added meanwhile was built on the device.
         while self._parked_workers:
             worker = self._parked_workers[0]
-            await trio.to_thread.run_sync(worker.engine.resume, limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.resume)
             self._parked_workers.pop(0)
 
     def _least_loaded(self, worker: _Worker) -> bool:
@@ -690,14 +706,14 @@ class SamplerActor:
             if held is None and target.version == version:
                 held = (target.tensors, target.spec)
         if held is not None:
-            await trio.to_thread.run_sync(worker.engine.load_version, version, *held, limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.load_version, version, *held)
         elif source_dir is not None:
             # The engine reads its own checkpoint files: a LoRA adapter, or full-model weights.
-            await trio.to_thread.run_sync(worker.engine.load_checkpoint, version, Path(source_dir), limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.load_checkpoint, version, Path(source_dir))
         else:
             raise Gone(f"sampler weights {version} are no longer held; save them again")
         for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
-            await trio.to_thread.run_sync(worker.engine.drop_version, old, limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.drop_version, old)
 
     async def _deliver(self, worker: _Worker, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         """Load a just-published version into the worker's engine (eager_versions).
@@ -708,9 +724,9 @@ class SamplerActor:
         fail when they try to load it.
         """
         for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
-            await trio.to_thread.run_sync(worker.engine.drop_version, old, limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.drop_version, old)
         try:
-            await trio.to_thread.run_sync(worker.engine.load_version, version, payload, spec, limiter=self._limiter)
+            await self._in_thread(worker, worker.engine.load_version, version, payload, spec)
         except Exception:  # the sync's failure is the version's; the sampler keeps serving others
             logger.exception("weight version delivery failed group=%s version=%s", self.name, version)
             worker.versions.loaded.pop(version, None)

@@ -53,8 +53,8 @@ class StepsEngine:
 
 
 class CountingLimiter:
-    """A capacity limiter of 1 that counts worker-thread calls: `trio.to_thread.run_sync`
-    acquires its limiter once per call."""
+    """A capacity limiter of 1 that counts engine-thread calls: the actor takes its limiter
+    once per call."""
 
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)
@@ -66,6 +66,12 @@ class CountingLimiter:
 
     def release_on_behalf_of(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
+
+    async def __aenter__(self) -> None:
+        await self.acquire_on_behalf_of(trio.lowlevel.current_task())
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release_on_behalf_of(trio.lowlevel.current_task())
 
 
 def sample(request_id: str, max_tokens: int) -> Sample:
@@ -129,3 +135,16 @@ def test_a_finished_request_resolves_while_the_worker_thread_is_still_in_its_cal
     outcomes = run_short_and_long(engine, CountingLimiter(), during_long=seen_short.set)
     assert isinstance(outcomes["long"], Completed)
     assert outcomes["calls"] == 1
+
+
+def test_every_step_runs_on_the_replicas_one_engine_thread() -> None:
+    engine, threads = StepsEngine(), set()
+    engine_step = engine.step
+
+    def step() -> list[Finished]:
+        threads.add(threading.get_ident())
+        return engine_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    run_short_and_long(engine, CountingLimiter())
+    assert engine.steps == 40 and len(threads) == 1 and threading.get_ident() not in threads
