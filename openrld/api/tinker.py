@@ -4,10 +4,17 @@ Each route decodes its body (JSON with msgspec, or protobuf for
 forward_backward), authenticates the caller, hands the request to the job
 table and answers a future or a small JSON body. Results are read back by
 `retrieve_future`, which long-polls and answers protobuf for forward,
-forward_backward and sample results, JSON for the rest.
+forward_backward and sample results, JSON for the rest. Every JSON reply is a
+`wire` Struct, so it goes out as `wire.py`'s tests check it: fields at their
+default left out, never null.
+
+The quart routes are bound by `register`; the loop's hot POSTs (`hot_routes`)
+are served by `fastpath` without quart, under the same decoding and auth rules.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import msgspec
 from quart import Response, request
@@ -17,7 +24,7 @@ from openrld import __version__
 from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import wire
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, add_route, caller, json_response
 from openrld.api.fastpath import Call, Handler, Reply, json_reply
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
 from openrld.errors import BadRequest, NotSupportedYet, UserError
@@ -30,303 +37,323 @@ SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
     "client-side in two cross_entropy passes, with the same gradient"
 )
 
+# Routes that hold a request open while they wait: they stop waiting when the client goes away.
+LONGPOLL_ROUTES = frozenset({"/api/v1/retrieve_future"})
 
-def _future_body(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> dict:
-    body: dict = {"request_id": request_id}
-    if model_id is not None:
-        body["model_id"] = model_id
-    if sequence_ids is not None:
-        body["sample_sequence_ids"] = sequence_ids
-    return body
+
+def register(app: QuartTrio, services: Services) -> None:
+    route = partial(add_route, app, services)
+    # bootstrap
+    route("POST", "/api/v1/client/config", client_config)
+    route("POST", "/api/v1/client/dynamic_config", dynamic_config)
+    route("POST", "/api/v1/create_session", create_session)
+    route("POST", "/api/v1/session_heartbeat", session_heartbeat)
+    route("POST", "/api/v1/sessions/<session_id>/finish", finish_session)
+    route("POST", "/api/v1/telemetry", telemetry)
+    route("GET", "/api/v1/healthz", healthz)
+    route("GET", "/api/v1/get_server_capabilities", get_server_capabilities)
+    # training
+    route("POST", "/api/v1/create_model", create_model)
+    route("POST", "/api/v1/get_info", get_info)
+    route("POST", "/api/v1/save_weights", save_weights)
+    route("POST", "/api/v1/save_weights_for_sampler", save_weights_for_sampler)
+    route("POST", "/api/v1/save_weights_external", save_weights_external)
+    route("POST", "/api/v1/load_weights", load_weights)
+    # sampling
+    route("POST", "/api/v1/create_sampling_session", create_sampling_session)
+    route("GET", "/api/v1/samplers/<path:sampler_id>", get_sampler)
+    route("POST", "/api/v1/cancel_future", cancel_future)
+    route("POST", "/api/v1/create_custom_loss", create_custom_loss)
+
+
+def hot_routes(services: Services) -> dict[str, Handler]:
+    """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
+    return {
+        "/api/v1/forward_backward": partial(forward_backward, services),
+        "/api/v1/optim_step": partial(optim_step, services),
+        "/api/v1/asample": partial(asample, services),
+        "/api/v1/retrieve_future": partial(retrieve_future, services),
+    }
+
+
+# ---------------------------------------------------------------- bootstrap
+
+
+async def client_config(services: Services) -> Response:
+    caller(services)
+    # Every other flag stays at the SDK's default, which is what openrld serves: forward_backward
+    # chunks in parallel and uncompressed, custom losses client-side, no join_sampling_session.
+    return json_response(wire.ClientConfigResponse(pjwt_auth_enabled=services.auth.jwt_enabled))
+
+
+async def dynamic_config(services: Services) -> Response:
+    caller(services)
+    return json_response(wire.ClientDynamicConfigResponse(sample_cancel_enabled=True))
+
+
+async def create_session(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.CreateSessionRequest)
+    session_id = services.jobs.create_session(
+        user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
+    )
+    return json_response(wire.CreateSessionResponse(session_id=session_id))
+
+
+async def session_heartbeat(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.SessionHeartbeatRequest)
+    services.jobs.heartbeat(user, req.session_id)
+    return json_response(wire.SessionHeartbeatResponse())
+
+
+async def finish_session(services: Services, session_id: str) -> Response:
+    user = caller(services)
+    req = await _body(wire.SessionFinishRequest)
+    services.jobs.finish_session(user, session_id, req.reason.type, req.detail)
+    return json_response(wire.EmptyResponse())
+
+
+async def telemetry(services: Services) -> Response:
+    caller(services)
+    await _body(wire.TelemetryRequest)
+    return json_response(wire.TelemetryResponse())
+
+
+async def healthz(services: Services) -> Response:
+    return json_response(wire.HealthResponse(version=__version__))
+
+
+async def get_server_capabilities(services: Services) -> Response:
+    caller(services)
+    models = [
+        wire.SupportedModel(
+            model_name=m.entry.name, max_context_length=m.entry.max_context, trainable=True, sampleable=True,
+            ready=m.is_ready,
+        )
+        for m in services.catalog.listed()
+    ]
+    return json_response(wire.GetServerCapabilitiesResponse(supported_models=models))
+
+
+# ---------------------------------------------------------------- training
+
+
+async def create_model(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.CreateModelRequest)
+    wire.optimizer_family(req.optimizer_config)
+    request_id, model_id = services.jobs.create_model(
+        user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
+        # None is allowed only for openrl.fine_tuning_type=full; the job table says so otherwise.
+        lora=wire.lora_spec_from_config(req.lora_config) if req.lora_config is not None else None,
+        user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        optimizer_config=dict(req.optimizer_config),
+    )
+    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
+
+
+async def get_info(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.GetInfoRequest)
+    info = services.jobs.job_info(user, req.model_id)
+    return json_response(
+        wire.GetInfoResponse(
+            model_id=info.model_id,
+            model_data=wire.ModelData(arch=info.arch, model_name=info.base_model, tokenizer_id=info.tokenizer_id),
+            optimizer_config=info.optimizer_config,
+            is_lora=info.lora is not None,
+            lora_rank=info.lora.rank if info.lora is not None else None,
+            model_name=info.base_model,
+        )
+    )
+
+
+async def save_weights(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.SaveWeightsRequest)
+    if req.path is None:
+        raise BadRequest("save_weights: path (the checkpoint name) is required")
+    request_id = services.jobs.save_weights(
+        user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
+        ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+    )
+    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+
+
+async def save_weights_for_sampler(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.SaveWeightsForSamplerRequest)
+    request_id = services.jobs.save_weights_for_sampler(
+        user, req.model_id, _seq_id(req.seq_id), name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
+        kind=req.kind, ttl_seconds=req.ttl_seconds,
+        user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+    )
+    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+
+
+async def save_weights_external(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.SaveWeightsExternalRequest)
+    if req.age_encryption_recipients:
+        raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
+    request_id = services.jobs.save_weights_external(
+        user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
+    )
+    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+
+
+async def load_weights(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.LoadWeightsRequest)
+    with_optimizer = bool(req.optimizer)
+    if req.optimizer_config is not None:
+        wire.optimizer_family(req.optimizer_config)
+    if req.model_id is None:
+        if req.session_id is None or req.model_seq_id is None:
+            raise BadRequest("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+        request_id, model_id = services.jobs.load_into_new_model(
+            user, session_id=req.session_id, model_seq_id=req.model_seq_id, path=req.path,
+            with_optimizer=with_optimizer, optimizer_config=req.optimizer_config,
+        )
+        return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
+    if req.seq_id is None:
+        raise BadRequest("load_weights with model_id needs seq_id")
+    request_id = services.jobs.load_weights(user, req.model_id, req.seq_id, path=req.path, with_optimizer=with_optimizer)
+    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+
+
+# ---------------------------------------------------------------- sampling
+
+
+async def create_sampling_session(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.CreateSamplingSessionRequest)
+    sampler_id = services.jobs.create_sampling_session(
+        user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
+        base_model=req.base_model, model_path=req.model_path,
+    )
+    return json_response(wire.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
+
+
+async def get_sampler(services: Services, sampler_id: str) -> Response:
+    user = caller(services)
+    info = services.jobs.sampler_info(user, sampler_id)
+    return json_response(
+        wire.GetSamplerResponse(sampler_id=info.sampler_id, base_model=info.base_model, model_path=info.model_path)
+    )
+
+
+async def cancel_future(services: Services) -> Response:
+    user = caller(services)
+    req = await _body(wire.CancelFutureRequest)
+    services.jobs.cancel_sample(user, req.request_id)
+    return json_response(wire.EmptyResponse())
+
+
+async def create_custom_loss(services: Services) -> Response:
+    # losses.md §5: refused, not run. The SDK uploads only when the client config says
+    # custom_loss_server_side=true, which this server never does; a client that uploads
+    # anyway is told what works instead.
+    caller(services)
+    raise BadRequest(SERVER_SIDE_CUSTOM_LOSS_REFUSAL, key="create_custom_loss")
+
+
+# ---------------------------------------------------------------- the hot POSTs (fastpath)
+
+
+async def forward_backward(services: Services, call: Call) -> Reply:
+    user = services.auth.user_for(call.api_key)
+    jobs = services.jobs
+    max_body_bytes = services.config.max_body_bytes
+    try:
+        model_id, seq_id, batch = wire.decode_forward_backward(
+            call.body, call.content_encoding, max_body_bytes=max_body_bytes
+        )
+    except UserError as error:
+        ids = wire.forward_backward_ids(call.body, call.content_encoding, max_body_bytes=max_body_bytes)
+        if ids is None:
+            raise
+        model_id, seq_id = ids
+        return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
+    return _future(jobs.forward_backward(user, model_id, seq_id, batch), model_id)
+
+
+async def optim_step(services: Services, call: Call) -> Reply:
+    user = services.auth.user_for(call.api_key)
+    jobs = services.jobs
+    req = wire.decode_json(call.body, wire.OptimStepRequest)
+    seq_id = _seq_id(req.seq_id)
+    try:
+        params = wire.adam_params_from_request(req)
+    except UserError as error:
+        return _future(jobs.reject(user, req.model_id, seq_id, "optim_step", error), req.model_id)
+    return _future(jobs.optim_step(user, req.model_id, seq_id, params), req.model_id)
+
+
+async def asample(services: Services, call: Call) -> Reply:
+    user = services.auth.user_for(call.api_key)
+    req = wire.decode_json(call.body, wire.SampleRequest)
+    if req.sampling_session_id is None:
+        raise BadRequest("asample needs sampling_session_id")
+    job = wire.sample_job_from_request(
+        req, max_num_samples=services.config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS
+    )
+    request_id, sequence_ids = services.jobs.sample(
+        user, req.sampling_session_id, _seq_id(req.seq_id), job,
+        record_stability_info=bool(req.record_stability_info),
+    )
+    return _future(request_id, None, sequence_ids)
+
+
+async def retrieve_future(services: Services, call: Call) -> Reply:
+    user = services.auth.user_for(call.api_key)
+    req = wire.decode_json(call.body, wire.FutureRetrieveRequest)
+    futures = services.futures
+    outcome = await futures.wait(req.request_id, owner=user, hold_s=services.config.longpoll_s)
+    if isinstance(outcome, Completed) and isinstance(outcome.value, SampleResult):
+        services.usage.sample_delivered(req.request_id, sum(len(s.tokens) for s in outcome.value.sequences))
+    return _outcome_reply(req.request_id, outcome, futures.queue_state(req.request_id))
+
+
+# ---------------------------------------------------------------- replies
 
 
 def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> Reply:
-    return json_reply(_future_body(request_id, model_id, sequence_ids))
-
-
-def _future_response(request_id: str, model_id: str | None = None) -> Response:
-    return json_response(_future_body(request_id, model_id))
-
-
-async def _body(type_: type) -> object:
-    return wire.decode_json(await request.get_data(), type_)
+    return json_reply(
+        wire.UntypedAPIFuture(request_id=request_id, model_id=model_id, sample_sequence_ids=sequence_ids)
+    )
 
 
 def _outcome_reply(request_id: str, outcome: Completed | Failed | None, queue_state: str = "active") -> Reply:
+    """What retrieve_future answers: try_again while pending, the failure, or the result."""
     if outcome is None:
-        return json_reply({"type": "try_again", "request_id": request_id, "queue_state": queue_state})
+        return json_reply(wire.TryAgainResponse(request_id=request_id, queue_state=queue_state))
     if isinstance(outcome, Failed):
-        return json_reply({"error": outcome.detail, "category": outcome.category})
+        return json_reply(wire.RequestFailedResponse(error=outcome.detail, category=outcome.category))
     value = outcome.value
     if isinstance(value, ForwardBackwardResult):
         return Reply(wire.encode_forward_backward_output(value), content_type=PROTOBUF)
     if isinstance(value, SampleResult):
         return Reply(wire.encode_sample_response(value), content_type=PROTOBUF)
     if isinstance(value, OptimResult):
-        return json_reply({"metrics": value.metrics, "type": "optim_step"})
+        return json_reply(wire.OptimStepResponse(metrics=value.metrics))
     if isinstance(value, Created):
-        return json_reply({"model_id": value.model_id, "type": "create_model"})
+        return json_reply(wire.CreateModelResponse(model_id=value.model_id))
     if isinstance(value, Loaded):
-        return json_reply({"path": value.path, "model_id": value.model_id, "type": "load_weights"})
+        return json_reply(wire.LoadWeightsResponse(path=value.path, model_id=value.model_id))
     if isinstance(value, Saved):
-        body = {k: v for k, v in msgspec.structs.asdict(value).items() if v is not None}
-        return json_reply(body)
+        # One shape for the three saves: `path` for a named save, `sampling_session_id` for an unnamed one.
+        return json_reply(wire.SaveWeightsForSamplerResponse(path=value.path, sampling_session_id=value.sampling_session_id))
     raise AssertionError(f"no wire form for result {type(value).__name__}")
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    jobs = services.jobs
-
-    # ------------------------------------------------------------ bootstrap
-
-    @app.post("/api/v1/client/config")
-    async def client_config() -> Response:
-        caller(services)
-        return json_response(
-            {
-                "pjwt_auth_enabled": services.auth.jwt_enabled,
-                "parallel_fwdbwd_chunks": True,
-                "proto_compress_fwdbwd": False,
-                "sample_use_retrieve_futures": False,
-                "custom_loss_server_side": False,
-                "sample_join_sampling_session": False,
-            }
-        )
-
-    @app.post("/api/v1/client/dynamic_config")
-    async def dynamic_config() -> Response:
-        caller(services)
-        return json_response({"refresh_interval_sec": 300, "sample_cancel_enabled": True})
-
-    @app.post("/api/v1/create_session")
-    async def create_session() -> Response:
-        user = caller(services)
-        req = await _body(wire.CreateSessionRequest)
-        session_id = jobs.create_session(
-            user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-            sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
-        )
-        return json_response({"session_id": session_id, "type": "create_session"})
-
-    @app.post("/api/v1/session_heartbeat")
-    async def session_heartbeat() -> Response:
-        user = caller(services)
-        req = await _body(wire.SessionHeartbeatRequest)
-        jobs.heartbeat(user, req.session_id)
-        return json_response({"type": "session_heartbeat"})
-
-    @app.post("/api/v1/sessions/<session_id>/finish")
-    async def finish_session(session_id: str) -> Response:
-        user = caller(services)
-        req = await _body(wire.SessionFinishRequest)
-        jobs.finish_session(user, session_id, req.reason.type, req.detail)
-        return json_response({})
-
-    @app.post("/api/v1/telemetry")
-    async def telemetry() -> Response:
-        caller(services)
-        await _body(wire.TelemetryRequest)
-        return json_response({"status": "accepted"})
-
-    @app.get("/api/v1/healthz")
-    async def healthz() -> Response:
-        return json_response({"status": "ok", "version": __version__})
-
-    @app.get("/api/v1/get_server_capabilities")
-    async def get_server_capabilities() -> Response:
-        caller(services)
-        models = [
-            wire.SupportedModel(
-                model_name=m.entry.name, max_context_length=m.entry.max_context, trainable=True, sampleable=True,
-                ready=m.is_ready,
-            )
-            for m in services.catalog.listed()
-        ]
-        return json_response(wire.GetServerCapabilitiesResponse(supported_models=models))
-
-    # ------------------------------------------------------------ training
-
-    @app.post("/api/v1/create_model")
-    async def create_model() -> Response:
-        user = caller(services)
-        req = await _body(wire.CreateModelRequest)
-        wire.optimizer_family(req.optimizer_config)
-        request_id, model_id = jobs.create_model(
-            user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
-            # None is allowed only for openrl.fine_tuning_type=full; the job table says so otherwise.
-            lora=wire.lora_spec_from_config(req.lora_config) if req.lora_config is not None else None,
-            user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-            optimizer_config=dict(req.optimizer_config),
-        )
-        return _future_response(request_id, model_id)
-
-    @app.post("/api/v1/get_info")
-    async def get_info() -> Response:
-        user = caller(services)
-        req = await _body(wire.GetInfoRequest)
-        info = jobs.job_info(user, req.model_id)
-        return json_response(
-            {
-                "type": "get_info",
-                "model_id": info.model_id,
-                "model_data": {"arch": info.arch, "model_name": info.base_model, "tokenizer_id": info.tokenizer_id},
-                "optimizer_config": info.optimizer_config,
-                "is_lora": info.lora is not None,
-                "lora_rank": info.lora.rank if info.lora is not None else None,
-                "model_name": info.base_model,
-            }
-        )
-
-    @app.post("/api/v1/save_weights")
-    async def save_weights() -> Response:
-        user = caller(services)
-        req = await _body(wire.SaveWeightsRequest)
-        if req.path is None:
-            raise BadRequest("save_weights: path (the checkpoint name) is required")
-        request_id = jobs.save_weights(
-            user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
-            ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-        )
-        return _future_response(request_id, req.model_id)
-
-    @app.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler() -> Response:
-        user = caller(services)
-        req = await _body(wire.SaveWeightsForSamplerRequest)
-        request_id = jobs.save_weights_for_sampler(
-            user, req.model_id, _seq_id(req.seq_id), name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
-            kind=req.kind, ttl_seconds=req.ttl_seconds,
-            user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-        )
-        return _future_response(request_id, req.model_id)
-
-    @app.post("/api/v1/save_weights_external")
-    async def save_weights_external() -> Response:
-        user = caller(services)
-        req = await _body(wire.SaveWeightsExternalRequest)
-        if req.age_encryption_recipients:
-            raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
-        request_id = jobs.save_weights_external(
-            user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
-        )
-        return _future_response(request_id, req.model_id)
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights() -> Response:
-        user = caller(services)
-        req = await _body(wire.LoadWeightsRequest)
-        with_optimizer = bool(req.optimizer)
-        if req.optimizer_config is not None:
-            wire.optimizer_family(req.optimizer_config)
-        if req.model_id is None:
-            if req.session_id is None or req.model_seq_id is None:
-                raise BadRequest("load_weights needs model_id and seq_id, or session_id and model_seq_id")
-            request_id, model_id = jobs.load_into_new_model(
-                user, session_id=req.session_id, model_seq_id=req.model_seq_id, path=req.path,
-                with_optimizer=with_optimizer, optimizer_config=req.optimizer_config,
-            )
-            return _future_response(request_id, model_id)
-        if req.seq_id is None:
-            raise BadRequest("load_weights with model_id needs seq_id")
-        request_id = jobs.load_weights(user, req.model_id, req.seq_id, path=req.path, with_optimizer=with_optimizer)
-        return _future_response(request_id, req.model_id)
-
-    # ------------------------------------------------------------ sampling
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session() -> Response:
-        user = caller(services)
-        req = await _body(wire.CreateSamplingSessionRequest)
-        sampler_id = jobs.create_sampling_session(
-            user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
-            base_model=req.base_model, model_path=req.model_path,
-        )
-        return json_response({"sampling_session_id": sampler_id, "type": "create_sampling_session"})
-
-    @app.get("/api/v1/samplers/<path:sampler_id>")
-    async def get_sampler(sampler_id: str) -> Response:
-        user = caller(services)
-        info = jobs.sampler_info(user, sampler_id)
-        return json_response(
-            {"sampler_id": info.sampler_id, "base_model": info.base_model, "model_path": info.model_path}
-        )
-
-    @app.post("/api/v1/cancel_future")
-    async def cancel_future() -> Response:
-        user = caller(services)
-        req = await _body(wire.CancelFutureRequest)
-        jobs.cancel_sample(user, req.request_id)
-        return json_response({})
-
-    @app.post("/api/v1/create_custom_loss")
-    async def create_custom_loss() -> Response:
-        # losses.md §5: refused, not run. The SDK uploads only when the client config says
-        # custom_loss_server_side=true, which this server never does; a client that uploads
-        # anyway is told what works instead.
-        caller(services)
-        raise BadRequest(SERVER_SIDE_CUSTOM_LOSS_REFUSAL, key="create_custom_loss")
+# ---------------------------------------------------------------- request fields
 
 
-# Routes that hold a request open while they wait: they stop waiting when the client goes away.
-LONGPOLL_ROUTES = frozenset({"/api/v1/retrieve_future"})
-
-
-def hot_routes(services: Services) -> dict[str, Handler]:
-    """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
-    jobs = services.jobs
-    config = services.config
-    auth = services.auth
-
-    async def forward_backward(call: Call) -> Reply:
-        user = auth.user_for(call.api_key)
-        try:
-            model_id, seq_id, batch = wire.decode_forward_backward(
-                call.body, call.content_encoding, max_body_bytes=config.max_body_bytes
-            )
-        except UserError as error:
-            ids = wire.forward_backward_ids(call.body, call.content_encoding, max_body_bytes=config.max_body_bytes)
-            if ids is None:
-                raise
-            model_id, seq_id = ids
-            return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
-        return _future(jobs.forward_backward(user, model_id, seq_id, batch), model_id)
-
-    async def optim_step(call: Call) -> Reply:
-        user = auth.user_for(call.api_key)
-        req = wire.decode_json(call.body, wire.OptimStepRequest)
-        seq_id = _seq_id(req.seq_id)
-        try:
-            params = wire.adam_params_from_request(req)
-        except UserError as error:
-            return _future(jobs.reject(user, req.model_id, seq_id, "optim_step", error), req.model_id)
-        return _future(jobs.optim_step(user, req.model_id, seq_id, params), req.model_id)
-
-    async def asample(call: Call) -> Reply:
-        user = auth.user_for(call.api_key)
-        req = wire.decode_json(call.body, wire.SampleRequest)
-        if req.sampling_session_id is None:
-            raise BadRequest("asample needs sampling_session_id")
-        job = wire.sample_job_from_request(req, max_num_samples=config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS)
-        request_id, sequence_ids = jobs.sample(
-            user, req.sampling_session_id, _seq_id(req.seq_id), job,
-            record_stability_info=bool(req.record_stability_info),
-        )
-        return _future(request_id, None, sequence_ids)
-
-    async def retrieve_future(call: Call) -> Reply:
-        user = auth.user_for(call.api_key)
-        req = wire.decode_json(call.body, wire.FutureRetrieveRequest)
-        outcome = await services.futures.wait(req.request_id, owner=user, hold_s=config.longpoll_s)
-        if isinstance(outcome, Completed) and isinstance(outcome.value, SampleResult):
-            services.usage.sample_delivered(req.request_id, sum(len(s.tokens) for s in outcome.value.sequences))
-        return _outcome_reply(req.request_id, outcome, services.futures.queue_state(req.request_id))
-
-    return {
-        "/api/v1/forward_backward": forward_backward,
-        "/api/v1/optim_step": optim_step,
-        "/api/v1/asample": asample,
-        "/api/v1/retrieve_future": retrieve_future,
-    }
+async def _body(type_: type[wire.T]) -> wire.T:
+    return wire.decode_json(await request.get_data(), type_)
 
 
 def _seq_id(seq_id: int | None) -> int:

@@ -16,8 +16,9 @@ Guarantees:
 - Responses omit fields at their default, so an optional field never goes out
   as null, no success body carries an `error` key, and the literals the SDK
   classifies on (`"type": "try_again"`, `"status": "accepted"`) are struct tags
-  that are always written. Fields the SDK requires have no default. Datetimes
-  must carry a timezone and are written as RFC 3339.
+  that are always written, as is the constant `type` the SDK's model declares
+  for a reply (`"type": "create_model"`). Fields the SDK requires have no
+  default. Datetimes must carry a timezone and are written as RFC 3339.
 - An option openrld has not built is refused by name with `NotSupportedYet`,
   never silently ignored (sampling.md §1.1).
 
@@ -474,7 +475,7 @@ class ClientDynamicConfigResponse(ResponseBody):
     sample_cancel_max_batch_size: int = 64
 
 
-class CreateSessionResponse(ResponseBody):
+class CreateSessionResponse(ResponseBody, tag_field="type", tag="create_session"):
     session_id: str
     info_message: str | None = None
     warning_message: str | None = None
@@ -543,7 +544,7 @@ class FuturesRetrieveResponse(ResponseBody):
 # ================================================================ responses: training results (§7)
 
 
-class CreateModelResponse(ResponseBody):
+class CreateModelResponse(ResponseBody, tag_field="type", tag="create_model"):
     model_id: str
 
 
@@ -553,7 +554,7 @@ class ModelData(ResponseBody):
     tokenizer_id: str | None = None
 
 
-class GetInfoResponse(ResponseBody):
+class GetInfoResponse(ResponseBody, tag_field="type", tag="get_info"):
     model_data: ModelData
     model_id: str
     optimizer_config: OptimizerConfigJson  # no default: leaving it out would read as adamw
@@ -582,7 +583,7 @@ class SaveWeightsExternalResponse(ResponseBody):
     size_bytes: int | None = None
 
 
-class LoadWeightsResponse(ResponseBody):
+class LoadWeightsResponse(ResponseBody, tag_field="type", tag="load_weights"):
     path: str | None = None
     model_id: str | None = None
 
@@ -590,7 +591,7 @@ class LoadWeightsResponse(ResponseBody):
 # ================================================================ responses: sampling and REST (§7)
 
 
-class CreateSamplingSessionResponse(ResponseBody):
+class CreateSamplingSessionResponse(ResponseBody, tag_field="type", tag="create_sampling_session"):
     sampling_session_id: str
 
 
@@ -753,7 +754,7 @@ class SessionSearchResponse(ResponseBody):
 
 
 class HealthResponse(ResponseBody, tag_field="status", tag="ok"):
-    pass
+    version: str | None = None  # openrld's own (the SDK reads only status): the daemon's version, for people and probes
 
 
 # ================================================================ codec

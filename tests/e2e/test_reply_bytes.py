@@ -15,6 +15,8 @@ import pytest
 import tinker
 from tinker import types
 
+from openrld import __version__
+
 HEADERS = {"X-API-Key": "tml-test"}
 
 
@@ -26,7 +28,8 @@ def http(shared_daemon):
 
 @pytest.fixture(scope="module")
 def trained(shared_daemon):
-    """A LoRA run with one saved state (unpublished, no TTL) and no sampler checkpoint."""
+    """A LoRA run with one saved state (unpublished, no TTL) and no sampler checkpoint, and a
+    sampling session on the base model."""
     service = tinker.ServiceClient(base_url=shared_daemon.url, api_key=HEADERS["X-API-Key"])
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
     datum = types.Datum(
@@ -36,6 +39,7 @@ def trained(shared_daemon):
     training.forward_backward([datum], "cross_entropy").result()
     state = training.save_state("state").result().path
     run_id = training.get_info().model_id
+    service.create_sampling_client(base_model="tiny-llama")
     yield {"run": run_id, "session": run_id.split(":", 1)[0], "state": state}
     service.close("success").result()
 
@@ -75,3 +79,24 @@ def test_deleting_a_checkpoint_answers_an_empty_object(http, trained):
     response = http.delete(f"/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
     assert (response.status_code, response.content) == (200, b"{}")
     service.close("success").result()
+
+
+def test_healthz_is_status_and_version(http):
+    response = http.get("/api/v1/healthz")
+    assert response.json() == {"status": "ok", "version": __version__}
+
+
+def test_client_config_with_every_flag_at_the_sdk_default_is_empty(http):
+    response = http.post("/api/v1/client/config", json={"sdk_version": tinker.__version__})
+    assert (response.status_code, response.content) == (200, b"{}")  # open mode: no JWT exchange
+
+
+def test_create_session_carries_the_type_the_sdk_declares(http):
+    body = http.post("/api/v1/create_session", json={"sdk_version": tinker.__version__}).json()
+    assert sorted(body) == ["session_id", "type"] and body["type"] == "create_session"
+
+
+def test_a_base_model_sampler_leaves_model_path_out(http, trained):
+    [sampler_id] = http.get(f"/api/v1/sessions/{trained['session']}").json()["sampler_ids"]
+    body = http.get(f"/api/v1/samplers/{sampler_id}").json()
+    assert body == {"sampler_id": sampler_id, "base_model": "tiny-llama"}
