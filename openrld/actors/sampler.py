@@ -92,7 +92,10 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-MAX_LOADED_VERSIONS = 32  # adapters resident in one engine at once
+# Adapters resident in one engine at once. An RL loop samples each version once or twice and
+# moves on, so past this many the oldest is dropped and its adapter takes the next version
+# (a copy, ~10 ms on SmolLM2, where a new peft adapter costs ~0.3 s; gpu/torch_sampler.py).
+MAX_LOADED_VERSIONS = 8
 MAX_HOST_VERSIONS = 256  # unnamed (in-memory only) versions kept for reloading
 MAX_LIVE_PER_ENGINE = 64  # requests one engine holds (the rest wait in the queue for any replica)
 # One worker-thread call runs engine steps back to back for at most this long, so that the

@@ -535,3 +535,61 @@ def test_statistics_count_requests_samples_and_tokens(llama_dir: Path, prompt: n
     stats = sampler.statistics()
     assert (stats.requests_done, stats.samples_done, stats.tokens_generated) == (1, 3, 12)
     assert stats.prompt_tokens_prefilled == len(prompt) and stats.versions_loaded == 0
+
+
+def test_a_version_loaded_into_a_dropped_versions_adapter_samples_as_a_fresh_load(
+    qwen3_dir: Path, prompt: np.ndarray
+) -> None:
+    spec = LoraSpec(rank=4)
+    _, first = make_lora(qwen3_dir, spec, seed=1)
+    _, second = make_lora(qwen3_dir, spec, seed=2)
+    reused, fresh = TorchSampler(qwen3_dir, CPU), TorchSampler(qwen3_dir, CPU)
+    long_prompt = np.tile(prompt, 48 // len(prompt) + 1)[:48]  # whole blocks for the prefix cache to hold
+    sample = job(long_prompt, 2, max_tokens=6, seed=3, stop_at_eos=False)
+    reused.load_version("first", first, spec)
+    reused.sample("first", sample)  # its prompt's KV is cached under the adapter the second version takes
+    reused.drop_version("first")
+    reused.load_version("second", second, spec)
+    fresh.load_version("second", second, spec)
+    fresh.sample("second", sample)  # both engines then hold the prompt's prefix, each its own
+    got, expected = reused.sample("second", sample), fresh.sample("second", sample)
+    for x, y in zip(got.sequences, expected.sequences, strict=True):
+        assert x.tokens.tolist() == y.tokens.tolist()
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    stats = reused.statistics()
+    assert (stats.adapters_made, stats.adapters_reused, stats.adapters_free) == (1, 1, 0)
+
+
+def test_a_version_of_another_shape_gets_an_adapter_of_its_own(qwen3_dir: Path) -> None:
+    sampler = TorchSampler(qwen3_dir, CPU)
+    sampler.load_version("rank 4", make_lora(qwen3_dir, LoraSpec(rank=4), seed=1)[1], LoraSpec(rank=4))
+    sampler.drop_version("rank 4")
+    sampler.load_version("rank 2", make_lora(qwen3_dir, LoraSpec(rank=2), seed=1)[1], LoraSpec(rank=2))
+    stats = sampler.statistics()
+    assert (stats.adapters_made, stats.adapters_reused, stats.adapters_free) == (2, 0, 1)
+
+
+def test_at_most_four_dropped_versions_keep_their_adapters(qwen3_dir: Path) -> None:
+    spec = LoraSpec(rank=2)
+    tensors = make_lora(qwen3_dir, spec, seed=1)[1]
+    sampler = TorchSampler(qwen3_dir, CPU)
+    for n in range(6):
+        sampler.load_version(f"v{n}", tensors, spec)
+    for n in range(6):
+        sampler.drop_version(f"v{n}")
+    stats = sampler.statistics()
+    assert (stats.versions_loaded, stats.adapters_free) == (0, 4)
+
+
+def test_misshapen_tensors_are_refused_by_a_free_adapter_and_the_next_version_loads(qwen3_dir: Path) -> None:
+    spec = LoraSpec(rank=2)
+    tensors = make_lora(qwen3_dir, spec, seed=1)[1]
+    sampler = TorchSampler(qwen3_dir, CPU)
+    sampler.load_version("first", tensors, spec)
+    sampler.drop_version("first")
+    key = next(k for k in tensors if "lora_A" in k)
+    bad = dict(tensors) | {key: torch.zeros(3, tensors[key].shape[1])}
+    with pytest.raises(ValueError, match=rf"tensors do not match LoraSpec .*misshapen \['{key}'\]"):
+        sampler.load_version("bad", bad, spec)
+    sampler.load_version("good", tensors, spec)
+    assert (sampler.has_version("bad"), sampler.has_version("good")) == (False, True)
