@@ -8,7 +8,9 @@ on the tiny Llama, each a median over ROUNDS alternating rounds:
 - sample: one `sample` of 8 samples x 32 new tokens from a 32-token prompt, temperature 1,
   stop=[] so that every sample runs its 32 tokens;
 - RL iteration: save_weights_and_get_sampling_client, sample 8 x 32, then an importance-sampling
-  forward_backward on the 8 sequences with their sampling logprobs and optim_step.
+  forward_backward on the 8 sequences with their sampling logprobs and optim_step. The API side
+  first runs as many iterations as its sampler holds versions, so that the figure is a long
+  run's (each new version then takes the oldest one's adapter), not its first few iterations'.
 
 The baseline ("bare") is the same work in this process with transformers + peft and no server:
 the LoRA model (rank 8, the same targets), `generate` for sampling (do_sample, top_k=0, with
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _daemon import daemon, smollm2_dir, tiny_daemon  # noqa: E402
 
+from openrld.actors.sampler import MAX_LOADED_VERSIONS  # noqa: E402
 from openrld.batches import LoraSpec  # noqa: E402
 from openrld.gpu.models import load_causal_lm, lora_config  # noqa: E402
 
@@ -173,9 +176,13 @@ WORK = (  # (method, title, target ratio)
 def measure(label: str, url: str, model: str, model_dir: Path, rounds: int) -> None:
     bare = Bare(model_dir)
     api = Api(url, model, bare.vocab)
-    for method, _, _ in WORK:  # warm-up: first connections, first adapter versions, lazy allocations
+    for method, _, _ in WORK:  # warm-up: first connections, lazy allocations
         seconds(getattr(bare, method))
         seconds(getattr(api, method))
+    # A long RL run's steady state: past the versions an engine holds (actors/sampler.py), each
+    # new version takes the adapter of the oldest instead of a new one.
+    for _ in range(MAX_LOADED_VERSIONS):
+        api.rl_iteration()
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
         for method, _, _ in WORK:
