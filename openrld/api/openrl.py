@@ -20,11 +20,13 @@ These routes only read statistics; they change nothing.
 
 from __future__ import annotations
 
+from functools import partial
+
 from quart import Response
 from quart_trio import QuartTrio
 
 from openrld import __version__
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, add_route, caller, json_response
 from openrld.capabilities import Limits, ModelSummary, server_info
 from openrld.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
 
@@ -53,34 +55,39 @@ def served_models(services: Services) -> tuple[ModelSummary, ...]:
 
 
 def register(app: QuartTrio, services: Services) -> None:
-    @app.get("/openrl/v1/info")
-    async def info() -> Response:
-        caller(services)
-        return json_response(
-            server_info(
-                limits=node_limits(services),
-                models=served_models(services),
-                devices=services.devices,
-                is_open_mode=services.auth.is_open,
-            )
-        )
+    route = partial(add_route, app, services)
+    route("GET", "/openrl/v1/info", info)
+    route("GET", "/openrl/v1/models/<model_id>/status", model_status)
+    route("GET", "/metrics", metrics)
 
-    @app.get("/openrl/v1/models/<model_id>/status")
-    async def model_status(model_id: str) -> Response:
-        return json_response(services.jobs.model_status(caller(services), model_id))
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        stats = NodeStatistics(
-            version=__version__,
-            requests=services.metrics.statistics(),
-            futures=services.futures.statistics(),
-            groups=services.groups.statistics(),
-            store=services.store.statistics(),
-            stability=services.groups.stability.statistics(),
-            membership=services.cluster.statistics() if services.cluster is not None else None,
-            relay=services.relays.statistics() if services.cluster is not None else None,
-            http=services.http.statistics(),
-            loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
+async def info(services: Services) -> Response:
+    caller(services)
+    return json_response(
+        server_info(
+            limits=node_limits(services),
+            models=served_models(services),
+            devices=services.devices,
+            is_open_mode=services.auth.is_open,
         )
-        return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)
+    )
+
+
+async def model_status(services: Services, model_id: str) -> Response:
+    return json_response(services.jobs.model_status(caller(services), model_id))
+
+
+async def metrics(services: Services) -> Response:
+    stats = NodeStatistics(
+        version=__version__,
+        requests=services.metrics.statistics(),
+        futures=services.futures.statistics(),
+        groups=services.groups.statistics(),
+        store=services.store.statistics(),
+        stability=services.groups.stability.statistics(),
+        membership=services.cluster.statistics() if services.cluster is not None else None,
+        relay=services.relays.statistics() if services.cluster is not None else None,
+        http=services.http.statistics(),
+        loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
+    )
+    return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)
