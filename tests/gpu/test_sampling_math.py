@@ -68,3 +68,27 @@ def test_top_k_q_equals_the_sorted_definition(top_p: float) -> None:
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     finite = torch.isfinite(expected)
     torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=1e-6)  # fp32 sums of <= 20 terms
+
+
+def top_p_definition(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """sampling.md 1.2's top-p over a full stable sort: the smallest set reaching top_p, renormalised."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    keep = (torch.cumsum(probs, dim=-1) - probs) < top_p
+    sorted_logq = torch.log_softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logq)
+
+
+@pytest.mark.parametrize(
+    "spread", [[8.0] * 4, [0.01] * 4, [8.0, 0.01, 8.0, 0.01]], ids=["peaked", "flat", "mixed-rows"]
+)
+def test_top_p_alone_over_a_large_vocabulary_equals_the_sorted_definition(spread: list[float]) -> None:
+    # 5,000 tokens: a peaked row keeps its few best (found among the first 1,024 candidates), a
+    # flat one keeps most of its vocabulary (sorted in full); ties from 1,000 levels.
+    levels = tied_rows(4, 5000, 1000, seed=7)
+    logits = levels * torch.tensor(spread).unsqueeze(1) * 10
+    got = processed_logprobs(logits, SamplingSpec(temperature=1.0, top_p=0.9))
+    expected = top_p_definition(logits, 0.9)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=1e-5)
