@@ -33,7 +33,8 @@ Printed figures, all measured in this run:
 The bare loop's peak is that of a child process that runs only the bare loop over the
 same shapes (same imports, same model), so neither side counts the other's memory.
 
-Run: `.venv/bin/python bench/train_throughput.py` (about 7 minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/train_throughput.py` (about 7 minutes on 2 CPU cores; `--shapes 8x128`
+measures one shape).
 """
 
 from __future__ import annotations
@@ -219,14 +220,14 @@ def bare_peak_in_child(model_dir: Path) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(shapes: tuple[tuple[int, int], ...] = SHAPES) -> None:
     torch.manual_seed(0)
     match_daemon_threads()
     with tiny_daemon() as (url, model_dir), tiny_daemon('[workers]\nlauncher = "process"') as (process_url, process_model):
         bare, engine, api = BareLoop(model_dir), EngineLoop(model_dir), ApiLoop(url)
         process_api = ApiLoop(process_url)
         figures = []
-        for batch, seq_len in SHAPES:
+        for batch, seq_len in shapes:
             times: dict[str, list[float]] = {"bare": [], "pipelined": [], "lock-step": [], "engine": [], "process": []}
             bare.steps(batch, seq_len, WARMUP)
             engine.steps(batch, seq_len, WARMUP)
@@ -246,7 +247,7 @@ def main() -> None:
         api.close()
         process_api.close()
         bare_peak = bare_peak_in_child(model_dir)
-    rounds = ", ".join(f"{b}x{t}: {n}x{STEPS}" for (b, t), n in ROUNDS.items())
+    rounds = ", ".join(f"{b}x{t}: {n}x{STEPS}" for (b, t), n in ROUNDS.items() if (b, t) in shapes)
     print(f"tiny Llama, LoRA rank {RANK}, median per side of alternating rounds of steps ({rounds})")
     for batch, seq_len, median in figures:
         bare_s, pipelined_s, lock_step_s = median["bare"], median["pipelined"], median["lock-step"]
@@ -279,5 +280,7 @@ def bare_peak_main(model_dir: Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--bare-peak":
         bare_peak_main(Path(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "--shapes":  # e.g. --shapes 8x128,32x256
+        main(tuple(tuple(int(n) for n in shape.split("x")) for shape in sys.argv[2].split(",")))
     else:
         main()
