@@ -29,6 +29,7 @@ from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.usage import UsageMeter
+from openrld.api import wire
 from openrld.api.auth import Authenticator
 from openrld.api.relay import Relay
 from openrld.api.signing import Signer
@@ -78,7 +79,8 @@ def json_response(value: Any, status: int = 200) -> Response:
 
 
 def error_response(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
-    response = json_response({"detail": detail}, status)
+    """`wire.ErrorResponse` with `status`: the FastAPI-style body the SDK and the CLI read `detail` from."""
+    response = json_response(wire.ErrorResponse(detail=detail), status)
     for name, value in (headers or {}).items():
         response.headers[name] = value
     return response

@@ -25,6 +25,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 import tinker.types as sdk
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as sdk_pb
+from tinker.cli.auth_api import _ErrorResponse as CliErrorResponse
 from tinker.types._pydantic_types.tensor_data import TensorData as SdkTensorDataModel
 from tinker.types.client_dynamic_config_response import ClientDynamicConfigResponse
 from tinker.types.external_weights_urls_response import ExternalWeightsUrlsResponse
@@ -1121,6 +1122,8 @@ RESPONSES = [
         id="session-search",
     ),
     pytest.param(wire.HealthResponse(), sdk.HealthResponse, id="health"),
+    # The SDK keeps an error's JSON body as it is; the CLI reads its `detail` (spec §1.6).
+    pytest.param(wire.ErrorResponse(detail="no training run 'r'"), CliErrorResponse, id="error"),
 ]
 
 

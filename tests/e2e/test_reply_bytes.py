@@ -100,3 +100,13 @@ def test_a_base_model_sampler_leaves_model_path_out(http, trained):
     [sampler_id] = http.get(f"/api/v1/sessions/{trained['session']}").json()["sampler_ids"]
     body = http.get(f"/api/v1/samplers/{sampler_id}").json()
     assert body == {"sampler_id": sampler_id, "base_model": "tiny-llama"}
+
+
+def test_an_error_is_exactly_its_detail(http):
+    response = http.get("/api/v1/training_runs/no-such-run")
+    assert (response.status_code, response.content) == (404, b'{"detail":"no training run \'no-such-run\'"}')
+
+
+def test_an_unknown_route_is_exactly_its_detail(http):
+    response = http.get("/api/v1/no_such_route")
+    assert (response.status_code, response.content) == (404, b'{"detail":"no route GET /api/v1/no_such_route"}')
