@@ -30,7 +30,14 @@ import trio
 
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
-from openrld.actors.sampler import Routing, SamplerActor, SamplerHandle, SamplerStatistics
+from openrld.actors.sampler import (
+    MAX_HOST_VERSIONS,
+    MAX_LOADED_VERSIONS,
+    Routing,
+    SamplerActor,
+    SamplerHandle,
+    SamplerStatistics,
+)
 from openrld.actors.stability import StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
@@ -289,30 +296,42 @@ class GroupTable:
             raise Gone(f"the group of {model.name if job is None else f'job {job}'} was ended while it started")
 
     async def _build(self, nursery: trio.Nursery, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
-        """Start the group's sampler, then its trainer, in `nursery`."""
+        """Start the group's sampler, then its trainer, in `nursery`.
+
+        A full fine-tuning run's group has engines of its own kind, and its sampler takes each
+        new version as it is published, in order (`eager_versions`): weight-sync payloads chain.
+        """
         logger.info("starting group base_model=%s dir=%s job=%s", model.name, model.directory, job)
         own = self._own.get(_group_key(model, job))
-        if job is not None and (own is None or own.full_sync is not None):
-            return await self._start_full(nursery, model, job, own.full_sync if own is not None else weight_sync)
-        trainer_seat, sampler_seat = self._seats(model, job, is_full=False)
+        is_full = job is not None and (own is None or own.full_sync is not None)
+        trainer_seat, sampler_seat = self._seats(model, job, is_full=is_full)
         images = own.images if own is not None else NO_IMAGES
         name = model.name if job is None else f"{model.name}/{job}"
+        build_sampler = sampler_seat.engines.full_sampler if is_full else sampler_seat.engines.sampler
         sampler = await nursery.start(
             SamplerActor(
                 name=name,
-                build_engine=sampler_seat.engines.sampler(model, images.sampler, job),
+                build_engine=build_sampler(model, images.sampler, job),
                 limiter=sampler_seat.limiter,
                 lease_from=sampler_seat.lease_from,
                 futures=self._futures,
                 queue_limit=self._sample_queue_limit,
                 stability=self.stability,
                 routing=self._sampler_routing,
+                max_loaded_versions=FULL_LOADED_VERSIONS if is_full else MAX_LOADED_VERSIONS,
+                max_host_versions=FULL_HOST_VERSIONS if is_full else MAX_HOST_VERSIONS,
+                eager_versions=is_full,
             ).run
         )
+        if is_full:
+            sync = own.full_sync if own is not None else weight_sync
+            build_trainer = trainer_seat.engines.full_trainer(model, sync, images.trainer, job)
+        else:
+            build_trainer = trainer_seat.engines.trainer(model, images.trainer, job)
         trainer = await nursery.start(
             TrainerActor(
                 name=name,
-                build_engine=trainer_seat.engines.trainer(model, images.trainer, job),
+                build_engine=build_trainer,
                 limiter=trainer_seat.limiter,
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,
@@ -320,41 +339,7 @@ class GroupTable:
                 sampler=sampler,
             ).run
         )
-        return Group(model=model, trainer=trainer, sampler=sampler)
-
-    async def _start_full(self, nursery: trio.Nursery, model: ModelEntry, job: str, weight_sync: str) -> Group:
-        """A trainer and a sampler for one full fine-tuning run. Its sampler takes each new
-        version as it is published, in order (`eager_versions`): weight-sync payloads chain."""
-        trainer_seat, sampler_seat = self._seats(model, job, is_full=True)
-        own = self._own.get(_group_key(model, job))
-        images = own.images if own is not None else NO_IMAGES
-        sampler = await nursery.start(
-            SamplerActor(
-                name=f"{model.name}/{job}",
-                build_engine=sampler_seat.engines.full_sampler(model, images.sampler, job),
-                limiter=sampler_seat.limiter,
-                lease_from=sampler_seat.lease_from,
-                futures=self._futures,
-                queue_limit=self._sample_queue_limit,
-                stability=self.stability,
-                routing=self._sampler_routing,
-                max_loaded_versions=FULL_LOADED_VERSIONS,
-                max_host_versions=FULL_HOST_VERSIONS,
-                eager_versions=True,
-            ).run
-        )
-        trainer = await nursery.start(
-            TrainerActor(
-                name=f"{model.name}/{job}",
-                build_engine=trainer_seat.engines.full_trainer(model, weight_sync, images.trainer, job),
-                limiter=trainer_seat.limiter,
-                lease_from=trainer_seat.lease_from,
-                futures=self._futures,
-                checkpoints=self._checkpoints,
-                sampler=sampler,
-            ).run
-        )
-        return Group(model=model, trainer=trainer, sampler=sampler, job=job)
+        return Group(model=model, trainer=trainer, sampler=sampler, job=job if is_full else None)
 
     def statistics(self) -> list[GroupStatistics]:
         return [
