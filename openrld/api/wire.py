@@ -757,6 +757,111 @@ class HealthResponse(ResponseBody, tag_field="status", tag="ok"):
     version: str | None = None  # openrld's own (the SDK reads only status): the daemon's version, for people and probes
 
 
+# ================================================================ responses: admin and auth (§2, §7.7)
+# openrld prices nothing, so the SDK's cost and rate fields (all optional) have no field here.
+
+
+class AuditLogEntry(ResponseBody):
+    timestamp: datetime
+    event: str  # `<resource>_<action>`, e.g. "checkpoint_created"
+    event_details: dict[str, str] = {}  # who did it and what it was about, as the store recorded it
+    # Deprecated copies of event_details' keys, for readers older than event_details.
+    model_id: str | None = None
+    tinker_path: str | None = None
+    purpose: str | None = None
+
+    def __post_init__(self) -> None:
+        _require_timezone(self, "timestamp")
+
+
+class AuditLogResponse(ResponseBody):
+    entries: list[AuditLogEntry]  # oldest first
+
+
+class TrainingBillingEvent(ResponseBody, tag_field="type", tag="training"):
+    token_count: int
+
+
+class SamplingPrefillBillingEvent(ResponseBody, tag_field="type", tag="sampling_prefill"):
+    cached: bool  # required by the SDK; openrld bills no cached rate, so always False
+    token_count: int
+
+
+class SamplingSampleBillingEvent(ResponseBody, tag_field="type", tag="sampling_sample"):
+    token_count: int
+
+
+class CheckpointBillingEvent(ResponseBody, tag_field="type", tag="checkpoint"):
+    count: int  # checkpoints created in the bucket
+
+
+BillingEventInfo = (
+    TrainingBillingEvent | SamplingPrefillBillingEvent | SamplingSampleBillingEvent | CheckpointBillingEvent
+)
+
+
+class BillingUsageEvent(ResponseBody):
+    bucket_start: datetime  # inclusive start of the UTC hour
+    bucket_end: datetime  # exclusive end
+    event_info: BillingEventInfo
+    base_model: str | None = None  # None for checkpoint counts, which are not per model
+    user_id: str | None = None  # the user's urn
+    user_name: str | None = None
+    session_id: str | None = None
+    project_id: str | None = None  # the session's project, where it has one
+
+    def __post_init__(self) -> None:
+        _require_timezone(self, "bucket_start", "bucket_end")
+
+
+class BillingUsageSession(ResponseBody):
+    user_metadata: dict[str, str] | None = None  # the session's, as created; None when it has none
+
+
+class BillingUsageResponse(ResponseBody):
+    data: list[BillingUsageEvent]
+    sessions: dict[str, BillingUsageSession] = {}  # every session named in `data`
+
+
+class CurrentCheckpointStorageUsageItem(ResponseBody):
+    checkpoint_count: int
+    size_bytes: int
+    size_gigabytes: float  # size_bytes / 1e9
+    project_id: str | None = None
+    org_user_urn: str | None = None
+    user_name: str | None = None
+
+
+class CurrentCheckpointStorageUsageResponse(ResponseBody):
+    data: list[CurrentCheckpointStorageUsageItem]  # one per project of the caller's checkpoints
+
+
+class AuthTokenResponse(ResponseBody):
+    jwt: str
+
+
+class ApiKeyOrgDetails(ResponseBody):
+    name: str
+
+
+class ApiKeyUserDetails(ResponseBody):
+    email: str  # required by the CLI; "" where the node knows none
+
+
+class ApiKeyDetails(ResponseBody):
+    org_details: ApiKeyOrgDetails
+    user_details: ApiKeyUserDetails
+
+
+class SelfApiKeyResponse(ResponseBody):
+    """`GET /auth/apikey/me`, which `tinker auth login` reads (the CLI's own model, not in `tinker.types`)."""
+
+    key_id: int  # 0 in open mode, where no key file names keys
+    name: str
+    note: str
+    details: ApiKeyDetails
+
+
 # ================================================================ codec
 
 

@@ -25,8 +25,10 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 import tinker.types as sdk
 from tinker.proto import request_conv, response_conv
 from tinker.proto import tinker_public_pb2 as sdk_pb
+from tinker.cli.auth_api import SelfApiKeyResponse
 from tinker.cli.auth_api import _ErrorResponse as CliErrorResponse
 from tinker.types._pydantic_types.tensor_data import TensorData as SdkTensorDataModel
+from tinker.types.auth_token_response import AuthTokenResponse
 from tinker.types.client_dynamic_config_response import ClientDynamicConfigResponse
 from tinker.types.external_weights_urls_response import ExternalWeightsUrlsResponse
 from tinker.types.generic_event import GenericEvent
@@ -1010,6 +1012,29 @@ FAILED_SESSION = wire.SessionSummary(
         category="user", message="m", reason=wire.FailedRequestReason(request_id="r", request_type="Sample")
     ),
 )
+HOUR = datetime(2026, 3, 4, 5, tzinfo=UTC)
+BILLING_USAGE = wire.BillingUsageResponse(
+    data=[
+        wire.BillingUsageEvent(
+            bucket_start=HOUR, bucket_end=datetime(2026, 3, 4, 6, tzinfo=UTC),
+            event_info=wire.TrainingBillingEvent(token_count=76), base_model="tiny-llama",
+            user_id="tml:user:u", user_name="u", session_id="s1", project_id="p",
+        ),
+        wire.BillingUsageEvent(
+            bucket_start=HOUR, bucket_end=datetime(2026, 3, 4, 6, tzinfo=UTC),
+            event_info=wire.SamplingPrefillBillingEvent(cached=False, token_count=12), session_id="s1",
+        ),
+        wire.BillingUsageEvent(
+            bucket_start=HOUR, bucket_end=datetime(2026, 3, 4, 6, tzinfo=UTC),
+            event_info=wire.SamplingSampleBillingEvent(token_count=8), session_id="s1",
+        ),
+        wire.BillingUsageEvent(
+            bucket_start=HOUR, bucket_end=datetime(2026, 3, 4, 6, tzinfo=UTC),
+            event_info=wire.CheckpointBillingEvent(count=2), session_id="s2",
+        ),
+    ],
+    sessions={"s1": wire.BillingUsageSession(user_metadata={"k": "v"}), "s2": wire.BillingUsageSession()},
+)
 RESPONSES = [
     pytest.param(
         wire.ClientConfigResponse(proto_compress_fwdbwd=True, fwdbwd_max_chunk_len=64), sdk.ClientConfigResponse,
@@ -1124,6 +1149,41 @@ RESPONSES = [
     pytest.param(wire.HealthResponse(), sdk.HealthResponse, id="health"),
     # The SDK keeps an error's JSON body as it is; the CLI reads its `detail` (spec §1.6).
     pytest.param(wire.ErrorResponse(detail="no training run 'r'"), CliErrorResponse, id="error"),
+    pytest.param(
+        wire.AuditLogResponse(entries=[
+            wire.AuditLogEntry(
+                timestamp=CREATED, event="checkpoint_created",
+                event_details={"tinker_path": f"tinker://{MODEL_ID}/weights/a", "model_id": MODEL_ID},
+                tinker_path=f"tinker://{MODEL_ID}/weights/a", model_id=MODEL_ID,
+            ),
+            wire.AuditLogEntry(timestamp=CREATED, event="project_moved"),
+        ]),
+        sdk.AuditLogResponse,
+        id="audit-log",
+    ),
+    pytest.param(BILLING_USAGE, sdk.BillingUsageResponse, id="billing-usage"),
+    pytest.param(
+        wire.CurrentCheckpointStorageUsageResponse(data=[
+            wire.CurrentCheckpointStorageUsageItem(
+                checkpoint_count=3, size_bytes=1_500_000_000, size_gigabytes=1.5, project_id="p",
+                org_user_urn="tml:user:u", user_name="u",
+            ),
+            wire.CurrentCheckpointStorageUsageItem(checkpoint_count=1, size_bytes=0, size_gigabytes=0.0),
+        ]),
+        sdk.CurrentCheckpointStorageUsageResponse,
+        id="checkpoint-storage",
+    ),
+    pytest.param(wire.AuthTokenResponse(jwt="eyJ.a.b"), AuthTokenResponse, id="auth-token"),
+    pytest.param(
+        wire.SelfApiKeyResponse(
+            key_id=3, name="u key 3", note="n",
+            details=wire.ApiKeyDetails(
+                org_details=wire.ApiKeyOrgDetails(name="openrld"), user_details=wire.ApiKeyUserDetails(email=""),
+            ),
+        ),
+        SelfApiKeyResponse,
+        id="apikey-me",
+    ),
 ]
 
 
@@ -1214,6 +1274,15 @@ def test_datetimes_are_written_as_rfc3339_with_timezone() -> None:
     encoded = json.loads(wire.encode_json(CHECKPOINT))
     assert encoded["time"] == "2026-03-04T05:06:07Z"
     assert as_sdk(CHECKPOINT, sdk.Checkpoint).time == CREATED
+
+
+def test_billing_event_info_reaches_the_sdk_as_its_kind() -> None:
+    parsed = as_sdk(BILLING_USAGE, sdk.BillingUsageResponse)
+    infos = [event.event_info for event in parsed.data]
+    assert [type(info).__name__ for info in infos] == [
+        "TrainingBillingEvent", "SamplingPrefillBillingEvent", "SamplingSampleBillingEvent", "CheckpointBillingEvent",
+    ]
+    assert (infos[1].cached, infos[1].token_count, infos[3].count) == (False, 12, 2)
 
 
 def test_naive_datetime_is_refused_where_the_response_is_built() -> None:

@@ -8,7 +8,7 @@ or as its default, and an acknowledgement is exactly `{}`.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -110,3 +110,38 @@ def test_an_error_is_exactly_its_detail(http):
 def test_an_unknown_route_is_exactly_its_detail(http):
     response = http.get("/api/v1/no_such_route")
     assert (response.status_code, response.content) == (404, b'{"detail":"no route GET /api/v1/no_such_route"}')
+
+
+def test_apikey_me_in_open_mode_is_exactly_what_the_cli_reads(http):
+    response = http.get("/api/v1/auth/apikey/me")
+    assert (response.status_code, response.content) == (200, (
+        b'{"key_id":0,"name":"open mode","note":"open mode: no key file",'
+        b'"details":{"org_details":{"name":"openrld"},"user_details":{"email":""}}}'
+    ))
+
+
+def test_an_audit_entry_copies_its_deprecated_fields_and_writes_utc(http, trained):
+    entries = http.get("/api/v1/audit", params={"event_type": "checkpoints"}).json()["entries"]
+    [entry] = [e for e in entries if e["event"] == "checkpoint_created" and e["tinker_path"] == trained["state"]]
+    assert sorted(entry) == ["event", "event_details", "model_id", "timestamp", "tinker_path"]
+    assert entry["model_id"] == trained["run"] and entry["timestamp"].endswith("Z")
+
+
+def test_billing_usage_of_a_session_without_metadata_leaves_it_out(http, trained):
+    now = datetime.now(UTC)
+    hours = timedelta(hours=2)
+    window = {"starting_on": (now - hours).isoformat(), "ending_before": (now + hours).isoformat()}
+    body = http.get("/api/v1/billing/usage/events", params=window).json()
+    assert body["sessions"][trained["session"]] == {}  # the SDK's default user_metadata is None: not null
+    events = {e["event_info"]["type"]: e for e in body["data"] if e["session_id"] == trained["session"]}
+    assert sorted(events["training"]) == [
+        "base_model", "bucket_end", "bucket_start", "event_info", "session_id", "user_id", "user_name",
+    ]
+    assert "base_model" not in events["checkpoint"]
+    assert events["checkpoint"]["event_info"] == {"type": "checkpoint", "count": 1}
+
+
+def test_checkpoint_storage_outside_a_project_leaves_project_id_out(http, trained):
+    items = http.get("/api/v1/billing/usage/checkpoints/current").json()["data"]
+    [item] = [i for i in items if "project_id" not in i]
+    assert sorted(item) == ["checkpoint_count", "org_user_urn", "size_bytes", "size_gigabytes", "user_name"]
