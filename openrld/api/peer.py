@@ -14,6 +14,8 @@ membership actor owns the state.
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import trio
 from quart import Response, request
@@ -22,7 +24,7 @@ from quart_trio import QuartTrio
 from openrld.actors.membership.codec import MAX_PUSH_PULL_BYTES, BadFrame, DropReason
 from openrld.actors.membership.node import MembershipStatistics, NotRunning
 from openrld.actors.membership.peer_client import CONTENT_TYPE, PUSH_PULL_PATH, TAG_HEADER
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, add_route, caller, json_response
 from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized
 
 
@@ -65,30 +67,41 @@ class ClusterView(msgspec.Struct, frozen=True):
 
 
 def register(app: QuartTrio, services: Services) -> None:
-    @app.post(PUSH_PULL_PATH)
-    async def push_pull() -> Response:
-        node = services.cluster
-        if node is None:
-            raise NotFound("this node has no cluster_secret, so it is in no cluster and has no peer API")
-        tag = request.headers.get(TAG_HEADER)
-        if not tag:
-            node.count_dropped(DropReason.BAD_TAG)
-            raise Unauthorized(f"push-pull needs the {TAG_HEADER} header, made with the cluster secret")
-        body = await request.get_data(cache=False)
-        if len(body) > MAX_PUSH_PULL_BYTES:
-            raise BadRequest(f"push-pull body of {len(body)} bytes is over {MAX_PUSH_PULL_BYTES}")
-        try:
-            answer, answer_tag = node.handle_push_pull(body, tag)
-        except BadFrame as exc:
-            raise Forbidden(f"push-pull refused: {exc}") from exc
-        except NotRunning as exc:
-            raise ServiceUnavailable(f"{exc}; try another member") from exc
-        return Response(answer, status=200, content_type=CONTENT_TYPE, headers={TAG_HEADER: answer_tag})
+    route = partial(add_route, app, services)
+    route("POST", PUSH_PULL_PATH, push_pull)
+    route("GET", "/openrl/v1/cluster", cluster)
 
-    @app.get("/openrl/v1/cluster")
-    async def cluster() -> Response:
-        caller(services)
-        return json_response(cluster_view(services))
+
+# ---------------------------------------------------------------- routes
+
+
+async def push_pull(services: Services) -> Response:
+    """A peer's push-pull frame in, this node's frame out (the membership codec's bytes, not JSON)."""
+    node = services.cluster
+    if node is None:
+        raise NotFound("this node has no cluster_secret, so it is in no cluster and has no peer API")
+    tag = request.headers.get(TAG_HEADER)
+    if not tag:
+        node.count_dropped(DropReason.BAD_TAG)
+        raise Unauthorized(f"push-pull needs the {TAG_HEADER} header, made with the cluster secret")
+    body = await request.get_data(cache=False)
+    if len(body) > MAX_PUSH_PULL_BYTES:
+        raise BadRequest(f"push-pull body of {len(body)} bytes is over {MAX_PUSH_PULL_BYTES}")
+    try:
+        answer, answer_tag = node.handle_push_pull(body, tag)
+    except BadFrame as exc:
+        raise Forbidden(f"push-pull refused: {exc}") from exc
+    except NotRunning as exc:
+        raise ServiceUnavailable(f"{exc}; try another member") from exc
+    return Response(answer, status=200, content_type=CONTENT_TYPE, headers={TAG_HEADER: answer_tag})
+
+
+async def cluster(services: Services) -> Response:
+    caller(services)
+    return json_response(cluster_view(services))
+
+
+# ---------------------------------------------------------------- wire forms
 
 
 def cluster_view(services: Services) -> ClusterView:
