@@ -22,13 +22,14 @@ These routes decode, authenticate and route; they change nothing.
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import resources
 
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from openrld.actors.console_views import node_view
-from openrld.api.app import Services, caller, json_response
+from openrld.actors.console_views import ConsoleViews, node_view
+from openrld.api.app import Services, add_route, caller, json_response
 from openrld.api.rest import int_arg
 from openrld.errors import NotFound
 
@@ -59,56 +60,77 @@ def load_assets() -> dict[str, bytes]:
 
 
 def register(app: QuartTrio, services: Services) -> None:
+    # The page's files are read here, once; its two handlers take them in place of services
+    # (the page needs no key and no state).
     assets = load_assets()
-    views = services.console
+    for rule, handler in (("/console", console_page), ("/console/<name>", console_file)):
+        app.add_url_rule(rule, handler.__name__, partial(handler, assets), methods=["GET"])
+    route = partial(add_route, app, services)
+    route("GET", "/openrl/v1/runs", console_runs)
+    route("GET", "/openrl/v1/runs/<run_id>", console_run)
+    route("GET", "/openrl/v1/runs/<run_id>/curves", console_curves)
+    route("GET", "/openrl/v1/node", console_node)
 
-    def asset(name: str) -> Response:
-        return Response(assets[name], status=200, content_type=_FILES[name], headers=_SECURITY_HEADERS)
 
-    @app.get("/console")
-    async def console_page() -> Response:
-        return asset("index.html")
+# ---------------------------------------------------------------- the page
 
-    @app.get("/console/<name>")
-    async def console_file(name: str) -> Response:
-        if name not in _FILES or name == "index.html":
-            return Response(b"not found", status=404, content_type="text/plain", headers=_SECURITY_HEADERS)
-        return asset(name)
 
-    @app.get("/openrl/v1/runs")
-    async def console_runs() -> Response:
-        user = caller(services)
-        limit = int_arg("limit", 20, 1, 1000)
-        offset = int_arg("offset", 0, 0, 10**9)
-        return json_response(views.runs(user, sees_all=services.auth.sees_all(user), limit=limit, offset=offset))
+async def console_page(assets: dict[str, bytes]) -> Response:
+    return _asset(assets, "index.html")
 
-    @app.get("/openrl/v1/runs/<run_id>")
-    async def console_run(run_id: str) -> Response:
-        user = caller(services)
-        return json_response(views.run(user, run_id, sees_all=services.auth.sees_all(user)))
 
-    @app.get("/openrl/v1/runs/<run_id>/curves")
-    async def console_curves(run_id: str) -> Response:
-        user = caller(services)
-        after = int_arg("after", -1, -1, 2**62)
-        return json_response(
-            await views.curves(user, run_id, sees_all=services.auth.sees_all(user), after_seq=after)
+async def console_file(assets: dict[str, bytes], name: str) -> Response:
+    if name not in _FILES or name == "index.html":
+        return Response(b"not found", status=404, content_type="text/plain", headers=_SECURITY_HEADERS)
+    return _asset(assets, name)
+
+
+def _asset(assets: dict[str, bytes], name: str) -> Response:
+    return Response(assets[name], status=200, content_type=_FILES[name], headers=_SECURITY_HEADERS)
+
+
+# ---------------------------------------------------------------- the routes it polls
+
+
+async def console_runs(services: Services) -> Response:
+    user = caller(services)
+    limit = int_arg("limit", 20, 1, 1000)
+    offset = int_arg("offset", 0, 0, 10**9)
+    return json_response(_views(services).runs(user, sees_all=services.auth.sees_all(user), limit=limit, offset=offset))
+
+
+async def console_run(services: Services, run_id: str) -> Response:
+    user = caller(services)
+    return json_response(_views(services).run(user, run_id, sees_all=services.auth.sees_all(user)))
+
+
+async def console_curves(services: Services, run_id: str) -> Response:
+    user = caller(services)
+    after = int_arg("after", -1, -1, 2**62)
+    return json_response(
+        await _views(services).curves(user, run_id, sees_all=services.auth.sees_all(user), after_seq=after)
+    )
+
+
+async def console_node(services: Services) -> Response:
+    caller(services)
+    here = services.cluster.name if services.cluster is not None else services.config.node_name
+    name = request.args.get("node")
+    if name not in (None, "", here):  # the relay has sent a living member's name on to it
+        raise NotFound(f"no cluster member {name!r} known to this node")
+    devices = services.node_devices
+    return json_response(
+        node_view(
+            here or "",
+            {d.name: (d.kind, d.memory_bytes) for d in services.devices},
+            devices.pool.statistics() if devices is not None else [],
+            devices.statistics() if devices is not None else [],
+            services.groups.statistics(),
         )
+    )
 
-    @app.get("/openrl/v1/node")
-    async def console_node() -> Response:
-        caller(services)
-        here = services.cluster.name if services.cluster is not None else services.config.node_name
-        name = request.args.get("node")
-        if name not in (None, "", here):  # the relay has sent a living member's name on to it
-            raise NotFound(f"no cluster member {name!r} known to this node")
-        devices = services.node_devices
-        return json_response(
-            node_view(
-                here or "",
-                {d.name: (d.kind, d.memory_bytes) for d in services.devices},
-                devices.pool.statistics() if devices is not None else [],
-                devices.statistics() if devices is not None else [],
-                services.groups.statistics(),
-            )
-        )
+
+def _views(services: Services) -> ConsoleViews:
+    # register() is called only on a node that has console views (app.build_app).
+    assert services.console is not None
+    return services.console
