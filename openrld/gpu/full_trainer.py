@@ -4,7 +4,8 @@ What it does: it loads the model (eval mode: no dropout) with every parameter
 trainable, and for its one job runs `forward_backward` / `forward_backward_many`
 (the shared `gpu/scoring.py` pass: the same micro-batching, chunked log-probs and
 Tinker losses as the LoRA trainer), `optim_step` (AdamW, `gpu/optim.py`, over every
-parameter), and saving and loading of its state as full-model safetensors
+parameter; these training calls are the LoRA trainer's, `gpu/train_steps.py`'s
+`TrainsInPasses`), and saving and loading of its state as full-model safetensors
 (`gpu/full_io.py`). It is a `TrainerEngine` (`openrld/engine_types.py`) so that the
 same actor, queues and ordering serve it: `name` is the job's model id, and the
 LoRA spec those calls carry is ignored (there is no adapter).
@@ -29,17 +30,17 @@ ordering, queueing, locking, request ids, trio. Device and dtype are explicit.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 import torch
 
-from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult
+from openrld.batches import LoraSpec
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm
-from openrld.gpu.optim import AdamW, family_of
+from openrld.gpu.optim import AdamW, Optimizer
 from openrld.gpu.scoring import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class FullTrainerStatistics(msgspec.Struct, frozen=True):
     last_sync: delta.SyncStats | None
 
 
-class FullTrainer(offload.ParksInSlot):
+class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
     """Every weight of one model trains, for one job; one call at a time."""
 
     def __init__(
@@ -196,36 +197,15 @@ class FullTrainer(offload.ParksInSlot):
 
     # ------------------------------------------------------------ training
 
-    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        """As `TorchTrainer.forward_backward`, for every weight of the model."""
-        return train_steps.forward_backward(self, name, batch)
-
-    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        """Several requests in one pass; atomic (`train_steps.TrainingPasses.run`)."""
+    # forward_backward, forward_backward_many, forward_backward_then_step, optim_step:
+    # train_steps.TrainsInPasses, over every weight of the model and its one AdamW.
+    def _trainable(self, name: str) -> Iterable[torch.nn.Parameter]:
         self._get(name)
-        return self._passes.run(batches, self._params.values())
+        return self._params.values()
 
-    def forward_backward_then_step(
-        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        """`forward_backward_many`, then `optim_step` unless `params` is None (`train_steps.pass_then_step`)."""
-        return train_steps.pass_then_step(self, name, batches, params)
-
-    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
-        """One AdamW step over every parameter with the accumulated gradients.
-
-        Raises:
-            NotFound; BadRequest for DimuonParams (gradients kept), invalid params or a
-            non-finite gradient norm (optim.py).
-        """
+    def _stepper(self, name: str) -> tuple[str, Optimizer]:
         self._get(name)
-        if family_of(params) != "adamw":
-            raise BadRequest(
-                f"optimizer mismatch: model {name} uses 'adamw' but this optim_step sent "
-                f"{type(params).__name__}; send AdamParams",
-                key="optimizer",
-            )
-        return OptimResult(metrics=self._optimizer.step(params))  # type: ignore[arg-type]
+        return "adamw", self._optimizer
 
     # ------------------------------------------------------------ checkpoints
 

@@ -24,7 +24,9 @@ Guarantees:
   `peft.set_peft_model_state_dict`.
 
 The forward pass, micro-batching, chunked log-probs and backward are `gpu/scoring.py`'s
-`BatchScorer`, shared with the full fine-tuning trainer (`gpu/full_trainer.py`).
+`BatchScorer`, and the training calls over it (`forward_backward*`, `optim_step` and its
+family check) are `gpu/train_steps.py`'s `TrainsInPasses`, both shared with the full
+fine-tuning trainer (`gpu/full_trainer.py`).
 
 What it does not do: ordering, queueing, locking (the caller makes one call at a time),
 request ids or futures, trio. Device and dtype are explicit arguments.
@@ -34,25 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
 import peft
 import torch
 
-from openrld.batches import (
-    ForwardBackwardBatch,
-    ForwardBackwardResult,
-    LoraSpec,
-    OptimParams,
-    OptimResult,
-    SyncStats,
-)
+from openrld.batches import LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io, offload, train_steps
 from openrld.gpu.models import load_causal_lm, lora_config
-from openrld.gpu.optim import family_of, optimizer_for
+from openrld.gpu.optim import Optimizer, optimizer_for
 from openrld.gpu.peft_export import save_peft_adapter
 from openrld.gpu.scoring import TrainerConfig, plan_micro_batches
 
@@ -92,7 +87,7 @@ class _Adapter:
         self.optimizer = optimizer_for(family, params, spec.rank)
 
 
-class TorchTrainer(offload.ParksInSlot):
+class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
     """Many LoRA adapters over one frozen base model; one call at a time."""
 
     def __init__(
@@ -189,46 +184,21 @@ class TorchTrainer(offload.ParksInSlot):
 
     # ------------------------------------------------------------ training
 
-    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        """Score every datum's targets and, unless `batch.forward_only`, add ∇ of the loss
-        to the adapter's gradients. As `forward_backward_many` of one request."""
-        return train_steps.forward_backward(self, name, batch)
-
-    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        """Several requests of one adapter, in one pass: their datums share micro-batches;
-        atomic (`train_steps.TrainingPasses.run`). Raises NotFound for an unknown adapter."""
+    # forward_backward, forward_backward_many, forward_backward_then_step, optim_step:
+    # train_steps.TrainsInPasses, over the adapter these name.
+    def _trainable(self, name: str) -> Iterable[torch.nn.Parameter]:
+        """The adapter's tensors, with it made the one adapter in the forward pass.
+        Raises NotFound for an unknown adapter."""
         adapter = self._get(name)
         self._require_resident("forward_backward")
         self._activate(name)
-        return self._passes.run(batches, adapter.params.values())
+        return adapter.params.values()
 
-    def forward_backward_then_step(
-        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        """`forward_backward_many`, then `optim_step` unless `params` is None (`train_steps.pass_then_step`)."""
-        return train_steps.pass_then_step(self, name, batches, params)
-
-    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
-        """One step of the adapter's optimizer with its accumulated gradients.
-
-        Returns:
-            {"grad_norm:mean", "learning_rate:mean"}.
-        Raises:
-            NotFound; BadRequest for params of the other family (gradients kept), invalid
-            params or a non-finite gradient norm (optim.py).
-        """
+    def _stepper(self, name: str) -> tuple[str, Optimizer]:
+        """The adapter's optimizer family (fixed when it was added) and its optimizer."""
         adapter = self._get(name)
         self._require_resident("optim_step")
-        sent = family_of(params)
-        if sent != adapter.family:
-            expected = "AdamParams" if adapter.family == "adamw" else "DimuonParams"
-            version = " (version 1)" if adapter.family == "dimuon" else ""
-            raise BadRequest(
-                f"optimizer mismatch: model {name} uses {adapter.family!r}{version} but this optim_step sent "
-                f"{type(params).__name__}; send {expected}",
-                key="optimizer",
-            )
-        return OptimResult(metrics=adapter.optimizer.step(params))  # type: ignore[arg-type]
+        return adapter.family, adapter.optimizer
 
     # ------------------------------------------------------------ checkpoints
 

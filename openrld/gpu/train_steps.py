@@ -5,12 +5,14 @@ differ in which tensors train and how they are found (an adapter by name, or the
 whole model); from there on their calls are one story:
 - `TrainingPasses` runs a pass of several requests through the shared `BatchScorer`
   and keeps the counts both report (`forward_backward_calls`, `tokens`);
-- `forward_backward` is the pass of one request;
-- `pass_then_step` is the pass and the optim_step after it in one engine call, so that
-  an engine behind a worker protocol makes one round trip a step.
+- `TrainsInPasses` is the engine's training calls over it: `forward_backward_many`, and
+  `forward_backward` as the pass of one request; `optim_step`, which refuses params of
+  another family than the model's optimizer (the gradient kept) and steps it;
+  `forward_backward_then_step`, the pass and the optim_step after it in one engine
+  call, so that an engine behind a worker protocol makes one round trip a step.
 
-What it does not do: choose the trainable tensors, check the engine is resident, or
-own an optimizer; the engine does those before and after.
+What it does not do: choose the trainable tensors or the optimizer, check the engine is
+resident, or own an optimizer's state; the engine names those (`_trainable`, `_stepper`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, OptimParams, OptimResult
-from openrld.engine_types import TrainerEngine
+from openrld.errors import BadRequest
+from openrld.gpu.optim import Optimizer, family_of
 from openrld.gpu.scoring import BatchScorer, TrainerConfig
 
 
@@ -56,23 +59,72 @@ class TrainingPasses:
         return results
 
 
-def forward_backward(engine: TrainerEngine, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-    """One request: the engine's `forward_backward_many` of it alone."""
-    return engine.forward_backward_many(name, [batch])[0]
+class TrainsInPasses:
+    """`forward_backward`, `forward_backward_many`, `forward_backward_then_step` and
+    `optim_step` of an engine whose `_passes` (a TrainingPasses) run its passes.
 
-
-def pass_then_step(
-    engine: TrainerEngine, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
-) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-    """An engine's `forward_backward_many`, then the `optim_step` after it (`params` not None).
-
-    Returns (the pass's results, the step's OptimResult, or its exception, or None): a failed
-    step leaves the pass's results standing. The pass's failure is raised.
+    A mixin with no state of its own, as `offload.ParksInSlot` is, so that the calls are
+    written once: the engine names, for a model `name`, the tensors that train
+    (`_trainable`) and the optimizer that steps them (`_stepper`), each after its own
+    checks (the name is known, the engine is resident); these are its training calls.
     """
-    results = engine.forward_backward_many(name, list(batches))
-    if params is None:
-        return results, None
-    try:
-        return results, engine.optim_step(name, params)
-    except Exception as error:
-        return results, error
+
+    _passes: TrainingPasses
+
+    def _trainable(self, name: str) -> Iterable[torch.nn.Parameter]:
+        """The tensors `name`'s pass adds gradients to, ready for it (checked, active).
+
+        Raises:
+            NotFound: no model `name`.  EngineParked: the engine is parked.
+        """
+        raise NotImplementedError
+
+    def _stepper(self, name: str) -> tuple[str, Optimizer]:
+        """`name`'s optimizer family and its optimizer, checked as `_trainable` is."""
+        raise NotImplementedError
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
+        """Score every datum's targets and, unless `batch.forward_only`, add ∇ of the loss
+        to `name`'s gradients. As `forward_backward_many` of one request."""
+        return self.forward_backward_many(name, [batch])[0]
+
+    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
+        """Several requests of one model in one pass: their datums share micro-batches;
+        atomic (`TrainingPasses.run`). Raises NotFound for an unknown model."""
+        return self._passes.run(batches, self._trainable(name))
+
+    def forward_backward_then_step(
+        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
+    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+        """`forward_backward_many`, then the `optim_step` after it (`params` not None).
+
+        Returns (the pass's results, the step's OptimResult, or its exception, or None): a failed
+        step leaves the pass's results standing. The pass's failure is raised.
+        """
+        results = self.forward_backward_many(name, list(batches))
+        if params is None:
+            return results, None
+        try:
+            return results, self.optim_step(name, params)
+        except Exception as error:
+            return results, error
+
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
+        """One step of `name`'s optimizer with its accumulated gradients.
+
+        Returns:
+            {"grad_norm:mean", "learning_rate:mean"}.
+        Raises:
+            NotFound; BadRequest for params of another family than the model's (gradients
+            kept), invalid params or a non-finite gradient norm (optim.py).
+        """
+        family, optimizer = self._stepper(name)
+        if family_of(params) != family:
+            expected = "AdamParams" if family == "adamw" else "DimuonParams"
+            version = " (version 1)" if family == "dimuon" else ""
+            raise BadRequest(
+                f"optimizer mismatch: model {name} uses {family!r}{version} but this optim_step sent "
+                f"{type(params).__name__}; send {expected}",
+                key="optimizer",
+            )
+        return OptimResult(metrics=optimizer.step(params))  # type: ignore[arg-type]
