@@ -30,14 +30,17 @@ so a resumed run continues exactly as an uninterrupted one would.
 
 `Dimuon` keeps the same contract (validation first, the same global norm and clipping, the
 same metrics, gradients kept on invalid params, dropped on a non-finite norm); its state is
-one momentum per matrix and a step count. `optimizer_for` builds either by family name.
+one momentum per matrix and a step count. What the two keep alike (the named tensors, the
+per-tensor step counts, clearing gradients, and a step's norm, clipping and order) is
+written once, in `_PerTensorOptimizer`. `optimizer_for` builds either by family name.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -94,20 +97,33 @@ class _Moments:
         self.master = master  # None: the parameter is in the state dtype and is its own master
 
 
-class AdamW:
-    """Decoupled-weight-decay Adam over a fixed set of named tensors."""
+class _TensorState(Protocol):
+    step: int  # t: the steps this tensor has taken
+
+
+_StateT = TypeVar("_StateT", bound=_TensorState)
+
+# One tensor's update once its gradient is clipped: (name, parameter, gradient in the state dtype).
+_TensorUpdate = Callable[[str, torch.Tensor, torch.Tensor], None]
+
+
+class _PerTensorOptimizer(Generic[_StateT]):
+    """What AdamW and Dimuon keep alike: a fixed set of named leaf tensors, a state per
+    tensor that has stepped (with its step count), and the story of a step, so that both
+    families clear gradients, count steps and clip the same way.
+    """
 
     def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
         """Args:
         params: name -> leaf tensor that receives gradients; the names key the exported state.
         """
         self._params = dict(params)
-        self._state: dict[str, _Moments] = {}
+        self._state: dict[str, _StateT] = {}
 
     @property
     def steps_done(self) -> int:
         """The largest per-tensor step count (for LoRA every tensor steps together)."""
-        return max((moments.step for moments in self._state.values()), default=0)
+        return max((state.step for state in self._state.values()), default=0)
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients ("none", not zeros, as torch does)."""
@@ -115,8 +131,52 @@ class AdamW:
             param.grad = None
 
     def reset(self) -> None:
-        """Forget m, v and t: the next step is a first step."""
+        """Forget every tensor's state: the next step is a first step."""
         self._state.clear()
+
+    def _step(self, params: OptimParams, update: _TensorUpdate) -> dict[str, float]:
+        """A step with the accumulated gradients of already validated `params`, then clear them:
+        the global norm and the clipping factor (§3.2 steps 1–2), then `update` of each tensor
+        that has a gradient, with its clipped gradient. Returns the metrics and raises the
+        non-finite norm as `AdamW.step` says."""
+        named = [(name, p) for name, p in self._params.items() if p.grad is not None]
+        metrics = {"grad_norm:mean": 0.0, "learning_rate:mean": float(params.learning_rate)}
+        if not named:
+            return metrics
+        try:
+            factor, metrics["grad_norm:mean"] = _clip_factor(named, params.grad_clip_norm)
+        except BadRequest:
+            self.zero_grad()
+            raise
+        with torch.no_grad():
+            for name, param in named:
+                update(name, param, _clipped(param, factor))
+                param.grad = None  # this tensor's gradient is spent: its memory goes now, not after the loop
+        self.zero_grad()
+        return metrics
+
+    def _refuse_unknown(self, flat: Mapping[str, torch.Tensor], suffixes: tuple[str, ...], why: str) -> None:
+        """Raise BadRequest, saying `why`, if `flat` holds a key other than "<tensor name>.<suffix>"."""
+        expected = {f"{name}.{suffix}" for name in self._params for suffix in suffixes}
+        unknown = sorted(set(flat) - expected)
+        if unknown:
+            raise BadRequest(f"optimizer state has unknown tensors {unknown[:3]}; {why}")
+
+
+def _check_stored(key: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+    """Raise BadRequest if the stored state tensor `key` has another shape than its parameter."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise BadRequest(f"optimizer state {key!r} has shape {list(tensor.shape)}; expected {list(param.shape)}")
+
+
+def _check_step_count(key: str, step: torch.Tensor) -> None:
+    """Raise BadRequest unless the stored `key` is one step count >= 0."""
+    if step.numel() != 1 or int(step) < 0:
+        raise BadRequest(f"optimizer state {key!r} must be one count >= 0; got {step.tolist()}")
+
+
+class AdamW(_PerTensorOptimizer[_Moments]):
+    """Decoupled-weight-decay Adam over a fixed set of named tensors."""
 
     def step(self, params: AdamParams) -> dict[str, float]:
         """Apply one AdamW step with the accumulated gradients, then clear them.
@@ -129,21 +189,7 @@ class AdamW:
                 (gradients discarded, nothing updated): "non-finite gradient norm (check loss inputs)".
         """
         validate_adam_params(params)
-        named = [(name, p) for name, p in self._params.items() if p.grad is not None]
-        metrics = {"grad_norm:mean": 0.0, "learning_rate:mean": float(params.learning_rate)}
-        if not named:
-            return metrics
-        try:
-            factor, metrics["grad_norm:mean"] = _clip_factor(named, params.grad_clip_norm)
-        except BadRequest:
-            self.zero_grad()
-            raise
-        with torch.no_grad():
-            for name, param in named:
-                self._update(name, param, _clipped(param, factor), params)
-                param.grad = None  # this tensor's gradient is spent: its memory goes now, not after the loop
-        self.zero_grad()
-        return metrics
+        return self._step(params, lambda name, param, grad: self._update(name, param, grad, params))
 
     def _update(self, name: str, param: torch.Tensor, grad: torch.Tensor, hp: AdamParams) -> None:
         """One tensor's step: t += 1, decay, moments, bias-corrected update (§3.2 step 3)."""
@@ -201,10 +247,7 @@ class AdamW:
             BadRequest: an unknown key, an incomplete triple, a shape that differs from the
                 tensor's, or a negative step.
         """
-        expected = {f"{name}.{suffix}" for name in self._params for suffix in (EXP_AVG, EXP_AVG_SQ, STEP, MASTER)}
-        unknown = sorted(set(flat) - expected)
-        if unknown:
-            raise BadRequest(f"optimizer state has unknown tensors {unknown[:3]}; it belongs to another model shape")
+        self._refuse_unknown(flat, (EXP_AVG, EXP_AVG_SQ, STEP, MASTER), "it belongs to another model shape")
         state: dict[str, _Moments] = {}
         for name, param in self._params.items():
             keys = [f"{name}.{suffix}" for suffix in (EXP_AVG, EXP_AVG_SQ, STEP)]
@@ -218,12 +261,9 @@ class AdamW:
             master_key = f"{name}.{MASTER}"
             master = flat.get(master_key)
             for key, tensor in ((keys[0], exp_avg), (keys[1], exp_avg_sq), (master_key, master)):
-                if tensor is not None and tuple(tensor.shape) != tuple(param.shape):
-                    raise BadRequest(
-                        f"optimizer state {key!r} has shape {list(tensor.shape)}; expected {list(param.shape)}"
-                    )
-            if step.numel() != 1 or int(step) < 0:
-                raise BadRequest(f"optimizer state {keys[2]!r} must be one count >= 0; got {step.tolist()}")
+                if tensor is not None:
+                    _check_stored(key, tensor, param)
+            _check_step_count(keys[2], step)
             dtype = _state_dtype(param)
             state[name] = _Moments(
                 exp_avg.to(device=param.device, dtype=dtype).clone(),
@@ -331,7 +371,7 @@ class _Momentum:
         self.step = step
 
 
-class Dimuon:
+class Dimuon(_PerTensorOptimizer[_Momentum]):
     """Dimuon v1 (openrld) over the LoRA matrices of one adapter of rank `rank`."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], rank: int) -> None:
@@ -342,20 +382,8 @@ class Dimuon:
         """
         for name, param in params.items():
             assert param.dim() >= 2, f"Dimuon needs matrices; {name} has shape {list(param.shape)}"
-        self._params = dict(params)
+        super().__init__(params)
         self._rank = rank
-        self._state: dict[str, _Momentum] = {}
-
-    @property
-    def steps_done(self) -> int:
-        return max((m.step for m in self._state.values()), default=0)
-
-    def zero_grad(self) -> None:
-        for param in self._params.values():
-            param.grad = None
-
-    def reset(self) -> None:
-        self._state.clear()
 
     def step(self, params: DimuonParams) -> dict[str, float]:
         """One Dimuon step with the accumulated gradients, then clear them.
@@ -363,33 +391,24 @@ class Dimuon:
         Returns and raises as `AdamW.step` does, with `validate_dimuon_params`.
         """
         validate_dimuon_params(params)
-        named = [(name, p) for name, p in self._params.items() if p.grad is not None]
-        metrics = {"grad_norm:mean": 0.0, "learning_rate:mean": float(params.learning_rate)}
-        if not named:
-            return metrics
-        try:
-            factor, metrics["grad_norm:mean"] = _clip_factor(named, params.grad_clip_norm)
-        except BadRequest:
-            self.zero_grad()
-            raise
-        scale = params.learning_rate * rank_lr_correction(self._rank, params.rank_lr_correction_exponent)
-        with torch.no_grad():
-            for name, param in named:
-                grad = _clipped(param, factor)
-                param.grad = None
-                momentum = self._state.get(name)
-                if momentum is None:
-                    momentum = _Momentum(torch.zeros_like(grad), 0)
-                    self._state[name] = momentum
-                momentum.buffer.lerp_(grad, 1 - params.beta1)  # M = β·M + (1 − β)·G
-                momentum.step += 1
-                direction = dimuon_direction(momentum.buffer, self._rank, params.damping, "lora_B" in name)
-                work = param if param.dtype == grad.dtype else param.to(grad.dtype)
-                work.sub_(direction, alpha=scale)
-                if work is not param:
-                    param.copy_(work)
-        self.zero_grad()
-        return metrics
+        return self._step(params, lambda name, param, grad: self._update(name, param, grad, params))
+
+    def _update(self, name: str, param: torch.Tensor, grad: torch.Tensor, hp: DimuonParams) -> None:
+        """One matrix's step: momentum, t += 1, direction, scaled update (§4.2 steps 2–7)."""
+        # First, before any state changes: κ can overflow for an extreme exponent, and then
+        # nothing has moved and the gradients are kept.
+        scale = hp.learning_rate * rank_lr_correction(self._rank, hp.rank_lr_correction_exponent)
+        momentum = self._state.get(name)
+        if momentum is None:
+            momentum = _Momentum(torch.zeros_like(grad), 0)
+            self._state[name] = momentum
+        momentum.buffer.lerp_(grad, 1 - hp.beta1)  # M = β·M + (1 − β)·G
+        momentum.step += 1
+        direction = dimuon_direction(momentum.buffer, self._rank, hp.damping, "lora_B" in name)
+        work = param if param.dtype == grad.dtype else param.to(grad.dtype)
+        work.sub_(direction, alpha=scale)
+        if work is not param:
+            param.copy_(work)
 
     def live_state(self) -> list[torch.Tensor]:
         """The momentum tensors themselves (not copies), for `offload` to move in place."""
@@ -410,10 +429,7 @@ class Dimuon:
             BadRequest: an unknown key (AdamW state included), an incomplete pair, a shape
                 that differs from the tensor's, or a negative step.
         """
-        expected = {f"{name}.{suffix}" for name in self._params for suffix in (MOMENTUM, STEP)}
-        unknown = sorted(set(flat) - expected)
-        if unknown:
-            raise BadRequest(f"optimizer state has unknown tensors {unknown[:3]}; it is not Dimuon state of this model")
+        self._refuse_unknown(flat, (MOMENTUM, STEP), "it is not Dimuon state of this model")
         state: dict[str, _Momentum] = {}
         for name, param in self._params.items():
             keys = (f"{name}.{MOMENTUM}", f"{name}.{STEP}")
@@ -423,12 +439,8 @@ class Dimuon:
             if not all(present):
                 raise BadRequest(f"optimizer state for {name!r} is incomplete: missing {keys[present.index(False)]!r}")
             buffer, step = flat[keys[0]], flat[keys[1]]
-            if tuple(buffer.shape) != tuple(param.shape):
-                raise BadRequest(
-                    f"optimizer state {keys[0]!r} has shape {list(buffer.shape)}; expected {list(param.shape)}"
-                )
-            if step.numel() != 1 or int(step) < 0:
-                raise BadRequest(f"optimizer state {keys[1]!r} must be one count >= 0; got {step.tolist()}")
+            _check_stored(keys[0], buffer, param)
+            _check_step_count(keys[1], step)
             state[name] = _Momentum(buffer.to(device=param.device, dtype=_state_dtype(param)).clone(), int(step))
         self._state = state
 
