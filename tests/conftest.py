@@ -140,16 +140,19 @@ class Daemon:
 
     `command_prefix` runs it under another command that then execs it, such as
     `ip netns exec NS` (the partition test puts each daemon in its own network namespace,
-    where a fixed `port` is free, so peers can be told it before it starts).
+    where a fixed `port` is free, so peers can be told it before it starts). `entry` is what
+    Python runs: the CLI module, or a test's script that patches the daemon and then runs it.
     """
 
     def __init__(
-        self, data_dir: Path, config_path: Path, log_path: Path, command_prefix: tuple[str, ...] = (), port: int = 0
+        self, data_dir: Path, config_path: Path, log_path: Path, command_prefix: tuple[str, ...] = (), port: int = 0,
+        entry: tuple[str, ...] = ("-m", "openrld.cli"),
     ) -> None:
         self.data_dir = data_dir
         self.config_path = config_path
         self.log_path = log_path
         self.command_prefix = command_prefix
+        self.entry = entry
         self.port = port
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
@@ -159,7 +162,7 @@ class Daemon:
         _watched_logs.add(self.log_path)
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [*self.command_prefix, sys.executable, "-m", "openrld.cli", "serve", "--port", str(self.port),
+            [*self.command_prefix, sys.executable, *self.entry, "serve", "--port", str(self.port),
              "--config", str(self.config_path)],
             stdout=subprocess.PIPE,
             stderr=log,
