@@ -15,7 +15,7 @@ session, a run id in the path), asks the job directory where that lives, and:
 - nowhere known: the other members are asked (`POST /openrl/peer/v1/locate`),
   and the id is answered here if none has it.
 
-`create_model` is placed: the ranked nodes (`actors/placement.py`) are offered
+`create_model` is placed: the ranked nodes (`actors/placement`) are offered
 the job in turn; one that has no room answers with the `x-openrl-no-capacity`
 header and the next is tried. Listing training runs or checkpoints asks every
 live member and merges the pages; a session's finish is told to every live
@@ -47,7 +47,7 @@ from openrld.actors.jobs import SessionSnapshot
 from openrld.actors.membership.messages import MemberState
 from openrld.actors.membership.table import Member
 from openrld.actors.model_status import GroupView, JobFacts, build_status
-from openrld.actors.placement import JobNeeds, Placer
+from openrld.actors.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
 from openrld.api import wire
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
 from openrld.errors import OpenrldError, UserError
@@ -186,8 +186,8 @@ class Relay:
         self._timeout_s = relay_timeout_s
         self._longpolls = longpolls  # relayed waits that end when their client goes away
         self._tls = tls  # this node speaks TLS: a caller's key never goes to a peer in plain HTTP
-        self.placer = Placer()
         self._counters = counters
+        self._placement: ClusterPlacer[Answer] = ClusterPlacer(directory, counters)
 
     # ------------------------------------------------------------ ASGI
 
@@ -412,12 +412,7 @@ class Relay:
             base_model = self._resolve_model(req.base_model)
         except UserError:
             return None  # this node's app refuses it with the same message, before placing anything
-        full = settings.fine_tuning_type.value == "full"
-        needs = JobNeeds(
-            base_model=base_model,
-            own_group=full or settings.exclusive or settings.trainer_image is not None or settings.sampler_image is not None,
-            is_exclusive=settings.exclusive or settings.trainer_gpus > 1, devices=settings.trainer_gpus,
-        )
+        needs = needs_of_settings(settings, base_model)
         return await self._offer(scope, headers, body, needs, ids.model_id(req.session_id, req.model_seq_id))
 
     async def _base_model_sampler(self, scope: dict, headers: dict, body: bytes, ref: _Ids, sampler_id: str) -> Answer | None:
@@ -442,43 +437,24 @@ class Relay:
             return await self._to(scope, headers, body, home, run_id)
         if self._session_snapshot(ref.session_id) is None:
             return await self._to(scope, headers, body, self._directory.tagged(ref.session_id), ref.session_id)
-        note = home.note
-        needs = JobNeeds(
-            base_model=note.base_model if note is not None else "",
-            own_group=note is not None and (note.fine_tuning_type == "full" or note.is_exclusive),
-            is_exclusive=note is not None and note.is_exclusive,
-        )
+        needs = needs_of_note(home.note)
         return await self._offer(scope, headers, body, needs, ids.model_id(ref.session_id, ref.model_seq_id))
 
     async def _offer(self, scope: dict, headers: dict, body: bytes, needs: JobNeeds, created_id: str) -> Answer | None:
-        """Offer a job-creating request to the ranked nodes in turn; the first that has room answers."""
-        order = self.placer.rank(self._directory.members(), needs)
-        last: Answer | None = None
-        for name in order:
-            member = self._directory.member(name)
-            if member is None:
-                continue
-            # Counted before the answer, so that placements running at the same time spread out.
-            booking = self.placer.placed(member, needs)
-            if name == self._directory.local_name:
+        """Offer a job-creating request to the ranked nodes in turn (`actors/placement`); the first that has room answers."""
+
+        async def ask(member: Member) -> tuple[Reply, Answer]:
+            if member.name == self._directory.local_name:
                 answer = await self._local(scope, body)
             else:
                 answer = await self._forward(scope, headers, body, member, created_id)
-            if answer.status != 200:
-                self.placer.forget(booking)
-            if not any(k == NO_CAPACITY_HEADER for k, _ in answer.headers):
-                if answer.status == 200:
-                    self._counters.placed += 1
-                    if name != self._directory.local_name:
-                        self._directory.record(created_id, name)
-                    logger.info("placed id=%s node=%s", created_id, name)
-                return answer
-            self._counters.refused += 1
-            last = answer
-        if last is not None:
-            return last
-        if self._accept_jobs:
-            return None
+            if any(k == NO_CAPACITY_HEADER for k, _ in answer.headers):
+                return Reply.NO_ROOM, answer
+            return (Reply.TAKEN if answer.status == 200 else Reply.FAILED), answer
+
+        answer = await self._placement.offer(needs, created_id, ask)
+        if answer is not None or self._accept_jobs:
+            return answer
         return _detail(
             503, f"no node of the cluster can take {created_id} ({needs.base_model}) now: none has a free or shareable device"
         )
