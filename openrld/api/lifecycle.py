@@ -43,12 +43,13 @@ TRACE_FILE = "trace.json"
 MAX_COPY_FILES = 64  # a checkpoint holds a handful of files; more means something is wrong
 
 
-def readable_checkpoint(store: Store, user: str, path: ids.TinkerPath) -> CheckpointRow:
+async def readable_checkpoint(services: Services, user: str, path: ids.TinkerPath) -> CheckpointRow:
     """The checkpoint if `user` owns it or it is published; else NotFound.
 
     On a shared checkpoint root, one that another node wrote is adopted first.
     """
-    row = store.get_checkpoint(path.run_id, path.kind, path.name) or store.adopt_checkpoint(path)
+    store = services.store
+    row = store.get_checkpoint(path.run_id, path.kind, path.name) or await services.checkpoints.adopt_checkpoint(path)
     if row is None or (row.owner != user and not row.public):
         raise NotFound(f"no checkpoint {path.uri}")
     return row
@@ -160,7 +161,7 @@ def register(app: QuartTrio, services: Services) -> None:
         user = caller(services)
         req = wire.decode_json(await request.get_data(), wire.CopyWeightsRequest)
         source = ids.parse_tinker_path(req.source_path)
-        row = readable_checkpoint(store, user, source)
+        row = await readable_checkpoint(services, user, source)
         check_ttl(req.ttl_seconds)
         run = store.get_run(source.run_id)
         if run is None:
@@ -195,11 +196,11 @@ def register(app: QuartTrio, services: Services) -> None:
         path = ids.TinkerPath.of(run_id, kind, name)
         if path.kind is not ids.CheckpointKind.EXTERNAL_WEIGHTS:
             raise BadRequest(f"external weights URLs are for external_weights/ checkpoints, got {path.checkpoint_id!r}")
-        row = readable_checkpoint(store, user, path)
+        row = await readable_checkpoint(services, user, path)
         directory = store.checkpoint_dir(path.run_id, path.kind, path.name)
         urls: dict[str, str] = {}
         expires = 0
-        for filename in checkpoint_files(directory):
+        for filename in await trio.to_thread.run_sync(checkpoint_files, directory):
             signed, expires = signer.sign_path(
                 f"/api/v1/download/{path.run_id}/{path.kind.value}/{path.name}/{filename}", DOWNLOAD_URL_TTL_S
             )

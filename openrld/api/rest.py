@@ -53,13 +53,13 @@ async def list_training_runs(services: Services) -> Response:
 async def get_training_run(services: Services, run_id: str) -> Response:
     user = caller(services)
     store = services.store
-    run = accessible_run(store, user, run_id) if _access_scope() == "accessible" else own_run(store, user, run_id)
+    run = await (accessible_run if _access_scope() == "accessible" else own_run)(services, user, run_id)
     return json_response(training_run(store, run, user))
 
 
 async def list_checkpoints(services: Services, run_id: str) -> Response:
     store = services.store
-    own_run(store, caller(services), run_id)
+    await own_run(services, caller(services), run_id)
     rows = store.list_checkpoints(run_id)
     return json_response(
         wire.CheckpointsListResponse(
@@ -71,7 +71,7 @@ async def list_checkpoints(services: Services, run_id: str) -> Response:
 
 async def delete_checkpoint(services: Services, run_id: str, kind: str, name: str) -> Response:
     store = services.store
-    own_run(store, caller(services), run_id)
+    await own_run(services, caller(services), run_id)
     path = ids.TinkerPath.of(run_id, kind, name)
     if store.get_checkpoint(path.run_id, path.kind, path.name) is None:
         raise NotFound(f"no checkpoint {path.uri}")
@@ -101,7 +101,7 @@ async def weights_info(services: Services) -> Response:
     req = wire.decode_json(await request.get_data(), wire.WeightsInfoRequest)
     path = ids.parse_tinker_path(req.tinker_path)
     # On a shared checkpoint root, one another node wrote is adopted first.
-    row = store.get_checkpoint(path.run_id, path.kind, path.name) or store.adopt_checkpoint(path)
+    row = store.get_checkpoint(path.run_id, path.kind, path.name) or await services.checkpoints.adopt_checkpoint(path)
     if row is None or (row.owner != user and not row.public):
         raise NotFound(f"no checkpoint {path.uri}")
     run = store.get_run(path.run_id)
@@ -147,19 +147,19 @@ async def get_session(services: Services, session_id: str) -> Response:
 # ---------------------------------------------------------------- lookups and wire forms
 
 
-def own_run(store: Store, user: str, run_id: str) -> RunRow:
+async def own_run(services: Services, user: str, run_id: str) -> RunRow:
     """The caller's run; anyone else's, or a missing one, is NotFound."""
     # On a shared checkpoint root, what other nodes saved of the run (a dead node's, say) is adopted first.
-    run = store.adopt_run(run_id) or store.get_run(run_id)
+    run = await services.checkpoints.adopt_run(run_id) or services.store.get_run(run_id)
     if run is None or run.owner != user:
         raise NotFound(f"no training run {run_id!r}")
     return run
 
 
-def accessible_run(store: Store, user: str, run_id: str) -> RunRow:
+async def accessible_run(services: Services, user: str, run_id: str) -> RunRow:
     """The caller's run, or another user's run that has a published checkpoint."""
-    run = store.adopt_run(run_id) or store.get_run(run_id)
-    if run is None or (run.owner != user and not store.has_public_checkpoint(run_id)):
+    run = await services.checkpoints.adopt_run(run_id) or services.store.get_run(run_id)
+    if run is None or (run.owner != user and not services.store.has_public_checkpoint(run_id)):
         raise NotFound(f"no training run {run_id!r}")
     return run
 
