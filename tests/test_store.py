@@ -1,4 +1,4 @@
-"""SQLite metadata and checkpoint directories (openrld/store.py)."""
+"""SQLite metadata and checkpoint directories (openrld/store/)."""
 
 from __future__ import annotations
 

@@ -26,11 +26,11 @@ def _slowed(fn):
 
 
 def main() -> int:
-    import openrld.store
+    import openrld.store.checkpoint_files
     from openrld import cli
 
     shutil.rmtree = _slowed(shutil.rmtree)
-    openrld.store.write_manifest = _slowed(openrld.store.write_manifest)
+    openrld.store.checkpoint_files.write_manifest = _slowed(openrld.store.checkpoint_files.write_manifest)
     return cli.main(sys.argv[1:])
 
 

@@ -1,0 +1,330 @@
+"""A node's data dir, opened: its lock, crash recovery, and the `Store` that composes its parts.
+
+    <data_dir>/openrld.sqlite3     the database (database.py) and its repositories
+    <data_dir>/checkpoints/...     checkpoint directories (checkpoint_files.py)
+    <data_dir>/tmp/                staging for checkpoint writes; emptied at open
+    <data_dir>/lock                held while a Store is open
+
+`Store.open` takes the lock (one Store per data dir at a time), recovers the
+checkpoint files, opens the database and marks the requests a dead daemon
+left pending as lost. A `Store` then holds one object per concern:
+`sessions`, `samplers`, `runs`, `checkpoints` (rows), `requests`, `audit`,
+`usage`, `files` (the checkpoint filesystem) and `adoption`. Its flat methods
+forward to them, for callers not yet moved to the parts; they add no logic.
+
+It never decides policy (who may see what is the API's check, using the
+`owner` columns) and never imports trio or torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import IO
+
+from openrld.checkpoint_manifest import CheckpointManifest
+from openrld.errors import ServerError
+from openrld.history_table import HistoryTable
+from openrld.ids import CheckpointKind, TinkerPath
+from openrld.store.adoption import Adoption
+from openrld.store.audit import AuditLog, UsageLedger
+from openrld.store.checkpoint_files import CheckpointFiles
+from openrld.store.checkpoint_rows import CheckpointRepository
+from openrld.store.database import Database
+from openrld.store.requests import REQUEST_LOG_KEEP, RequestLog
+from openrld.store.rows import (
+    CheckpointRow,
+    JsonScalar,
+    RequestFinish,
+    RequestState,
+    RunRow,
+    SamplerRow,
+    SessionRow,
+    StoreStatistics,
+    UsageRow,
+    utc_now,
+)
+from openrld.store.runs import RunRepository
+from openrld.store.samplers import SamplerRepository
+from openrld.store.sessions import SessionRepository
+
+logger = logging.getLogger(__name__)
+
+
+class Store:
+    """SQLite metadata and checkpoint directories under one data dir. Use `Store.open`."""
+
+    def __init__(self, data_dir: Path, database: Database, files: CheckpointFiles, lock_file: IO[bytes]) -> None:
+        self.data_dir = data_dir
+        self.database = database
+        self.files = files
+        self._lock_file = lock_file
+        self.sessions = SessionRepository(database)
+        self.samplers = SamplerRepository(database)
+        self.runs = RunRepository(database)
+        self.checkpoints = CheckpointRepository(database)
+        self.requests = RequestLog(database)
+        self.audit = AuditLog(database)
+        self.usage_ledger = UsageLedger(database)
+        self.adoption = Adoption(database, self.runs, self.checkpoints, files)
+        self.is_shared = files.is_shared
+
+    @classmethod
+    def open(
+        cls, data_dir: Path, *, checkpoint_root: Path | None = None, now: Callable[[], datetime] = utc_now
+    ) -> Store:
+        """Open (creating if needed) the store in `data_dir`, and recover from a crash.
+
+        Args:
+            data_dir: the node's data dir; made absolute here.
+            checkpoint_root: a directory shared by the cluster's nodes to keep
+                checkpoints in; None keeps them in <data_dir>/checkpoints.
+            now: the wall clock (UTC); tests pass a fixed one.
+
+        Raises:
+            ServerError: another Store holds the data dir, its schema is not ours,
+                or `checkpoint_root` is not an existing directory.
+        """
+        data_dir = data_dir.expanduser().absolute()
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_file = (data_dir / "lock").open("ab")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.close()
+            raise ServerError(f"data dir {data_dir} is in use by another openrld process") from None
+        try:
+            files = CheckpointFiles.open(data_dir, checkpoint_root)
+            database = Database.open(data_dir, now)
+        except BaseException:
+            lock_file.close()
+            raise
+        store = cls(data_dir, database, files, lock_file)
+        pending = store.requests.pending()
+        store.requests.mark_all_lost(now())
+        store.requests.prune(now() - REQUEST_LOG_KEEP)
+        if pending:
+            logger.warning("data_dir=%s: %d requests pending at the last stop are now lost", data_dir, pending)
+        return store
+
+    def close(self) -> None:
+        self.database.close()
+        self._lock_file.close()  # releases the flock
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def history_table(self, *, max_points: int, max_buckets: int, bucket_s: float) -> HistoryTable:
+        """The runs' curves on a connection of their own, for a worker thread (history_table.py); closed with the store."""
+        return self.database.history_table(max_points=max_points, max_buckets=max_buckets, bucket_s=bucket_s)
+
+    def statistics(self) -> StoreStatistics:
+        checkpoints = self.database.one("SELECT count(*), coalesce(sum(size_bytes), 0) FROM checkpoints", ())
+        assert checkpoints is not None
+        return StoreStatistics(
+            sessions=self.database.count("SELECT count(*) FROM sessions"),
+            runs=self.database.count("SELECT count(*) FROM runs"),
+            samplers=self.database.count("SELECT count(*) FROM samplers"),
+            checkpoints=int(checkpoints[0]),
+            checkpoint_bytes=int(checkpoints[1]),
+            pending_requests=self.requests.pending(),
+        )
+
+    # --- forwarding, for callers not yet moved to the parts ------------------------------------------
+
+    def create_session(
+        self, session_id: str, owner: str, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
+        project_id: str | None, display_name: str | None,
+    ) -> SessionRow:
+        return self.sessions.create(session_id, owner, tags, user_metadata, sdk_version, project_id, display_name)
+
+    def get_session(self, session_id: str) -> SessionRow | None:
+        return self.sessions.get(session_id)
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[SessionRow]:
+        return self.sessions.list(owner, limit, offset)
+
+    def all_sessions(self, owner: str) -> list[SessionRow]:
+        return self.sessions.all(owner)
+
+    def heartbeat(self, session_id: str) -> None:
+        self.sessions.heartbeat(session_id)
+
+    def finish_session(self, session_id: str, reason: str, detail: str | None) -> bool:
+        return self.sessions.finish(session_id, reason, detail)
+
+    def set_session_project(self, session_id: str, project_id: str) -> None:
+        self.sessions.set_project(session_id, project_id)
+
+    def session_checkpoint_usage(self, session_id: str) -> tuple[int, int]:
+        return self.checkpoints.usage_of_session(session_id)
+
+    def create_run(
+        self, run_id: str, session_id: str, owner: str, base_model: str, model_dir: str,
+        lora: dict[str, JsonScalar] | None, settings: dict[str, JsonScalar], user_metadata: dict[str, str],
+        optimizer_config: dict[str, JsonScalar],
+    ) -> RunRow:
+        return self.runs.create(
+            run_id, session_id, owner, base_model, model_dir, lora, settings, user_metadata, optimizer_config
+        )
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        return self.runs.get(run_id)
+
+    def list_runs(
+        self, owner: str, limit: int, offset: int, *, accessible: bool = False, every_owner: bool = False
+    ) -> tuple[list[RunRow], int]:
+        return self.runs.list(owner, limit, offset, accessible=accessible, every_owner=every_owner)
+
+    def has_public_checkpoint(self, run_id: str) -> bool:
+        return self.checkpoints.has_public(run_id)
+
+    def touch_run(self, run_id: str) -> None:
+        self.runs.touch(run_id)
+
+    def session_runs(self, session_id: str) -> list[str]:
+        return self.runs.of_session(session_id)
+
+    def base_models(self) -> list[str]:
+        return self.runs.base_models()
+
+    def create_sampler(
+        self, sampler_id: str, session_id: str, owner: str, base_model: str, model_path: str | None,
+        run_id: str | None,
+    ) -> SamplerRow:
+        return self.samplers.create(sampler_id, session_id, owner, base_model, model_path, run_id)
+
+    def get_sampler(self, sampler_id: str) -> SamplerRow | None:
+        return self.samplers.get(sampler_id)
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        return self.samplers.of_session(session_id)
+
+    def add_checkpoint(
+        self, run_id: str, kind: CheckpointKind, name: str, owner: str, size_bytes: int | None,
+        user_metadata: dict[str, str], expires_at: datetime | None, public: bool = False, *,
+        overwrite: bool = False, created_at: datetime | None = None,
+    ) -> CheckpointRow:
+        return self.checkpoints.add(
+            run_id, kind, name, owner, size_bytes, user_metadata, expires_at, public,
+            overwrite=overwrite, created_at=created_at,
+        )
+
+    def get_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> CheckpointRow | None:
+        return self.checkpoints.get(run_id, kind, name)
+
+    def list_checkpoints(self, run_id: str) -> list[CheckpointRow]:
+        return self.checkpoints.of_run(run_id)
+
+    def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
+        return self.checkpoints.of_owner(owner, limit, offset)
+
+    def last_checkpoint(self, run_id: str, kind: CheckpointKind | str) -> CheckpointRow | None:
+        return self.checkpoints.last(run_id, kind)
+
+    def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
+        return self.checkpoints.expired(now)
+
+    def storage_by_project(self, owner: str) -> list[tuple[str | None, int, int]]:
+        return self.checkpoints.storage_by_project(owner)
+
+    def delete_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
+        """The row, then the directory, in the caller's thread (the daemon: `CheckpointWriter.delete`)."""
+        self.files.remove(self.checkpoints.delete(run_id, kind, name))
+
+    def delete_checkpoint_row(self, run_id: str, kind: CheckpointKind | str, name: str) -> TinkerPath:
+        return self.checkpoints.delete(run_id, kind, name)
+
+    def remove_checkpoint_files(self, path: TinkerPath) -> None:
+        self.files.remove(path)
+
+    def set_checkpoint_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
+        self.files.update_manifest(self.checkpoints.set_public(run_id, kind, name, public), public=public)
+
+    def set_checkpoint_public_row(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> TinkerPath:
+        return self.checkpoints.set_public(run_id, kind, name, public)
+
+    def set_checkpoint_expiry(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> None:
+        path = self.checkpoints.set_expiry(run_id, kind, name, expires_at)
+        self.files.update_manifest(path, expires_at=expires_at)
+
+    def set_checkpoint_expiry_row(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> TinkerPath:
+        return self.checkpoints.set_expiry(run_id, kind, name, expires_at)
+
+    def update_manifest(self, path: TinkerPath, **changes: object) -> None:
+        self.files.update_manifest(path, **changes)
+
+    def checkpoint_dir(self, run_id: str, kind: CheckpointKind | str, name: str) -> Path:
+        return self.files.checkpoint_dir(run_id, kind, name)
+
+    @property
+    def checkpoint_files(self) -> tuple[Path, Path]:
+        return self.files.checkpoint_files
+
+    def staging_dir(self) -> Path:
+        return self.files.staging_dir()
+
+    def commit_dir(
+        self, staging: Path, final: Path, *, replace: bool = False, manifest: CheckpointManifest | None = None
+    ) -> None:
+        self.files.commit_dir(staging, final, replace=replace, manifest=manifest)
+
+    def manifest_for(
+        self, run_id: str, kind: CheckpointKind | str, name: str, *, size_bytes: int | None,
+        user_metadata: dict[str, str], expires_at: datetime | None,
+    ) -> CheckpointManifest:
+        return self.adoption.manifest_for(
+            run_id, kind, name, size_bytes=size_bytes, user_metadata=user_metadata, expires_at=expires_at
+        )
+
+    def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
+        return self.adoption.adopt_checkpoint(path)
+
+    def read_adoptable(self, path: TinkerPath) -> CheckpointManifest | None:
+        return self.files.read_adoptable(path)
+
+    def insert_adopted(self, path: TinkerPath, manifest: CheckpointManifest | None) -> CheckpointRow | None:
+        return self.adoption.insert_adopted(path, manifest)
+
+    def adopt_run(self, run_id: str) -> RunRow | None:
+        return self.adoption.adopt_run(run_id)
+
+    def run_checkpoint_paths(self, run_id: str) -> list[TinkerPath]:
+        return self.files.run_checkpoint_paths(run_id)
+
+    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
+        self.requests.record(request_id, model_id, kind)
+
+    def finish_requests(self, finished: Sequence[RequestFinish]) -> None:
+        self.requests.finish(finished)
+
+    def request_state(self, request_id: str) -> RequestState | None:
+        return self.requests.state(request_id)
+
+    def prune_requests(self, finished_before: datetime) -> int:
+        return self.requests.prune(finished_before)
+
+    def session_requests(self, session_id: str) -> list[tuple[str, str, str, datetime, datetime | None]]:
+        return self.requests.of_session(session_id)
+
+    def record_audit(self, owner: str, event: str, details: dict[str, str]) -> None:
+        self.audit.record(owner, event, details)
+
+    def audit_events(self, owner: str, since: datetime, until: datetime) -> list[tuple[datetime, str, dict[str, str]]]:
+        return self.audit.events(owner, since, until)
+
+    def add_usage(self, rows: list[UsageRow]) -> None:
+        self.usage_ledger.add(rows)
+
+    def usage(self, owner: str, since: datetime, until: datetime) -> list[UsageRow]:
+        return self.usage_ledger.of_owner(owner, since, until)
