@@ -50,6 +50,7 @@ from openrld.actors.model_status import GroupView, JobFacts, build_status
 from openrld.actors.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
 from openrld.api import wire
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
+from openrld.api.proto import forward_backward_model_id
 from openrld.errors import OpenrldError, UserError
 from openrld.metrics import RelayCounters
 
@@ -684,10 +685,13 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
 
 
 def _ids(path: str, body: bytes, headers: dict[bytes, bytes], max_body_bytes: int = 0) -> _Ids | None:
-    """The ids a request body names; None if it does not decode (the home app explains why)."""
+    """The ids a request body names; None if it does not decode (the home app explains why).
+
+    A forward_backward body is read only as far as its model_id: the node that serves it decodes it whole.
+    """
     if path == "/api/v1/forward_backward":
-        found = wire.forward_backward_ids(body, _header(headers, b"content-encoding"), max_body_bytes=max_body_bytes)
-        return _Ids(model_id=found[0]) if found is not None else None
+        model_id = forward_backward_model_id(body, _header(headers, b"content-encoding"), max_body_bytes=max_body_bytes)
+        return _Ids(model_id=model_id) if model_id is not None else None
     try:
         return msgspec.json.decode(body, type=_Ids)
     except (msgspec.DecodeError, msgspec.ValidationError):

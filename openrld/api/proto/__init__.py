@@ -11,6 +11,7 @@ from openrld.api.proto.codec import (
     encode_forward_backward_output,
     encode_sample_response,
     forward_backward_ids,
+    forward_backward_model_id,
 )
 from openrld.api.proto.schema import (
     ArrayRecord,
@@ -72,4 +73,5 @@ __all__ = [
     "encode_forward_backward_output",
     "encode_sample_response",
     "forward_backward_ids",
+    "forward_backward_model_id",
 ]

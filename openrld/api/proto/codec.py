@@ -21,7 +21,9 @@ shapes it wants (the loss layer checks that, naming the loss), or does I/O.
 
 from __future__ import annotations
 
+import io
 import math
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -126,6 +128,85 @@ def forward_backward_ids(
     if not request.model_id or request.seq_id < 0:
         return None
     return request.model_id, request.seq_id
+
+
+def forward_backward_model_id(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> str | None:
+    """The model_id of a forward_backward body, read without decoding the body, or None.
+
+    For the relay, which only needs to know where to send the body: it walks the
+    top-level protobuf fields and stops at model_id (field 1), skipping any other
+    field by its length without parsing it. The SDK writes fields in number order,
+    so model_id is the first field and a zstd body is decompressed only as far as
+    its first few dozen bytes. If a body names model_id twice, the first is taken
+    (a full parse takes the last); the home node then refuses the body, as it
+    refuses any body naming a model its caller does not own. None: no model_id,
+    or the body is not readable that far (the route that decodes it says why).
+    """
+    encoding = (content_encoding or "identity").strip().lower()
+    if len(body) > max_body_bytes or encoding not in ("identity", "zstd"):
+        return None
+    try:
+        if encoding == "identity":
+            return _first_string_field(io.BytesIO(body), _MODEL_ID_FIELD, max_body_bytes)
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            return _first_string_field(reader, _MODEL_ID_FIELD, max_body_bytes)
+    except (zstandard.ZstdError, UnicodeDecodeError, _Truncated):
+        return None
+
+
+_MODEL_ID_FIELD = 1  # ForwardBackwardRequest.model_id
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+_SKIP_CHUNK = 1 << 16
+
+
+class _Truncated(Exception):
+    """The body ended, or passed its limit, inside a field."""
+
+
+def _first_string_field(reader: Any, number: int, limit: int) -> str | None:
+    """The first top-level string field `number` in the protobuf that `reader` yields; None if it has none."""
+    budget = [limit]  # bytes that may still be read, decompressed
+
+    def read(n: int) -> bytes:
+        if n > budget[0]:
+            raise _Truncated
+        data = reader.read(n)
+        if len(data) != n:
+            raise _Truncated
+        budget[0] -= n
+        return data
+
+    def varint(first: bytes = b"") -> int:
+        value, shift = 0, 0
+        while True:
+            byte = (first or read(1))[0]
+            first = b""
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value
+            shift += 7
+            if shift > 63:
+                raise _Truncated
+
+    while True:
+        first = reader.read(1)
+        if not first:
+            return None  # the end of the body, between fields
+        budget[0] -= 1
+        key = varint(first)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _WIRE_LEN:
+            length = varint()
+            if field == number:
+                return read(length).decode("utf-8") or None
+            while length:  # skipped in chunks: a large datum is never held whole
+                length -= len(read(min(length, _SKIP_CHUNK)))
+        elif wire_type == _WIRE_VARINT:
+            varint()
+        elif wire_type in (_WIRE_I64, _WIRE_I32):
+            read(8 if wire_type == _WIRE_I64 else 4)
+        else:
+            raise _Truncated  # groups, or not protobuf at all
 
 
 def _decompress(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> bytes:
