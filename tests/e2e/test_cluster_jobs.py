@@ -21,9 +21,13 @@ import tinker
 from tinker import types
 
 from conftest import Daemon, write_config
+from openrld.actors.membership.codec import decode_push_pull, encode_push_pull, secret_key
 from openrld.actors.membership.config import MembershipConfig, detection_bound
+from openrld.actors.membership.messages import PushPull
+from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
 from openrld.actors.jobs import SessionSnapshot
 from openrld.api.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
+from tests.waits import wait_for
 
 SECRET = "test-cluster-secret"
 KEY = "tml-test"
@@ -50,15 +54,6 @@ def start_cluster(root: Path, models: dict[str, Path], extras: dict[str, str]) -
     return daemons
 
 
-def wait_for(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s:.2f} s")
-        time.sleep(poll_s)
-    return time.monotonic() - start
-
-
 def view(url: str) -> dict[str, dict]:
     body = httpx.get(f"{url}/openrl/v1/cluster", headers=HEADERS, timeout=10).json()
     return {m["name"]: m for m in body["members"]}
@@ -67,6 +62,30 @@ def view(url: str) -> dict[str, dict]:
 def devices_seen(url: str, names: list[str]) -> bool:
     members = view(url)
     return all(n in members and members[n]["state"] == "alive" and members[n]["devices"] for n in names)
+
+
+def groups_on(url: str) -> set[str]:
+    """The base models of the groups a node runs, from its own /metrics (its statistics now)."""
+    lines = httpx.get(f"{url}/metrics", headers=HEADERS, timeout=10).text.splitlines()
+    return {
+        line.split('base_model="', 1)[1].split('"', 1)[0]
+        for line in lines
+        if line.startswith(("openrld_trainer_jobs{", "openrld_sampler_queue_depth{"))
+    }
+
+
+def gossiped_checkpoint(url: str, node: str, model_id: str) -> str:
+    """The last checkpoint of `model_id` in `node`'s gossip payload as the node at `url` holds it ("" if none).
+
+    Read with a push-pull that carries no members (so it changes nothing): the answer is the
+    node's whole membership table, which only the cluster secret opens.
+    """
+    key = secret_key(SECRET)
+    body, tag = encode_push_pull(key, PushPull("test-reader", False, ()))
+    answer = httpx.post(f"{url}{PUSH_PULL_PATH}", content=body, headers={TAG_HEADER: tag}, timeout=10)
+    table = decode_push_pull(key, answer.content, answer.headers[TAG_HEADER])
+    notes = next(m.payload.job_notes for m in table.members if m.name == node)
+    return notes[model_id].last_checkpoint if model_id in notes else ""
 
 
 def home_of(cluster: dict[str, Daemon], model_id: str) -> list[str]:
@@ -147,8 +166,8 @@ def test_a_base_model_sampler_asked_of_the_front_node_runs_on_another(cluster, s
         sampling_params=types.SamplingParams(max_tokens=3, temperature=1.0, seed=3),
     ).result()
     assert [len(s.tokens) for s in result.sequences] == [3]
-    time.sleep(2.5)  # one payload refresh: A would publish a group it had started
-    assert view(cluster["node-a"].url)["node-a"]["groups"] == []
+    # A's own statistics, not its gossip (which shows a group only at the next payload refresh).
+    assert groups_on(cluster["node-a"].url) == set()
 
 
 def test_every_node_lists_the_runs_of_every_node(cluster, jobs) -> None:
@@ -189,8 +208,8 @@ def test_a_killed_node_is_declared_dead_within_the_bound_and_its_job_is_lost(clu
     victim = next(j for j in jobs.values() if home_of(cluster, j.model_id) == ["node-c"])
     path = victim.save_state("before-the-crash").result().path
     a = cluster["node-a"].url
-    wait_for(lambda: view(a)["node-c"]["jobs"] == [victim.model_id], timeout_s=10.0)  # C has gossiped the checkpoint
-    time.sleep(3.0)  # the payload refresh that carries the new checkpoint
+    # A must hold the checkpoint in C's gossip before C dies: C publishes it at its next payload refresh.
+    wait_for(lambda: gossiped_checkpoint(a, "node-c", victim.model_id) == path, timeout_s=10.0)
     cluster["node-c"].kill()
     bound = detection_bound(LOCAL, 3)
     took = wait_for(lambda: view(a)["node-c"]["state"] == "dead", timeout_s=bound.total_s + 5.0)

@@ -8,7 +8,6 @@ then B shut down); each asserts only its own behaviour.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ from openrld.actors.membership.codec import encode_push_pull
 from openrld.actors.membership.config import MembershipConfig, detection_bound
 from openrld.actors.membership.messages import PushPull
 from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
+from tests.waits import wait_for
 
 SECRET = "test-cluster-secret"
 HEADERS = {"X-API-Key": "tml-test"}
@@ -54,16 +54,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[
 def states(url: str) -> dict[str, str]:
     body = httpx.get(f"{url}/openrl/v1/cluster", headers=HEADERS, timeout=10).json()
     return {m["name"]: m["state"] for m in body["members"]}
-
-
-def wait_for(predicate, timeout_s: float) -> float:
-    """Seconds until `predicate` holds, polled every POLL_S; fails past `timeout_s`."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s:.2f} s")
-        time.sleep(POLL_S)
-    return time.monotonic() - start
 
 
 def test_three_daemons_join_and_list_each_other_alive(cluster: dict[str, Daemon]) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 import socket
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import Daemon, write_api_keys, write_config
+from tests.waits import wait_for
 from tests.e2e.test_sampling_load import LONG, asample, long_context_qwen3
 
 KEY = "tml-alice"
@@ -93,11 +93,7 @@ def test_a_long_poll_ends_when_its_client_goes_away(daemon: Daemon) -> None:
             f"POST /api/v1/retrieve_future HTTP/1.1\r\nHost: t\r\nX-API-Key: {KEY}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(poll)}\r\n\r\n{poll}".encode()
         )
-        time.sleep(0.5)
-        assert open_connections(client) == 2  # the poll is held (longpoll_s is 30 s)
+        wait_for(lambda: open_connections(client) == 2, timeout_s=5)  # the poll is held (longpoll_s is 30 s)
         sock.close()
-        deadline = time.monotonic() + 5
-        while open_connections(client) != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert open_connections(client) == 1
+        wait_for(lambda: open_connections(client) == 1, timeout_s=5)
         client.post("/api/v1/cancel_future", json={"request_id": request_id})

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import tinker
 from conftest import Daemon, write_config, write_api_keys
+from tests.waits import wait_for
 from tinker import types
 
 ALICE = {"X-API-Key": "tml-alice-key"}
@@ -294,13 +295,11 @@ def test_the_daemon_deletes_a_checkpoint_when_its_ttl_passes(daemon, http, alice
     # The SDK's shortest TTL is an hour; move this one's expiry into the past instead of waiting.
     with sqlite3.connect(daemon.data_dir / "openrld.sqlite3", timeout=5) as db:
         db.execute("UPDATE checkpoints SET expires_us = 1 WHERE run_id = ? AND name = ?", (run, name))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        listed = [c["tinker_path"] for c in http.get(f"/api/v1/training_runs/{run}/checkpoints", headers=ALICE).json()["checkpoints"]]
-        if path not in listed:
-            break
-        time.sleep(0.1)
-    assert path not in listed
+
+    def listed() -> list[str]:
+        return [c["tinker_path"] for c in http.get(f"/api/v1/training_runs/{run}/checkpoints", headers=ALICE).json()["checkpoints"]]
+
+    wait_for(lambda: path not in listed(), timeout_s=30, poll_s=0.1)  # the next maintenance sweep
     assert not (daemon.data_dir / "checkpoints" / run / "weights" / name).exists()
     events = http.get("/api/v1/audit", params={"event_type": "checkpoints"}, headers=ALICE).json()["entries"]
     assert [e["tinker_path"] for e in events if e["event"] == "checkpoint_expired"] == [path]

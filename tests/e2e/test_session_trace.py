@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import httpx
 import tinker
 from tinker import types
+
+from tests.waits import wait_for
 
 API_KEY = "tml-test"
 
@@ -31,9 +32,8 @@ def test_finished_requests_leave_the_pending_gauge_and_show_their_duration_in_th
         model_input=types.ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, 9]}
     )
     training.forward_backward([datum], "cross_entropy").result()
-    deadline = time.monotonic() + 10  # finishes are logged in batches, every futures.LOG_FLUSH_S
-    while _pending_gauge(daemon.url) != "0" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # Finishes are logged in batches, every futures.LOG_FLUSH_S.
+    wait_for(lambda: _pending_gauge(daemon.url) == "0", timeout_s=10, poll_s=0.1)
     rest = tinker.RestClient(base_url=daemon.url, api_key=API_KEY)
     events = _trace_events(rest, training.model_id.split(":", 1)[0])
     service.close("success").result()

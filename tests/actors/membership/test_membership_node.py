@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 import trio
@@ -14,20 +13,12 @@ from openrld.actors.membership.fake_network import FakeNetwork
 from openrld.actors.membership.messages import MemberState, NodePayload, Ping, PushPull
 from openrld.actors.membership.simulation import SimulatedCluster
 from openrld.actors.membership.transport import PeerUnreachable
+from tests.waits import wait_until
 
 LAN = MembershipConfig.lan()
 # Gossip spreads a join in well under a second; a join it misses is repaired by the next
 # push-pull, at most push_pull_interval_s later (the protocol's convergence bound for these sizes).
 CONVERGED_S = 2.0 + LAN.push_pull_interval_s
-
-
-async def wait_until(predicate: Callable[[], bool], *, within_s: float, poll_s: float = 0.1) -> float:
-    """Sim seconds until `predicate` holds; fails the test past `within_s`."""
-    start = trio.current_time()
-    with trio.fail_after(within_s):
-        while not predicate():
-            await trio.sleep(poll_s)
-    return trio.current_time() - start
 
 
 async def start_cluster(nursery: trio.Nursery, n: int, *, loss: float = 0.0, seed: int = 0) -> SimulatedCluster:
