@@ -29,6 +29,7 @@ from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.jobs import JobTable
 from openrld.actors.maintenance import run_maintenance
+from openrld.actors.records import Records
 from openrld.actors.model_prep import prepare_models
 from openrld.actors.run_history import (
     MAX_POINTS_PER_RUN, MAX_SAMPLING_BUCKETS, SAMPLING_BUCKET_S, HistoryRecorder,
@@ -229,6 +230,7 @@ async def serve(
                 if membership is not None else None
             )
             services = Services(
+                records=Records(store, usage),  # the rows the routes read
                 config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
                 store=store, catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),

@@ -16,20 +16,27 @@ row), and a file half (rename, rmtree, fsync, directory listings, manifest
 reads), in a worker thread under this writer's limiter: on a slow or shared
 filesystem (NFS, GCS FUSE) those take seconds, and on the loop they would
 stall every client of the node.
+
+The routes reach checkpoints only through it: the owner rule (`owned`,
+`readable`: another user's unpublished checkpoint is a 404, as a missing one),
+publish and TTL with their audit events, copies into a run of the caller's
+own, and the file names and bytes behind signed downloads, read in its threads.
 """
 
 from __future__ import annotations
 
 import shutil
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
 
 import trio
 
 from openrld.checkpoint_manifest import CheckpointManifest
-from openrld.errors import BadRequest, Conflict
-from openrld.ids import CheckpointKind, TinkerPath
+from openrld.errors import BadRequest, Conflict, NotFound
+from openrld.ids import CheckpointKind, TinkerPath, new_request_id
 from openrld.store import CheckpointRow, RunRow, Store, utc_now
+from openrld.store.checkpoint_files import copy_files, list_files, read_file
 
 MIN_TTL_S = 3600  # the SDK documents 3600 s to 10 years
 MAX_TTL_S = 10 * 365 * 24 * 3600
@@ -138,3 +145,126 @@ class CheckpointWriter:
             if self._store.get_checkpoint(path.run_id, path.kind, path.name) is None:
                 await self.adopt_checkpoint(path)
         return self._store.get_run(run_id)
+
+    # ------------------------------------------------------------ what the routes ask of checkpoints
+
+    def _audit(self, user: str, event: str, row: CheckpointRow, **extra: str) -> None:
+        self._store.audit.record(
+            user, event, {"tinker_path": row.tinker_path, "model_id": row.run_id, "actor": user, **extra}
+        )
+
+    def get(self, path: TinkerPath) -> CheckpointRow | None:
+        return self._store.checkpoints.get(path.run_id, path.kind, path.name)
+
+    async def readable(self, user: str, path: TinkerPath) -> CheckpointRow:
+        """The checkpoint if `user` owns it or it is published; else NotFound.
+
+        On a shared checkpoint root, one that another node wrote is adopted first (its manifest read in a thread).
+        """
+        row = self.get(path) or await self.adopt_checkpoint(path)
+        if row is None or (row.owner != user and not row.public):
+            raise NotFound(f"no checkpoint {path.uri}")
+        return row
+
+    def owned(self, user: str, path: TinkerPath) -> CheckpointRow:
+        """The checkpoint if `user` owns it; a published one of someone else's is still NotFound here."""
+        row = self.get(path)
+        if row is None or row.owner != user:
+            raise NotFound(f"no checkpoint {path.uri}")
+        return row
+
+    async def publish(self, user: str, path: TinkerPath, public: bool) -> None:
+        """Publish or unpublish `user`'s checkpoint, and audit it. Raises NotFound."""
+        row = self.owned(user, path)
+        await self.set_public(row.run_id, row.kind, row.name, public)
+        self._audit(user, "checkpoint_published" if public else "checkpoint_unpublished", row)
+
+    async def set_ttl(self, user: str, path: TinkerPath, ttl_seconds: int | None) -> None:
+        """Set (None: remove) `user`'s checkpoint's TTL from now, and audit it.
+
+        Raises:
+            NotFound: no such checkpoint of `user`'s.
+            BadRequest: a TTL out of range.
+        """
+        row = self.owned(user, path)
+        check_ttl(ttl_seconds)
+        expires_at = None if ttl_seconds is None else utc_now() + timedelta(seconds=ttl_seconds)
+        await self.set_expiry(row.run_id, row.kind, row.name, expires_at)
+        self._audit(user, "checkpoint_ttl_set", row, ttl_seconds=str(ttl_seconds))
+
+    async def copy(
+        self, user: str, source: TinkerPath, *, ttl_seconds: int | None, destination_project_id: str | None
+    ) -> str:
+        """Copy a checkpoint `user` may read into a new run of `user`'s own; returns the copy's tinker:// path.
+
+        The copy is a run of the caller's own, so it lives and dies apart from
+        the source. Its files are copied, committed (staging, fsync, rename)
+        and its manifest written in this writer's threads.
+
+        Raises:
+            NotFound: no such checkpoint or run that `user` may read.
+            BadRequest: a TTL out of range.
+        """
+        files = self._store.files
+        row = await self.readable(user, source)
+        check_ttl(ttl_seconds)
+        run = self._store.runs.get(source.run_id)
+        if run is None:
+            raise NotFound(f"no training run {source.run_id!r}")
+        source_dir = await self._in_thread(files.checkpoint_dir, source.run_id, source.kind, source.name)
+        copy_run = f"copy-{new_request_id()[2:18]}"
+        self._store.runs.create(
+            copy_run, session_id="", owner=user, base_model=run.base_model, model_dir=run.model_dir,
+            lora=run.lora, settings=run.settings, user_metadata={}, optimizer_config=run.optimizer_config,
+        )
+
+        def stage() -> tuple[Path, Path, int]:
+            final = files.checkpoint_dir(copy_run, source.kind, source.name)
+            staging = files.staging_dir()
+            return staging, final, copy_files(source_dir, staging)
+
+        staging, final, size = await self._in_thread(stage)
+        metadata = dict(row.user_metadata)
+        if destination_project_id is not None:
+            metadata["project_id"] = destination_project_id
+        expires_at = None if ttl_seconds is None else utc_now() + timedelta(seconds=ttl_seconds)
+        manifest = self._store.adoption.manifest_for(
+            copy_run, source.kind, source.name, size_bytes=size, user_metadata=metadata, expires_at=expires_at
+        )
+        await self._in_thread(partial(files.commit_dir, staging, final, manifest=manifest))
+        copied = self._store.checkpoints.add(
+            copy_run, source.kind, source.name, user, size, metadata, expires_at, created_at=manifest.created_at
+        )
+        self._audit(user, "checkpoint_copied", copied, source=row.tinker_path)
+        return copied.tinker_path
+
+    async def external_files(self, user: str, path: TinkerPath) -> list[str]:
+        """The file names of a checkpoint `user` may read, listed in a thread, for signed download URLs; audited.
+
+        Raises:
+            NotFound: no such checkpoint that `user` may read.
+            ServerError: the directory holds something other than regular files.
+        """
+        row = await self.readable(user, path)
+        files = self._store.files
+
+        def names() -> list[str]:
+            return list_files(files.checkpoint_dir(path.run_id, path.kind, path.name))
+
+        listed = await self._in_thread(names)
+        self._audit(user, "checkpoint_read", row, purpose="external_weights_urls")
+        return listed
+
+    async def read_file(self, path: TinkerPath, filename: str) -> bytes:
+        """One regular file of an existing checkpoint, read in a thread (a signed download: no owner check here).
+
+        Raises:
+            NotFound: no such checkpoint or file.
+            BadRequest: an unsafe file name.
+        """
+        if self.get(path) is None:
+            raise NotFound(f"no checkpoint {path.uri}")
+        files = self._store.files
+        return await self._in_thread(
+            lambda: read_file(files.checkpoint_dir(path.run_id, path.kind, path.name), filename)
+        )

@@ -26,6 +26,7 @@ from openrld.actors.device_pool import NodeDevices
 from openrld.actors.directory import Directory
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
+from openrld.actors.records import Records
 from openrld.actors.jobs import JobTable
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.usage import UsageMeter
@@ -60,7 +61,8 @@ class Services:
     futures: FutureTable
     jobs: JobTable
     groups: GroupTable
-    checkpoints: CheckpointWriter  # checkpoint files (delete, publish, TTL, adoption): in its worker threads
+    checkpoints: CheckpointWriter  # checkpoints, their rows and files (files in its worker threads)
+    records: Records  # sessions, runs, audit and usage rows, as the routes read them
     devices: tuple[DeviceSummary, ...] = ()  # what the daemon resolved at startup, for /openrl/v1/info
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage

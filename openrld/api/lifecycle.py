@@ -9,282 +9,161 @@ TTL of, or delete it; anyone may read (load, sample, copy, download) a
 published one; anything else answers 404 exactly as a missing thing does, so
 ids leak nothing. A signed URL is its own credential: the route that signs it
 has already checked the caller, and the download route checks only the
-signature and expiry, then serves regular files from inside the checkpoint
-directory (never a symlink, never a path with '/' or '..').
+signature and expiry, then the checkpoint actor serves regular files from
+inside the checkpoint directory (never a symlink, never a path with '/' or '..').
 
-It never writes checkpoint files itself except by copying a whole checkpoint
-through the store's staging and commit (atomic), in a worker thread.
+The handlers decode, authenticate and reply through `wire` Structs; the rows
+and files are the checkpoint actor's (actors/checkpoints.py, whose threads do
+every filesystem call) and the records service's (actors/records.py).
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from openrld import ids
-from openrld.actors.checkpoints import check_ttl
 from openrld.api import wire
-from openrld.api.app import Services, caller, json_response
-from openrld.checkpoint_manifest import MANIFEST_NAME
-from openrld.errors import BadRequest, NotFound, ServerError
-from openrld.store import CheckpointRow, SessionRow, Store, utc_now
+from openrld.api.app import Services, add_route, caller, json_response
+from openrld.errors import BadRequest, NotFound
+from openrld.store import SessionRow
 
 DOWNLOAD_URL_TTL_S = 3600  # the SDK re-signs within 5 minutes of expiry; an hour as Tinker does
 TRACE_FILE = "trace.json"
-MAX_COPY_FILES = 64  # a checkpoint holds a handful of files; more means something is wrong
-
-
-async def readable_checkpoint(services: Services, user: str, path: ids.TinkerPath) -> CheckpointRow:
-    """The checkpoint if `user` owns it or it is published; else NotFound.
-
-    On a shared checkpoint root, one that another node wrote is adopted first.
-    """
-    store = services.store
-    row = store.get_checkpoint(path.run_id, path.kind, path.name) or await services.checkpoints.adopt_checkpoint(path)
-    if row is None or (row.owner != user and not row.public):
-        raise NotFound(f"no checkpoint {path.uri}")
-    return row
-
-
-def owned_checkpoint(store: Store, user: str, path: ids.TinkerPath) -> CheckpointRow:
-    """The checkpoint if `user` owns it; a published one of someone else's is still NotFound here."""
-    row = store.get_checkpoint(path.run_id, path.kind, path.name)
-    if row is None or row.owner != user:
-        raise NotFound(f"no checkpoint {path.uri}")
-    return row
-
-
-def checkpoint_files(directory: Path) -> list[str]:
-    """The regular files directly in a checkpoint directory, sorted, less its manifest (openrld's, not the model's).
-
-    Raises:
-        ServerError: the directory holds a symlink, a device or a subdirectory;
-            a checkpoint never does, so someone planted it.
-    """
-    names: list[str] = []
-    for entry in os.scandir(directory):
-        mode = entry.stat(follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise ServerError(f"checkpoint dir {directory.name!r} holds {entry.name!r}, which is not a regular file")
-        if entry.name != MANIFEST_NAME:
-            names.append(entry.name)
-    return sorted(names)
-
-
-def read_checkpoint_file(directory: Path, filename: str) -> bytes:
-    """One file's bytes, refusing symlinks at the last step too (O_NOFOLLOW)."""
-    ids.validate_name(filename, "file name")
-    try:
-        fd = os.open(directory / filename, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise NotFound(f"no file {filename!r} in this checkpoint") from None
-    except OSError as exc:  # ELOOP: the name is a symlink
-        raise NotFound(f"no file {filename!r} in this checkpoint ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-            raise NotFound(f"no file {filename!r} in this checkpoint (not a regular file)")
-        return file.read()
-
-
-def _copy_checkpoint_files(source: Path, staging: Path) -> int:
-    files = checkpoint_files(source)
-    if len(files) > MAX_COPY_FILES:
-        raise ServerError(f"checkpoint dir {source.name!r} holds {len(files)} files; at most {MAX_COPY_FILES}")
-    size = 0
-    for name in files:
-        data = read_checkpoint_file(source, name)
-        with open(staging / name, "xb") as out:
-            out.write(data)
-        size += len(data)
-    return size
-
-
-def _session_status(row: SessionRow) -> dict[str, Any]:
-    if row.finish_reason is None:
-        return {"type": "active"}
-    status: dict[str, Any] = {"type": "client_finished", "reason": {"type": row.finish_reason}}
-    if row.finish_detail is not None:
-        status["detail"] = row.finish_detail
-    return status
+_CHECKPOINT = "/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>"
 
 
 def register(app: QuartTrio, services: Services) -> None:
-    store = services.store
-    signer = services.signer
+    route = partial(add_route, app, services)
+    route("POST", f"{_CHECKPOINT}/publish", publish)
+    route("DELETE", f"{_CHECKPOINT}/publish", unpublish)
+    route("PUT", f"{_CHECKPOINT}/ttl", set_ttl)
+    route("POST", "/api/v1/copy_weights", copy_weights)
+    route("GET", f"{_CHECKPOINT}/external_weights_urls", external_weights_urls)
+    route("GET", "/api/v1/download/<run_id>/<kind>/<name>/<filename>", download)
+    route("PUT", "/api/v1/sessions/<session_id>/project", assign_project)
+    route("POST", "/api/v1/sessions/search", search_sessions)
+    route("GET", "/api/v1/sessions/<session_id>/trace_export", trace_export)
+    route("GET", "/api/v1/trace/<session_id>/<filename>", trace)
 
-    def audit(user: str, event: str, row: CheckpointRow, **extra: str) -> None:
-        store.record_audit(
-            user, event, {"tinker_path": row.tinker_path, "model_id": row.run_id, "actor": user, **extra}
+
+# ---------------------------------------------------------------- publish, unpublish, TTL
+
+
+async def publish(services: Services, run_id: str, kind: str, name: str) -> Response:
+    await services.checkpoints.publish(caller(services), ids.TinkerPath.of(run_id, kind, name), True)
+    return json_response(wire.EmptyResponse())
+
+
+async def unpublish(services: Services, run_id: str, kind: str, name: str) -> Response:
+    await services.checkpoints.publish(caller(services), ids.TinkerPath.of(run_id, kind, name), False)
+    return json_response(wire.EmptyResponse())
+
+
+async def set_ttl(services: Services, run_id: str, kind: str, name: str) -> Response:
+    user = caller(services)
+    req = wire.decode_json(await request.get_data(), wire.TtlRequest)
+    await services.checkpoints.set_ttl(user, ids.TinkerPath.of(run_id, kind, name), req.ttl_seconds)
+    return json_response(wire.EmptyResponse())
+
+
+# ---------------------------------------------------------------- copies and downloads
+
+
+async def copy_weights(services: Services) -> Response:
+    user = caller(services)
+    req = wire.decode_json(await request.get_data(), wire.CopyWeightsRequest)
+    tinker_path = await services.checkpoints.copy(
+        user, ids.parse_tinker_path(req.source_path), ttl_seconds=req.ttl_seconds,
+        destination_project_id=req.destination_project_id,
+    )
+    return json_response(wire.CopyWeightsResponse(tinker_path=tinker_path))
+
+
+async def external_weights_urls(services: Services, run_id: str, kind: str, name: str) -> Response:
+    user = caller(services)
+    path = ids.TinkerPath.of(run_id, kind, name)
+    if path.kind is not ids.CheckpointKind.EXTERNAL_WEIGHTS:
+        raise BadRequest(f"external weights URLs are for external_weights/ checkpoints, got {path.checkpoint_id!r}")
+    urls: dict[str, str] = {}
+    expires = 0
+    for filename in await services.checkpoints.external_files(user, path):
+        signed, expires = services.signer.sign_path(
+            f"/api/v1/download/{path.run_id}/{path.kind.value}/{path.name}/{filename}", DOWNLOAD_URL_TTL_S
         )
+        urls[filename] = request.host_url.rstrip("/") + signed
+    return json_response(wire.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC)))
 
-    # ------------------------------------------------------------ publish, unpublish, TTL
 
-    async def set_public(run_id: str, kind: str, name: str, public: bool) -> Response:
-        user = caller(services)
-        row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
-        await services.checkpoints.set_public(row.run_id, row.kind, row.name, public)
-        audit(user, "checkpoint_published" if public else "checkpoint_unpublished", row)
-        return json_response({})
+async def download(services: Services, run_id: str, kind: str, name: str, filename: str) -> Response:
+    services.signer.check_path(
+        f"/api/v1/download/{run_id}/{kind}/{name}/{filename}", request.args.get("expires"), request.args.get("sig")
+    )
+    data = await services.checkpoints.read_file(ids.TinkerPath.of(run_id, kind, name), filename)
+    return Response(data, status=200, content_type="application/octet-stream")
 
-    @app.post("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
-    async def publish(run_id: str, kind: str, name: str) -> Response:
-        return await set_public(run_id, kind, name, True)
 
-    @app.delete("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/publish")
-    async def unpublish(run_id: str, kind: str, name: str) -> Response:
-        return await set_public(run_id, kind, name, False)
+# ---------------------------------------------------------------- sessions
 
-    @app.put("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/ttl")
-    async def set_ttl(run_id: str, kind: str, name: str) -> Response:
-        user = caller(services)
-        req = wire.decode_json(await request.get_data(), wire.TtlRequest)
-        row = owned_checkpoint(store, user, ids.TinkerPath.of(run_id, kind, name))
-        check_ttl(req.ttl_seconds)
-        expires_at = None if req.ttl_seconds is None else utc_now() + timedelta(seconds=req.ttl_seconds)
-        await services.checkpoints.set_expiry(row.run_id, row.kind, row.name, expires_at)
-        audit(user, "checkpoint_ttl_set", row, ttl_seconds=str(req.ttl_seconds))
-        return json_response({})
 
-    # ------------------------------------------------------------ copies and downloads
+async def assign_project(services: Services, session_id: str) -> Response:
+    user = caller(services)
+    req = wire.decode_json(await request.get_data(), wire.ProjectRequest)
+    services.records.assign_project(user, session_id, req.project_id)
+    return json_response(wire.EmptyResponse())
 
-    @app.post("/api/v1/copy_weights")
-    async def copy_weights() -> Response:
-        user = caller(services)
-        req = wire.decode_json(await request.get_data(), wire.CopyWeightsRequest)
-        source = ids.parse_tinker_path(req.source_path)
-        row = await readable_checkpoint(services, user, source)
-        check_ttl(req.ttl_seconds)
-        run = store.get_run(source.run_id)
-        if run is None:
-            raise NotFound(f"no training run {source.run_id!r}")
-        source_dir = store.checkpoint_dir(source.run_id, source.kind, source.name)
-        # The copy is a run of the caller's own, so it lives and dies apart from the source.
-        copy_run = f"copy-{ids.new_request_id()[2:18]}"
-        store.create_run(
-            copy_run, session_id="", owner=user, base_model=run.base_model, model_dir=run.model_dir,
-            lora=run.lora, settings=run.settings, user_metadata={}, optimizer_config=run.optimizer_config,
+
+async def search_sessions(services: Services) -> Response:
+    user = caller(services)
+    req = wire.decode_json(await request.get_data(), wire.SessionSearchRequest)
+    if isinstance(req.owner, wire.UserSearchOwner) and req.owner.owner_urns != [f"tml:user:{user}"]:
+        return json_response(wire.SessionSearchResponse(sessions=[]))  # only one's own sessions are visible
+    before = None if req.cursor is None else (req.cursor.last_created_at, req.cursor.last_session_id)
+    found = services.records.search_sessions(user, partial(_matches, req=req), before=before, limit=req.limit)
+    sessions = [
+        wire.SessionSummary(
+            session_id=row.session_id, created_at=row.created_at, owner=user, project_id=row.project_id or "",
+            checkpoints_count=count, status=_session_status(row), display_name=row.display_name,
+            user_metadata=row.user_metadata, checkpoint_storage_bytes=size,
         )
-        final = store.checkpoint_dir(copy_run, source.kind, source.name)
-        staging = store.staging_dir()
-        size = await trio.to_thread.run_sync(_copy_checkpoint_files, source_dir, staging)
-        metadata = dict(row.user_metadata)
-        if req.destination_project_id is not None:
-            metadata["project_id"] = req.destination_project_id
-        expires_at = None if req.ttl_seconds is None else utc_now() + timedelta(seconds=req.ttl_seconds)
-        manifest = store.manifest_for(
-            copy_run, source.kind, source.name, size_bytes=size, user_metadata=metadata, expires_at=expires_at
-        )
-        await trio.to_thread.run_sync(partial(store.commit_dir, staging, final, manifest=manifest))
-        copied = store.add_checkpoint(
-            copy_run, source.kind, source.name, user, size, metadata, expires_at, created_at=manifest.created_at
-        )
-        audit(user, "checkpoint_copied", copied, source=row.tinker_path)
-        return json_response({"tinker_path": copied.tinker_path})
+        for row, count, size in found[: req.limit]
+    ]
+    next_cursor = None
+    if len(found) > req.limit:
+        last = found[req.limit - 1][0]
+        next_cursor = wire.SessionSearchCursor(last_created_at=last.created_at, last_session_id=last.session_id)
+    return json_response(wire.SessionSearchResponse(sessions=sessions, next_cursor=next_cursor))
 
-    @app.get("/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>/external_weights_urls")
-    async def external_weights_urls(run_id: str, kind: str, name: str) -> Response:
-        user = caller(services)
-        path = ids.TinkerPath.of(run_id, kind, name)
-        if path.kind is not ids.CheckpointKind.EXTERNAL_WEIGHTS:
-            raise BadRequest(f"external weights URLs are for external_weights/ checkpoints, got {path.checkpoint_id!r}")
-        row = await readable_checkpoint(services, user, path)
-        directory = store.checkpoint_dir(path.run_id, path.kind, path.name)
-        urls: dict[str, str] = {}
-        expires = 0
-        for filename in await trio.to_thread.run_sync(checkpoint_files, directory):
-            signed, expires = signer.sign_path(
-                f"/api/v1/download/{path.run_id}/{path.kind.value}/{path.name}/{filename}", DOWNLOAD_URL_TTL_S
-            )
-            urls[filename] = request.host_url.rstrip("/") + signed
-        audit(user, "checkpoint_read", row, purpose="external_weights_urls")
-        return json_response({"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()})
 
-    @app.get("/api/v1/download/<run_id>/<kind>/<name>/<filename>")
-    async def download(run_id: str, kind: str, name: str, filename: str) -> Response:
-        signer.check_path(
-            f"/api/v1/download/{run_id}/{kind}/{name}/{filename}", request.args.get("expires"), request.args.get("sig")
-        )
-        path = ids.TinkerPath.of(run_id, kind, name)
-        if store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-            raise NotFound(f"no checkpoint {path.uri}")
-        directory = store.checkpoint_dir(path.run_id, path.kind, path.name)
-        data = await trio.to_thread.run_sync(read_checkpoint_file, directory, filename)
-        return Response(data, status=200, content_type="application/octet-stream")
+async def trace_export(services: Services, session_id: str) -> Response:
+    services.records.own_session(caller(services), session_id)
+    signed, _ = services.signer.sign_path(f"/api/v1/trace/{session_id}/{TRACE_FILE}", DOWNLOAD_URL_TTL_S)
+    return json_response(wire.TraceExportResponse(status="ready", url=request.host_url.rstrip("/") + signed))
 
-    # ------------------------------------------------------------ sessions
 
-    def own_session(user: str, session_id: str) -> SessionRow:
-        row = store.get_session(session_id)
-        if row is None or row.owner != user:
-            raise NotFound(f"no session {session_id!r}")
-        return row
+async def trace(services: Services, session_id: str, filename: str) -> Response:
+    services.signer.check_path(
+        f"/api/v1/trace/{session_id}/{filename}", request.args.get("expires"), request.args.get("sig")
+    )
+    row = services.records.session(session_id)
+    if row is None:
+        raise NotFound(f"no session {session_id!r}")
+    requests = services.records.session_requests(session_id)
+    return Response(msgspec.json.encode(session_trace(row, requests)), content_type="application/json")
 
-    @app.put("/api/v1/sessions/<session_id>/project")
-    async def assign_project(session_id: str) -> Response:
-        user = caller(services)
-        req = wire.decode_json(await request.get_data(), wire.ProjectRequest)
-        own_session(user, session_id)
-        if not req.project_id or len(req.project_id) > ids.MAX_NAME_CHARS:
-            raise BadRequest(f"project_id: expected 1..{ids.MAX_NAME_CHARS} characters, got {len(req.project_id)}")
-        store.set_session_project(session_id, req.project_id)
-        store.record_audit(user, "project_session_assigned", {"session_id": session_id, "project_id": req.project_id, "actor": user})
-        return json_response({})
 
-    @app.post("/api/v1/sessions/search")
-    async def search_sessions() -> Response:
-        user = caller(services)
-        req = wire.decode_json(await request.get_data(), wire.SessionSearchRequest)
-        if isinstance(req.owner, wire.UserSearchOwner) and req.owner.owner_urns != [f"tml:user:{user}"]:
-            return json_response({"sessions": []})  # only one's own sessions are visible
-        summaries = []
-        for row in store.all_sessions(user):
-            if req.cursor is not None and (row.created_at, row.session_id) >= (
-                req.cursor.last_created_at, req.cursor.last_session_id
-            ):
-                continue
-            if not _matches(row, req):
-                continue
-            count, size = store.session_checkpoint_usage(row.session_id)
-            summary: dict[str, Any] = {
-                "session_id": row.session_id, "created_at": row.created_at.isoformat(), "owner": user,
-                "project_id": row.project_id or "", "checkpoints_count": count,
-                "status": _session_status(row), "user_metadata": row.user_metadata,
-                "checkpoint_storage_bytes": size,
-            }
-            if row.display_name is not None:
-                summary["display_name"] = row.display_name
-            summaries.append((row, summary))
-            if len(summaries) > req.limit:
-                break
-        body: dict[str, Any] = {"sessions": [s for _, s in summaries[: req.limit]]}
-        if len(summaries) > req.limit:
-            last = summaries[req.limit - 1][0]
-            body["next_cursor"] = {"last_created_at": last.created_at.isoformat(), "last_session_id": last.session_id}
-        return json_response(body)
+# ---------------------------------------------------------------- helpers
 
-    @app.get("/api/v1/sessions/<session_id>/trace_export")
-    async def trace_export(session_id: str) -> Response:
-        user = caller(services)
-        own_session(user, session_id)
-        signed, _ = signer.sign_path(f"/api/v1/trace/{session_id}/{TRACE_FILE}", DOWNLOAD_URL_TTL_S)
-        return json_response({"status": "ready", "url": request.host_url.rstrip("/") + signed})
 
-    @app.get("/api/v1/trace/<session_id>/<filename>")
-    async def trace(session_id: str, filename: str) -> Response:
-        signer.check_path(f"/api/v1/trace/{session_id}/{filename}", request.args.get("expires"), request.args.get("sig"))
-        row = store.get_session(session_id)
-        if row is None:
-            raise NotFound(f"no session {session_id!r}")
-        return Response(msgspec.json.encode(session_trace(store, row)), content_type="application/json")
+def _session_status(row: SessionRow) -> wire.SessionStatus:
+    if row.finish_reason is None:
+        return wire.SessionActive()
+    return wire.ClientSessionFinished(reason=wire.FinishReason(type=row.finish_reason), detail=row.finish_detail)
 
 
 def _matches(row: SessionRow, req: wire.SessionSearchRequest) -> bool:
@@ -309,12 +188,14 @@ def _matches(row: SessionRow, req: wire.SessionSearchRequest) -> bool:
     return True
 
 
-def session_trace(store: Store, session: SessionRow) -> dict[str, Any]:
+def session_trace(
+    session: SessionRow, requests: list[tuple[str, str, str, datetime, datetime | None]]
+) -> dict[str, Any]:
     """The session's requests as a Chrome/Perfetto JSON trace: one track per model or sampler."""
     tracks: dict[str, int] = {}
     events: list[dict[str, Any]] = []
     origin = session.created_at
-    for request_id, model_id, kind, created, finished in store.session_requests(session.session_id):
+    for request_id, model_id, kind, created, finished in requests:
         tid = tracks.setdefault(model_id, len(tracks) + 1)
         start_us = (created - origin) // timedelta(microseconds=1)
         end = finished if finished is not None else created

@@ -753,6 +753,17 @@ class SessionSearchResponse(ResponseBody):
     next_cursor: SessionSearchCursor | None = None
 
 
+class TraceExportResponse(ResponseBody):
+    """A poll of `/sessions/<id>/trace_export` (the SDK's private _SessionTraceExportPollResponse).
+
+    openrld builds the trace when it is downloaded, so a poll always answers "ready" with the signed URL.
+    """
+
+    status: Literal["pending", "ready", "failed"]
+    url: str | None = None
+    error: str | None = None
+
+
 class HealthResponse(ResponseBody, tag_field="status", tag="ok"):
     version: str | None = None  # openrld's own (the SDK reads only status): the daemon's version, for people and probes
 

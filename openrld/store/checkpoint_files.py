@@ -44,7 +44,7 @@ from openrld.checkpoint_manifest import (
     read_manifest,
     write_manifest,
 )
-from openrld.errors import BadRequest, Conflict, ServerError
+from openrld.errors import BadRequest, Conflict, NotFound, ServerError
 from openrld.ids import CheckpointKind, TinkerPath, validate_name
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ _REPLACED_SUFFIX = "#old"
 # starts with '.', which no run id may (ids.validate_name), so it is never a run.
 SHARED_STAGING_DIR = ".staging"
 NODE_ID_FILE = "node_id"  # in the data dir: this node's name for its staging on a shared root
+MAX_COPY_FILES = 64  # a checkpoint holds a handful of files; more means something is wrong
 
 
 class CheckpointLayout(msgspec.Struct, frozen=True):
@@ -283,6 +284,60 @@ class CheckpointFiles:
     @property
     def root(self) -> Path:
         return self._checkpoints
+
+
+# --- reading a checkpoint's files (downloads, copies) ---------------------------------------------
+
+
+def list_files(directory: Path) -> list[str]:
+    """The regular files directly in a checkpoint directory, sorted, less its manifest (openrld's, not the model's).
+
+    Raises:
+        ServerError: the directory holds a symlink, a device or a subdirectory;
+            a checkpoint never does, so someone planted it.
+    """
+    names: list[str] = []
+    for entry in os.scandir(directory):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise ServerError(f"checkpoint dir {directory.name!r} holds {entry.name!r}, which is not a regular file")
+        if entry.name != MANIFEST_NAME:
+            names.append(entry.name)
+    return sorted(names)
+
+
+def read_file(directory: Path, filename: str) -> bytes:
+    """One file's bytes, refusing symlinks at the last step too (O_NOFOLLOW).
+
+    Raises:
+        BadRequest: an unsafe file name.
+        NotFound: no such regular file in the directory.
+    """
+    validate_name(filename, "file name")
+    try:
+        fd = os.open(directory / filename, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise NotFound(f"no file {filename!r} in this checkpoint") from None
+    except OSError as exc:  # ELOOP: the name is a symlink
+        raise NotFound(f"no file {filename!r} in this checkpoint ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise NotFound(f"no file {filename!r} in this checkpoint (not a regular file)")
+        return file.read()
+
+
+def copy_files(source: Path, staging: Path) -> int:
+    """Copy a checkpoint directory's files (`list_files`) into a staging dir; returns the bytes copied."""
+    files = list_files(source)
+    if len(files) > MAX_COPY_FILES:
+        raise ServerError(f"checkpoint dir {source.name!r} holds {len(files)} files; at most {MAX_COPY_FILES}")
+    size = 0
+    for name in files:
+        data = read_file(source, name)
+        with open(staging / name, "xb") as out:
+            out.write(data)
+        size += len(data)
+    return size
 
 
 # --- opening and recovery -------------------------------------------------------------------------

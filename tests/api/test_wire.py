@@ -31,6 +31,9 @@ from tinker.types._pydantic_types.tensor_data import TensorData as SdkTensorData
 from tinker.types.auth_token_response import AuthTokenResponse
 from tinker.types.client_dynamic_config_response import ClientDynamicConfigResponse
 from tinker.types.external_weights_urls_response import ExternalWeightsUrlsResponse
+from tinker.lib.public_interfaces.rest_client import (
+    _SessionTraceExportPollResponse as SdkTraceExportPollResponse,
+)
 from tinker.types.generic_event import GenericEvent
 from tinker.types.try_again_response import TryAgainResponse
 from tinker.types.optimizer import OptimParamsBase
@@ -1146,6 +1149,11 @@ RESPONSES = [
         sdk.SessionSearchResponse,
         id="session-search",
     ),
+    pytest.param(
+        wire.TraceExportResponse(status="ready", url="http://x/api/v1/trace/s1/trace.json?expires=1&sig=a"),
+        SdkTraceExportPollResponse,
+        id="trace-export",
+    ),
     pytest.param(wire.HealthResponse(), sdk.HealthResponse, id="health"),
     # The SDK keeps an error's JSON body as it is; the CLI reads its `detail` (spec §1.6).
     pytest.param(wire.ErrorResponse(detail="no training run 'r'"), CliErrorResponse, id="error"),
@@ -1245,6 +1253,19 @@ def test_try_again_carries_the_queue_state_reason_the_sdk_reads_raw() -> None:
     # The SDK's retrieve loop reads queue_state_reason from the raw dict; its model lacks it.
     body = wire.TryAgainResponse(request_id="r", queue_state="paused_rate_limit", queue_state_reason="over quota")
     assert json.loads(wire.encode_json(body))["queue_state_reason"] == "over quota"
+
+
+def test_acknowledgements_are_an_empty_object_which_the_sdk_reads_as_none() -> None:
+    # publish, unpublish, TTL and project assignment: the SDK's RestClient casts their body to NoneType.
+    from pathlib import Path
+
+    from tinker.lib.public_interfaces import rest_client
+
+    source = Path(rest_client.__file__).read_text()
+    for route in ("/publish", "/ttl", "/project"):
+        call = source[source.index(route):][:200]
+        assert "cast_to=NoneType" in call, route
+    assert msgspec.json.encode(wire.EmptyResponse()) == b"{}"
 
 
 def test_metadata_only_response_has_the_status_the_sdk_classifies_on() -> None:
