@@ -30,6 +30,7 @@ import trio
 
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
+from openrld.actors.job_registry import NO_IMAGES, Images
 from openrld.actors.sampler import (
     MAX_HOST_VERSIONS,
     MAX_LOADED_VERSIONS,
@@ -78,20 +79,6 @@ class Group(msgspec.Struct, frozen=True):
     trainer: TrainerHandle
     sampler: SamplerHandle
     job: str | None = None  # the full fine-tuning run it serves alone; None: the base model's LoRA group
-
-
-class Images(msgspec.Struct, frozen=True):
-    """The container images a job's own group runs its workers from (openrl.*_backend); None: built in."""
-
-    trainer: str | None = None
-    sampler: str | None = None
-
-    @property
-    def any(self) -> bool:
-        return self.trainer is not None or self.sampler is not None
-
-
-NO_IMAGES = Images()
 
 
 class OwnGroup(msgspec.Struct, frozen=True):
