@@ -3,10 +3,12 @@
 What it must never do: relay a body cut short by the client's disconnect, buffer
 a body past the limit to answer 413, or send a caller's key to a peer in plain
 HTTP when this node speaks TLS. None of these reach the directory or a peer,
-so the relay is built here without a cluster.
+so the relay is built here without a cluster (its directory only names the node).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -14,6 +16,7 @@ import trio
 
 from openrld.actors.membership.messages import MemberState, NodePayload
 from openrld.actors.membership.table import Member
+from openrld.actors.peer_client import PeerClient
 from openrld.api.relay import Relay
 from openrld.metrics import RelayCounters
 
@@ -32,7 +35,8 @@ class Inner:
 
 def relay(inner: Inner, *, tls: bool = False) -> Relay:
     return Relay(
-        inner, directory=None, client=httpx.AsyncClient(), counters=RelayCounters(), secret="s",  # type: ignore[arg-type]
+        inner, directory=SimpleNamespace(local_name="node-a"), client=httpx.AsyncClient(),  # type: ignore[arg-type]
+        counters=RelayCounters(), secret="s",
         user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
         resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=60.0, tls=tls,
         longpolls=frozenset({"/api/v1/retrieve_future"}),
@@ -79,7 +83,10 @@ async def test_a_body_over_the_limit_is_answered_413_by_the_relay_itself() -> No
 
 async def test_under_tls_a_plain_http_peer_is_never_sent_the_callers_request() -> None:
     member = Member("node-b", "127.0.0.1:1", 1, MemberState.ALIVE, NodePayload(peer_url="http://127.0.0.1:9"), 0.0)
-    answer = await relay(Inner(), tls=True)._forward(scope(), {}, b"{}", member, "m-1")
+    peers = PeerClient(
+        httpx.AsyncClient(), local_name="node-a", key=b"k", relay_timeout_s=60.0, tls=True, counters=RelayCounters()
+    )
+    answer = await peers.relay(member, scope(), b"{}", "m-1")
     assert (answer.status, msgspec.json.decode(answer.body)["detail"]) == (
         503, "m-1 lives on node node-b, which serves plain HTTP (http://127.0.0.1:9) while this node uses TLS; "
         "give every node of the cluster tls_certfile and tls_keyfile",
@@ -93,7 +100,7 @@ async def test_a_relayed_long_poll_ends_when_its_client_goes_away() -> None:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    async def held_at_home(scope: dict, headers: dict, body: bytes):
+    async def held_at_home(call):
         waiting_at_home.set()
         await trio.sleep_forever()  # the home node holds the poll for up to longpoll_s
 
