@@ -6,12 +6,16 @@ through its own app) for the first `offset + limit` items, keeps the first
 copy of each item (a run or checkpoint a node adopted from a shared root is
 listed by two), orders them newest first by their time, and answers the page.
 A member that fails with a 5xx is left out of the page; a 4xx (a bad key, a
-bad query) is the answer.
+bad query) is the answer. Times are compared as times, not as strings: two
+nodes may write the same instant differently (`Z` or `+00:00`, with or without
+a fraction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timezone
+from typing import Any
 
 import msgspec
 import trio
@@ -25,6 +29,7 @@ FANOUT_LISTS = {
     "/api/v1/checkpoints": ("checkpoints", "time", 100),
     "/openrl/v1/runs": ("runs", "created", 20),  # the console's run list
 }
+_OLDEST = datetime.min.replace(tzinfo=timezone.utc)  # where an item without a readable time sorts
 
 
 class PageQuery(msgspec.Struct, frozen=True):
@@ -47,6 +52,17 @@ def page_query(query_string: bytes, default_limit: int) -> PageQuery | Answer:
     return PageQuery(limit, offset, member_query.encode())
 
 
+def item_time(value: Any) -> datetime:
+    """An item's RFC 3339 / ISO 8601 time as an aware datetime; an unreadable or missing one is the oldest."""
+    if not isinstance(value, str):
+        return _OLDEST
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return _OLDEST
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
 def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuery) -> Answer:
     """One page from the members' pages: see the module docstring."""
     items: dict[str, dict] = {}
@@ -60,7 +76,7 @@ def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuer
         total += body["cursor"]["total_count"]
         for item in body[key]:
             items.setdefault(item.get("training_run_id") or item.get("tinker_path"), item)
-    merged = sorted(items.values(), key=lambda item: item.get(order_by, ""), reverse=True)
+    merged = sorted(items.values(), key=lambda item: item_time(item.get(order_by)), reverse=True)
     cursor = {"offset": page.offset, "limit": page.limit, "total_count": total}
     return json_answer(200, {key: merged[page.offset : page.offset + page.limit], "cursor": cursor})
 
