@@ -109,8 +109,8 @@ class LoopWatch(trio.abc.Instrument):
         where = sampled[1] if sampled is not None and sampled[0] == self._step_serial else "(not sampled)\n"
         # cpu_ms near ms: the step computed; far under it: it blocked (I/O, a lock, the GIL).
         logger.warning(
-            "%s task=%s ms=%.1f cpu_ms=%.1f cpu_wait_ms=%.1f where:\n%s",
-            SLOW_STEP_PREFIX, task.name, elapsed * 1000, cpu * 1000, waited * 1000, where,
+            "%s task=%s held_ms=%.1f ms=%.1f cpu_ms=%.1f cpu_wait_ms=%.1f where:\n%s",
+            SLOW_STEP_PREFIX, task.name, held * 1000, elapsed * 1000, cpu * 1000, waited * 1000, where,
         )
 
     def _cpu_wait_s(self) -> float:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -24,8 +25,17 @@ from openrld.gpu.tiny_models import build_tiny_model
 DAEMON_START_TIMEOUT_S = 120.0
 
 # Every daemon the suite starts watches its event loop (openrld/loop_watch.py) and logs any step
-# longer than this; `fail_on_slow_loop_steps` fails the test during which one did.
+# that held it longer than this; `fail_on_slow_loop_steps` reports each as a warning of the test
+# during which it happened, and fails that test when one held the loop over LOOP_FAIL_MS.
 LOOP_WATCH_MS = "50"
+# Why a second bar: on this suite's 2-core machines, shared with other test runs, a step whose own
+# work is one syscall (epoll_ctl, a socket close, connect) was measured holding the loop for up to
+# ~150 ms: those calls do not block, so that is time spent re-taking the GIL from an engine thread
+# that was itself waiting for a CPU. CPython does not say how long a thread waited for the GIL, so
+# the watch cannot take that time out as it does the loop thread's own CPU wait. Blocking work of
+# ours (a checkpoint's rmtree or fsync on the loop: test_slow_filesystem's shim holds it 2 s) is far
+# over this bar; an allow-list of tasks or stacks would hide it as well as the noise.
+LOOP_FAIL_MS = 250.0
 
 
 class _LoopWatchedLogs:
@@ -37,8 +47,8 @@ class _LoopWatchedLogs:
     def add(self, log_path: Path) -> None:
         self.checked.setdefault(log_path, log_path.stat().st_size if log_path.exists() else 0)
 
-    def new_slow_steps(self) -> list[str]:
-        """The slow-step reports logged since the last call, each with its log file's name."""
+    def new_slow_steps(self) -> list[tuple[float, str]]:
+        """(held ms, report) of the slow steps logged since the last call, each report with its log file's name."""
         from openrld.loop_watch import SLOW_STEP_PREFIX
 
         found: list[str] = []
@@ -54,7 +64,9 @@ class _LoopWatchedLogs:
             lines = whole.splitlines()
             for i, line in enumerate(lines):
                 if SLOW_STEP_PREFIX in line:
-                    found.append(f"{path.name}: " + "\n".join(lines[i : i + 14]))
+                    held = re.search(r" held_ms=([0-9.]+)", line)
+                    report = f"{path.name}: " + "\n".join(lines[i : i + 14])
+                    found.append((float(held.group(1)) if held else float("inf"), report))
         return found
 
 
@@ -69,16 +81,18 @@ def loop_watched_env(env: dict[str, str]) -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def fail_on_slow_loop_steps():
-    """Fail a test during which a daemon it talks to held its event loop over LOOP_WATCH_MS in one step.
+    """Warn of each step over LOOP_WATCH_MS a daemon logged during the test; fail it on one over LOOP_FAIL_MS.
 
     The check reads what every daemon started so far logged since the last test's check, so a
     module's shared daemon is checked at each of its tests.
     """
     yield
     slow = _watched_logs.new_slow_steps()
-    # Until the e2e files run clean under the watch, a slow step fails a test only when asked.
-    if slow and os.environ.get("OPENRLD_TEST_LOOP_WATCH_FAIL") == "1":
-        pytest.fail("a daemon's event loop was blocked:\n" + "\n\n".join(slow), pytrace=False)
+    for _, report in slow:
+        warnings.warn(f"a daemon's event loop was held over {LOOP_WATCH_MS} ms: {report}", stacklevel=1)
+    blocked = [report for held_ms, report in slow if held_ms > LOOP_FAIL_MS]
+    if blocked:
+        pytest.fail(f"a daemon's event loop was held over {LOOP_FAIL_MS:g} ms:\n" + "\n\n".join(blocked), pytrace=False)
 
 
 @pytest.fixture(scope="session")
