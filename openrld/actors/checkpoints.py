@@ -156,6 +156,27 @@ class CheckpointWriter:
     def get(self, path: TinkerPath) -> CheckpointRow | None:
         return self._store.checkpoints.get(path.run_id, path.kind, path.name)
 
+    def of_run(self, run_id: str) -> list[CheckpointRow]:
+        """The run's checkpoints, oldest first (the caller has checked who may see the run)."""
+        return self._store.checkpoints.of_run(run_id)
+
+    def of_owner(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
+        """A page of `owner`'s checkpoints across runs, newest first, and how many they have in all."""
+        return self._store.checkpoints.of_owner(owner, limit, offset)
+
+    def last(self, run_id: str, kind: CheckpointKind | str) -> CheckpointRow | None:
+        """The run's newest checkpoint of `kind`, if any."""
+        return self._store.checkpoints.last(run_id, kind)
+
+    async def delete_as(self, user: str, path: TinkerPath) -> None:
+        """Delete a checkpoint of a run `user` owns (the caller's check), and audit it. Raises NotFound."""
+        if self.get(path) is None:
+            raise NotFound(f"no checkpoint {path.uri}")
+        await self.delete(path.run_id, path.kind, path.name)
+        self._store.audit.record(
+            user, "checkpoint_deleted", {"tinker_path": path.uri, "model_id": path.run_id, "actor": user}
+        )
+
     async def readable(self, user: str, path: TinkerPath) -> CheckpointRow:
         """The checkpoint if `user` owns it or it is published; else NotFound.
 

@@ -26,8 +26,8 @@ from openrld.actors import usage
 from openrld.api import wire
 from openrld.api.app import Services, add_route, caller, json_response
 from openrld.api.signing import user_urn
+from openrld.actors.records import Records
 from openrld.errors import BadRequest, NotFound
-from openrld.store import Store
 
 ORG_ID = "openrld"
 EVENT_PREFIXES = {
@@ -80,7 +80,7 @@ async def audit_log(services: Services) -> Response:
             timestamp=when, event=event, event_details=details,
             **{name: details[name] for name in _DEPRECATED_FIELDS if name in details},
         )
-        for when, event, details in services.store.audit_events(user, since, until)
+        for when, event, details in services.records.audit_events(user, since, until)
         if event.startswith(prefixes)
     ]
     return json_response(wire.AuditLogResponse(entries=entries))
@@ -88,27 +88,26 @@ async def audit_log(services: Services) -> Response:
 
 async def billing_usage(services: Services) -> Response:
     user = caller(services)
-    store = services.store
+    records = services.records
     starting = request.args.get("starting_on")
     ending = request.args.get("ending_before")
     if starting is None or ending is None:
         raise BadRequest("starting_on and ending_before are required (RFC 3339)")
     since, until = _utc(starting, "starting_on"), _utc(ending, "ending_before")
-    services.usage.flush(store)
     data: list[wire.BillingUsageEvent] = []
     sessions: dict[str, wire.BillingUsageSession] = {}
-    for row in store.usage(user, since, until):
+    for row in records.usage(user, since, until):  # the meter's latest counts included
         info = _TOKEN_EVENTS[row.kind](token_count=row.tokens)
-        data.append(_usage_event(store, row.bucket_start, user, row.session_id, row.base_model, info, sessions))
+        data.append(_usage_event(records, row.bucket_start, user, row.session_id, row.base_model, info, sessions))
     checkpoints: dict[tuple[datetime, str], int] = {}
-    for when, event, details in store.audit_events(user, since, until):
+    for when, event, details in records.audit_events(user, since, until):
         if event == "checkpoint_created":
             hour = when.replace(minute=0, second=0, microsecond=0)
             session_id = details.get("model_id", "").split(":", 1)[0]
             checkpoints[(hour, session_id)] = checkpoints.get((hour, session_id), 0) + 1
     for (hour, session_id), count in sorted(checkpoints.items()):
         info = wire.CheckpointBillingEvent(count=count)
-        data.append(_usage_event(store, hour, user, session_id, None, info, sessions))
+        data.append(_usage_event(records, hour, user, session_id, None, info, sessions))
     return json_response(wire.BillingUsageResponse(data=data, sessions=sessions))
 
 
@@ -120,7 +119,7 @@ async def checkpoint_storage(services: Services) -> Response:
             checkpoint_count=count, size_bytes=size, size_gigabytes=size / 1e9,
             project_id=project_id or None, org_user_urn=user_urn(user), user_name=user,
         )
-        for project_id, count, size in services.store.storage_by_project(user)
+        for project_id, count, size in services.records.storage_by_project(user)
         if project is None or project_id == project
     ]
     return json_response(wire.CurrentCheckpointStorageUsageResponse(data=items))
@@ -161,13 +160,13 @@ async def apikey_revoke(services: Services) -> Response:
 
 
 def _usage_event(
-    store: Store, bucket: datetime, user: str, session_id: str, base_model: str | None,
+    records: Records, bucket: datetime, user: str, session_id: str, base_model: str | None,
     info: wire.BillingEventInfo, sessions: dict[str, wire.BillingUsageSession],
 ) -> wire.BillingUsageEvent:
     """One hour of `info` for `session_id`; records the session's attributes in `sessions` on first sight."""
     project_id = None
     if session_id:
-        session = store.get_session(session_id)
+        session = records.session(session_id)
         if session is not None:
             project_id = session.project_id or None
             sessions.setdefault(session_id, wire.BillingUsageSession(user_metadata=session.user_metadata or None))

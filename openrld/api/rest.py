@@ -18,7 +18,8 @@ from openrld import ids
 from openrld.api import wire
 from openrld.api.app import Services, add_route, caller, json_response
 from openrld.errors import BadRequest, NotFound
-from openrld.store import CheckpointRow, RunRow, Store
+from openrld.actors.checkpoints import CheckpointWriter
+from openrld.store import CheckpointRow, RunRow
 
 
 def register(app: QuartTrio, services: Services) -> None:
@@ -38,13 +39,12 @@ def register(app: QuartTrio, services: Services) -> None:
 
 async def list_training_runs(services: Services) -> Response:
     user = caller(services)
-    store = services.store
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 10**9)
-    runs, total = store.list_runs(user, limit, offset, accessible=_access_scope() == "accessible")
+    runs, total = services.records.list_runs(user, limit, offset, accessible=_access_scope() == "accessible")
     return json_response(
         wire.TrainingRunsResponse(
-            training_runs=[training_run(store, r, user) for r in runs],
+            training_runs=[training_run(services.checkpoints, r, user) for r in runs],
             cursor=wire.Cursor(offset=offset, limit=limit, total_count=total),
         )
     )
@@ -52,15 +52,13 @@ async def list_training_runs(services: Services) -> Response:
 
 async def get_training_run(services: Services, run_id: str) -> Response:
     user = caller(services)
-    store = services.store
     run = await (accessible_run if _access_scope() == "accessible" else own_run)(services, user, run_id)
-    return json_response(training_run(store, run, user))
+    return json_response(training_run(services.checkpoints, run, user))
 
 
 async def list_checkpoints(services: Services, run_id: str) -> Response:
-    store = services.store
     await own_run(services, caller(services), run_id)
-    rows = store.list_checkpoints(run_id)
+    rows = services.checkpoints.of_run(run_id)
     return json_response(
         wire.CheckpointsListResponse(
             checkpoints=[checkpoint(r) for r in rows],
@@ -70,15 +68,9 @@ async def list_checkpoints(services: Services, run_id: str) -> Response:
 
 
 async def delete_checkpoint(services: Services, run_id: str, kind: str, name: str) -> Response:
-    store = services.store
-    await own_run(services, caller(services), run_id)
-    path = ids.TinkerPath.of(run_id, kind, name)
-    if store.get_checkpoint(path.run_id, path.kind, path.name) is None:
-        raise NotFound(f"no checkpoint {path.uri}")
-    await services.checkpoints.delete(path.run_id, path.kind, path.name)
-    store.record_audit(
-        caller(services), "checkpoint_deleted", {"tinker_path": path.uri, "model_id": path.run_id, "actor": caller(services)}
-    )
+    user = caller(services)
+    await own_run(services, user, run_id)
+    await services.checkpoints.delete_as(user, ids.TinkerPath.of(run_id, kind, name))
     return json_response(wire.EmptyResponse())
 
 
@@ -86,7 +78,7 @@ async def list_user_checkpoints(services: Services) -> Response:
     user = caller(services)
     limit = int_arg("limit", 100, 1, 10000)
     offset = int_arg("offset", 0, 0, 10**9)
-    rows, total = services.store.list_user_checkpoints(user, limit, offset)
+    rows, total = services.checkpoints.of_owner(user, limit, offset)
     return json_response(
         wire.CheckpointsListResponse(
             checkpoints=[checkpoint(r) for r in rows],
@@ -97,14 +89,10 @@ async def list_user_checkpoints(services: Services) -> Response:
 
 async def weights_info(services: Services) -> Response:
     user = caller(services)
-    store = services.store
     req = wire.decode_json(await request.get_data(), wire.WeightsInfoRequest)
     path = ids.parse_tinker_path(req.tinker_path)
-    # On a shared checkpoint root, one another node wrote is adopted first.
-    row = store.get_checkpoint(path.run_id, path.kind, path.name) or await services.checkpoints.adopt_checkpoint(path)
-    if row is None or (row.owner != user and not row.public):
-        raise NotFound(f"no checkpoint {path.uri}")
-    run = store.get_run(path.run_id)
+    await services.checkpoints.readable(user, path)  # on a shared root, one another node wrote is adopted first
+    run = services.records.run(path.run_id)
     assert run is not None
     lora = run.lora or {}
     return json_response(
@@ -124,20 +112,17 @@ async def list_sessions(services: Services) -> Response:
     user = caller(services)
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 10**9)
-    sessions = services.store.list_sessions(user, limit, offset)
+    sessions = services.records.list_sessions(user, limit, offset)
     return json_response(wire.ListSessionsResponse(sessions=[s.session_id for s in sessions]))
 
 
 async def get_session(services: Services, session_id: str) -> Response:
-    user = caller(services)
-    store = services.store
-    row = store.get_session(session_id)
-    if row is None or row.owner != user:
-        raise NotFound(f"no session {session_id!r}")
+    row = services.records.own_session(caller(services), session_id)
+    run_ids, sampler_ids = services.records.session_members(session_id)
     return json_response(
         wire.GetSessionResponse(
-            training_run_ids=store.session_runs(session_id),
-            sampler_ids=store.session_samplers(session_id),
+            training_run_ids=run_ids,
+            sampler_ids=sampler_ids,
             user_metadata=row.user_metadata,
             display_name=row.display_name,
         )
@@ -150,7 +135,7 @@ async def get_session(services: Services, session_id: str) -> Response:
 async def own_run(services: Services, user: str, run_id: str) -> RunRow:
     """The caller's run; anyone else's, or a missing one, is NotFound."""
     # On a shared checkpoint root, what other nodes saved of the run (a dead node's, say) is adopted first.
-    run = await services.checkpoints.adopt_run(run_id) or services.store.get_run(run_id)
+    run = await services.checkpoints.adopt_run(run_id) or services.records.run(run_id)
     if run is None or run.owner != user:
         raise NotFound(f"no training run {run_id!r}")
     return run
@@ -158,8 +143,8 @@ async def own_run(services: Services, user: str, run_id: str) -> RunRow:
 
 async def accessible_run(services: Services, user: str, run_id: str) -> RunRow:
     """The caller's run, or another user's run that has a published checkpoint."""
-    run = await services.checkpoints.adopt_run(run_id) or services.store.get_run(run_id)
-    if run is None or (run.owner != user and not services.store.has_public_checkpoint(run_id)):
+    run = await services.checkpoints.adopt_run(run_id) or services.records.run(run_id)
+    if run is None or (run.owner != user and not services.records.has_public_checkpoint(run_id)):
         raise NotFound(f"no training run {run_id!r}")
     return run
 
@@ -177,11 +162,11 @@ def checkpoint(row: CheckpointRow) -> wire.Checkpoint:
     )
 
 
-def training_run(store: Store, run: RunRow, user: str) -> wire.TrainingRun:
+def training_run(checkpoints: CheckpointWriter, run: RunRow, user: str) -> wire.TrainingRun:
     """`run` as `user` may see it: another user's run shows only the checkpoints its owner published."""
     last: dict[str, wire.Checkpoint] = {}
     for kind in ("weights", "sampler_weights"):
-        row = store.last_checkpoint(run.run_id, kind)
+        row = checkpoints.last(run.run_id, kind)
         if row is not None and (run.owner == user or row.public):
             last[kind] = checkpoint(row)
     return wire.TrainingRun(
