@@ -232,7 +232,7 @@ async def serve(
             services = Services(
                 records=Records(store, usage),  # the rows the routes read
                 config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
-                store=store, catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
+                catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
                 cluster=membership.node if membership is not None else None,
                 peers=peers,

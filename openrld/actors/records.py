@@ -18,7 +18,7 @@ from datetime import datetime
 from openrld import ids
 from openrld.actors.usage import UsageMeter
 from openrld.errors import BadRequest, NotFound
-from openrld.store import RunRow, SessionRow, Store, UsageRow
+from openrld.store import RunRow, SessionRow, Store, StoreStatistics, UsageRow
 
 
 class Records:
@@ -112,3 +112,9 @@ class Records:
 
     def storage_by_project(self, owner: str) -> list[tuple[str | None, int, int]]:
         return self._checkpoints.storage_by_project(owner)
+
+    # ------------------------------------------------------------ observability
+
+    def statistics(self) -> StoreStatistics:
+        """How many rows of each kind the store holds, for /metrics."""
+        return self._store.statistics()

@@ -42,7 +42,6 @@ from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
 from openrld.metrics import UNMATCHED_ENDPOINT, HttpCounters, RelayCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
-from openrld.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,6 @@ class Services:
 
     config: NodeConfig
     auth: Authenticator
-    store: Store
     catalog: ModelCatalog
     futures: FutureTable
     jobs: JobTable

@@ -83,7 +83,7 @@ async def metrics(services: Services) -> Response:
         requests=services.metrics.statistics(),
         futures=services.futures.statistics(),
         groups=services.groups.statistics(),
-        store=services.store.statistics(),
+        store=services.records.statistics(),
         stability=services.groups.stability.statistics(),
         membership=services.cluster.statistics() if services.cluster is not None else None,
         relay=services.relays.statistics() if services.cluster is not None else None,
