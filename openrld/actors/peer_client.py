@@ -1,5 +1,8 @@
 """Node-to-node HTTP for the relay: a caller's request sent on to its home node, and locate queries.
 
+Both halves of the locate query are here: `PeerClient.locate` asks, and
+`answer_locate` (pure) is what the node asked answers.
+
 Every call the relay makes to another member goes through `PeerClient` (gossip's
 push-pull has its own, `membership/peer_client.py`). It owns the shared
 `httpx.AsyncClient`, the relay timeouts, the rule that a caller's key never
@@ -15,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import httpx
 import msgspec
@@ -150,3 +153,16 @@ class PeerClient:
                 if member.is_alive and member.name != self._local_name:
                     nursery.start_soon(ask, member, nursery.cancel_scope)
         return found[0] if found else None
+
+
+def answer_locate(method: str, body: bytes | None, tag: str, key: bytes, is_here: Callable[[LocateQuery], bool]) -> Answer:
+    """This node's answer to a member's locate query (`body`: None when it was not read whole)."""
+    if body is None or method != "POST":
+        return detail_answer(400, "locate takes a small POST body")
+    if not hmac.compare_digest(sign(key, body), tag):
+        return detail_answer(403, "locate needs a tag made with the cluster secret")
+    try:
+        query = msgspec.json.decode(body, type=LocateQuery)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return detail_answer(400, f"invalid locate body: {exc}")
+    return json_answer(200, Located(here=is_here(query)))

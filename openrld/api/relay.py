@@ -31,7 +31,6 @@ This module holds no state of its own; the directory and the placer own it.
 from __future__ import annotations
 
 import enum
-import hmac
 import logging
 import re
 import urllib.parse
@@ -55,13 +54,12 @@ from openrld.actors.peer_client import (
     RELAY_FAILED,
     RELAYED_HEADER as RELAYED_HEADER,
     Answer,
-    Located,
     LocateQuery,
     PeerClient,
+    answer_locate,
     detail_answer,
     json_answer,
     relay_key,
-    sign,
 )
 from openrld.actors.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
 from openrld.actors.relayed_session import SESSION_HEADER as SESSION_HEADER  # noqa: F401  (tests read them here)
@@ -184,7 +182,10 @@ class Relay:
             await self._inner(scope, receive, send)
             return
         if scope["path"] == LOCATE_PATH:
-            await self._send(send, await self._locate_here(scope, receive, headers))
+            body = await self._read(receive)
+            tag = _header(headers, LOCATE_TAG_HEADER.encode()) or ""
+            readable = body if isinstance(body, bytes) else None
+            await self._send(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
             return
         body = await self._read(receive)
         if body is _DISCONNECTED:
@@ -196,7 +197,8 @@ class Relay:
         try:
             if scope["method"] == "GET" and scope["path"] in FANOUT_LISTS:
                 self._user_for(_header(headers, b"x-api-key"))  # a bad key is refused here, once, not by every member
-                answer = await fan_out(scope, self._directory.members(), self._asker(replace(call, body=b""), scope["path"]))
+                ask = self._asker(replace(call, body=b""), scope["path"])
+                answer = await fan_out(scope, self._directory.members(), ask)
             elif scope["path"] in self._longpolls:
                 routed = await until_disconnect(receive, self._route_boxed, call)
                 if routed is None:
@@ -501,20 +503,10 @@ class Relay:
         )
         return json_answer(200, build_status(facts, GroupView(False, None, None, None, None)))
 
-    async def _locate_here(self, scope: dict, receive: Callable, headers: dict[bytes, bytes]) -> Answer:
-        """A member asks whether this node is home to an id (`PeerClient.locate`)."""
-        body = await self._read(receive)
-        tag = headers.get(LOCATE_TAG_HEADER.encode(), b"").decode("latin-1")
-        if not isinstance(body, bytes) or scope["method"] != "POST":
-            return detail_answer(400, "locate takes a small POST body")
-        if not hmac.compare_digest(sign(self._key, body), tag):
-            return detail_answer(403, "locate needs a tag made with the cluster secret")
-        try:
-            query = msgspec.json.decode(body, type=LocateQuery)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return detail_answer(400, f"invalid locate body: {exc}")
+    def _is_here(self, query: LocateQuery) -> bool:
+        """Whether this node is home to the id a member asks about (`PeerClient.locate`)."""
         home = self._directory.model(query.id) if query.kind == "model" else self._directory.sampler(query.id)
-        return json_answer(200, Located(here=home.where is Where.LOCAL))
+        return home.where is Where.LOCAL
 
     # ------------------------------------------------------------ plumbing
 
