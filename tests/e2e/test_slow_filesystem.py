@@ -26,6 +26,7 @@ import tinker
 from tinker import types
 
 from tests.conftest import Daemon, write_config
+from tests.waits import wait_for
 
 API_KEY = "tml-test"
 SLOW_FS_S = 2.0  # slow_fs_serve.py's default
@@ -81,8 +82,8 @@ class SlowIo:
 
     def __enter__(self) -> "SlowIo":
         self._thread.start()
-        while not self.in_flight and self._thread.is_alive():
-            time.sleep(0.01)  # the first operation must have been answered: it proves the shim is slow
+        # The first operation must have been answered: it proves the shim is slow.
+        wait_for(lambda: bool(self.in_flight) or not self._thread.is_alive(), timeout_s=60, poll_s=0.01)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
