@@ -58,12 +58,26 @@ class CheckpointWriter:
         self._store = store
         self._files = trio.CapacityLimiter(FILE_THREADS)
 
-    def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
-        """(staging, final) for a new checkpoint; refuses a bad name or an existing one up front."""
-        final = self._store.checkpoint_dir(model_id, kind, name)
-        if not overwrite and self._store.get_checkpoint(model_id, kind, name) is not None:
+    async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
+        """(staging, final) for a new checkpoint; refuses a bad name or an existing one up front.
+
+        The final path is resolved (symlinks refused) and the staging dir made
+        in a thread of its own: a save never queues behind slow deletes.
+
+        Raises:
+            BadRequest: an unsafe name or unknown kind.
+            Conflict: the checkpoint exists and `overwrite` is false.
+        """
+        TinkerPath.of(model_id, kind, name)  # a bad name is refused before anything else
+        if not overwrite and self._store.checkpoints.get(model_id, kind, name) is not None:
             raise Conflict(f"checkpoint tinker://{model_id}/{kind}/{name} already exists; pass overwrite=True")
-        return self._store.staging_dir(), final
+        files = self._store.files
+
+        def make() -> tuple[Path, Path]:
+            final = files.checkpoint_dir(model_id, kind, name)
+            return files.staging_dir(), final
+
+        return await trio.to_thread.run_sync(make)
 
     def describe(
         self, model_id: str, kind: str, name: str, *, size_bytes: int, ttl_seconds: int | None,
@@ -74,6 +88,10 @@ class CheckpointWriter:
         return self._store.manifest_for(
             model_id, kind, name, size_bytes=size_bytes, user_metadata=user_metadata, expires_at=expires_at
         )
+
+    async def commit(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None:
+        """`commit_files` in a thread of its own (not the limiter's: a save never queues behind slow deletes)."""
+        await trio.to_thread.run_sync(self.commit_files, staging, final, overwrite, manifest)
 
     def commit_files(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None:
         """Put the manifest beside the files and the whole into place; in a worker thread (it fsyncs)."""

@@ -304,17 +304,17 @@ def _model_tokens(op: ForwardBackward) -> int:
 class CheckpointSink(Protocol):
     """What the trainer needs of the store to publish a checkpoint atomically.
 
-    `prepare`, `describe` and `record` touch the database and run on the event
-    loop; `commit_files` writes the manifest, fsyncs and renames, and runs in a
-    worker thread.
+    `describe` and `record` touch the database and run on the event loop;
+    `prepare` checks the row there and makes the staging dir in a thread;
+    `commit` writes the manifest, fsyncs and renames, in a thread.
     """
 
-    def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]: ...
+    async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]: ...
     def describe(
         self, model_id: str, kind: str, name: str, *, size_bytes: int, ttl_seconds: int | None,
         user_metadata: dict[str, str],
     ) -> CheckpointManifest: ...
-    def commit_files(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None: ...
+    async def commit(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None: ...
     def record(self, manifest: CheckpointManifest) -> str: ...
 
 
@@ -621,7 +621,7 @@ class TrainerActor:
         """Write into a staging directory, then rename into place: a crash leaves no half checkpoint."""
         engine = self._engine
         assert engine is not None, "_execute checks the engine first"
-        staging, final = self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
+        staging, final = await self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
         if op.kind == "weights":
             size = await self._in_thread(engine.save_state, op.model_id, staging, True)
         elif op.kind == "external_weights":
@@ -634,7 +634,7 @@ class TrainerActor:
         )
         # Shielded: once the files are written, the rename and the row land together or not at all.
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._checkpoints.commit_files, staging, final, op.overwrite, manifest)
+            await self._checkpoints.commit(staging, final, op.overwrite, manifest)
             uri = self._checkpoints.record(manifest)
         return Saved(path=uri)
 

@@ -36,10 +36,10 @@ DEVICE = "cpu:0"
 class NoCheckpoints:
     """No test here saves a checkpoint."""
 
-    def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
+    async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
         raise AssertionError("unexpected checkpoint")
 
-    def commit_files(self, staging: Path, final: Path, overwrite: bool) -> None:
+    async def commit(self, staging: Path, final: Path, overwrite: bool, manifest: Any) -> None:
         raise AssertionError("unexpected checkpoint")
 
     def record(self, model_id: str, kind: str, name: str, **fields: Any) -> str:
