@@ -27,7 +27,10 @@ from openrld.actors.console_views import ConsoleViews
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
+from openrld.actors.job_registry import JobRegistry
 from openrld.actors.jobs import JobTable
+from openrld.actors.sampling_sessions import SamplingSessions
+from openrld.actors.sessions import SessionTable
 from openrld.actors.maintenance import run_maintenance
 from openrld.actors.records import Records
 from openrld.actors.model_prep import prepare_models
@@ -213,10 +216,19 @@ async def serve(
             usage = UsageMeter()
             signer = Signer()
             membership = await _open_membership(config, verify_peers)
+            id_tag = ids.node_tag(membership.node.name) if membership is not None else ""
+            # What clients used before a restart is still served without a download: list it.
+            catalog.remember(store.base_models())
+            sessions = SessionTable(store=store, id_tag=id_tag)
+            job_registry = JobRegistry()
+            sampling = SamplingSessions(
+                nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
+                jobs=job_registry, usage=usage, id_tag=id_tag,
+            )
             jobs = JobTable(
-                nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures,
-                max_lora_rank=config.max_lora_rank, usage=usage, allowed_images=config.workers.allowed_images,
-                id_tag=ids.node_tag(membership.node.name) if membership is not None else "",
+                nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
+                registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
+                allowed_images=config.workers.allowed_images, id_tag=id_tag,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))
@@ -232,7 +244,8 @@ async def serve(
             services = Services(
                 records=Records(store, usage),  # the rows the routes read
                 config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
-                catalog=catalog, futures=futures, jobs=jobs, groups=groups, usage=usage, signer=signer,
+                catalog=catalog, futures=futures, jobs=jobs, sessions=sessions, sampling=sampling,
+                groups=groups, usage=usage, signer=signer,
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
                 cluster=membership.node if membership is not None else None,
                 peers=peers,

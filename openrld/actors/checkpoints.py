@@ -34,7 +34,7 @@ import trio
 
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.ids import CheckpointKind, TinkerPath, new_request_id
+from openrld.ids import CheckpointKind, TinkerPath, new_request_id, parse_tinker_path
 from openrld.store import CheckpointRow, RunRow, Store, utc_now
 from openrld.store.checkpoint_files import copy_files, list_files, read_file
 
@@ -307,3 +307,26 @@ class CheckpointWriter:
         return await self._in_thread(
             lambda: read_file(files.checkpoint_dir(path.run_id, path.kind, path.name), filename)
         )
+
+
+def readable_checkpoint(store: Store, owner: str, path: str) -> tuple[TinkerPath, Path, RunRow]:
+    """(TinkerPath, directory, run row) for a checkpoint `owner` may read: theirs, or public.
+
+    On a shared checkpoint root, a checkpoint another node wrote (a dead
+    node's, say) is adopted from its manifest first, so any node resumes it.
+
+    Raises:
+        BadRequest: `path` is not a well-formed tinker:// checkpoint path.
+        NotFound: no such checkpoint or run, or the checkpoint is another user's and not public.
+    """
+    tinker_path = parse_tinker_path(path)
+    row = store.get_checkpoint(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+    if row is None:
+        row = store.adopt_checkpoint(tinker_path)
+    if row is None or (row.owner != owner and not row.public):
+        raise NotFound(f"no checkpoint {path}")
+    run = store.get_run(tinker_path.run_id)
+    if run is None:
+        raise NotFound(f"no training run {tinker_path.run_id!r}")
+    directory = store.checkpoint_dir(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+    return tinker_path, directory, run

@@ -21,6 +21,7 @@ import msgspec
 
 from openrld import ids
 from openrld.actors.jobs import JobTable
+from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.membership.messages import JobNote
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.membership.table import Member
@@ -46,9 +47,10 @@ UNKNOWN = Home(Where.UNKNOWN)
 
 
 class Directory:
-    def __init__(self, cluster: MembershipNode, jobs: JobTable) -> None:
+    def __init__(self, cluster: MembershipNode, jobs: JobTable, sampling: SamplingSessions) -> None:
         self._cluster = cluster
         self._jobs = jobs
+        self._sampling = sampling
         self.local_tag = ids.node_tag(cluster.name)
         self._records: dict[str, str] = {}  # model or sampler id -> node name, from this node's placements and relays
         self._tags: dict[str, str] = {}  # member name -> its node tag
@@ -82,7 +84,7 @@ class Directory:
         return LOCAL if self._jobs.has_run(model_id) else UNKNOWN
 
     def sampler(self, sampler_id: str) -> Home:
-        if self._jobs.is_home_to_sampler(sampler_id):
+        if self._sampling.is_home_to(sampler_id):
             return LOCAL
         name = self._records.get(sampler_id)
         return self._home(self._cluster.member(name), None) if name is not None else UNKNOWN

@@ -28,6 +28,8 @@ from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.records import Records
 from openrld.actors.jobs import JobTable
+from openrld.actors.sampling_sessions import SamplingSessions
+from openrld.actors.sessions import SessionTable
 from openrld.actors.membership.node import MembershipNode
 from openrld.actors.usage import UsageMeter
 from openrld.api import wire
@@ -58,6 +60,8 @@ class Services:
     catalog: ModelCatalog
     futures: FutureTable
     jobs: JobTable
+    sessions: SessionTable
+    sampling: SamplingSessions  # sampling sessions and their samples
     groups: GroupTable
     checkpoints: CheckpointWriter  # checkpoints, their rows and files (files in its worker threads)
     records: Records  # sessions, runs, audit and usage rows, as the routes read them
@@ -169,13 +173,13 @@ def build_app(services: Services) -> Gate:
         return gate(front)
     return gate(Relay(
         front,
-        directory=Directory(services.cluster, services.jobs),
+        directory=Directory(services.cluster, services.jobs, services.sampling),
         client=services.peers,
         counters=services.relays,
         secret=services.config.cluster_secret,
         user_for=services.auth.user_for,
-        session_snapshot=services.jobs.session_snapshot,
-        mirror_session=services.jobs.mirror_session,
+        session_snapshot=services.sessions.snapshot,
+        mirror_session=services.sessions.mirror,
         resolve_model=lambda name: services.catalog.resolve(name).name,
         accept_jobs=services.config.accept_jobs,
         max_body_bytes=services.config.max_body_bytes,

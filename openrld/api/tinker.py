@@ -94,7 +94,7 @@ async def dynamic_config(services: Services) -> Response:
 async def create_session(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.CreateSessionRequest)
-    session_id = services.jobs.create_session(
+    session_id = services.sessions.create(
         user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
     )
@@ -104,7 +104,7 @@ async def create_session(services: Services) -> Response:
 async def session_heartbeat(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.SessionHeartbeatRequest)
-    services.jobs.heartbeat(user, req.session_id)
+    services.sessions.heartbeat(user, req.session_id)
     return json_response(wire.SessionHeartbeatResponse())
 
 
@@ -230,7 +230,7 @@ async def load_weights(services: Services) -> Response:
 async def create_sampling_session(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.CreateSamplingSessionRequest)
-    sampler_id = services.jobs.create_sampling_session(
+    sampler_id = services.sampling.create(
         user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
         base_model=req.base_model, model_path=req.model_path,
     )
@@ -239,7 +239,7 @@ async def create_sampling_session(services: Services) -> Response:
 
 async def get_sampler(services: Services, sampler_id: str) -> Response:
     user = caller(services)
-    info = services.jobs.sampler_info(user, sampler_id)
+    info = services.sampling.info(user, sampler_id)
     return json_response(
         wire.GetSamplerResponse(sampler_id=info.sampler_id, base_model=info.base_model, model_path=info.model_path)
     )
@@ -248,7 +248,7 @@ async def get_sampler(services: Services, sampler_id: str) -> Response:
 async def cancel_future(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.CancelFutureRequest)
-    services.jobs.cancel_sample(user, req.request_id)
+    services.sampling.cancel(user, req.request_id)
     return json_response(wire.EmptyResponse())
 
 
@@ -300,7 +300,7 @@ async def asample(services: Services, call: Call) -> Reply:
     job = wire.sample_job_from_request(
         req, max_num_samples=services.config.max_num_samples, max_topk=MAX_TOPK_LOGPROBS
     )
-    request_id, sequence_ids = services.jobs.sample(
+    request_id, sequence_ids = services.sampling.sample(
         user, req.sampling_session_id, _seq_id(req.seq_id), job,
         record_stability_info=bool(req.record_stability_info),
     )

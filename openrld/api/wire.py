@@ -1057,7 +1057,7 @@ def sample_job_from_request(req: SampleRequest, *, max_num_samples: int, max_top
     Raises:
         NotSupportedYet: a non-text prompt chunk, target_prompt_logprobs or
             prompt_alt_tokens_k > 0, each named. (record_stability_info is the
-            job table's: see `JobTable.sample`.)
+            sampling sessions': see `SamplingSessions.sample`.)
         BadRequest: an empty prompt or bad token id, num_samples outside
             [1, max_num_samples], a bad sampling parameter, prompt_logprobs_last_n
             without prompt_logprobs or outside [1, len(prompt) - 1], a top-k over the cap.

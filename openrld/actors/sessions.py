@@ -1,0 +1,106 @@
+"""Sessions: the ServiceClient sessions this node is home to, or mirrors for another node.
+
+It owns a session's record (created, heartbeats, finished) through the store,
+and the ownership rule for sessions: a session that is not the caller's is a
+404, as if it did not exist. It validates a session's `openrl.*` tags and
+user_metadata at creation, so a bad tag fails at the first call, not at the
+first model. It also makes and takes the `SessionSnapshot` that the relay sends
+with a request placed on another node.
+
+It never touches jobs, groups or sampling sessions: what ends with a session
+(its jobs with a group of their own) is the job table's (actors/jobs.py).
+Sync, no trio; its methods never wait.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from openrld import ids, settings as job_settings
+from openrld.errors import Gone, NotFound
+from openrld.store import SessionRow, Store
+
+
+class SessionSnapshot(msgspec.Struct, frozen=True):
+    """A session as its home node sends it with a relayed request, for the node the job is placed on."""
+
+    session_id: str
+    owner: str
+    tags: list[str]
+    user_metadata: dict[str, str]
+    sdk_version: str
+    project_id: str | None
+    display_name: str | None
+
+
+class SessionTable:
+    def __init__(self, *, store: Store, id_tag: str = "") -> None:
+        self._store = store
+        self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
+
+    def create(
+        self, owner: str, *, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
+        project_id: str | None, display_name: str | None,
+    ) -> str:
+        """create_session: a new session of `owner`'s; returns its id.
+
+        Raises:
+            BadRequest: an `openrl.*` tag or user_metadata key is unknown or has a bad value.
+        """
+        job_settings.parse_settings(tags, user_metadata, {})
+        session_id = ids.new_session_id(self._id_tag)
+        self._store.create_session(
+            session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version,
+            project_id=project_id, display_name=display_name,
+        )
+        return session_id
+
+    def owned(self, owner: str, session_id: str) -> SessionRow:
+        """The session's record. Raises NotFound for a session that is not `owner`'s."""
+        row = self._store.get_session(session_id)
+        if row is None or row.owner != owner:
+            raise NotFound(f"no session {session_id!r}")
+        return row
+
+    def is_finished(self, session_id: str) -> bool:
+        """Whether the session is known here and has finished."""
+        row = self._store.get_session(session_id)
+        return row is not None and row.is_finished
+
+    def is_home_to(self, session_id: str) -> bool:
+        return self._store.get_session(session_id) is not None
+
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        """Raises NotFound for a session not `owner`'s, Gone for a finished one."""
+        row = self.owned(owner, session_id)
+        if row.is_finished:
+            raise Gone(f"session {session_id} has finished")
+        self._store.heartbeat(session_id)
+
+    def finish(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
+        """Record the finish (the first reason given is kept). Raises NotFound for a session not `owner`'s."""
+        self.owned(owner, session_id)
+        self._store.finish_session(session_id, reason, detail)
+
+    def snapshot(self, session_id: str) -> SessionSnapshot | None:
+        """This node's session `session_id`, to send along with a request relayed to another node."""
+        row = self._store.get_session(session_id)
+        if row is None:
+            return None
+        return SessionSnapshot(
+            session_id=row.session_id, owner=row.owner, tags=list(row.tags), user_metadata=dict(row.user_metadata),
+            sdk_version=row.sdk_version, project_id=row.project_id, display_name=row.display_name,
+        )
+
+    def mirror(self, snapshot: SessionSnapshot) -> None:
+        """Record another node's session here, so that jobs and samplers placed here can belong to it.
+
+        The home node keeps the heartbeats and the finish; the mirror carries
+        what settings and ownership need (tags, user_metadata, owner).
+        """
+        if self._store.get_session(snapshot.session_id) is not None:
+            return
+        self._store.create_session(
+            snapshot.session_id, owner=snapshot.owner, tags=snapshot.tags, user_metadata=snapshot.user_metadata,
+            sdk_version=snapshot.sdk_version, project_id=snapshot.project_id, display_name=snapshot.display_name,
+        )
