@@ -18,6 +18,7 @@ import enum
 import msgspec
 
 from openrld.actors.device_pool import Placement
+from openrld.actors.membership.messages import JobNote
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, TrainerStatistics
@@ -143,6 +144,15 @@ def build_status(job: JobFacts, group: GroupView) -> ModelStatus:
         last_error=progress.last_error or group.start_error,
         last_checkpoint=job.last_checkpoint,
     )
+
+
+def lost_status(model_id: str, note: JobNote) -> ModelStatus:
+    """The status of a job whose home node is dead or gone, from what that node gossiped of it."""
+    facts = JobFacts(
+        model_id=model_id, base_model=note.base_model, fine_tuning_type=note.fine_tuning_type,
+        is_exclusive=note.is_exclusive, is_resident=False, last_checkpoint=note.last_checkpoint or None,
+    )
+    return build_status(facts, GroupView(False, None, None, None, None))
 
 
 def _progress(trainer: TrainerStatistics | None, model_id: str) -> JobProgress:

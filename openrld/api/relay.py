@@ -45,7 +45,7 @@ from openrld import ids, settings as job_settings
 from openrld.actors.directory import Directory, Home, Where
 from openrld.actors.membership.messages import MemberState
 from openrld.actors.membership.table import Member
-from openrld.actors.model_status import GroupView, JobFacts, build_status
+from openrld.actors.model_status import lost_status
 from openrld.actors.peer_client import (
     CONNECT_S,
     DEAD_CONNECT_S,
@@ -497,11 +497,7 @@ class Relay:
         note = home.note
         if note is None or note.owner != user:
             return detail_answer(404, f"no model {model_id!r}")
-        facts = JobFacts(
-            model_id=model_id, base_model=note.base_model, fine_tuning_type=note.fine_tuning_type,
-            is_exclusive=note.is_exclusive, is_resident=False, last_checkpoint=note.last_checkpoint or None,
-        )
-        return json_answer(200, build_status(facts, GroupView(False, None, None, None, None)))
+        return json_answer(200, lost_status(model_id, note))
 
     def _is_here(self, query: LocateQuery) -> bool:
         """Whether this node is home to the id a member asks about (`PeerClient.locate`)."""

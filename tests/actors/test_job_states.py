@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.actors.model_status import GroupView, JobFacts, JobState, build_status
+from openrld.actors.membership.messages import JobNote
+from openrld.actors.model_status import GroupView, JobFacts, JobState, build_status, lost_status
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, JobQueueStats, TrainerStatistics
@@ -67,6 +68,14 @@ def test_a_job_gone_with_a_restart_is_lost_and_names_its_last_checkpoint():
         f"a restore with create_training_client_from_state (last checkpoint: tinker://{MODEL_ID}/weights/step-4)",
         [],
     )
+
+
+def test_a_job_whose_home_node_is_lost_is_lost_with_what_its_home_gossiped():
+    status = lost_status(MODEL_ID, JobNote("alice", "tiny-llama", "full", True, f"tinker://{MODEL_ID}/weights/step-4"))
+    assert (status.base_model, status.fine_tuning_type, status.is_exclusive, status.state, status.last_checkpoint) == (
+        "tiny-llama", "full", True, JobState.LOST, f"tinker://{MODEL_ID}/weights/step-4",
+    )
+    assert lost_status(MODEL_ID, JobNote("alice", "tiny-llama", "lora", False)).last_checkpoint is None
 
 
 def test_queued_ops_of_a_parked_trainer_wait_for_a_turn():
