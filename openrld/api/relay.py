@@ -106,7 +106,6 @@ class _Ids(msgspec.Struct):
     path: str | None = None
     tinker_path: str | None = None
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
 
 
 class _Unread(enum.Enum):
