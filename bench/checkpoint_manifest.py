@@ -31,15 +31,15 @@ TENSOR_BYTES = 1 << 20
 
 
 def _commit(store: Store, name: str, blob: bytes, *, with_manifest: bool) -> float:
-    staging = store.staging_dir()
+    staging = store.files.staging_dir()
     (staging / "adapter_model.safetensors").write_bytes(blob)
     manifest = (
-        store.manifest_for(RUN, W, name, size_bytes=len(blob), user_metadata={}, expires_at=None)
+        store.adoption.manifest_for(RUN, W, name, size_bytes=len(blob), user_metadata={}, expires_at=None)
         if with_manifest
         else None
     )
     start = time.perf_counter()
-    store.commit_dir(staging, store.checkpoint_dir(RUN, W, name), manifest=manifest)
+    store.files.commit_dir(staging, store.files.checkpoint_dir(RUN, W, name), manifest=manifest)
     return time.perf_counter() - start
 
 
@@ -51,7 +51,7 @@ def main() -> None:
             Store.open(root / "a", checkpoint_root=root / "shared") as a,
             Store.open(root / "b", checkpoint_root=root / "shared") as b,
         ):
-            a.create_run(
+            a.runs.create(
                 RUN, "s-0123456789abcdef", "alice", "tiny-llama", "/models/tiny", {"rank": 4},
                 {"fine_tuning_type": "lora"}, {}, {"type": "adamw"},
             )
@@ -72,10 +72,10 @@ def main() -> None:
             adopt, read = [], []
             for index in range(0, count, 2):  # the even ones carry a manifest
                 start = time.perf_counter()
-                b.adopt_checkpoint(TinkerPath(RUN, W, f"c{index}"))
+                b.adoption.adopt_checkpoint(TinkerPath(RUN, W, f"c{index}"))
                 adopt.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                b.get_checkpoint(RUN, W, f"c{index}")
+                b.checkpoints.get(RUN, W, f"c{index}")
                 read.append(time.perf_counter() - start)
             print(
                 f"adopt_checkpoint / get_checkpoint of an existing row: "

@@ -55,8 +55,12 @@ FILE_THREADS = 4
 
 class CheckpointWriter:
     def __init__(self, store: Store) -> None:
-        self._store = store
-        self._files = trio.CapacityLimiter(FILE_THREADS)
+        self._rows = store.checkpoints
+        self._runs = store.runs
+        self._files = store.files
+        self._adoption = store.adoption
+        self._audit_log = store.audit
+        self._file_threads = trio.CapacityLimiter(FILE_THREADS)
 
     async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
         """(staging, final) for a new checkpoint; refuses a bad name or an existing one up front.
@@ -69,9 +73,9 @@ class CheckpointWriter:
             Conflict: the checkpoint exists and `overwrite` is false.
         """
         TinkerPath.of(model_id, kind, name)  # a bad name is refused before anything else
-        if not overwrite and self._store.checkpoints.get(model_id, kind, name) is not None:
+        if not overwrite and self._rows.get(model_id, kind, name) is not None:
             raise Conflict(f"checkpoint tinker://{model_id}/{kind}/{name} already exists; pass overwrite=True")
-        files = self._store.files
+        files = self._files
 
         def make() -> tuple[Path, Path]:
             final = files.checkpoint_dir(model_id, kind, name)
@@ -85,7 +89,7 @@ class CheckpointWriter:
     ) -> CheckpointManifest:
         """The manifest of a checkpoint whose files are written; on the event loop (it reads the run's row)."""
         expires_at = None if ttl_seconds is None else utc_now() + timedelta(seconds=ttl_seconds)
-        return self._store.manifest_for(
+        return self._adoption.manifest_for(
             model_id, kind, name, size_bytes=size_bytes, user_metadata=user_metadata, expires_at=expires_at
         )
 
@@ -96,7 +100,7 @@ class CheckpointWriter:
     def commit_files(self, staging: Path, final: Path, overwrite: bool, manifest: CheckpointManifest) -> None:
         """Put the manifest beside the files and the whole into place; in a worker thread (it fsyncs)."""
         try:
-            self._store.commit_dir(staging, final, replace=overwrite, manifest=manifest)
+            self._files.commit_dir(staging, final, replace=overwrite, manifest=manifest)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -109,11 +113,11 @@ class CheckpointWriter:
         a row found now can only be this same checkpoint, adopted from its
         manifest on a shared root between the rename and this call.
         """
-        row = self._store.add_checkpoint(
+        row = self._rows.add(
             manifest.run_id, manifest.kind, manifest.name, manifest.owner, manifest.size_bytes,
             manifest.user_metadata, manifest.expires_at, overwrite=True, created_at=manifest.created_at,
         )
-        self._store.record_audit(
+        self._audit_log.record(
             manifest.owner, "checkpoint_created",
             {
                 "tinker_path": row.tinker_path, "model_id": manifest.run_id, "actor": manifest.owner,
@@ -125,7 +129,7 @@ class CheckpointWriter:
     # ------------------------------------------------------------ checkpoints that exist
 
     async def _in_thread(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._files)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._file_threads)
 
     async def delete(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
         """Remove a checkpoint: its row now, its files in a thread (`Store.delete_checkpoint`'s order).
@@ -133,65 +137,65 @@ class CheckpointWriter:
         Raises:
             NotFound: no such checkpoint.
         """
-        path = self._store.delete_checkpoint_row(run_id, kind, name)
-        await self._in_thread(self._store.remove_checkpoint_files, path)
+        path = self._rows.delete(run_id, kind, name)
+        await self._in_thread(self._files.remove, path)
 
     async def set_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
         """Publish or unpublish: the row now, the manifest (fsynced) in a thread. Raises NotFound."""
-        path = self._store.set_checkpoint_public_row(run_id, kind, name, public)
-        await self._in_thread(lambda: self._store.update_manifest(path, public=public))
+        path = self._rows.set_public(run_id, kind, name, public)
+        await self._in_thread(lambda: self._files.update_manifest(path, public=public))
 
     async def set_expiry(
         self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
     ) -> None:
         """Set or clear a TTL: the row now, the manifest (fsynced) in a thread. Raises NotFound."""
-        path = self._store.set_checkpoint_expiry_row(run_id, kind, name, expires_at)
-        await self._in_thread(lambda: self._store.update_manifest(path, expires_at=expires_at))
+        path = self._rows.set_expiry(run_id, kind, name, expires_at)
+        await self._in_thread(lambda: self._files.update_manifest(path, expires_at=expires_at))
 
     async def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
         """`Store.adopt_checkpoint`, its manifest read in a thread; None at once off a shared root."""
-        if not self._store.is_shared:
+        if not self._files.is_shared:
             return None
-        manifest = await self._in_thread(self._store.read_adoptable, path)
-        return self._store.insert_adopted(path, manifest)
+        manifest = await self._in_thread(self._files.read_adoptable, path)
+        return self._adoption.insert_adopted(path, manifest)
 
     async def adopt_run(self, run_id: str) -> RunRow | None:
         """`Store.adopt_run`, the run's directory listed and manifests read in a thread."""
-        if not self._store.is_shared:
+        if not self._files.is_shared:
             return None
-        for path in await self._in_thread(self._store.run_checkpoint_paths, run_id):
-            if self._store.get_checkpoint(path.run_id, path.kind, path.name) is None:
+        for path in await self._in_thread(self._files.run_checkpoint_paths, run_id):
+            if self._rows.get(path.run_id, path.kind, path.name) is None:
                 await self.adopt_checkpoint(path)
-        return self._store.get_run(run_id)
+        return self._runs.get(run_id)
 
     # ------------------------------------------------------------ what the routes ask of checkpoints
 
     def _audit(self, user: str, event: str, row: CheckpointRow, **extra: str) -> None:
-        self._store.audit.record(
+        self._audit_log.record(
             user, event, {"tinker_path": row.tinker_path, "model_id": row.run_id, "actor": user, **extra}
         )
 
     def get(self, path: TinkerPath) -> CheckpointRow | None:
-        return self._store.checkpoints.get(path.run_id, path.kind, path.name)
+        return self._rows.get(path.run_id, path.kind, path.name)
 
     def of_run(self, run_id: str) -> list[CheckpointRow]:
         """The run's checkpoints, oldest first (the caller has checked who may see the run)."""
-        return self._store.checkpoints.of_run(run_id)
+        return self._rows.of_run(run_id)
 
     def of_owner(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
         """A page of `owner`'s checkpoints across runs, newest first, and how many they have in all."""
-        return self._store.checkpoints.of_owner(owner, limit, offset)
+        return self._rows.of_owner(owner, limit, offset)
 
     def last(self, run_id: str, kind: CheckpointKind | str) -> CheckpointRow | None:
         """The run's newest checkpoint of `kind`, if any."""
-        return self._store.checkpoints.last(run_id, kind)
+        return self._rows.last(run_id, kind)
 
     async def delete_as(self, user: str, path: TinkerPath) -> None:
         """Delete a checkpoint of a run `user` owns (the caller's check), and audit it. Raises NotFound."""
         if self.get(path) is None:
             raise NotFound(f"no checkpoint {path.uri}")
         await self.delete(path.run_id, path.kind, path.name)
-        self._store.audit.record(
+        self._audit_log.record(
             user, "checkpoint_deleted", {"tinker_path": path.uri, "model_id": path.run_id, "actor": user}
         )
 
@@ -244,15 +248,15 @@ class CheckpointWriter:
             NotFound: no such checkpoint or run that `user` may read.
             BadRequest: a TTL out of range.
         """
-        files = self._store.files
+        files = self._files
         row = await self.readable(user, source)
         check_ttl(ttl_seconds)
-        run = self._store.runs.get(source.run_id)
+        run = self._runs.get(source.run_id)
         if run is None:
             raise NotFound(f"no training run {source.run_id!r}")
         source_dir = await self._in_thread(files.checkpoint_dir, source.run_id, source.kind, source.name)
         copy_run = f"copy-{new_request_id()[2:18]}"
-        self._store.runs.create(
+        self._runs.create(
             copy_run, session_id="", owner=user, base_model=run.base_model, model_dir=run.model_dir,
             lora=run.lora, settings=run.settings, user_metadata={}, optimizer_config=run.optimizer_config,
         )
@@ -267,11 +271,11 @@ class CheckpointWriter:
         if destination_project_id is not None:
             metadata["project_id"] = destination_project_id
         expires_at = None if ttl_seconds is None else utc_now() + timedelta(seconds=ttl_seconds)
-        manifest = self._store.adoption.manifest_for(
+        manifest = self._adoption.manifest_for(
             copy_run, source.kind, source.name, size_bytes=size, user_metadata=metadata, expires_at=expires_at
         )
         await self._in_thread(partial(files.commit_dir, staging, final, manifest=manifest))
-        copied = self._store.checkpoints.add(
+        copied = self._rows.add(
             copy_run, source.kind, source.name, user, size, metadata, expires_at, created_at=manifest.created_at
         )
         self._audit(user, "checkpoint_copied", copied, source=row.tinker_path)
@@ -285,7 +289,7 @@ class CheckpointWriter:
             ServerError: the directory holds something other than regular files.
         """
         row = await self.readable(user, path)
-        files = self._store.files
+        files = self._files
 
         def names() -> list[str]:
             return list_files(files.checkpoint_dir(path.run_id, path.kind, path.name))
@@ -303,7 +307,7 @@ class CheckpointWriter:
         """
         if self.get(path) is None:
             raise NotFound(f"no checkpoint {path.uri}")
-        files = self._store.files
+        files = self._files
         return await self._in_thread(
             lambda: read_file(files.checkpoint_dir(path.run_id, path.kind, path.name), filename)
         )

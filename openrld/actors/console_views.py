@@ -163,7 +163,7 @@ class ConsoleViews:
         self._node = node
 
     def _visible_run(self, viewer: str, run_id: str, sees_all: bool) -> RunRow:
-        run = self._store.get_run(run_id)
+        run = self._store.runs.get(run_id)
         if run is None or (run.owner != viewer and not sees_all):
             raise NotFound(f"no training run {run_id!r}")
         return run
@@ -179,13 +179,13 @@ class ConsoleViews:
 
     def runs(self, viewer: str, *, sees_all: bool, limit: int, offset: int) -> RunPage:
         """A page of the runs `viewer` may see on this node, newest first."""
-        rows, total = self._store.list_runs(viewer, limit, offset, every_owner=sees_all)
+        rows, total = self._store.runs.list(viewer, limit, offset, every_owner=sees_all)
         return RunPage(runs=[self._summary(r) for r in rows], cursor=Cursor(offset, limit, total))
 
     def run(self, viewer: str, run_id: str, *, sees_all: bool) -> RunDetail:
         """One run with its checkpoints. Raises NotFound for a run `viewer` may not see."""
         run = self._visible_run(viewer, run_id, sees_all)
-        rows = sorted(self._store.list_checkpoints(run_id), key=lambda r: r.created_at, reverse=True)
+        rows = sorted(self._store.checkpoints.of_run(run_id), key=lambda r: r.created_at, reverse=True)
         return RunDetail(run=self._summary(run), checkpoints=[checkpoint_view(r) for r in rows])
 
     async def curves(self, viewer: str, run_id: str, *, sees_all: bool, after_seq: int) -> RunCurves:

@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 async def expire_checkpoints(store: Store, checkpoints: CheckpointWriter, now: datetime) -> list[str]:
     """Delete every checkpoint expired at `now`; returns their tinker paths."""
     gone: list[str] = []
-    for row in store.expired_checkpoints(now):
+    for row in store.checkpoints.expired(now):
         try:
             await checkpoints.delete(row.run_id, row.kind, row.name)
         except NotFound:
             continue  # deleted by its owner since the query
-        store.record_audit(
+        store.audit.record(
             row.owner, "checkpoint_expired",
             {"tinker_path": row.tinker_path, "model_id": row.run_id, "actor": "openrld"},
         )
@@ -65,7 +65,7 @@ async def run_maintenance(
         while True:
             await expire_checkpoints(store, checkpoints, now())
             usage.flush(store)
-            store.prune_requests(now() - REQUEST_LOG_KEEP)
+            store.requests.prune(now() - REQUEST_LOG_KEEP)
             await trio.sleep(interval_s)
     finally:
         with trio.move_on_after(5, shield=True):

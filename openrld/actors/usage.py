@@ -78,7 +78,7 @@ class UsageMeter:
         if not self._buckets:
             return 0
         buckets, self._buckets = self._buckets, {}
-        store.add_usage(
+        store.usage_ledger.add(
             [
                 UsageRow(
                     bucket_start=datetime.fromtimestamp(hour, UTC), session_id=session_id, owner=owner,

@@ -31,6 +31,8 @@ from openrld.actors.jobs import JobTable
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.membership.node import MembershipNode
+from openrld.actors.peer_client import PeerClient, relay_key
+from openrld.actors.placement import ClusterPlacer
 from openrld.actors.usage import UsageMeter
 from openrld.api import wire
 from openrld.api.auth import Authenticator
@@ -171,20 +173,25 @@ def build_app(services: Services) -> Gate:
     )
     if services.cluster is None or services.peers is None:
         return gate(front)
+    directory = Directory(services.cluster, services.jobs, services.sampling)
+    key = relay_key(services.config.cluster_secret)
+    peers = PeerClient(
+        services.peers, local_name=directory.local_name, key=key, tls=services.config.is_tls, counters=services.relays,
+        # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
+        relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
+    )
     return gate(Relay(
         front,
-        directory=Directory(services.cluster, services.jobs, services.sampling),
-        client=services.peers,
+        directory=directory,
+        peers=peers,
+        placement=ClusterPlacer(directory, services.relays),
+        key=key,
         counters=services.relays,
-        secret=services.config.cluster_secret,
         user_for=services.auth.user_for,
         session_snapshot=services.sessions.snapshot,
         mirror_session=services.sessions.mirror,
         resolve_model=lambda name: services.catalog.resolve(name).name,
         accept_jobs=services.config.accept_jobs,
         max_body_bytes=services.config.max_body_bytes,
-        # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
-        relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
         longpolls=tinker.LONGPOLL_ROUTES,
-        tls=services.config.is_tls,
     ))

@@ -37,7 +37,6 @@ import urllib.parse
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import httpx
 import msgspec
 import trio
 
@@ -59,7 +58,6 @@ from openrld.actors.peer_client import (
     answer_locate,
     detail_answer,
     json_answer,
-    relay_key,
 )
 from openrld.actors.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
 from openrld.actors.relayed_session import SESSION_HEADER as SESSION_HEADER  # noqa: F401  (tests read them here)
@@ -137,22 +135,24 @@ class Relay:
         inner: Callable[..., Awaitable[None]],
         *,
         directory: Directory,
-        client: httpx.AsyncClient,
+        peers: PeerClient,
+        placement: ClusterPlacer[Answer],
+        key: bytes,
         counters: RelayCounters,
-        secret: str,
         user_for: Callable[[str | None], str],
         session_snapshot: Callable[[str], SessionSnapshot | None],
         mirror_session: Callable[[SessionSnapshot], None],
         resolve_model: Callable[[str], str],
         accept_jobs: bool,
         max_body_bytes: int,
-        relay_timeout_s: float,
         longpolls: frozenset[str] = frozenset(),
-        tls: bool = False,
     ) -> None:
         self._inner = inner
         self._directory = directory
-        self._key = relay_key(secret)
+        self._peers = peers  # every call to another member
+        self._placement = placement  # offers job-creating requests to the ranked nodes
+        self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries, signs sessions
+        self._counters = counters  # the relay's own: ids lost with their node
         self._user_for = user_for
         self._session_snapshot = session_snapshot
         self._mirror_session = mirror_session
@@ -160,12 +160,6 @@ class Relay:
         self._accept_jobs = accept_jobs
         self._max_body_bytes = max_body_bytes
         self._longpolls = longpolls  # relayed waits that end when their client goes away
-        self._counters = counters
-        self._peers = PeerClient(
-            client, local_name=directory.local_name, key=self._key, relay_timeout_s=relay_timeout_s, tls=tls,
-            counters=counters,
-        )
-        self._placement: ClusterPlacer[Answer] = ClusterPlacer(directory, counters)
 
     # ------------------------------------------------------------ ASGI
 

@@ -9,8 +9,10 @@
 checkpoint files, opens the database and marks the requests a dead daemon
 left pending as lost. A `Store` then holds one object per concern:
 `sessions`, `samplers`, `runs`, `checkpoints` (rows), `requests`, `audit`,
-`usage`, `files` (the checkpoint filesystem) and `adoption`. Its flat methods
-forward to them, for callers not yet moved to the parts; they add no logic.
+`usage_ledger`, `files` (the checkpoint filesystem) and `adoption`; `database`
+is the connections they share. Beyond opening, it only joins a checkpoint's row
+and files for callers off the event loop, and forwards a few flat methods to
+the parts for callers not yet moved to them; none adds logic.
 
 It never decides policy (who may see what is the API's check, using the
 `owner` columns) and never imports trio or torch.
@@ -25,7 +27,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import ServerError
 from openrld.history_table import HistoryTable
 from openrld.ids import CheckpointKind, TinkerPath
@@ -44,7 +45,6 @@ from openrld.store.rows import (
     SamplerRow,
     SessionRow,
     StoreStatistics,
-    UsageRow,
     utc_now,
 )
 from openrld.store.runs import RunRepository
@@ -136,7 +136,28 @@ class Store:
             pending_requests=self.requests.pending(),
         )
 
-    # --- forwarding, for callers not yet moved to the parts ------------------------------------------
+    # --- a checkpoint's row and files together, in the caller's thread --------------------------------
+    # The daemon runs the two halves apart (the row on the loop, the files in the checkpoint actor's
+    # threads: actors/checkpoints.py); these keep the order (row first) for tests and tools.
+
+    def delete_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
+        """Remove a checkpoint's row, then its directory: a crash in between leaves an unlisted
+        directory, never a listed checkpoint with no files. Raises NotFound."""
+        self.files.remove(self.checkpoints.delete(run_id, kind, name))
+
+    def set_checkpoint_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
+        """Publish or unpublish a checkpoint: its row, then its manifest. Raises NotFound."""
+        self.files.update_manifest(self.checkpoints.set_public(run_id, kind, name, public), public=public)
+
+    def set_checkpoint_expiry(
+        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
+    ) -> None:
+        """Set (None: remove) a checkpoint's expiry: its row, then its manifest. Raises NotFound."""
+        path = self.checkpoints.set_expiry(run_id, kind, name, expires_at)
+        self.files.update_manifest(path, expires_at=expires_at)
+
+    # --- forwarding, for callers not yet moved to the parts (actors/jobs.py, sessions.py,
+    # sampling_sessions.py, futures.py's RequestLog, daemon.py) --------------------------------------- ------------------------------------------
 
     def create_session(
         self, session_id: str, owner: str, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
@@ -147,23 +168,11 @@ class Store:
     def get_session(self, session_id: str) -> SessionRow | None:
         return self.sessions.get(session_id)
 
-    def list_sessions(self, owner: str, limit: int, offset: int) -> list[SessionRow]:
-        return self.sessions.list(owner, limit, offset)
-
-    def all_sessions(self, owner: str) -> list[SessionRow]:
-        return self.sessions.all(owner)
-
     def heartbeat(self, session_id: str) -> None:
         self.sessions.heartbeat(session_id)
 
     def finish_session(self, session_id: str, reason: str, detail: str | None) -> bool:
         return self.sessions.finish(session_id, reason, detail)
-
-    def set_session_project(self, session_id: str, project_id: str) -> None:
-        self.sessions.set_project(session_id, project_id)
-
-    def session_checkpoint_usage(self, session_id: str) -> tuple[int, int]:
-        return self.checkpoints.usage_of_session(session_id)
 
     def create_run(
         self, run_id: str, session_id: str, owner: str, base_model: str, model_dir: str,
@@ -177,19 +186,8 @@ class Store:
     def get_run(self, run_id: str) -> RunRow | None:
         return self.runs.get(run_id)
 
-    def list_runs(
-        self, owner: str, limit: int, offset: int, *, accessible: bool = False, every_owner: bool = False
-    ) -> tuple[list[RunRow], int]:
-        return self.runs.list(owner, limit, offset, accessible=accessible, every_owner=every_owner)
-
-    def has_public_checkpoint(self, run_id: str) -> bool:
-        return self.checkpoints.has_public(run_id)
-
     def touch_run(self, run_id: str) -> None:
         self.runs.touch(run_id)
-
-    def session_runs(self, session_id: str) -> list[str]:
-        return self.runs.of_session(session_id)
 
     def base_models(self) -> list[str]:
         return self.runs.base_models()
@@ -203,66 +201,11 @@ class Store:
     def get_sampler(self, sampler_id: str) -> SamplerRow | None:
         return self.samplers.get(sampler_id)
 
-    def session_samplers(self, session_id: str) -> list[str]:
-        return self.samplers.of_session(session_id)
-
-    def add_checkpoint(
-        self, run_id: str, kind: CheckpointKind, name: str, owner: str, size_bytes: int | None,
-        user_metadata: dict[str, str], expires_at: datetime | None, public: bool = False, *,
-        overwrite: bool = False, created_at: datetime | None = None,
-    ) -> CheckpointRow:
-        return self.checkpoints.add(
-            run_id, kind, name, owner, size_bytes, user_metadata, expires_at, public,
-            overwrite=overwrite, created_at=created_at,
-        )
-
     def get_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> CheckpointRow | None:
         return self.checkpoints.get(run_id, kind, name)
 
-    def list_checkpoints(self, run_id: str) -> list[CheckpointRow]:
-        return self.checkpoints.of_run(run_id)
-
-    def list_user_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
-        return self.checkpoints.of_owner(owner, limit, offset)
-
     def last_checkpoint(self, run_id: str, kind: CheckpointKind | str) -> CheckpointRow | None:
         return self.checkpoints.last(run_id, kind)
-
-    def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
-        return self.checkpoints.expired(now)
-
-    def storage_by_project(self, owner: str) -> list[tuple[str | None, int, int]]:
-        return self.checkpoints.storage_by_project(owner)
-
-    def delete_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
-        """The row, then the directory, in the caller's thread (the daemon: `CheckpointWriter.delete`)."""
-        self.files.remove(self.checkpoints.delete(run_id, kind, name))
-
-    def delete_checkpoint_row(self, run_id: str, kind: CheckpointKind | str, name: str) -> TinkerPath:
-        return self.checkpoints.delete(run_id, kind, name)
-
-    def remove_checkpoint_files(self, path: TinkerPath) -> None:
-        self.files.remove(path)
-
-    def set_checkpoint_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
-        self.files.update_manifest(self.checkpoints.set_public(run_id, kind, name, public), public=public)
-
-    def set_checkpoint_public_row(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> TinkerPath:
-        return self.checkpoints.set_public(run_id, kind, name, public)
-
-    def set_checkpoint_expiry(
-        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
-    ) -> None:
-        path = self.checkpoints.set_expiry(run_id, kind, name, expires_at)
-        self.files.update_manifest(path, expires_at=expires_at)
-
-    def set_checkpoint_expiry_row(
-        self, run_id: str, kind: CheckpointKind | str, name: str, expires_at: datetime | None
-    ) -> TinkerPath:
-        return self.checkpoints.set_expiry(run_id, kind, name, expires_at)
-
-    def update_manifest(self, path: TinkerPath, **changes: object) -> None:
-        self.files.update_manifest(path, **changes)
 
     def checkpoint_dir(self, run_id: str, kind: CheckpointKind | str, name: str) -> Path:
         return self.files.checkpoint_dir(run_id, kind, name)
@@ -271,36 +214,8 @@ class Store:
     def checkpoint_files(self) -> tuple[Path, Path]:
         return self.files.checkpoint_files
 
-    def staging_dir(self) -> Path:
-        return self.files.staging_dir()
-
-    def commit_dir(
-        self, staging: Path, final: Path, *, replace: bool = False, manifest: CheckpointManifest | None = None
-    ) -> None:
-        self.files.commit_dir(staging, final, replace=replace, manifest=manifest)
-
-    def manifest_for(
-        self, run_id: str, kind: CheckpointKind | str, name: str, *, size_bytes: int | None,
-        user_metadata: dict[str, str], expires_at: datetime | None,
-    ) -> CheckpointManifest:
-        return self.adoption.manifest_for(
-            run_id, kind, name, size_bytes=size_bytes, user_metadata=user_metadata, expires_at=expires_at
-        )
-
     def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
         return self.adoption.adopt_checkpoint(path)
-
-    def read_adoptable(self, path: TinkerPath) -> CheckpointManifest | None:
-        return self.files.read_adoptable(path)
-
-    def insert_adopted(self, path: TinkerPath, manifest: CheckpointManifest | None) -> CheckpointRow | None:
-        return self.adoption.insert_adopted(path, manifest)
-
-    def adopt_run(self, run_id: str) -> RunRow | None:
-        return self.adoption.adopt_run(run_id)
-
-    def run_checkpoint_paths(self, run_id: str) -> list[TinkerPath]:
-        return self.files.run_checkpoint_paths(run_id)
 
     def record_request(self, request_id: str, model_id: str, kind: str) -> None:
         self.requests.record(request_id, model_id, kind)
@@ -310,21 +225,3 @@ class Store:
 
     def request_state(self, request_id: str) -> RequestState | None:
         return self.requests.state(request_id)
-
-    def prune_requests(self, finished_before: datetime) -> int:
-        return self.requests.prune(finished_before)
-
-    def session_requests(self, session_id: str) -> list[tuple[str, str, str, datetime, datetime | None]]:
-        return self.requests.of_session(session_id)
-
-    def record_audit(self, owner: str, event: str, details: dict[str, str]) -> None:
-        self.audit.record(owner, event, details)
-
-    def audit_events(self, owner: str, since: datetime, until: datetime) -> list[tuple[datetime, str, dict[str, str]]]:
-        return self.audit.events(owner, since, until)
-
-    def add_usage(self, rows: list[UsageRow]) -> None:
-        self.usage_ledger.add(rows)
-
-    def usage(self, owner: str, since: datetime, until: datetime) -> list[UsageRow]:
-        return self.usage_ledger.of_owner(owner, since, until)

@@ -36,14 +36,14 @@ def _slowed(fn):
 @pytest.fixture
 def store(tmp_path: Path):
     store = Store.open(tmp_path / "data", now=lambda: T0)
-    store.create_session("s-1", "alice", [], {}, "0.38.0", None, None)
-    store.create_run(RUN, "s-1", "alice", "tiny", "/m", {"rank": 4}, {}, {}, {"type": "adamw"})
+    store.sessions.create("s-1", "alice", [], {}, "0.38.0", None, None)
+    store.runs.create(RUN, "s-1", "alice", "tiny", "/m", {"rank": 4}, {}, {}, {"type": "adamw"})
     for name in ("doomed", "kept"):
-        staging = store.staging_dir()
+        staging = store.files.staging_dir()
         (staging / "weights.bin").write_bytes(b"x")
-        manifest = store.manifest_for(RUN, "weights", name, size_bytes=1, user_metadata={}, expires_at=None)
-        store.commit_dir(staging, store.checkpoint_dir(RUN, "weights", name), manifest=manifest)
-        store.add_checkpoint(RUN, CheckpointKind.WEIGHTS, name, "alice", 1, {}, None)
+        manifest = store.adoption.manifest_for(RUN, "weights", name, size_bytes=1, user_metadata={}, expires_at=None)
+        store.files.commit_dir(staging, store.files.checkpoint_dir(RUN, "weights", name), manifest=manifest)
+        store.checkpoints.add(RUN, CheckpointKind.WEIGHTS, name, "alice", 1, {}, None)
     yield store
     store.close()
 
@@ -79,7 +79,7 @@ async def test_a_slow_delete_and_a_slow_publish_leave_the_loop_free(store: Store
     assert took >= SLOW_S  # the shim was in the way
     assert watch.statistics().slow_steps == 0, watch.statistics()
     assert ticks >= 0.5 * took / TICK_S  # the ticker was not held up (half its rate, for a busy machine)
-    assert [c.name for c in store.list_checkpoints(RUN)] == ["kept"]
-    assert not store.checkpoint_dir(RUN, "weights", "doomed").exists()
-    kept = read_manifest(store.checkpoint_dir(RUN, "weights", "kept"), TinkerPath.of(RUN, "weights", "kept"))
+    assert [c.name for c in store.checkpoints.of_run(RUN)] == ["kept"]
+    assert not store.files.checkpoint_dir(RUN, "weights", "doomed").exists()
+    kept = read_manifest(store.files.checkpoint_dir(RUN, "weights", "kept"), TinkerPath.of(RUN, "weights", "kept"))
     assert kept is not None and kept.public

@@ -20,14 +20,14 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 def _store_with_checkpoints(tmp_path: Path) -> Store:
     store = Store.open(tmp_path / "data", now=lambda: T0)
-    store.create_session("s-1", "alice", [], {}, "0.38.0", None, None)
-    store.create_run("s-1:train:0", "s-1", "alice", "tiny", "/m", {"rank": 4}, {}, {}, {"type": "adamw"})
+    store.sessions.create("s-1", "alice", [], {}, "0.38.0", None, None)
+    store.runs.create("s-1:train:0", "s-1", "alice", "tiny", "/m", {"rank": 4}, {}, {}, {"type": "adamw"})
     for name, expires in (("old", T0 + timedelta(hours=1)), ("young", T0 + timedelta(hours=3)), ("forever", None)):
-        final = store.checkpoint_dir("s-1:train:0", "weights", name)
-        staging = store.staging_dir()
+        final = store.files.checkpoint_dir("s-1:train:0", "weights", name)
+        staging = store.files.staging_dir()
         (staging / "f").write_bytes(b"x")
-        store.commit_dir(staging, final)
-        store.add_checkpoint("s-1:train:0", CheckpointKind.WEIGHTS, name, "alice", 1, {}, expires)
+        store.files.commit_dir(staging, final)
+        store.checkpoints.add("s-1:train:0", CheckpointKind.WEIGHTS, name, "alice", 1, {}, expires)
     return store
 
 
@@ -35,9 +35,9 @@ async def test_only_checkpoints_past_their_ttl_are_deleted_with_their_files(tmp_
     with _store_with_checkpoints(tmp_path) as store:
         gone = await expire_checkpoints(store, CheckpointWriter(store), T0 + timedelta(hours=2))
         assert gone == ["tinker://s-1:train:0/weights/old"]
-        assert [c.name for c in store.list_checkpoints("s-1:train:0")] == ["young", "forever"]
-        assert not store.checkpoint_dir("s-1:train:0", "weights", "old").exists()
-        events = store.audit_events("alice", T0 - timedelta(days=1), T0 + timedelta(days=1))
+        assert [c.name for c in store.checkpoints.of_run("s-1:train:0")] == ["young", "forever"]
+        assert not store.files.checkpoint_dir("s-1:train:0", "weights", "old").exists()
+        events = store.audit.events("alice", T0 - timedelta(days=1), T0 + timedelta(days=1))
         assert [(e, d["tinker_path"]) for _, e, d in events] == [("checkpoint_expired", "tinker://s-1:train:0/weights/old")]
 
 
@@ -49,7 +49,7 @@ def test_usage_counts_sampled_tokens_once_per_request(tmp_path: Path) -> None:
     meter.training(model_id="s-1:train:0", owner="alice", base_model="tiny", tokens=19)
     with Store.open(tmp_path / "data", now=lambda: T0) as store:
         assert meter.flush(store) == 3
-        rows = store.usage("alice", T0, T0 + timedelta(hours=1))
+        rows = store.usage_ledger.of_owner("alice", T0, T0 + timedelta(hours=1))
     assert sorted((r.kind, r.tokens, r.session_id, r.bucket_start) for r in rows) == [
         ("sampling_prefill", 7, "s-1", T0), ("sampling_sample", 5, "s-1", T0), ("training", 19, "s-1", T0),
     ]
@@ -58,10 +58,10 @@ def test_usage_counts_sampled_tokens_once_per_request(tmp_path: Path) -> None:
 async def test_a_sweep_forgets_requests_finished_over_the_keep_ago(tmp_path: Path) -> None:
     with Store.open(tmp_path / "data", now=lambda: T0) as store:
         for request_id, finished in (("r-old", T0), ("r-recent", T0 + timedelta(hours=2))):
-            store.record_request(request_id, "s-1:train:0", "optim_step")
-            store.finish_requests([RequestFinish(request_id, finished)])
+            store.requests.record(request_id, "s-1:train:0", "optim_step")
+            store.requests.finish([RequestFinish(request_id, finished)])
         async with trio.open_nursery() as nursery:
             now = lambda: T0 + REQUEST_LOG_KEEP + timedelta(hours=1)  # noqa: E731
             await nursery.start(partial(run_maintenance, store, UsageMeter(), CheckpointWriter(store), interval_s=3600, now=now))
             nursery.cancel_scope.cancel()
-        assert (store.request_state("r-old"), store.request_state("r-recent")) == (None, "done")
+        assert (store.requests.state("r-old"), store.requests.state("r-recent")) == (None, "done")

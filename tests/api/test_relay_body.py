@@ -3,12 +3,10 @@
 What it must never do: relay a body cut short by the client's disconnect, buffer
 a body past the limit to answer 413, or send a caller's key to a peer in plain
 HTTP when this node speaks TLS. None of these reach the directory or a peer,
-so the relay is built here without a cluster (its directory only names the node).
+so the relay is built here without a cluster.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -33,12 +31,13 @@ class Inner:
         self.calls += 1
 
 
-def relay(inner: Inner, *, tls: bool = False) -> Relay:
+def relay(inner: Inner) -> Relay:
+    counters = RelayCounters()
+    peers = PeerClient(httpx.AsyncClient(), local_name="node-a", key=b"k", relay_timeout_s=60.0, tls=False, counters=counters)
     return Relay(
-        inner, directory=SimpleNamespace(local_name="node-a"), client=httpx.AsyncClient(),  # type: ignore[arg-type]
-        counters=RelayCounters(), secret="s",
+        inner, directory=None, peers=peers, placement=None, key=b"k", counters=counters,  # type: ignore[arg-type]
         user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
-        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, relay_timeout_s=60.0, tls=tls,
+        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY,
         longpolls=frozenset({"/api/v1/retrieve_future"}),
     )
 
