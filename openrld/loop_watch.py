@@ -23,8 +23,9 @@ waiting for the GIL (engine threads in the daemon's process) still counts.
 
 It is off by default (an Instrument costs a little on every step) and on in a
 debug mode: `loop_watch_ms` in the node config, or `OPENRLD_LOOP_WATCH_MS`.
-The test suite turns it on for every daemon it starts and fails a test whose
-daemon logged a slow step (tests/conftest.py).
+The test suite turns it on (50 ms) for every daemon it starts: each report is a
+warning of the test during which it happened, and one over 250 ms fails that
+test (tests/conftest.py says why there are two bars).
 """
 
 from __future__ import annotations
