@@ -43,7 +43,6 @@ from openrld.actors.job_registry import (
 )
 from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, build_status
 from openrld.actors.sampling_sessions import SamplingSessions
-from openrld.actors.sessions import SessionSnapshot as SessionSnapshot  # noqa: F401  (moved; still imported from here)
 from openrld.actors.sessions import SessionTable
 from openrld.actors.usage import UsageMeter
 from openrld.actors.trainer import (

@@ -17,7 +17,7 @@ import logging
 
 import msgspec
 
-from openrld.actors.jobs import SessionSnapshot
+from openrld.actors.sessions import SessionSnapshot
 from openrld.actors.peer_client import sign
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from openrld.actors.membership.codec import decode_push_pull, encode_push_pull, 
 from openrld.actors.membership.config import MembershipConfig, detection_bound
 from openrld.actors.membership.messages import PushPull
 from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
-from openrld.actors.jobs import SessionSnapshot
+from openrld.actors.sessions import SessionSnapshot
 from openrld.api.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
 from tests.waits import wait_for
 
