@@ -299,7 +299,8 @@ def test_the_daemon_deletes_a_checkpoint_when_its_ttl_passes(daemon, http, alice
     def listed() -> list[str]:
         return [c["tinker_path"] for c in http.get(f"/api/v1/training_runs/{run}/checkpoints", headers=ALICE).json()["checkpoints"]]
 
-    wait_for(lambda: path not in listed(), timeout_s=30, poll_s=0.1)  # the next maintenance sweep
-    assert not (daemon.data_dir / "checkpoints" / run / "weights" / name).exists()
+    files = daemon.data_dir / "checkpoints" / run / "weights" / name
+    # The next maintenance sweep: the row goes first, then its files, in the checkpoint actor's thread.
+    wait_for(lambda: path not in listed() and not files.exists(), timeout_s=30, poll_s=0.1)
     events = http.get("/api/v1/audit", params={"event_type": "checkpoints"}, headers=ALICE).json()["entries"]
     assert [e["tinker_path"] for e in events if e["event"] == "checkpoint_expired"] == [path]
