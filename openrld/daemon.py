@@ -44,10 +44,9 @@ from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
 from openrld.api.http1 import Server
 from openrld.api.signing import Signer
-from openrld.capabilities import DeviceSummary
+from openrld.api.capabilities import DeviceSummary
 from openrld.config import ConfigError, NodeConfig, load_api_keys
 from openrld.loop_watch import LoopWatch
-from openrld.metrics import HttpCounters
 from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
 from openrld.store import Store

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openrld import capabilities
+from openrld.api import capabilities
 from openrld.gpu import losses
 
 
@@ -25,6 +25,6 @@ def test_capabilities_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, openrld.capabilities, openrld.api.openrl, openrld.metrics; print('torch' in sys.modules)"
+    code = "import sys, openrld.api.capabilities, openrld.api.openrl, openrld.api.metrics; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -13,9 +13,8 @@ from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
 from openrld.loop_watch import LoopWatchStatistics
-from openrld.metrics import (
-    LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RelayStatistics, RequestMetrics, render_prometheus,
-)
+from openrld.actors.peer_client import RelayStatistics
+from openrld.api.metrics import LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RequestMetrics, render_prometheus
 from openrld.store import StoreStatistics
 
 

@@ -4,7 +4,7 @@ error messages and manifests that the code has, and says of each setting what th
 Everything is read from the code, not from a running daemon: the settings module and its
 schema, NodeConfig, the argparse parsers of `openrld serve` and `openrl-doctor` (captured as
 their `main` builds them), the route table of the app `build_app` builds, the response
-Structs, the metric families in openrld/metrics.py, config/k8s/*.yaml, and the `tinker` SDK.
+Structs, the metric families in openrld/api/metrics.py, config/k8s/*.yaml, and the `tinker` SDK.
 Each check is a function from the skill's text to a list of problems, so that
 `test_each_check_catches_a_wrong_name` can prove each one fails when the skill names
 something that does not exist.
@@ -28,7 +28,8 @@ import pytest
 import tinker
 import yaml
 
-from openrld import capabilities, cli, config, doctor, settings
+from openrld import cli, config, doctor, settings
+from openrld.api import capabilities
 from openrld.actors.membership.messages import MemberState
 from openrld.actors.model_status import JobState, ModelStatus
 from openrld.actors.timeslicer import LeaseState
@@ -105,7 +106,7 @@ HTTP_FIELDS = {f.name: f for f in msgspec.structs.fields(config.HttpLimits)}
 INFO_FIELDS = {f.name for f in msgspec.structs.fields(capabilities.ServerInfo)}
 STATUS_FIELDS = {f.name for f in msgspec.structs.fields(ModelStatus)}
 LOSSES = (*capabilities.SUPPORTED_LOSSES, *capabilities.REFUSED_LOSSES)
-METRICS = set(re.findall(r'"(openrld_\w+)"', (ROOT / "openrld" / "metrics.py").read_text()))
+METRICS = set(re.findall(r'"(openrld_\w+)"', (ROOT / "openrld" / "api" / "metrics.py").read_text()))
 SDK_CLASSES = (tinker.ServiceClient, tinker.TrainingClient, tinker.SamplingClient, tinker.RestClient)
 SDK_METHODS = {name for cls in SDK_CLASSES for name in dir(cls) if not name.startswith("_")}
 SDK_PARAMETERS = {

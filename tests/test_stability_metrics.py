@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from openrld.actors.stability import StabilityStatistics
-from openrld.metrics import RequestMetrics, render_prometheus
+from openrld.api.metrics import RequestMetrics, render_prometheus
 from tests.test_metrics import _node
 
 

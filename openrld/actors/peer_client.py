@@ -25,9 +25,27 @@ import msgspec
 import trio
 
 from openrld.actors.membership.table import Member
-from openrld.metrics import RelayCounters
 
 logger = logging.getLogger(__name__)
+
+class RelayStatistics(msgspec.Struct, frozen=True):
+    relayed: int  # requests sent on to their home node
+    unreachable: int  # of those, the ones whose home did not answer
+    lost: int  # requests answered 410 because their home is dead or gone
+    placed: int  # jobs and samplers a placement offered and a node took
+    refused: int  # offers a node refused for want of room (the next node was tried)
+
+
+class RelayCounters:
+    """Counted by the relay (api/relay.py), this client and the placer (actors/placement), read by /metrics."""
+
+    def __init__(self) -> None:
+        self.relayed = self.unreachable = self.lost = self.placed = self.refused = 0
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(self.relayed, self.unreachable, self.lost, self.placed, self.refused)
+
+
 
 RELAYED_HEADER = "x-openrl-relayed-by"  # the node that relayed the request; the receiver never relays it again
 LOCATE_PATH = "/openrl/peer/v1/locate"

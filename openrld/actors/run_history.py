@@ -39,7 +39,7 @@ import trio
 
 from openrld.actors.futures import Completed, Outcome
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
-from openrld.history_table import HistoryRows, HistoryTable, SamplingBucket, TrainPoint
+from openrld.store.history_table import HistoryRows, HistoryTable, SamplingBucket, TrainPoint
 
 logger = logging.getLogger(__name__)
 

@@ -41,10 +41,11 @@ from openrld.api.signing import Signer
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
 from openrld.api.gate import Gate
-from openrld.capabilities import DeviceSummary
+from openrld.api.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
-from openrld.metrics import UNMATCHED_ENDPOINT, HttpCounters, RelayCounters, RequestMetrics
+from openrld.actors.peer_client import RelayCounters
+from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import trio
 
 from openrld.api.http1 import ASGIApp
 from openrld.errors import InvalidToken, OpenrldError
-from openrld.metrics import RequestMetrics
+from openrld.api.metrics import RequestMetrics
 
 logger = logging.getLogger(__name__)
 

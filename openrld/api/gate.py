@@ -27,7 +27,7 @@ from openrld.api.auth import Authenticator
 from openrld.api.fastpath import error_headers
 from openrld.api.http1 import ASGIApp
 from openrld.errors import OpenrldError
-from openrld.metrics import RequestMetrics
+from openrld.api.metrics import RequestMetrics
 
 KEYLESS_PATHS = frozenset({"/api/v1/healthz", "/metrics", "/console"})
 KEYLESS_PREFIXES = ("/openrl/peer/", "/api/v1/download/", "/api/v1/trace/", "/console/")

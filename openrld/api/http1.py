@@ -52,7 +52,7 @@ import msgspec
 import trio
 
 from openrld.config import HttpLimits
-from openrld.metrics import HttpCounters
+from openrld.api.metrics import HttpCounters
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from quart_trio import QuartTrio
 
 from openrld import __version__
 from openrld.api.app import Services, add_route, caller, json_response
-from openrld.capabilities import Limits, ModelSummary, server_info
-from openrld.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
+from openrld.api.capabilities import Limits, ModelSummary, server_info
+from openrld.api.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
 
 
 def node_limits(services: Services) -> Limits:

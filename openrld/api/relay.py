@@ -68,7 +68,7 @@ from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_discon
 from openrld.api.list_fanout import FANOUT_LISTS, fan_out
 from openrld.api.proto import forward_backward_model_id
 from openrld.errors import OpenrldError, UserError
-from openrld.metrics import RelayCounters
+from openrld.actors.peer_client import RelayCounters
 
 if TYPE_CHECKING:
     from openrld.actors.relayed_session import SessionSnapshot

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO
 
 from openrld.errors import ServerError
-from openrld.history_table import HistoryTable
+from openrld.store.history_table import HistoryTable
 from openrld.ids import CheckpointKind, TinkerPath
 from openrld.store.adoption import Adoption
 from openrld.store.audit import AuditLog, UsageLedger

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from openrld.errors import BadRequest, ServerError
-from openrld.history_table import HISTORY_SCHEMA, HistoryTable
+from openrld.store.history_table import HISTORY_SCHEMA, HistoryTable
 from openrld.store.rows import JsonScalar
 
 SCHEMA_VERSION = 1

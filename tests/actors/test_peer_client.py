@@ -12,7 +12,7 @@ from openrld.actors.peer_client import (
     LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, LocateQuery, PeerClient, answer_locate, detail_answer, relay_key,
     sign,
 )
-from openrld.metrics import RelayCounters
+from openrld.actors.peer_client import RelayCounters
 
 KEY = relay_key("cluster-secret")
 

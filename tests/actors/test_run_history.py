@@ -20,7 +20,7 @@ from openrld.actors.run_history import (
     combine_metrics,
 )
 from openrld.batches import ForwardBackwardResult, OptimResult, SampledSequence, SampleResult
-from openrld.history_table import SamplingBucket, TrainPoint
+from openrld.store.history_table import SamplingBucket, TrainPoint
 from openrld.store import Store
 
 RUN = "s-0123456789abcdef:train:0"

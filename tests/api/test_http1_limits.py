@@ -19,7 +19,7 @@ import trustme
 
 from openrld.api.http1 import Server
 from openrld.config import HttpLimits
-from openrld.metrics import HttpCounters
+from openrld.api.metrics import HttpCounters
 from tests.api.test_http1 import Client, answer, echo, post
 
 QUICK = HttpLimits(head_timeout=0.3, body_timeout=0.3, keep_alive_timeout=5.0, discard_timeout=0.3, write_timeout=0.3)

@@ -16,7 +16,7 @@ from openrld.actors.membership.messages import MemberState, NodePayload
 from openrld.actors.membership.table import Member
 from openrld.actors.peer_client import PeerClient
 from openrld.api.relay import Relay
-from openrld.metrics import RelayCounters
+from openrld.actors.peer_client import RelayCounters
 
 MAX_BODY = 1000
 

@@ -10,7 +10,7 @@ import pytest
 import tinker
 
 from openrld import __version__
-from openrld.capabilities import SUPPORTED_LOSSES
+from openrld.api.capabilities import SUPPORTED_LOSSES
 from openrld.settings import settings_json_schema
 
 HEADERS = {"X-API-Key": "tml-test"}

@@ -24,7 +24,7 @@ from openrld.actors.directory import Directory
 from openrld.actors.membership.messages import JobNote
 from openrld.actors.membership.table import Member
 from openrld.actors.placement.ranking import Booking, JobNeeds, Placer
-from openrld.metrics import RelayCounters
+from openrld.actors.peer_client import RelayCounters
 from openrld.settings import JobSettings
 
 logger = logging.getLogger(__name__)

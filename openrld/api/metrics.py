@@ -22,6 +22,7 @@ from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
 from openrld.actors.membership.codec import DropReason
 from openrld.actors.membership.node import MembershipStatistics
+from openrld.actors.peer_client import RelayStatistics
 from openrld.actors.stability import StabilityStatistics
 from openrld.loop_watch import LoopWatchStatistics
 from openrld.store import StoreStatistics
@@ -88,24 +89,6 @@ class RequestMetrics:
             )
             for (endpoint, method), entry in sorted(self._endpoints.items())
         ]
-
-
-class RelayStatistics(msgspec.Struct, frozen=True):
-    relayed: int  # requests sent on to their home node
-    unreachable: int  # of those, the ones whose home did not answer
-    lost: int  # requests answered 410 because their home is dead or gone
-    placed: int  # jobs and samplers a placement offered and a node took
-    refused: int  # offers a node refused for want of room (the next node was tried)
-
-
-class RelayCounters:
-    """Counted by the relay (api/relay.py), read by /metrics."""
-
-    def __init__(self) -> None:
-        self.relayed = self.unreachable = self.lost = self.placed = self.refused = 0
-
-    def statistics(self) -> RelayStatistics:
-        return RelayStatistics(self.relayed, self.unreachable, self.lost, self.placed, self.refused)
 
 
 # Why the HTTP server closed a connection on a deadline (api/http1.py; [http] in the config).
