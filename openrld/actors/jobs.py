@@ -21,6 +21,7 @@ actors/model_status.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -182,30 +183,20 @@ class JobTable:
             lora = None  # the SDK always sends a lora_config; a full job has no adapter
             require_full_optimizer(optimizer_config)
         model = self._catalog.resolve(base_model)
-        # Booked now, so that a node with no free device refuses an exclusive job.
-        own_group = job_settings_value.exclusive or images.any
-        if own_group:
-            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=job_settings_value.exclusive, images=images)
-        try:
-            self._store.create_run(
-                model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
-                lora=msgspec.to_builtins(lora) if lora is not None else None,
-                settings=job_settings.settings_to_dict(job_settings_value),
-                user_metadata=user_metadata, optimizer_config=optimizer_config,
-            )
-        except BaseException:
-            if own_group:  # no job, so no booking
-                self._groups.end(model, model_id, f"model {model_id} could not be created")
-            raise
-        request_id = self._new_request(owner, model_id, "create_model")
         job = Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
             images,
         )
-        job.remember(0, request_id)
-        self._jobs.add(job)
-        first = CreateAdapter(model_id, request_id, lora, optimizer=optimizer_family(optimizer_config))
-        self._nursery.start_soon(self._open_and_submit, job, first)
+        request_id = self._open_job(
+            job, "create_model",
+            lambda: self._store.create_run(
+                model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
+                lora=msgspec.to_builtins(lora) if lora is not None else None,
+                settings=job_settings.settings_to_dict(job_settings_value),
+                user_metadata=user_metadata, optimizer_config=optimizer_config,
+            ),
+            lambda rid: CreateAdapter(model_id, rid, lora, optimizer=optimizer_family(optimizer_config)),
+        )
         return request_id, model_id
 
     def load_into_new_model(
@@ -231,29 +222,45 @@ class JobTable:
             require_full_optimizer(resumed_config)
         is_exclusive = source_settings.exclusive
         images = images_of(source_settings, self._allowed_images)
-        own_group = is_exclusive or images.any
-        if own_group:
-            self._groups.reserve(model, model_id, full_sync=full_sync, exclusive=is_exclusive, images=images)
-        try:
-            self._store.create_run(
+        job = Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images)
+        request_id = self._open_job(
+            job, "load_weights",
+            lambda: self._store.create_run(
                 model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
                 model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
                 user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
+            ),
+            lambda rid: LoadState(
+                model_id=model_id, request_id=rid, source_dir=str(source_dir), source_uri=path,
+                spec=lora, with_optimizer=with_optimizer, optimizer=optimizer_family(resumed_config),
+            ),
+        )
+        return request_id, model_id
+
+    def _open_job(
+        self, job: Job, kind: str, record_run: Callable[[], None], first_op: Callable[[str], TrainOp]
+    ) -> str:
+        """Book the job's own group if it has one, record its run, make it resident, and start it in a
+        task of its own (its group, then `first_op`); returns the first op's request id.
+
+        The booking comes first, so that a node with no free device refuses an exclusive job now.
+        """
+        own_group = job.is_exclusive or job.images.any
+        if own_group:
+            self._groups.reserve(
+                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images
             )
+        try:
+            record_run()
         except BaseException:
             if own_group:  # no job, so no booking
-                self._groups.end(model, model_id, f"model {model_id} could not be created")
+                self._groups.end(job.model, job.model_id, f"model {job.model_id} could not be created")
             raise
-        request_id = self._new_request(owner, model_id, "load_weights")
-        job = Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images)
+        request_id = self._new_request(job.owner, job.model_id, kind)
         job.remember(0, request_id)
         self._jobs.add(job)
-        op = LoadState(
-            model_id=model_id, request_id=request_id, source_dir=str(source_dir), source_uri=path,
-            spec=lora, with_optimizer=with_optimizer, optimizer=optimizer_family(resumed_config),
-        )
-        self._nursery.start_soon(self._open_and_submit, job, op)
-        return request_id, model_id
+        self._nursery.start_soon(self._open_and_submit, job, first_op(request_id))
+        return request_id
 
     def _first_create(self, model_id: str) -> str | None:
         """The request that created resident job `model_id` (seq_id 0), for a retried create."""
