@@ -159,6 +159,17 @@ class CheckpointWriter:
         manifest = await self._in_thread(self._files.read_adoptable, path)
         return self._adoption.insert_adopted(path, manifest)
 
+    async def adopt_to_read(self, path: str) -> None:
+        """Adopt `path` from a shared root when this node holds no row for it, its manifest read in
+        a thread, so that `readable_checkpoint` (which runs on the event loop and touches no file)
+        then finds it. A malformed path is left for the reader to refuse."""
+        try:
+            tinker_path = parse_tinker_path(path)
+        except BadRequest:
+            return
+        if self._rows.get(tinker_path.run_id, tinker_path.kind, tinker_path.name) is None:
+            await self.adopt_checkpoint(tinker_path)
+
     async def adopt_run(self, run_id: str) -> RunRow | None:
         """`Store.adopt_run`, the run's directory listed and manifests read in a thread."""
         if not self._files.is_shared:
@@ -316,8 +327,9 @@ class CheckpointWriter:
 def readable_checkpoint(store: Store, owner: str, path: str) -> tuple[TinkerPath, Path, RunRow]:
     """(TinkerPath, directory, run row) for a checkpoint `owner` may read: theirs, or public.
 
-    On a shared checkpoint root, a checkpoint another node wrote (a dead
-    node's, say) is adopted from its manifest first, so any node resumes it.
+    It reads rows only: on a shared checkpoint root, the route first adopts a
+    checkpoint another node wrote (a dead node's, say) with
+    `CheckpointWriter.adopt_to_read`, whose file reads run in a thread.
 
     Raises:
         BadRequest: `path` is not a well-formed tinker:// checkpoint path.
@@ -325,8 +337,6 @@ def readable_checkpoint(store: Store, owner: str, path: str) -> tuple[TinkerPath
     """
     tinker_path = parse_tinker_path(path)
     row = store.get_checkpoint(tinker_path.run_id, tinker_path.kind, tinker_path.name)
-    if row is None:
-        row = store.adopt_checkpoint(tinker_path)
     if row is None or (row.owner != owner and not row.public):
         raise NotFound(f"no checkpoint {path}")
     run = store.get_run(tinker_path.run_id)

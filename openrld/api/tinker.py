@@ -210,6 +210,7 @@ async def load_weights(services: Services) -> Response:
     with_optimizer = bool(req.optimizer)
     if req.optimizer_config is not None:
         wire.optimizer_family(req.optimizer_config)
+    await services.checkpoints.adopt_to_read(req.path)
     if req.model_id is None:
         if req.session_id is None or req.model_seq_id is None:
             raise BadRequest("load_weights needs model_id and seq_id, or session_id and model_seq_id")
@@ -230,6 +231,8 @@ async def load_weights(services: Services) -> Response:
 async def create_sampling_session(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.CreateSamplingSessionRequest)
+    if req.model_path is not None:
+        await services.checkpoints.adopt_to_read(req.model_path)
     sampler_id = services.sampling.create(
         user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
         base_model=req.base_model, model_path=req.model_path,
