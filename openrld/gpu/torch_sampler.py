@@ -1,7 +1,9 @@
 """The torch sampling engine: one base model, many immutable LoRA versions, continuous batching.
 
 `TorchSampler` owns one base model, its tokenizer, the LoRA weight versions
-loaded on it as peft adapters, and one running decode batch. It is a
+loaded on it as peft adapters (held by `lora_versions.LoraVersions`, which
+copies a new version into the adapter of a dropped one of the same shape), and
+one running decode batch. It is a
 step-level scheduler, driven by its caller:
 
 - `add(request_id, version, job)` validates a `SampleJob` and queues it.
@@ -62,13 +64,11 @@ import collections
 import dataclasses
 import logging
 import math
-import re
 import secrets
 from pathlib import Path
 
 import msgspec
 import numpy as np
-import peft
 import torch
 import transformers
 
@@ -80,6 +80,7 @@ from openrld.gpu import lora_io, models, offload
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_holding, cache_tensors
+from openrld.gpu.lora_versions import LoraVersions
 from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
@@ -103,8 +104,6 @@ UNIFORM_BLOCK = 32  # uniforms a sample draws from its generator at once
 # RL step's shared prefixes and the recent turns of a few dozen episodes); a model 10x
 # larger per token still keeps a few hundred tokens, a system prompt.
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
-MAX_FREE_ADAPTERS = 4  # adapters of dropped versions kept for reuse (each the size of one version)
-_LORA_WEIGHT = re.compile(r"\.(lora_[AB])\.weight$")  # a trainer's key -> the adapter's own parameter
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -280,15 +279,8 @@ class TorchSampler(offload.ParksInSlot):
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
-        self._peft: peft.PeftModel | None = None  # wraps self._model once the first version loads
-        self._adapters: dict[str, str] = {}  # version -> peft adapter name (versions may hold ':' and '/')
-        self._adapter_counter = 0
-        # Adapters of dropped versions, kept by shape for the next version to be copied into: peft
-        # makes a new adapter by walking every module (~0.35 s on SmolLM2), a copy takes ~10 ms.
-        self._free_adapters: dict[tuple[int, bool, bool, bool], list[str]] = {}
-        self._adapter_shapes: dict[str, tuple[int, bool, bool, bool]] = {}  # adapter name -> its shape key
-        self._parameters: dict[str, torch.nn.Parameter] | None = None  # by name; None after peft changes
-        self._adapters_reused = 0
+        # The fused forward binds to peft's linears once the first adapter has swapped them in.
+        self._versions = LoraVersions(self._model, self._fused.bind if self._fused is not None else lambda: None)
         self._requests: dict[str, _Request] = {}  # every live request
         self._queued: collections.deque[_Request] = collections.deque()  # not yet prefilled
         self._prefilled: collections.deque[_Request] = collections.deque()  # samples waiting for rows
@@ -308,7 +300,7 @@ class TorchSampler(offload.ParksInSlot):
     # -- versions ---------------------------------------------------------
 
     def has_version(self, version: str | None) -> bool:
-        return version is None or version in self._adapters
+        return version is None or version in self._versions
 
     def base_weights(self) -> dict[str, torch.nn.Parameter]:
         """The base model's parameters by name, for an owner that replaces them in place
@@ -336,83 +328,9 @@ class TorchSampler(offload.ParksInSlot):
         payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if spec is None or not isinstance(payload, dict):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
-        tensors: dict[str, torch.Tensor] = payload
-        if version in self._adapters:
-            raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
         self._require_resident("load_version")  # peft would create the new tensors on the host
-        free = self._free_adapters.get(_shape(spec))
-        if free:
-            adapter = free.pop()
-            self._adapters_reused += 1
-        else:
-            adapter = self._new_adapter(spec)
-        self._load_into(version, adapter, tensors, spec)
-        self._adapters[version] = adapter
-        logger.info("loaded weight version=%s adapter=%s rank=%d", version, adapter, spec.rank)
-
-    def _new_adapter(self, spec: LoraSpec) -> str:
-        """A new peft adapter of `spec`'s shape, its weights still peft's initial ones."""
-        adapter = f"v{self._adapter_counter}"
-        self._adapter_counter += 1
-        # peft initialises lora_A randomly; fork so that loading never moves the global RNG.
-        with torch.random.fork_rng(devices=[]):
-            if self._peft is None:
-                self._peft = peft.get_peft_model(self._model, models.lora_config(spec), adapter_name=adapter)
-            else:
-                self._peft.add_adapter(adapter, models.lora_config(spec))
-        self._parameters = None
-        self._adapter_shapes[adapter] = _shape(spec)
-        # New LoRA modules start in training mode, and peft refuses a mixed-batch forward in it.
-        self._peft.eval()
-        if self._peft.active_adapter not in self._peft.peft_config:
-            # peft keeps naming a deleted adapter active when it was the last one, and its
-            # forward looks that name up even with per-row adapter_names.
-            self._peft.set_adapter(adapter)
-        if self._fused is not None:
-            self._fused.bind()  # the first version swapped the target linears for peft's
-        return adapter
-
-    def _load_into(self, version: str, adapter: str, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> None:
-        """Copy a version's tensors into `adapter`, a new or a free adapter of `spec`'s shape.
-
-        The tensors must name exactly the adapter's LoRA parameters, each in its shape, and any
-        base tensor among them must equal the base; if not, the adapter is deleted (it may be
-        half written) and the version refused. A direct copy: peft's own loader
-        (`set_peft_model_state_dict`) took ~0.35 s a version on SmolLM2 remapping its keys.
-        """
-        try:
-            lora = self._check_base_tensors(version, tensors)
-        except ValueError as e:
-            self._delete_adapter(adapter)
-            raise ValueError(f"weight version {version!r}: {e}") from e
-        params = self._named_parameters()
-        own = {name for name in params if "lora_" in name and f".{adapter}." in name}
-        names = {key: _LORA_WEIGHT.sub(rf".\1.{adapter}.weight", key) for key in lora}
-        missing = sorted(own - set(names.values()))
-        unexpected = sorted(key for key, name in names.items() if name not in own)
-        misshapen = sorted(key for key, name in names.items() if name in own and params[name].shape != lora[key].shape)
-        if missing or unexpected or misshapen:
-            self._delete_adapter(adapter)
-            raise ValueError(
-                f"weight version {version!r}: tensors do not match LoraSpec {spec}: "
-                f"missing {missing[:4]}, unexpected {unexpected[:4]}, misshapen {misshapen[:4]}"
-            )
-        with torch.no_grad():
-            for key, name in names.items():
-                params[name].copy_(lora[key])
-        self._prefixes.drop(adapter)  # a free adapter's prefixes went with its version; never serve any
-
-    def _named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        assert self._peft is not None
-        if self._parameters is None:
-            self._parameters = dict(self._peft.named_parameters())
-        return self._parameters
-
-    def _delete_adapter(self, adapter: str) -> None:
-        assert self._peft is not None
-        self._peft.delete_adapter(adapter)
-        self._adapter_shapes.pop(adapter, None)
-        self._parameters = None
+        adapter = self._versions.load(version, payload, spec)
+        self._prefixes.drop(adapter)  # a reused adapter's prefixes went with its version; never serve any
 
     def load_checkpoint(self, version: str, directory: Path) -> None:
         """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
@@ -432,40 +350,14 @@ class TorchSampler(offload.ParksInSlot):
         """
         if version in self.versions_in_use():
             raise ValueError(f"weight version {version!r} is in use by a live request")
-        adapter = self._adapters.pop(version)
-        self._prefixes.drop(adapter)
-        free = self._free_adapters.setdefault(self._adapter_shapes[adapter], [])
-        if sum(len(names) for names in self._free_adapters.values()) < MAX_FREE_ADAPTERS:
-            free.append(adapter)  # its weights stay until a version of its shape is copied in
-        else:
-            self._delete_adapter(adapter)
-        logger.info("dropped weight version=%s adapter=%s", version, adapter)
-
-    def _check_base_tensors(self, version: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Split off base-weight tensors (peft saves lm_head's base weight when it is a target).
-
-        They are not loaded, since the base is shared by every version; they
-        must equal it, or the version would not be what the trainer trained.
-        """
-        params = self._named_parameters()
-        lora = {}
-        for key, tensor in tensors.items():
-            if "lora_" in key:
-                lora[key] = tensor
-                continue
-            base = params.get(key)
-            if base is None:
-                raise ValueError(f"tensor {key!r} names no parameter of the model")
-            if not torch.equal(tensor.to(base.device, base.dtype), base):
-                raise ValueError(f"tensor {key!r} differs from the shared base weight")
-        return lora
+        self._prefixes.drop(self._versions.drop(version))
 
     def versions_in_use(self) -> set[str]:
         """Versions that a live request samples from; they cannot be dropped."""
         return {r.version for r in self._requests.values() if r.version is not None}
 
     def _adapter_name(self, version: str | None) -> str:
-        return BASE_ADAPTER if version is None else self._adapters[version]
+        return BASE_ADAPTER if version is None else self._versions.adapter(version)
 
     # -- scheduling -------------------------------------------------------
 
@@ -478,7 +370,7 @@ class TorchSampler(offload.ParksInSlot):
             ValueError: `request_id` is already live.
         """
         _validate(job, self._vocab, self._context)
-        if version is not None and version not in self._adapters:
+        if version is not None and version not in self._versions:
             raise KeyError(f"weight version {version!r} is not loaded")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the sampler")
@@ -689,9 +581,9 @@ class TorchSampler(offload.ParksInSlot):
     def _forward(
         self, input_ids: torch.Tensor, cache: transformers.DynamicCache, adapters: list[str], **kwargs: object
     ):
-        if self._peft is None:
+        if self._versions.peft is None:
             return self._model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
-        return self._peft(input_ids=input_ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs)
+        return self._versions.peft(input_ids=input_ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs)
 
     def _finish(self, request: _Request) -> Finished:
         del self._requests[request.request_id]
@@ -918,7 +810,7 @@ class TorchSampler(offload.ParksInSlot):
 
     def statistics(self) -> TorchSamplerStatistics:
         return TorchSamplerStatistics(
-            versions_loaded=len(self._adapters),
+            versions_loaded=len(self._versions),
             requests_done=self._requests_done,
             samples_done=self._samples_done,
             tokens_generated=self._tokens_generated,
@@ -928,9 +820,9 @@ class TorchSampler(offload.ParksInSlot):
             rows_running=len(self._rows),
             decode_steps=self._decode_steps,
             prefix_cache=self._prefixes.statistics(),
-            adapters_made=self._adapter_counter,
-            adapters_reused=self._adapters_reused,
-            adapters_free=sum(len(names) for names in self._free_adapters.values()),
+            adapters_made=self._versions.made,
+            adapters_reused=self._versions.reused,
+            adapters_free=self._versions.free,
         )
 
 
@@ -954,12 +846,6 @@ def _uniform_rows(uniforms: torch.Tensor, counts: list[int], width: int) -> torc
     column_index = torch.cat([torch.arange(count) for count in counts])
     rows[row_index, column_index] = uniforms
     return rows
-
-
-def _shape(spec: LoraSpec) -> tuple[int, bool, bool, bool]:
-    """What makes two versions' adapters interchangeable: their rank and target modules (the seed
-    only initialises, and every tensor is overwritten)."""
-    return spec.rank, spec.train_attn, spec.train_mlp, spec.train_unembed
 
 
 def _eos_ids(tokenizer: transformers.PreTrainedTokenizerBase, model: torch.nn.Module) -> frozenset[int]:
