@@ -68,7 +68,10 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 class _Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None
-    lora: peft.tuners.lora.Linear | None  # its adapters are looked up at each call: versions come and go
+    lora: peft.tuners.lora.Linear | None
+    # adapter name -> (A, B, scaling), or None where the module has no such adapter; filled on
+    # first use, emptied by `bind` whenever adapters come or go.
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float] | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,10 +115,10 @@ class FusedForward:
 
     def bind(self) -> None:
         """Take the model's parameters and target modules as they are now. Call it once peft
-        has wrapped the model: its first adapter swaps the target linears for peft's own.
-        Adapters added or deleted later need no call (each call looks them up in the peft
-        module), nor do in-place changes to the tensors, which are held, not copied (full
-        fine-tuning's syncs, parking).
+        has wrapped the model: its first adapter swaps the target linears for peft's own, and
+        again whenever an adapter is added or deleted (each linear keeps its adapters' tensors
+        once looked up). In-place changes to the tensors need no call: they are held, not
+        copied (full fine-tuning's syncs, parking, a version copied into a reused adapter).
 
         Reading them once here rather than through the modules at every call (~60 lookups
         through `nn.Module.__getattr__` and 15 isinstance checks a step) took a decode step
@@ -352,21 +355,38 @@ def adapter_rows(adapters: list[str], device: torch.device) -> AdapterRows:
 
 def _linear(linear: _Linear, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:
     out = F.linear(x, linear.weight, linear.bias)
-    module = linear.lora
-    if module is None:
+    if linear.lora is None:
         return out
     for adapter, index in rows:
-        if adapter == BASE_ADAPTER or adapter not in module.lora_A:
+        if adapter == BASE_ADAPTER:
             continue
-        assert adapter not in module.lora_variant, f"adapter {adapter!r} is not plain LoRA"
-        a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
-        scaling = module.scaling[adapter]
+        # Looked up once per adapter, not through peft's modules at each of the ~200 calls a step.
+        lora = linear.adapters[adapter] if adapter in linear.adapters else _look_up(linear, adapter)
+        if lora is None:
+            continue
+        a, b, scaling = lora
+        h = x if index is None else x.index_select(0, index)
+        if h.dtype != a.dtype:
+            h = h.to(a.dtype)
+        delta = F.linear(F.linear(h, a), b).mul_(scaling)  # peft's order: B(A x), then the scaling
+        if delta.dtype != out.dtype:
+            delta = delta.to(out.dtype)
         if index is None:
-            out += F.linear(F.linear(x.to(a.dtype), a), b).mul_(scaling).to(out.dtype)
+            out += delta
         else:
-            delta = F.linear(F.linear(x.index_select(0, index).to(a.dtype), a), b).mul_(scaling)
-            out.index_add_(0, index, delta.to(out.dtype))
+            out.index_add_(0, index, delta)
     return out
+
+
+def _look_up(linear: _Linear, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    module = linear.lora
+    assert module is not None
+    found = None
+    if adapter in module.lora_A:
+        assert adapter not in module.lora_variant, f"adapter {adapter!r} is not plain LoRA"
+        found = module.lora_A[adapter].weight, module.lora_B[adapter].weight, module.scaling[adapter]
+    linear.adapters[adapter] = found
+    return found
 
 
 def _rms(norm: _Norm, x: torch.Tensor) -> torch.Tensor:

@@ -45,13 +45,13 @@ def shape_of(spec: LoraSpec) -> Shape:
 class LoraVersions:
     """Weight versions by name, each in a peft adapter of `model`.
 
-    `on_new_adapter` runs after peft has added an adapter (a fused forward binds to peft's
-    linears then).
+    `on_adapters_changed` runs after peft has added or deleted an adapter (a fused forward
+    binds to peft's linears and their adapters then).
     """
 
-    def __init__(self, model: torch.nn.Module, on_new_adapter: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, model: torch.nn.Module, on_adapters_changed: Callable[[], None] = lambda: None) -> None:
         self._model = model
-        self._on_new_adapter = on_new_adapter
+        self._on_adapters_changed = on_adapters_changed
         self.peft: peft.PeftModel | None = None  # wraps the model once the first version loads
         self._adapters: dict[str, str] = {}  # version -> peft adapter name (versions may hold ':' and '/')
         self._made = 0
@@ -130,7 +130,7 @@ class LoraVersions:
             # peft keeps naming a deleted adapter active when it was the last one, and its
             # forward looks that name up even with per-row adapter_names.
             self.peft.set_adapter(adapter)
-        self._on_new_adapter()
+        self._on_adapters_changed()
         return adapter
 
     def _copy_into(self, version: str, adapter: str, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> None:
@@ -189,3 +189,4 @@ class LoraVersions:
         self.peft.delete_adapter(adapter)
         self._shapes.pop(adapter, None)
         self._parameters = None
+        self._on_adapters_changed()

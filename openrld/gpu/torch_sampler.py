@@ -279,7 +279,7 @@ class TorchSampler(offload.ParksInSlot):
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
-        # The fused forward binds to peft's linears once the first adapter has swapped them in.
+        # The fused forward binds to peft's linears (the first adapter swaps them in) and their adapters.
         self._versions = LoraVersions(self._model, self._fused.bind if self._fused is not None else lambda: None)
         self._requests: dict[str, _Request] = {}  # every live request
         self._queued: collections.deque[_Request] = collections.deque()  # not yet prefilled
