@@ -43,12 +43,16 @@ $(VENV)/.runtime: pyproject.toml
 
 # The test extras hold the recipes' too (the suite runs `make quickstart`), so a test
 # install is also a recipes install and `make quickstart` installs nothing more.
+COOKBOOK := tinker-cookbook==0.6.1
+
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -e '.[test,recipes]'
+	$(PIP) install --no-deps $(COOKBOOK)
 	touch $(VENV)/.recipes $@
 
 $(VENV)/.recipes: $(VENV)/.runtime
 	$(PIP) install -e '.[test,recipes]'
+	$(PIP) install --no-deps $(COOKBOOK)
 	touch $@
 
 install: $(VENV)/.runtime
