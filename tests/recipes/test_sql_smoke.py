@@ -1,0 +1,32 @@
+"""The SQL recipe end to end on the tiny model: a 2-step job, and a sweep of 2 jobs at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipes.sql.__main__ import main
+from recipes.sql.train import EvalRecord, StepRecord, read_log
+
+pytest.importorskip("matplotlib", reason="the sweep's PNG needs matplotlib (pip install -e '.[recipes]')")
+
+TINY_JOB = ["--api-key", "tml-test", "--base-model", "tiny-llama", "--renderer", "role_colon", "--steps", "2",
+            "--questions-per-step", "2", "--max-tokens", "4", "--eval-every", "1", "--families", "filter"]
+
+
+def test_training_entry_runs_two_steps_with_evals_before_between_and_after(
+    shared_daemon, tiny_llama: Path, tmp_path: Path, capsys,
+):
+    argv = ["train", "--url", shared_daemon.url, "--tokenizer", str(tiny_llama), *TINY_JOB, "--group-size", "2",
+            "--loss", "ppo", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    records = read_log(tmp_path / "log.jsonl")
+    assert [(type(r).__name__, r.step) for r in records] == [
+        ("EvalRecord", 0), ("StepRecord", 0), ("EvalRecord", 1), ("StepRecord", 1), ("EvalRecord", 2)]
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    assert all(len(e.correct) == len(e.question_ids) == 14 for e in evals)  # the filter family's held-out share
+    tokens = [r.tokens for r in records]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    assert all(isinstance(r, StepRecord) and 0.0 <= r.mean_reward <= 1.0 for r in records[1::2])
+    assert "done: heldout accuracy" in capsys.readouterr().out
