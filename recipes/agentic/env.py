@@ -1,0 +1,121 @@
+"""The tasks as tinker-cookbook environments: one sandboxed episode per Env, a group per task.
+
+`AgenticGroupBuilder.make_envs` gives each of `group_size` episodes its own sandbox
+(from `make_sandbox`) and tools, and builds the Env with the cookbook's
+`build_agent_tool_env`: the renderer's tool-call format, up to `max_turns` turns,
+a trajectory token budget, and tool calls that do not parse answered with a
+corrective message (`ParseErrorPolicy`) rather than ending the episode. The episode
+ends when the model calls finish, replies without a tool call, or runs out of
+turns or tokens; the deliverable is then graded by the rubric, and its score is
+the reward. `cleanup` closes the sandboxes.
+
+`TaskDataset` is the cookbook's `RLDataset` over a fixed list of tasks, taken in
+order, `groups_per_batch` at a time, wrapping around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tinker_cookbook.renderers import Renderer
+from tinker_cookbook.renderers.base import Message
+from tinker_cookbook.rl.rollout_limits import ParseErrorPolicy
+from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset
+from tinker_cookbook.tool_use import build_agent_tool_env
+
+from recipes.agentic import rubric
+from recipes.agentic.sandbox import Sandbox
+from recipes.agentic.tasks import Task
+from recipes.agentic.tools import WorkspaceTools, read_deliverable
+
+SandboxFactory = Callable[[dict[str, str]], Sandbox]
+
+SYSTEM_PROMPT = (
+    "You are a legal assistant working in a workspace of documents. Use the tools to read the documents "
+    "and to write the deliverable, then call finish. Call one tool per reply. Example:\n"
+    '<tool_call>\n{"name": "read_file", "arguments": {"path": "contract.txt"}}\n</tool_call>'
+)
+
+
+def initial_messages(renderer: Renderer, tools: WorkspaceTools, task: Task) -> list[Message]:
+    """The system prompt with the tools' schemas, then the task's instruction."""
+    prefix = renderer.create_conversation_prefix_with_tools([t.to_spec() for t in tools.all()], SYSTEM_PROMPT)
+    return [*prefix, Message(role="user", content=task.instruction)]
+
+
+class AgenticGroupBuilder(EnvGroupBuilder):
+    """`group_size` episodes of one task, each in a sandbox of its own.
+
+    Args:
+        task: the task.
+        renderer: renders messages and parses tool calls.
+        make_sandbox: documents -> a fresh sandbox holding them.
+        group_size: episodes of this task (the group whose mean reward is the baseline).
+        max_turns: model replies per episode.
+        max_trajectory_tokens: the whole episode's token budget, prompt included.
+        max_generation_tokens: one reply's token budget.
+    """
+
+    def __init__(
+        self, task: Task, renderer: Renderer, make_sandbox: SandboxFactory, *, group_size: int, max_turns: int,
+        max_trajectory_tokens: int, max_generation_tokens: int,
+    ):
+        self.task = task
+        self.renderer = renderer
+        self.make_sandbox = make_sandbox
+        self.group_size = group_size
+        self.max_turns = max_turns
+        self.max_trajectory_tokens = max_trajectory_tokens
+        self.max_generation_tokens = max_generation_tokens
+        self.sandboxes: list[Sandbox] = []
+        self.grades: list[rubric.Grade | None] = []  # per env, set when its episode is graded
+
+    def _reward_fn(self, index: int, sandbox: Sandbox):
+        async def reward(_history: list[Message]) -> tuple[float, dict[str, float]]:
+            grade = rubric.grade(self.task.expected, read_deliverable(sandbox, self.task.deliverable))
+            self.grades[index] = grade
+            return grade.score, {"success": float(grade.success), "score": grade.score}
+
+        return reward
+
+    async def make_envs(self) -> Sequence[Env]:
+        envs = []
+        for index in range(self.group_size):
+            sandbox = self.make_sandbox(self.task.documents)
+            self.sandboxes.append(sandbox)
+            self.grades.append(None)
+            tools = WorkspaceTools(sandbox)
+            envs.append(build_agent_tool_env(
+                renderer=self.renderer, tools=tools.all(),
+                initial_messages=initial_messages(self.renderer, tools, self.task),
+                reward_fn=self._reward_fn(index, sandbox), max_turns=self.max_turns,
+                max_trajectory_tokens=self.max_trajectory_tokens, max_generation_tokens=self.max_generation_tokens,
+                # A reply cut at its token budget still ends the episode and is graded by what it left.
+                failed_parse_reward=0.0, context_overflow_reward=0.0,
+                parse_error_policy=ParseErrorPolicy(max_consecutive=2),
+            ))
+        return envs
+
+    async def cleanup(self) -> None:
+        for sandbox in self.sandboxes:
+            sandbox.close()
+        self.sandboxes = []
+
+    def logging_tags(self) -> list[str]:
+        return ["agentic", self.task.family.value]
+
+
+class TaskDataset(RLDataset):
+    """Batches of group builders over `tasks`, in order, wrapping around."""
+
+    def __init__(self, tasks: list[Task], make_builder: Callable[[Task], AgenticGroupBuilder], groups_per_batch: int):
+        self.tasks = tasks
+        self.make_builder = make_builder
+        self.groups_per_batch = groups_per_batch
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        start = index * self.groups_per_batch
+        return [self.make_builder(self.tasks[(start + k) % len(self.tasks)]) for k in range(self.groups_per_batch)]
+
+    def __len__(self) -> int:
+        return max(1, len(self.tasks) // self.groups_per_batch)
