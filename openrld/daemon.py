@@ -24,6 +24,7 @@ import trio
 from openrld import ids
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.console_views import ConsoleViews
+from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
@@ -198,7 +199,9 @@ async def serve(
             node_devices = await nursery.start(
                 NodeDevices([d.name for d in device_records], quantum_s=config.timeslice_quantum_s).run
             )
-            checkpoints = CheckpointWriter(store)  # publishing, deleting, adopting: files in its threads
+            # The one group commit of the node's rows (store/database.py syncs in a thread, not per commit).
+            commits = DurableCommits(store.database.sync)
+            checkpoints = CheckpointWriter(store, commits)  # publishing, deleting, adopting: files in its threads
             groups = GroupTable(
                 nursery=nursery,
                 engines=TorchEngineFactory(
@@ -218,7 +221,7 @@ async def serve(
             id_tag = ids.node_tag(membership.node.name) if membership is not None else ""
             # What clients used before a restart is still served without a download: list it.
             catalog.remember(store.base_models())
-            sessions = SessionTable(store=store, id_tag=id_tag)
+            sessions = SessionTable(store=store, commits=commits, id_tag=id_tag)
             job_registry = JobRegistry()
             sampling = SamplingSessions(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
@@ -227,7 +230,7 @@ async def serve(
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
                 registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
-                allowed_images=config.workers.allowed_images, id_tag=id_tag,
+                allowed_images=config.workers.allowed_images, commits=commits, id_tag=id_tag,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))

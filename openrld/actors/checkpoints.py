@@ -32,6 +32,7 @@ from pathlib import Path
 
 import trio
 
+from openrld.actors.durable_commits import DurableCommits
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.ids import CheckpointKind, TinkerPath, new_request_id, parse_tinker_path
@@ -54,7 +55,9 @@ FILE_THREADS = 4
 
 
 class CheckpointWriter:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, commits: DurableCommits | None = None) -> None:
+        # One per daemon, shared with the session and job tables, so that their syncs group.
+        self._commits = commits if commits is not None else DurableCommits(store.database.sync)
         self._rows = store.checkpoints
         self._runs = store.runs
         self._files = store.files
@@ -105,8 +108,9 @@ class CheckpointWriter:
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
-    def record(self, manifest: CheckpointManifest) -> str:
-        """Add the committed checkpoint's row, from its manifest; returns its tinker:// path.
+    async def record(self, manifest: CheckpointManifest) -> str:
+        """Add the committed checkpoint's row, from its manifest, and wait until it is on disk;
+        returns its tinker:// path.
 
         The row is written whether or not one exists: the commit has put this
         directory in place (a second one would have been a Conflict there), so
@@ -124,12 +128,17 @@ class CheckpointWriter:
                 "size_bytes": str(manifest.size_bytes),
             },
         )
+        await self._commits.durable()
         return row.tinker_path
 
     # ------------------------------------------------------------ checkpoints that exist
 
     async def _in_thread(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._file_threads)
+
+    async def durable(self) -> None:
+        """Every commit so far on disk (DurableCommits), for the maintenance loop's idle checkpointing."""
+        await self._commits.durable()
 
     async def delete(self, run_id: str, kind: CheckpointKind | str, name: str) -> None:
         """Remove a checkpoint: its row now, its files in a thread (`Store.delete_checkpoint`'s order).
@@ -138,6 +147,8 @@ class CheckpointWriter:
             NotFound: no such checkpoint.
         """
         path = self._rows.delete(run_id, kind, name)
+        # The row's removal on disk first: after a power loss, no row may name removed files.
+        await self._commits.durable()
         await self._in_thread(self._files.remove, path)
 
     async def set_public(self, run_id: str, kind: CheckpointKind | str, name: str, public: bool) -> None:
@@ -290,6 +301,7 @@ class CheckpointWriter:
             copy_run, source.kind, source.name, user, size, metadata, expires_at, created_at=manifest.created_at
         )
         self._audit(user, "checkpoint_copied", copied, source=row.tinker_path)
+        await self._commits.durable()
         return copied.tinker_path
 
     async def external_files(self, user: str, path: TinkerPath) -> list[str]:

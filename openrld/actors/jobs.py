@@ -29,6 +29,7 @@ import trio
 
 from openrld import ids, settings as job_settings
 from openrld.actors.checkpoints import check_ttl, readable_checkpoint
+from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import (
@@ -98,12 +99,14 @@ class JobTable:
         sampling: SamplingSessions,
         max_lora_rank: int,
         usage: UsageMeter,
+        commits: DurableCommits,
         id_tag: str = "",
         allowed_images: tuple[str, ...] = (),
     ) -> None:
         self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
         self._usage = usage
+        self._commits = commits
         self._nursery = nursery
         self._store = store
         self._catalog = catalog
@@ -269,6 +272,7 @@ class JobTable:
 
     async def _open_and_submit(self, job: Job, first_op: TrainOp) -> None:
         try:
+            await self._commits.durable()  # the run's row, before its first op can answer
             group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
             # Before the job's first op, so that its sampler replicas serve once create_model answers.
             await group.sampler.ensure_replicas(job.sampler_replicas)

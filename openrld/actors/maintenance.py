@@ -66,6 +66,8 @@ async def run_maintenance(
             await expire_checkpoints(store, checkpoints, now())
             usage.flush(store)
             store.requests.prune(now() - REQUEST_LOG_KEEP)
+            # On a node where nothing else waits for a sync, this one checkpoints the WAL.
+            await checkpoints.durable()
             await trio.sleep(interval_s)
     finally:
         with trio.move_on_after(5, shield=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import msgspec
 
 from openrld import ids, settings as job_settings
+from openrld.actors.durable_commits import DurableCommits
 from openrld.errors import Gone, NotFound
 from openrld.store import SessionRow, Store
 
@@ -34,15 +35,16 @@ class SessionSnapshot(msgspec.Struct, frozen=True):
 
 
 class SessionTable:
-    def __init__(self, *, store: Store, id_tag: str = "") -> None:
+    def __init__(self, *, store: Store, commits: DurableCommits | None = None, id_tag: str = "") -> None:
         self._store = store
+        self._commits = commits if commits is not None else DurableCommits(store.database.sync)
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
 
-    def create(
+    async def create(
         self, owner: str, *, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
         project_id: str | None, display_name: str | None,
     ) -> str:
-        """create_session: a new session of `owner`'s; returns its id.
+        """create_session: a new session of `owner`'s, on disk when this returns; returns its id.
 
         Raises:
             BadRequest: an `openrl.*` tag or user_metadata key is unknown or has a bad value.
@@ -53,6 +55,7 @@ class SessionTable:
             session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version,
             project_id=project_id, display_name=display_name,
         )
+        await self._commits.durable()
         return session_id
 
     def owned(self, owner: str, session_id: str) -> SessionRow:

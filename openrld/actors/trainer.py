@@ -635,7 +635,7 @@ class TrainerActor:
         # Shielded: once the files are written, the rename and the row land together or not at all.
         with trio.CancelScope(shield=True):
             await self._checkpoints.commit(staging, final, op.overwrite, manifest)
-            uri = self._checkpoints.record(manifest)
+            uri = await self._checkpoints.record(manifest)
         return Saved(path=uri)
 
     def statistics(self) -> TrainerStatistics:

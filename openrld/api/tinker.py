@@ -94,7 +94,7 @@ async def dynamic_config(services: Services) -> Response:
 async def create_session(services: Services) -> Response:
     user = caller(services)
     req = await _body(wire.CreateSessionRequest)
-    session_id = services.sessions.create(
+    session_id = await services.sessions.create(
         user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
     )

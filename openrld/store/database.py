@@ -1,11 +1,23 @@
 """The SQLite database of a data dir: its connections, schema and migrations, and the column codecs.
 
-It owns <data_dir>/openrld.sqlite3: opening it in WAL mode with
-synchronous=FULL (a run or checkpoint row must outlive the node, not just the
-process), creating the schema or checking its version, adding the tables that
-came after version 1, and the second connection that the request log writes
-on. Times are integer microseconds since the epoch, UTC: exact, and they sort.
-JSON columns hold msgspec-encoded dicts and lists.
+It owns <data_dir>/openrld.sqlite3: opening it in WAL mode, creating the
+schema or checking its version, adding the tables that came after version 1,
+and the second connection that the request log writes on. Times are integer
+microseconds since the epoch, UTC: exact, and they sort. JSON columns hold
+msgspec-encoded dicts and lists.
+
+Durability without an fsync on the event loop. The loop's connections commit
+at synchronous=NORMAL with automatic checkpoints off: a commit appends to the
+WAL through the page cache and waits on no disk, and WAL mode keeps it across
+a process crash. A run or checkpoint row must outlive the node too, so the
+actor that writes one then awaits `sync()` in a worker thread
+(actors/durable_commits.py): an fsync of the WAL, which makes every commit
+before it durable, as synchronous=FULL would have at each commit. The same
+call checkpoints the WAL into the database on a connection of its own once it
+passes WAL_CHECKPOINT_BYTES (synchronous=NORMAL syncs the WAL before and the
+database after), so the WAL stays bounded. What is left on the loop is one
+fsync of the WAL header when a writer first reuses the WAL after a checkpoint,
+once per WAL_CHECKPOINT_BYTES written.
 
 The repositories (sessions.py, runs.py, ...) run their statements through a
 `Database`; it knows no table's meaning. It never touches checkpoint files.
@@ -14,7 +26,9 @@ The repositories (sessions.py, runs.py, ...) run their statements through a
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,6 +46,11 @@ DB_NAME = "openrld.sqlite3"
 # CLI reading the database) before failing. Short, because the caller is the
 # event loop; WAL readers never block the writer anyway.
 _BUSY_TIMEOUT_MS = 1000
+
+# The WAL size past which `sync` checkpoints it. Large, because each checkpoint
+# costs the loop one header fsync when the WAL is next reused; a busy node logs
+# a request in a page or two, so this is thousands of requests apart.
+WAL_CHECKPOINT_BYTES = 16 * 1024 * 1024
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -98,19 +117,22 @@ CREATE INDEX IF NOT EXISTS usage_by_owner ON usage (owner, bucket_us);
 class Database:
     """The data dir's SQLite connections and wall clock, shared by the repositories. Use `Database.open`.
 
-    Used by one thread at a time: the daemon calls it from the trio thread, since each call is a short statement.
+    `conn` and `log` are used by one thread at a time: the daemon calls them from the trio thread,
+    since each call is a short statement that waits on no disk. `sync` runs in a worker thread.
     """
 
     def __init__(self, path: Path, conn: sqlite3.Connection, now: Callable[[], datetime]) -> None:
         self.path = path
         self.conn = conn
         self.now = now
-        # The request log only has to outlive the process, not the machine: a
-        # second connection with synchronous=NORMAL, which WAL keeps durable
-        # across a process crash, spares every request an fsync.
-        self.log = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.log.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        self.log.execute("PRAGMA synchronous = NORMAL")
+        # The request log's statements have a connection of their own, so that
+        # one never runs inside another's explicit transaction.
+        self.log = _no_sync_connection(path)
+        # Checkpoints happen here only, in `sync`'s thread.
+        self._checkpointer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._checkpointer.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        self._checkpointer.execute("PRAGMA synchronous = NORMAL")
+        self._sync_lock = threading.Lock()
         self._history_tables: list[HistoryTable] = []
 
     @classmethod
@@ -128,10 +150,33 @@ class Database:
             table.close()
         self.log.close()
         self.conn.close()
+        # Last: the last connection to close checkpoints the WAL and removes it,
+        # and this one syncs around that.
+        with self._sync_lock:
+            self._checkpointer.close()
+
+    def sync(self) -> None:
+        """Make every commit so far durable: fsync the WAL, and checkpoint it once it has grown
+        past WAL_CHECKPOINT_BYTES. Blocking; for a worker thread (one at a time)."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        with self._sync_lock:
+            try:
+                fd = os.open(wal, os.O_RDONLY)
+            except FileNotFoundError:
+                return  # no connection is open, so every commit is in the database file
+            try:
+                os.fsync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size > WAL_CHECKPOINT_BYTES:
+                self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def history_table(self, *, max_points: int, max_buckets: int, bucket_s: float) -> HistoryTable:
         """The runs' curves on a connection of their own, for a worker thread (history_table.py); closed with the database."""
-        table = HistoryTable(self.path, max_points=max_points, max_buckets=max_buckets, bucket_s=bucket_s)
+        table = HistoryTable(
+            _no_sync_connection(self.path), max_points=max_points, max_buckets=max_buckets, bucket_s=bucket_s
+        )
         self._history_tables.append(table)
         return table
 
@@ -145,17 +190,26 @@ class Database:
         return int(row[0])
 
 
+def _no_sync_connection(db_path: Path) -> sqlite3.Connection:
+    """A connection whose commits wait on no disk: synchronous=NORMAL (WAL mode syncs only at a
+    checkpoint then) and no automatic checkpoints (`Database.sync` runs them). Every statement
+    commits on its own (isolation_level=None); the few multi-statement steps use `transaction`."""
+    conn = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
 def _connect(db_path: Path) -> sqlite3.Connection:
-    # isolation_level=None: every statement commits on its own; the few
-    # multi-statement steps use transaction() explicitly.
     conn = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row
         conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode = WAL")
-        # FULL, not NORMAL: NORMAL may lose the last commits on power loss,
-        # and a run or checkpoint row must outlive the node, not just the process.
-        conn.execute("PRAGMA synchronous = FULL")
+        # Durable by `Database.sync`, not per commit: see the module's docstring.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
         with transaction(conn):
             has_schema = conn.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"

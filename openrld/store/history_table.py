@@ -7,10 +7,10 @@ node's SQLite database, beside the run it belongs to. It guarantees:
   `max_buckets` bucket widths; older rows are deleted in the same transaction;
 - one transaction per write, so a kill leaves whole batches or none.
 
-It has its own connection (synchronous=NORMAL, like the store's request log:
-a curve that lags by its last batch after a power loss is harmless), because
-its writes and reads run in a worker thread, off the event loop, while the
-store's own connection serves the loop. A lock makes its calls one at a time
+It has its own connection (made by database.py, which syncs it with the
+rest: a curve that lags by its last batch after a power loss is harmless),
+because its writes and reads run in a worker thread, off the event loop,
+while the store's own connection serves the loop. A lock makes its calls one at a time
 whichever thread makes them (the one read the event loop makes, `counters`, is
 a single indexed row). It never imports trio or torch and decides nothing
 about who may read what.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import msgspec
 
@@ -38,7 +37,6 @@ CREATE TABLE IF NOT EXISTS run_sampling (
 );
 """
 
-_BUSY_TIMEOUT_MS = 1000  # as the store's: a reader (the CLI) never holds the writer up for long
 
 
 class TrainPoint(msgspec.Struct, frozen=True):
@@ -71,13 +69,11 @@ _metrics = msgspec.json.Decoder(dict[str, float])
 class HistoryTable:
     """`run_history` and `run_sampling` on a connection of their own. One caller at a time."""
 
-    def __init__(self, db_path: Path, *, max_points: int, max_buckets: int, bucket_s: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, max_points: int, max_buckets: int, bucket_s: float) -> None:
         self.max_points = max_points
         self.max_buckets = max_buckets
         self.bucket_s = bucket_s
-        self._conn = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
-        self._conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-        self._conn.execute("PRAGMA synchronous = NORMAL")
+        self._conn = conn
         self._lock = threading.Lock()
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """The request log: every request whose future was handed out, pending until its result is in.
 
 It owns the `requests` table, written on the database's second connection
-(synchronous=NORMAL: it must outlive the process, not the machine, and every
-request pays for it). At open, requests left pending by a dead daemon become
+(it must outlive the process, not the machine, so nothing awaits a sync for
+it; database.py says how commits are made durable). At open, requests left pending by a dead daemon become
 "lost", so their ids answer 410 instead of polling forever; finished ones are
 forgotten after REQUEST_LOG_KEEP. It never touches checkpoint files.
 """

@@ -98,8 +98,8 @@ class RunRepository:
     def touch(self, run_id: str) -> None:
         """Set the run's last_request_time to now. Raises NotFound for an unknown run.
 
-        On the request log's connection: a time that lags by the last few
-        requests after a power loss is harmless, and this runs on every request.
+        On the request log's connection, and no caller awaits a sync for it: a time that lags
+        by the last few requests after a power loss is harmless, and this runs on every request.
         """
         updated = self._db.log.execute(
             "UPDATE runs SET last_request_us = ? WHERE run_id = ?", (db.to_us(self._db.now()), run_id)

@@ -23,46 +23,46 @@ def sessions(store: Store) -> SessionTable:
     return SessionTable(store=store)
 
 
-def create(sessions: SessionTable, owner: str = "alice", tags: list[str] | None = None) -> str:
-    return sessions.create(
+async def create(sessions: SessionTable, owner: str = "alice", tags: list[str] | None = None) -> str:
+    return await sessions.create(
         owner, tags=tags or [], user_metadata={"note": "x"}, sdk_version="0.38.0", project_id=None, display_name=None
     )
 
 
-def test_an_unknown_openrl_tag_is_refused_at_create_naming_the_key(sessions):
+async def test_an_unknown_openrl_tag_is_refused_at_create_naming_the_key(sessions):
     with pytest.raises(BadRequest) as caught:
-        create(sessions, tags=["openrl.no_such_key=1"])
+        await create(sessions, tags=["openrl.no_such_key=1"])
     assert caught.value.key == "openrl.no_such_key"
 
 
-def test_a_created_session_is_its_owners(sessions):
-    session_id = create(sessions)
+async def test_a_created_session_is_its_owners(sessions):
+    session_id = await create(sessions)
     assert (sessions.owned("alice", session_id).owner, sessions.is_home_to(session_id)) == ("alice", True)
 
 
-def test_another_users_session_is_404(sessions):
-    session_id = create(sessions)
+async def test_another_users_session_is_404(sessions):
+    session_id = await create(sessions)
     with pytest.raises(NotFound):
         sessions.owned("bob", session_id)
 
 
-def test_a_finished_sessions_heartbeat_is_410(sessions):
-    session_id = create(sessions)
+async def test_a_finished_sessions_heartbeat_is_410(sessions):
+    session_id = await create(sessions)
     sessions.finish("alice", session_id, "user_requested", None)
     with pytest.raises(Gone):
         sessions.heartbeat("alice", session_id)
 
 
-def test_finishing_marks_the_session_finished(sessions):
-    session_id = create(sessions)
+async def test_finishing_marks_the_session_finished(sessions):
+    session_id = await create(sessions)
     before = sessions.is_finished(session_id)
     sessions.finish("alice", session_id, "user_requested", None)
     assert (before, sessions.is_finished(session_id)) == (False, True)
 
 
-def test_a_snapshot_mirrored_on_another_node_keeps_owner_tags_and_metadata(store, tmp_path):
+async def test_a_snapshot_mirrored_on_another_node_keeps_owner_tags_and_metadata(store, tmp_path):
     home = SessionTable(store=store)
-    session_id = create(home, tags=["openrl.exclusive=true"])
+    session_id = await create(home, tags=["openrl.exclusive=true"])
     with Store.open(tmp_path / "other") as other_store:
         other = SessionTable(store=other_store)
         other.mirror(home.snapshot(session_id))
