@@ -8,8 +8,10 @@ sees only:
 - `/usr` read-only (the tools are coreutils, grep and sed),
 - `/workspace`: the documents, read-only,
 - `/scratch`: the only writable place that outlives the command,
-- a private `/tmp`, `/proc` and `/dev`.
-Inside, `prlimit` caps address space, processes, CPU seconds and file size (the
+- a private `/tmp` (gone when the command ends), `/proc` and `/dev`,
+- a read-only root holding only these mount points.
+Run as root, it first drops to nobody (`setpriv`), because the kernel exempts root
+from the process limit. Inside, `prlimit` caps address space, processes, CPU seconds and file size (the
 file-size cap also caps what the command can write to its stdout and stderr,
 which go to files, not pipes), and the host kills the whole process group at
 `wall_s`. Output is truncated to `max_output_bytes` before the model sees it.
@@ -37,13 +39,16 @@ logger = logging.getLogger(__name__)
 
 WORKSPACE = "/workspace"
 SCRATCH = "/scratch"
+NOBODY = 65534
+# The kernel does not apply RLIMIT_NPROC to root, so as root the sandbox drops to nobody first.
+DROP_ROOT = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float = 5.0  # a tool call is a file read or a grep: milliseconds, so 5 s only stops runaways
     cpu_s: int = 5
     memory_bytes: int = 256 * 1024 * 1024  # address space; sh, sed and grep need a few MiB
-    max_processes: int = 32  # per sandbox user: enough for a pipeline, too few for a fork bomb
+    max_processes: int = 64  # per sandbox user: enough for a pipeline, too few for a fork bomb
     max_file_bytes: int = 1024 * 1024  # any file written, stdout and stderr included
     max_output_bytes: int = 16 * 1024  # what the model is shown of a command's output
 
@@ -94,7 +99,8 @@ class BwrapSandbox:
     Args:
         documents: path inside the workspace -> text.
         limits: the per-command limits.
-        root: where to make the sandbox's directory (default: the system temp dir).
+        root: where to make the sandbox's directory (default: the system temp dir). Run as root,
+            the sandbox runs as nobody, so every directory above `root` must let others in.
     """
 
     backend = "bwrap"
@@ -108,23 +114,28 @@ class BwrapSandbox:
         self.directory = Path(tempfile.mkdtemp(prefix="agentic-", dir=root))
         self.workspace_dir = self.directory / "workspace"
         self.scratch_dir = self.directory / "scratch"
+        self.workspace_dir.mkdir()
         self.scratch_dir.mkdir()
         for relative, text in documents.items():
             target = self.workspace_dir / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
+        if os.geteuid() == 0:
+            # Root is exempt from the process limit, so the sandbox runs as nobody, which
+            # must be able to reach the documents and to write the scratch directory.
+            self.directory.chmod(0o755)
+            os.chown(self.scratch_dir, NOBODY, NOBODY)
 
     def _argv(self, argv: list[str]) -> list[str]:
         limits = self.limits
         return [
-            self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            *(DROP_ROOT if os.geteuid() == 0 else []), self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LC_ALL", "C.UTF-8",
-            "--uid", "65534", "--gid", "65534",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64",
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--ro-bind", str(self.workspace_dir), WORKSPACE, "--bind", str(self.scratch_dir), SCRATCH,
-            "--chdir", WORKSPACE,
+            "--remount-ro", "/", "--chdir", WORKSPACE,
             "--", "prlimit", f"--as={limits.memory_bytes}", f"--nproc={limits.max_processes}",
             f"--cpu={limits.cpu_s}", f"--fsize={limits.max_file_bytes}", "--", *argv,
         ]
