@@ -3,14 +3,21 @@
 - `SqlGrader` owns the databases' files and the query worker pool, runs every
   gold query once (through the same sandbox) and scores a reply's SQL against
   it with a reward variant from `reward.REWARDS`.
-- `SqlEnv` is one single-turn episode: the prompt is the schema's tables (one
-  line each) and the question, asking for one query in a ```sql block; the
-  step scores the reply. Its metrics: `correct` (execution match, whatever
-  the training reward) and `has_sql` (a statement could be extracted).
+- `SqlEnv` is one single-turn episode. The prompt is one worked example on
+  another schema (`EXAMPLE`, a user/assistant turn showing a query that names
+  its column), then the schema's tables (one line each) and the question,
+  asking for one query in a ```sql block. The reply is prefilled with
+  "```sql\\nSELECT" (`PREFILL`): measured on the held-out questions,
+  SmolLM2-135M-Instruct without it wrote CREATE TABLE statements or Python
+  for every one (0 right), so RL would have had no signal. Sampling stops at
+  the closing fence (`fenced_stop_condition`), because the explanation the
+  model writes after its query would cost as many tokens again. The step
+  scores PREFILL + the reply. Its metrics: `correct` (execution match,
+  whatever the training reward) and `has_sql` (a statement was found).
 - `SqlGroupBuilder` makes `group_size` envs on one question: the group whose
   mean reward is each reply's baseline.
 - `SqlDataset` serves `questions_per_step` questions a step, reshuffled
-  (seeded) each pass over the train set.
+  (seeded) on each pass over the train set.
 
 Scoring blocks on a worker process, so `SqlEnv.step` runs it in a thread; the
 pool bounds how many queries run at once.
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +42,24 @@ from recipes.sql.reward import REWARDS, execution_reward, extract_sql
 from recipes.sql.sandbox import QueryPool
 from recipes.sql.sql_worker import QueryResult
 
+FENCE = "```"
 INSTRUCTION = "Write one SQLite query that answers the question. Reply with only the query in a ```sql block."
+PREFILL = "```sql\nSELECT"  # the start of the reply, given: the model writes the rest of the query
+EXAMPLE: list[renderers.Message] = [
+    {"role": "user", "content": "Tables:\npets(id, name, kind, age)\n\n"
+                                f"Question: List the names of pets that are cats.\n{INSTRUCTION}"},
+    {"role": "assistant", "content": "```sql\nSELECT name FROM pets WHERE kind = 'cat'\n```"},
+]
 NO_SQL = QueryResult("error", message="no SQL statement in the reply")
+
+
+def fenced_stop_condition(renderer: renderers.Renderer) -> StopCondition:
+    """The renderer's stop sequences plus the closing fence: as token ids if the renderer stops on ids, else text."""
+    stops = list(renderer.get_stop_sequences())
+    if stops and isinstance(stops[0], int):
+        tokenizer = renderer.tokenizer
+        return stops + [i for i in range(len(tokenizer)) if FENCE in tokenizer.decode([i])]
+    return stops + [FENCE]
 
 
 class SqlGrader:
@@ -66,24 +89,22 @@ class SqlGrader:
 
 
 class SqlEnv(Env):
-    def __init__(self, question: Question, grader: SqlGrader, renderer: renderers.Renderer, reward_name: str):
+    def __init__(self, question: Question, grader: SqlGrader, renderer: renderers.Renderer, reward_name: str,
+                 stop_condition: StopCondition):
         self.question = question
         self.grader = grader
         self.renderer = renderer
         self.reward_name = reward_name
-        self.reply = ""  # the reply's text, once stepped (for logs)
-
-    @property
-    def stop_condition(self) -> StopCondition:
-        return self.renderer.get_stop_sequences()
+        self.stop_condition = stop_condition
+        self.reply = ""  # PREFILL + the reply's text, once stepped (for logs)
 
     async def initial_observation(self) -> tuple[Observation, StopCondition]:
-        messages = [{"role": "user", "content": self.grader.prompt(self.question)}]
-        return self.renderer.build_generation_prompt(messages), self.stop_condition
+        messages = [*EXAMPLE, {"role": "user", "content": self.grader.prompt(self.question)}]
+        return self.renderer.build_generation_prompt(messages, prefill=PREFILL), self.stop_condition
 
     async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
         message, _termination = self.renderer.parse_response(action)
-        self.reply = renderers.get_text_content(message)
+        self.reply = PREFILL + renderers.get_text_content(message)
         sql = extract_sql(self.reply)
         result = await asyncio.to_thread(self.grader.run, self.question, sql)
         reward, correct = self.grader.score(self.question, result, self.reward_name)
@@ -101,9 +122,11 @@ class SqlGroupBuilder(EnvGroupBuilder):
     renderer: renderers.Renderer
     reward_name: str
     group_size: int
+    stop_condition: StopCondition
 
     async def make_envs(self) -> Sequence[Env]:
-        return [SqlEnv(self.question, self.grader, self.renderer, self.reward_name) for _ in range(self.group_size)]
+        return [SqlEnv(self.question, self.grader, self.renderer, self.reward_name, self.stop_condition)
+                for _ in range(self.group_size)]
 
     def logging_tags(self) -> list[str]:
         return ["sql", self.question.family]
@@ -112,9 +135,10 @@ class SqlGroupBuilder(EnvGroupBuilder):
 class SqlDataset(RLDataset):
     """`questions_per_step` train questions per batch; each pass over them in a new seeded order."""
 
-    def __init__(self, questions: Sequence[Question], make_builder, questions_per_step: int, seed: int):
+    def __init__(self, questions: Sequence[Question], make_builder: Callable[[Question], EnvGroupBuilder],
+                 questions_per_step: int, seed: int):
         self.questions = list(questions)
-        self.make_builder = make_builder  # Question -> SqlGroupBuilder
+        self.make_builder = make_builder
         self.questions_per_step = questions_per_step
         self.seed = seed
         self.batches_per_pass = max(1, len(self.questions) // questions_per_step)
@@ -126,9 +150,8 @@ class SqlDataset(RLDataset):
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         n_pass, offset = divmod(index, self.batches_per_pass)
-        order = self._pass_order(n_pass)
         start = offset * self.questions_per_step
-        return [self.make_builder(q) for q in order[start:start + self.questions_per_step]]
+        return [self.make_builder(q) for q in self._pass_order(n_pass)[start:start + self.questions_per_step]]
 
     def __len__(self) -> int:
         return self.batches_per_pass

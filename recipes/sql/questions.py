@@ -1,9 +1,11 @@
 """Questions with their gold SQL, drawn from the databases' rows, and the train/held-out split.
 
 Four families, easiest first:
-- `filter`: one table, one condition ("List the names of customers who live
-  in Paris."). Easy enough that SmolLM2-135M-Instruct, given the schema in
-  the prompt, gets some right before any training, so RL has signal.
+- `filter`: one table, one condition, either whole rows ("Show all customers
+  who live in Paris.": SELECT *) or one column or a count ("List the names of
+  customers who live in Paris."). The whole-row form is what
+  SmolLM2-135M-Instruct writes unprompted, so it gets some right before any
+  training and RL has signal; the column form is what it has to learn.
 - `join`: two or three tables joined on their keys.
 - `group`: GROUP BY, with COUNT/AVG/SUM or HAVING.
 - `order`: ORDER BY with LIMIT ("the 3 most expensive products, most
@@ -48,10 +50,13 @@ class QuestionSplit(msgspec.Struct, frozen=True):
 
 def _shop(schema: Schema) -> Iterator[tuple[str, str, str]]:
     for city in CITIES:
+        yield "filter", f"Show all customers who live in {city}.", f"SELECT * FROM customers WHERE city = '{city}'"
         yield "filter", f"List the names of customers who live in {city}.", \
             f"SELECT name FROM customers WHERE city = '{city}'"
         yield "filter", f"How many customers live in {city}?", f"SELECT COUNT(*) FROM customers WHERE city = '{city}'"
     for category in CATEGORIES:
+        yield "filter", f"Show all products in the category '{category}'.", \
+            f"SELECT * FROM products WHERE category = '{category}'"
         yield "filter", f"List the names of products in the category '{category}'.", \
             f"SELECT name FROM products WHERE category = '{category}'"
     for price in range(20, 101, 10):
@@ -86,6 +91,7 @@ def _shop(schema: Schema) -> Iterator[tuple[str, str, str]]:
 
 def _school(schema: Schema) -> Iterator[tuple[str, str, str]]:
     for grade in range(9, 13):
+        yield "filter", f"Show all students in grade {grade}.", f"SELECT * FROM students WHERE grade = {grade}"
         yield "filter", f"List the names of students in grade {grade}.", \
             f"SELECT name FROM students WHERE grade = {grade}"
     for city in CITIES:
@@ -107,6 +113,7 @@ def _school(schema: Schema) -> Iterator[tuple[str, str, str]]:
 
 def _flights(schema: Schema) -> Iterator[tuple[str, str, str]]:
     for airline in AIRLINES:
+        yield "filter", f"Show all flights operated by {airline}.", f"SELECT * FROM flights WHERE airline = '{airline}'"
         yield "filter", f"List the ids of flights operated by {airline}.", \
             f"SELECT id FROM flights WHERE airline = '{airline}'"
         yield "filter", f"How many flights does {airline} operate?", \

@@ -42,7 +42,7 @@ from tinker_cookbook.rl.types import TrajectoryGroup
 
 from recipes.quickstart.train import load_tokenizer
 from recipes.sql.databases import make_schemas
-from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder
+from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
 from recipes.sql.questions import FAMILIES, QuestionSplit, make_questions, split_questions
 from recipes.sql.reward import REWARDS
 from recipes.sql.sandbox import QueryPool
@@ -117,10 +117,10 @@ def _without_mask(datum: tinker.Datum) -> tinker.Datum:
 
 
 async def evaluate(sampler: tinker.SamplingClient, split: QuestionSplit, grader: SqlGrader, renderer,
-                   max_tokens: int) -> tuple[list[int], int]:
+                   stop_condition, max_tokens: int) -> tuple[list[int], int]:
     """Each held-out question's greedy execution match (1/0, in split order) and the tokens it took."""
     policy = TinkerTokenCompleter(sampler, max_tokens=max_tokens, temperature=0.0)
-    envs = [SqlEnv(q, grader, renderer, "execution") for q in split.heldout]
+    envs = [SqlEnv(q, grader, renderer, "execution", stop_condition) for q in split.heldout]
     trajectories = await asyncio.gather(*[do_single_rollout(policy, env) for env in envs])
     correct = [int(t.transitions[0].metrics["correct"]) for t in trajectories]
     tokens = sum(t.transitions[0].ob.length + len(t.transitions[0].ac.tokens) for t in trajectories)
@@ -157,8 +157,9 @@ async def train_async(config: SqlTrainConfig, on_record: Callable[[LogRecord], N
             training = await service.create_lora_training_client(
                 base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
             renderer = get_renderer(config.renderer, load_tokenizer(training, config.base_model, config.tokenizer))
+            stop = fenced_stop_condition(renderer)
             dataset = SqlDataset(split.train, lambda q: SqlGroupBuilder(q, grader, renderer, config.reward,
-                                                                        config.group_size),
+                                                                        config.group_size, stop),
                                  config.questions_per_step, config.seed)
             config.log_path.parent.mkdir(parents=True, exist_ok=True)
             started, tokens = time.monotonic(), 0
@@ -174,7 +175,7 @@ async def train_async(config: SqlTrainConfig, on_record: Callable[[LogRecord], N
                     sampler = await training.save_weights_and_get_sampling_client()
                     is_last = step == config.steps
                     if is_last or step == 0 or (config.eval_every and step % config.eval_every == 0):
-                        correct, used = await evaluate(sampler, split, grader, renderer, config.max_tokens)
+                        correct, used = await evaluate(sampler, split, grader, renderer, stop, config.max_tokens)
                         tokens += used
                         emit(EvalRecord(step, sum(correct) / len(correct), correct, [q.id for q in split.heldout],
                                         tokens, time.monotonic() - started))

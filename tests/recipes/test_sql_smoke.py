@@ -25,7 +25,7 @@ def test_training_entry_runs_two_steps_with_evals_before_between_and_after(
     assert [(type(r).__name__, r.step) for r in records] == [
         ("EvalRecord", 0), ("StepRecord", 0), ("EvalRecord", 1), ("StepRecord", 1), ("EvalRecord", 2)]
     evals = [r for r in records if isinstance(r, EvalRecord)]
-    assert all(len(e.correct) == len(e.question_ids) == 14 for e in evals)  # the filter family's held-out share
+    assert all(len(e.correct) == len(e.question_ids) == 19 for e in evals)  # ceil(75 filter questions x 0.25)
     tokens = [r.tokens for r in records]
     assert tokens == sorted(tokens) and tokens[0] > 0
     assert all(isinstance(r, StepRecord) and 0.0 <= r.mean_reward <= 1.0 for r in records[1::2])
