@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from recipes.sql.__main__ import main
+from recipes.sql.leaderboard import read_csv
 from recipes.sql.train import EvalRecord, StepRecord, read_log
 
 pytest.importorskip("matplotlib", reason="the sweep's PNG needs matplotlib (pip install -e '.[recipes]')")
@@ -30,3 +31,18 @@ def test_training_entry_runs_two_steps_with_evals_before_between_and_after(
     assert tokens == sorted(tokens) and tokens[0] > 0
     assert all(isinstance(r, StepRecord) and 0.0 <= r.mean_reward <= 1.0 for r in records[1::2])
     assert "done: heldout accuracy" in capsys.readouterr().out
+
+
+def test_sweep_runs_two_jobs_at_once_and_writes_the_leaderboard_and_curves(
+    shared_daemon, tiny_llama: Path, tmp_path: Path,
+):
+    argv = ["sweep", "--url", shared_daemon.url, "--tokenizer", str(tiny_llama), *TINY_JOB, "--lr", "1e-4,1e-3",
+            "--group-size", "2", "--loss", "importance_sampling", "--jobs", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = read_csv(tmp_path / "leaderboard.csv")
+    assert [(r.round, r.point.learning_rate) for r in rows] == [(0, 1e-4), (0, 1e-3)]
+    assert all(sorted(r.accuracy_by_step) == [0, 1, 2] and r.tokens > 0 for r in rows)
+    markdown = (tmp_path / "leaderboard.md").read_text()
+    assert "Exact McNemar test (two-sided)" in markdown and "Seeds: job 0, data 0." in markdown
+    assert markdown.count("| r0-j") == 2
+    assert (tmp_path / "heldout_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
