@@ -96,7 +96,7 @@ def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
         images = ContainerLauncher(
             workers.container_runtime, node, workers.container_run_args, global_args=workers.container_global_args
         )
-    checkpoints, staging = store.checkpoint_files
+    checkpoints, staging = store.files.checkpoint_files
     return WorkerHosting(
         builtin=builtin, vllm=vllm, images=images, socket_root=workers.socket_dir,
         timeouts=WorkerTimeouts(
@@ -188,7 +188,7 @@ async def serve(
                 sampler_run=partial(_sampler_run, store),
             )
             await nursery.start(history.run)
-            futures = FutureTable(store, observer=history.observe)
+            futures = FutureTable(store.requests, observer=history.observe)
             await nursery.start(futures.run_log)
             catalog = ModelCatalog(
                 {name: str(path) for name, path in config.models.items()},
@@ -220,7 +220,7 @@ async def serve(
             membership = await _open_membership(config, verify_peers)
             id_tag = ids.node_tag(membership.node.name) if membership is not None else ""
             # What clients used before a restart is still served without a download: list it.
-            catalog.remember(store.base_models())
+            catalog.remember(store.runs.base_models())
             sessions = SessionTable(store=store, commits=commits, id_tag=id_tag)
             job_registry = JobRegistry()
             sampling = SamplingSessions(
@@ -303,8 +303,8 @@ async def serve(
 
 def _sampler_run(store: Store, sampler_id: str) -> str | None:
     """The training run a sampling session samples, when its owner owns that run (for the run's curves)."""
-    sampler = store.get_sampler(sampler_id)
+    sampler = store.samplers.get(sampler_id)
     if sampler is None or sampler.run_id is None:
         return None
-    run = store.get_run(sampler.run_id)
+    run = store.runs.get(sampler.run_id)
     return run.run_id if run is not None and run.owner == sampler.owner else None

@@ -348,11 +348,11 @@ def readable_checkpoint(store: Store, owner: str, path: str) -> tuple[TinkerPath
         NotFound: no such checkpoint or run, or the checkpoint is another user's and not public.
     """
     tinker_path = parse_tinker_path(path)
-    row = store.get_checkpoint(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+    row = store.checkpoints.get(tinker_path.run_id, tinker_path.kind, tinker_path.name)
     if row is None or (row.owner != owner and not row.public):
         raise NotFound(f"no checkpoint {path}")
-    run = store.get_run(tinker_path.run_id)
+    run = store.runs.get(tinker_path.run_id)
     if run is None:
         raise NotFound(f"no training run {tinker_path.run_id!r}")
-    directory = store.checkpoint_dir(tinker_path.run_id, tinker_path.kind, tinker_path.name)
+    directory = store.files.checkpoint_dir(tinker_path.run_id, tinker_path.kind, tinker_path.name)
     return tinker_path, directory, run

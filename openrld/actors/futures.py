@@ -51,9 +51,9 @@ Observer = Callable[[str, str, Outcome], None]  # (model or sampler id, kind, ou
 
 
 class RequestLog(Protocol):
-    def record_request(self, request_id: str, model_id: str, kind: str) -> None: ...
-    def finish_requests(self, finished: Sequence[RequestFinish]) -> None: ...
-    def request_state(self, request_id: str) -> str | None: ...
+    def record(self, request_id: str, model_id: str, kind: str) -> None: ...
+    def finish(self, finished: Sequence[RequestFinish]) -> None: ...
+    def state(self, request_id: str) -> str | None: ...
 
 
 class _Entry:
@@ -106,7 +106,7 @@ class FutureTable:
     def create(self, request_id: str, *, model_id: str, kind: str, owner: str) -> None:
         self._prune()
         self._entries[request_id] = _Entry(request_id, model_id, kind, owner)
-        self._log.record_request(request_id, model_id, kind)
+        self._log.record(request_id, model_id, kind)
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
         entry = self._entries.get(request_id)
@@ -143,7 +143,7 @@ class FutureTable:
             return
         finished, self._finished = self._finished, []
         try:
-            self._log.finish_requests(finished)
+            self._log.finish(finished)
         except Exception:  # the log is bookkeeping: a failed write must not stop the futures
             logger.exception("request log write failed; %d finishes not logged", len(finished))
 
@@ -174,7 +174,7 @@ class FutureTable:
         """
         entry = self._entries.get(request_id)
         if entry is None or entry.owner != owner:
-            if entry is None and self._log.request_state(request_id) == "lost":
+            if entry is None and self._log.state(request_id) == "lost":
                 raise Gone(f"request {request_id} was lost when the daemon restarted; submit it again")
             raise NotFound(f"no request {request_id!r}")
         with trio.move_on_after(hold_s):

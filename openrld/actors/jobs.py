@@ -125,13 +125,13 @@ class JobTable:
 
     def has_run(self, model_id: str) -> bool:
         """Whether this node's store has the run `model_id`: from before a restart, or adopted from a shared root."""
-        return self._store.get_run(model_id) is not None
+        return self._store.runs.get(model_id) is not None
 
     def home_jobs(self) -> list[HomeJob]:
         """The jobs running here, with what the cluster should report of them if this node dies."""
         homes = []
         for job in self._jobs:
-            checkpoint = self._store.last_checkpoint(job.model_id, ids.CheckpointKind.WEIGHTS)
+            checkpoint = self._store.checkpoints.last(job.model_id, ids.CheckpointKind.WEIGHTS)
             homes.append(
                 HomeJob(
                     model_id=job.model_id, owner=job.owner, base_model=job.model.name,
@@ -170,7 +170,7 @@ class JobTable:
         first = self._first_create(model_id)
         if first is not None:
             return first, model_id
-        if self._store.get_run(model_id) is not None:
+        if self._store.runs.get(model_id) is not None:
             raise Conflict(f"model {model_id} already exists")
         job_settings_value, client_metadata = job_settings.parse_settings(
             session.tags, session.user_metadata, user_metadata
@@ -192,7 +192,7 @@ class JobTable:
         )
         request_id = self._open_job(
             job, "create_model",
-            lambda: self._store.create_run(
+            lambda: self._store.runs.create(
                 model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
                 lora=msgspec.to_builtins(lora) if lora is not None else None,
                 settings=job_settings.settings_to_dict(job_settings_value),
@@ -228,7 +228,7 @@ class JobTable:
         job = Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images)
         request_id = self._open_job(
             job, "load_weights",
-            lambda: self._store.create_run(
+            lambda: self._store.runs.create(
                 model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
                 model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
                 user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
@@ -291,11 +291,11 @@ class JobTable:
         Raises:
             NotFound: no such model, or not the caller's.
         """
-        run = self._store.get_run(model_id)
+        run = self._store.runs.get(model_id)
         if run is None or (run.owner != owner and not sees_all):
             raise NotFound(f"no model {model_id!r}")
         settings = job_settings.settings_from_dict(run.settings)
-        checkpoint = self._store.last_checkpoint(model_id, ids.CheckpointKind.WEIGHTS)
+        checkpoint = self._store.checkpoints.last(model_id, ids.CheckpointKind.WEIGHTS)
         job = self._jobs.get(model_id)
         facts = JobFacts(
             model_id=model_id, base_model=run.base_model, fine_tuning_type=settings.fine_tuning_type.value,
@@ -317,7 +317,7 @@ class JobTable:
         )
 
     def job_info(self, owner: str, model_id: str) -> JobInfo:
-        run = self._store.get_run(model_id)
+        run = self._store.runs.get(model_id)
         if run is None or run.owner != owner:
             raise NotFound(f"no model {model_id!r}")
         model = self._catalog.resolve(run.base_model)
@@ -331,7 +331,7 @@ class JobTable:
     def _job(self, owner: str, model_id: str) -> Job:
         job = self._jobs.owned(owner, model_id)
         if job is None:
-            run = self._store.get_run(model_id)
+            run = self._store.runs.get(model_id)
             if run is not None and run.owner == owner:
                 if self._sessions.is_finished(run.session_id):
                     raise Gone(f"model {model_id} has stopped: its session {run.session_id} has finished")
@@ -358,7 +358,7 @@ class JobTable:
             raise
         job.remember(seq_id, request_id)
         if job.is_due_for_touch(trio.current_time()):
-            self._store.touch_run(model_id)
+            self._store.runs.touch(model_id)
         return request_id
 
     def reject(self, owner: str, model_id: str, seq_id: int, kind: str, error: OpenrldError) -> str:
@@ -466,7 +466,7 @@ class JobTable:
                 return "full fine-tuning" if lora is None else f"LoRA config {lora}"
 
             raise BadRequest(f"{path}: its {shape(spec)} differs from model {model_id}'s {shape(job.lora)}")
-        run = self._store.get_run(model_id)
+        run = self._store.runs.get(model_id)
         family = optimizer_family(run.optimizer_config if run is not None else {})
         if with_optimizer and optimizer_family(source_run.optimizer_config) != family:
             raise BadRequest(

@@ -98,7 +98,7 @@ class SamplingSessions:
         self._samplers: dict[str, SamplingSession] = {}
 
     def is_home_to(self, sampler_id: str) -> bool:
-        return sampler_id in self._samplers or self._store.get_sampler(sampler_id) is not None
+        return sampler_id in self._samplers or self._store.samplers.get(sampler_id) is not None
 
     def register(
         self, owner: str, sampler_id: str, model: ModelEntry, *, version: str | None, source_dir: str | None,
@@ -109,8 +109,8 @@ class SamplingSessions:
         if sampler_id in self._samplers:
             return
         session_id = sampler_id.split(":", 1)[0]
-        if self._store.get_sampler(sampler_id) is None:
-            self._store.create_sampler(
+        if self._store.samplers.get(sampler_id) is None:
+            self._store.samplers.create(
                 sampler_id, session_id=session_id, owner=owner, base_model=model.name,
                 model_path=model_path, run_id=run_id,
             )
@@ -170,7 +170,7 @@ class SamplingSessions:
         session = self._samplers.get(sampler_id)
         if session is not None and session.owner == owner:
             return session
-        row = self._store.get_sampler(sampler_id)
+        row = self._store.samplers.get(sampler_id)
         if row is None or row.owner != owner:
             raise NotFound(f"no sampling session {sampler_id!r}")
         if row.model_path is None and row.run_id is not None:

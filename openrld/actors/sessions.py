@@ -51,7 +51,7 @@ class SessionTable:
         """
         job_settings.parse_settings(tags, user_metadata, {})
         session_id = ids.new_session_id(self._id_tag)
-        self._store.create_session(
+        self._store.sessions.create(
             session_id, owner=owner, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version,
             project_id=project_id, display_name=display_name,
         )
@@ -60,34 +60,34 @@ class SessionTable:
 
     def owned(self, owner: str, session_id: str) -> SessionRow:
         """The session's record. Raises NotFound for a session that is not `owner`'s."""
-        row = self._store.get_session(session_id)
+        row = self._store.sessions.get(session_id)
         if row is None or row.owner != owner:
             raise NotFound(f"no session {session_id!r}")
         return row
 
     def is_finished(self, session_id: str) -> bool:
         """Whether the session is known here and has finished."""
-        row = self._store.get_session(session_id)
+        row = self._store.sessions.get(session_id)
         return row is not None and row.is_finished
 
     def is_home_to(self, session_id: str) -> bool:
-        return self._store.get_session(session_id) is not None
+        return self._store.sessions.get(session_id) is not None
 
     def heartbeat(self, owner: str, session_id: str) -> None:
         """Raises NotFound for a session not `owner`'s, Gone for a finished one."""
         row = self.owned(owner, session_id)
         if row.is_finished:
             raise Gone(f"session {session_id} has finished")
-        self._store.heartbeat(session_id)
+        self._store.sessions.heartbeat(session_id)
 
     def finish(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
         """Record the finish (the first reason given is kept). Raises NotFound for a session not `owner`'s."""
         self.owned(owner, session_id)
-        self._store.finish_session(session_id, reason, detail)
+        self._store.sessions.finish(session_id, reason, detail)
 
     def snapshot(self, session_id: str) -> SessionSnapshot | None:
         """This node's session `session_id`, to send along with a request relayed to another node."""
-        row = self._store.get_session(session_id)
+        row = self._store.sessions.get(session_id)
         if row is None:
             return None
         return SessionSnapshot(
@@ -101,9 +101,9 @@ class SessionTable:
         The home node keeps the heartbeats and the finish; the mirror carries
         what settings and ownership need (tags, user_metadata, owner).
         """
-        if self._store.get_session(snapshot.session_id) is not None:
+        if self._store.sessions.get(snapshot.session_id) is not None:
             return
-        self._store.create_session(
+        self._store.sessions.create(
             snapshot.session_id, owner=snapshot.owner, tags=snapshot.tags, user_metadata=snapshot.user_metadata,
             sdk_version=snapshot.sdk_version, project_id=snapshot.project_id, display_name=snapshot.display_name,
         )

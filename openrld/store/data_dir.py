@@ -11,8 +11,7 @@ left pending as lost. A `Store` then holds one object per concern:
 `sessions`, `samplers`, `runs`, `checkpoints` (rows), `requests`, `audit`,
 `usage_ledger`, `files` (the checkpoint filesystem) and `adoption`; `database`
 is the connections they share. Beyond opening, it only joins a checkpoint's row
-and files for callers off the event loop, and forwards a few flat methods to
-the parts for callers not yet moved to them; none adds logic.
+and files for callers off the event loop; callers use the parts themselves.
 
 It never decides policy (who may see what is the API's check, using the
 `owner` columns) and never imports trio or torch.
@@ -22,31 +21,21 @@ from __future__ import annotations
 
 import fcntl
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import IO
 
 from openrld.errors import ServerError
 from openrld.store.history_table import HistoryTable
-from openrld.ids import CheckpointKind, TinkerPath
+from openrld.ids import CheckpointKind
 from openrld.store.adoption import Adoption
 from openrld.store.audit import AuditLog, UsageLedger
 from openrld.store.checkpoint_files import CheckpointFiles
 from openrld.store.checkpoint_rows import CheckpointRepository
 from openrld.store.database import Database
 from openrld.store.requests import REQUEST_LOG_KEEP, RequestLog
-from openrld.store.rows import (
-    CheckpointRow,
-    JsonScalar,
-    RequestFinish,
-    RequestState,
-    RunRow,
-    SamplerRow,
-    SessionRow,
-    StoreStatistics,
-    utc_now,
-)
+from openrld.store.rows import StoreStatistics, utc_now
 from openrld.store.runs import RunRepository
 from openrld.store.samplers import SamplerRepository
 from openrld.store.sessions import SessionRepository
@@ -155,73 +144,3 @@ class Store:
         """Set (None: remove) a checkpoint's expiry: its row, then its manifest. Raises NotFound."""
         path = self.checkpoints.set_expiry(run_id, kind, name, expires_at)
         self.files.update_manifest(path, expires_at=expires_at)
-
-    # --- forwarding, for callers not yet moved to the parts (actors/jobs.py, sessions.py,
-    # sampling_sessions.py, futures.py's RequestLog, daemon.py) --------------------------------------- ------------------------------------------
-
-    def create_session(
-        self, session_id: str, owner: str, tags: list[str], user_metadata: dict[str, str], sdk_version: str,
-        project_id: str | None, display_name: str | None,
-    ) -> SessionRow:
-        return self.sessions.create(session_id, owner, tags, user_metadata, sdk_version, project_id, display_name)
-
-    def get_session(self, session_id: str) -> SessionRow | None:
-        return self.sessions.get(session_id)
-
-    def heartbeat(self, session_id: str) -> None:
-        self.sessions.heartbeat(session_id)
-
-    def finish_session(self, session_id: str, reason: str, detail: str | None) -> bool:
-        return self.sessions.finish(session_id, reason, detail)
-
-    def create_run(
-        self, run_id: str, session_id: str, owner: str, base_model: str, model_dir: str,
-        lora: dict[str, JsonScalar] | None, settings: dict[str, JsonScalar], user_metadata: dict[str, str],
-        optimizer_config: dict[str, JsonScalar],
-    ) -> RunRow:
-        return self.runs.create(
-            run_id, session_id, owner, base_model, model_dir, lora, settings, user_metadata, optimizer_config
-        )
-
-    def get_run(self, run_id: str) -> RunRow | None:
-        return self.runs.get(run_id)
-
-    def touch_run(self, run_id: str) -> None:
-        self.runs.touch(run_id)
-
-    def base_models(self) -> list[str]:
-        return self.runs.base_models()
-
-    def create_sampler(
-        self, sampler_id: str, session_id: str, owner: str, base_model: str, model_path: str | None,
-        run_id: str | None,
-    ) -> SamplerRow:
-        return self.samplers.create(sampler_id, session_id, owner, base_model, model_path, run_id)
-
-    def get_sampler(self, sampler_id: str) -> SamplerRow | None:
-        return self.samplers.get(sampler_id)
-
-    def get_checkpoint(self, run_id: str, kind: CheckpointKind | str, name: str) -> CheckpointRow | None:
-        return self.checkpoints.get(run_id, kind, name)
-
-    def last_checkpoint(self, run_id: str, kind: CheckpointKind | str) -> CheckpointRow | None:
-        return self.checkpoints.last(run_id, kind)
-
-    def checkpoint_dir(self, run_id: str, kind: CheckpointKind | str, name: str) -> Path:
-        return self.files.checkpoint_dir(run_id, kind, name)
-
-    @property
-    def checkpoint_files(self) -> tuple[Path, Path]:
-        return self.files.checkpoint_files
-
-    def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
-        return self.adoption.adopt_checkpoint(path)
-
-    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
-        self.requests.record(request_id, model_id, kind)
-
-    def finish_requests(self, finished: Sequence[RequestFinish]) -> None:
-        self.requests.finish(finished)
-
-    def request_state(self, request_id: str) -> RequestState | None:
-        return self.requests.state(request_id)

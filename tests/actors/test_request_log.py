@@ -21,16 +21,16 @@ class RecordingLog:
         self.calls: list[tuple[str, object]] = []
         self._fail_finishes = fail_finishes
 
-    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
+    def record(self, request_id: str, model_id: str, kind: str) -> None:
         self.calls.append(("start", request_id))
 
-    def finish_requests(self, finished: Sequence[RequestFinish]) -> None:
+    def finish(self, finished: Sequence[RequestFinish]) -> None:
         if self._fail_finishes:
             self._fail_finishes -= 1
             raise OSError("disk full")
         self.calls.append(("finish", [(r.request_id, r.finished) for r in finished]))
 
-    def request_state(self, request_id: str) -> str | None:
+    def state(self, request_id: str) -> str | None:
         return None
 
 

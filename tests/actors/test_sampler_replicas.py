@@ -25,13 +25,13 @@ OWNER = "u"
 class MemoryLog:
     """The request log the future table writes to (the store, in the daemon)."""
 
-    def record_request(self, request_id: str, model_id: str, kind: str) -> None:
+    def record(self, request_id: str, model_id: str, kind: str) -> None:
         pass
 
-    def finish_requests(self, finished: object) -> None:
+    def finish(self, finished: object) -> None:
         pass
 
-    def request_state(self, request_id: str) -> str | None:
+    def state(self, request_id: str) -> str | None:
         return None
 
 
