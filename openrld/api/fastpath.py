@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import msgspec
 import trio
 
+from openrld.api import wire
 from openrld.api.http1 import ASGIApp
 from openrld.errors import InvalidToken, OpenrldError
 from openrld.api.metrics import RequestMetrics
@@ -103,7 +104,7 @@ class FastPath:
                 return None  # mid-body: a truncated body is never handled
             body += message.get("body", b"")
             if len(body) > self._max_body_bytes:
-                return json_reply({"detail": f"request body over {self._max_body_bytes} bytes"}, 413)
+                return json_reply(wire.ErrorResponse(detail=f"request body over {self._max_body_bytes} bytes"), 413)
             if not message.get("more_body", False):
                 break
         call = Call(
@@ -119,7 +120,7 @@ class FastPath:
             return error_reply(error)
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error path=%s", scope.get("path"))
-            return json_reply({"detail": f"internal error: {type(error).__name__}"}, 500)
+            return json_reply(wire.ErrorResponse(detail=f"internal error: {type(error).__name__}"), 500)
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
@@ -169,7 +170,7 @@ def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
 
 
 def error_reply(error: OpenrldError) -> Reply:
-    return Reply(_json.encode({"detail": error.detail}), status=error.status, headers=error_headers(error))
+    return Reply(_json.encode(wire.ErrorResponse(detail=error.detail)), status=error.status, headers=error_headers(error))
 
 
 def _text(value: bytes | None) -> str | None:

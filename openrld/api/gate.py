@@ -23,6 +23,7 @@ from typing import Callable
 
 import msgspec
 
+from openrld.api import wire
 from openrld.api.auth import Authenticator
 from openrld.api.fastpath import error_headers
 from openrld.api.http1 import ASGIApp
@@ -53,7 +54,7 @@ class Gate:
             await self._inner(scope, receive, send)
             return
         status, detail, headers = refusal
-        body = msgspec.json.encode({"detail": detail})
+        body = msgspec.json.encode(wire.ErrorResponse(detail=detail))
         self._metrics.observe(REFUSED_ENDPOINT, scope["method"], status, time.perf_counter() - arrived_s)
         await send(
             {

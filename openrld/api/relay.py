@@ -202,7 +202,7 @@ class Relay:
         except OpenrldError as error:
             answer = Answer(
                 error.status, [(b"content-type", b"application/json"), *error_headers(error)],
-                msgspec.json.encode({"detail": error.detail}),
+                msgspec.json.encode(wire.ErrorResponse(detail=error.detail)),
             )
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error in the relay path=%s", scope["path"])
