@@ -32,14 +32,33 @@ SandboxFactory = Callable[[dict[str, str]], Sandbox]
 
 SYSTEM_PROMPT = (
     "You are a legal assistant working in a workspace of documents. Use the tools to read the documents "
-    "and to write the deliverable, then call finish. Call one tool per reply. Example:\n"
+    "and to write the deliverable, then call finish. Call one tool per reply, like this:\n"
     '<tool_call>\n{"name": "read_file", "arguments": {"path": "contract.txt"}}\n</tool_call>'
 )
 
 
-def initial_messages(renderer: Renderer, tools: WorkspaceTools, task: Task) -> list[Message]:
-    """The system prompt with the tools' schemas, then the task's instruction."""
-    prefix = renderer.create_conversation_prefix_with_tools([t.to_spec() for t in tools.all()], SYSTEM_PROMPT)
+def tool_signature(spec: dict) -> str:
+    """`name(arg, arg=default): description`, from a tool's JSON schema."""
+    properties = spec["parameters"].get("properties", {})
+    required = set(spec["parameters"].get("required", []))
+    args = [name if name in required else f"{name}={properties[name].get('default')!r}" for name in properties]
+    return f"{spec['name']}({', '.join(args)}): {spec['description'].strip()}"
+
+
+def initial_messages(renderer: Renderer, tools: WorkspaceTools, task: Task, *, full_schemas: bool) -> list[Message]:
+    """The system prompt with the tools, then the task's instruction.
+
+    `full_schemas` gives the renderer's own tool preamble (every JSON schema, ~700
+    tokens). Without it the tools are one line each: SmolLM2-135M, given the full
+    schemas, wrote no tool call at all in 16 sampled episodes.
+    Either way the calls are the renderer's format, and parsed by it.
+    """
+    specs = [t.to_spec() for t in tools.all()]
+    if full_schemas:
+        prefix = renderer.create_conversation_prefix_with_tools(specs, SYSTEM_PROMPT)
+    else:
+        listing = "\n".join(f"- {tool_signature(spec)}" for spec in specs)
+        prefix = [Message(role="system", content=f"{SYSTEM_PROMPT}\n\nTools:\n{listing}")]
     return [*prefix, Message(role="user", content=task.instruction)]
 
 
@@ -54,11 +73,12 @@ class AgenticGroupBuilder(EnvGroupBuilder):
         max_turns: model replies per episode.
         max_trajectory_tokens: the whole episode's token budget, prompt included.
         max_generation_tokens: one reply's token budget.
+        full_schemas: show the tools as the renderer's JSON-schema preamble (see `initial_messages`).
     """
 
     def __init__(
         self, task: Task, renderer: Renderer, make_sandbox: SandboxFactory, *, group_size: int, max_turns: int,
-        max_trajectory_tokens: int, max_generation_tokens: int,
+        max_trajectory_tokens: int, max_generation_tokens: int, full_schemas: bool = False,
     ):
         self.task = task
         self.renderer = renderer
@@ -67,6 +87,7 @@ class AgenticGroupBuilder(EnvGroupBuilder):
         self.max_turns = max_turns
         self.max_trajectory_tokens = max_trajectory_tokens
         self.max_generation_tokens = max_generation_tokens
+        self.full_schemas = full_schemas
         self.sandboxes: list[Sandbox] = []
         self.grades: list[rubric.Grade | None] = []  # per env, set when its episode is graded
 
@@ -87,7 +108,7 @@ class AgenticGroupBuilder(EnvGroupBuilder):
             tools = WorkspaceTools(sandbox)
             envs.append(build_agent_tool_env(
                 renderer=self.renderer, tools=tools.all(),
-                initial_messages=initial_messages(self.renderer, tools, self.task),
+                initial_messages=initial_messages(self.renderer, tools, self.task, full_schemas=self.full_schemas),
                 reward_fn=self._reward_fn(index, sandbox), max_turns=self.max_turns,
                 max_trajectory_tokens=self.max_trajectory_tokens, max_generation_tokens=self.max_generation_tokens,
                 # A reply cut at its token budget still ends the episode and is graded by what it left.

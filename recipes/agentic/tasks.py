@@ -6,7 +6,8 @@ the instruction asks for together with its expected content. Families, from
 easiest to hardest:
 
 - `termination_date`: one short contract; write its termination date to `answer.txt`.
-  One fact, one fixed file: within reach of SmolLM2-135M-Instruct, so RL has signal.
+  One fact, one fixed file, and the two calls spelled out in the instruction, so that
+  SmolLM2-135M-Instruct can reach it and RL has signal.
 - `contract_terms`: a contract and board minutes that mention other dates; write the
   termination date and the notice period to `answer.json`.
 - `payments_over`: several invoices; list every invoice above a threshold in `payments.csv`.
@@ -107,8 +108,13 @@ def _contract(rng: random.Random, *, termination: dt.date, notice_days: int) -> 
 def _termination_date(rng: random.Random) -> tuple[str, dict[str, str], str, Expected]:
     termination = _date(rng, 2026, 2031)
     contract = _contract(rng, termination=termination, notice_days=rng.choice(NOTICE_DAYS))
+    # The calls are spelled out, so that finding the date is the whole task: SmolLM2-135M
+    # wrote no tool call in 28 episodes when told only the tools' names.
     instruction = (
-        "Read contract.txt and write its termination date (YYYY-MM-DD) to answer.txt, then call finish."
+        "Read contract.txt and write its termination date to answer.txt, then call finish. First:\n"
+        '<tool_call>\n{"name": "read_file", "arguments": {"path": "contract.txt"}}\n</tool_call>\n'
+        "then, with the date you read in place of YYYY-MM-DD:\n"
+        '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "YYYY-MM-DD"}}\n</tool_call>'
     )
     return instruction, {"contract.txt": contract}, "answer.txt", TextAnswer(text=termination.isoformat())
 

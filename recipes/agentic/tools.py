@@ -74,7 +74,9 @@ class WorkspaceTools:
         path: Annotated[str, "A file or directory, relative to the workspace"] = ".",
     ) -> ToolResult:
         """Find the lines that contain a text, with their file and line number."""
-        result = await self._run(["grep", "-rnF", "-e", text, "--", path])
+        # With no path operand, grep -r searches "." and names files without the "./".
+        where = [] if path in (".", "./", "") else ["--", path]
+        result = await self._run(["grep", "-rnF", "-e", text, *where])
         if result.exit_code == 1 and not result.stderr:  # grep's "nothing found"
             return simple_tool_result(NO_MATCHES)
         return simple_tool_result(_shown(result))
