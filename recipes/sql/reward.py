@@ -1,7 +1,8 @@
 """The reward: does the model's SQL return what the gold SQL returns, run on the same database?
 
 Extraction (`extract_sql`): the first ```sql fenced block if there is one,
-else from the first SELECT or WITH to the first `;` or the end of the reply.
+else from the first SELECT (or WITH ... AS, a CTE) to the first `;` or the end
+of the reply.
 Nothing found scores 0.
 
 Scoring compares result sets, never query text:
@@ -29,7 +30,8 @@ from collections.abc import Callable
 from recipes.sql.sql_worker import QueryResult
 
 FENCED = re.compile(r"```(?:sql|sqlite)?\s*\n?(.*?)(?:```|$)", re.IGNORECASE | re.DOTALL)
-STATEMENT_START = re.compile(r"\b(SELECT|WITH)\b", re.IGNORECASE)
+# SELECT, or a WITH that opens a common table expression ("WITH [RECURSIVE] name [(cols)] AS ("), not prose's "with".
+STATEMENT_START = re.compile(r"\b(SELECT\b|WITH\s+(RECURSIVE\s+)?\w+\s*(\([^)]*\))?\s*AS\s*\()", re.IGNORECASE)
 PARTIAL_CAP = 0.5  # the most a non-matching query can earn under `partial`
 
 
