@@ -54,12 +54,18 @@ def row_from_log(round_: int, job: str, point: GridPoint, seed: int, records: Se
 
 def run_round(round_: int, grid: Sequence[GridPoint], make_config: Callable[..., SqlTrainConfig], out: Path,
               parallel: int) -> list[JobRow]:
-    """Run `grid`'s jobs, `parallel` at a time; their rows in grid order."""
+    """Run `grid`'s jobs, `parallel` at a time; their rows in grid order.
+
+    Only the sweep's first job evaluates the base model (step 0): every job
+    starts from the same base with a zero LoRA update and decodes greedily,
+    so the others' step-0 answers would be the same, at the cost of one
+    held-out pass each.
+    """
     names = [job_name(round_, i, p) for i, p in enumerate(grid)]
     configs = [
         make_config(out / "jobs" / name / "log.jsonl", learning_rate=p.learning_rate, lora_rank=p.lora_rank,
-                    group_size=p.group_size, loss=p.loss, reward=p.reward)
-        for name, p in zip(names, grid)
+                    group_size=p.group_size, loss=p.loss, reward=p.reward, eval_at_start=(round_ == 0 and i == 0))
+        for i, (name, p) in enumerate(zip(names, grid))
     ]
 
     def run(name: str, config: SqlTrainConfig) -> list[LogRecord]:
@@ -94,8 +100,9 @@ def write_curves_png(rows: Sequence[JobRow], base_accuracy: float, path: Path, *
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for r in rows:
-        steps = sorted(r.accuracy_by_step)
-        ax.plot(steps, [r.accuracy_by_step[s] for s in steps], marker="o", label=r.job)
+        curve = {0: base_accuracy, **r.accuracy_by_step}  # every job starts at the base model
+        steps = sorted(curve)
+        ax.plot(steps, [curve[s] for s in steps], marker="o", label=r.job)
     ax.axhline(base_accuracy, color="black", linestyle="--", label="base model")
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out execution accuracy (greedy)")

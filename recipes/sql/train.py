@@ -68,6 +68,7 @@ class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 48  # the longest gold query is ~40 tokens; longer replies are cut (and usually wrong)
     temperature: float = 1.0
     eval_every: int = 4  # steps between held-out evaluations; 0: only before the first and after the last
+    eval_at_start: bool = True  # evaluate the base model (step 0); a sweep does it for one job, not all of them
     seed: int = 0  # the job's: LoRA init, sampling seeds, the order of train questions
     data_seed: int = 0  # the data's: rows, questions and split (the same for every job of a sweep)
     families: tuple[str, ...] = FAMILIES
@@ -174,7 +175,8 @@ async def train_async(config: SqlTrainConfig, on_record: Callable[[LogRecord], N
                 for step in range(config.steps + 1):
                     sampler = await training.save_weights_and_get_sampling_client()
                     is_last = step == config.steps
-                    if is_last or step == 0 or (config.eval_every and step % config.eval_every == 0):
+                    if is_last or (step == 0 and config.eval_at_start) or (
+                            step > 0 and config.eval_every and step % config.eval_every == 0):
                         correct, used = await evaluate(sampler, split, grader, renderer, stop, config.max_tokens)
                         tokens += used
                         emit(EvalRecord(step, sum(correct) / len(correct), correct, [q.id for q in split.heldout],

@@ -33,16 +33,20 @@ def test_training_entry_runs_two_steps_with_evals_before_between_and_after(
     assert "done: heldout accuracy" in capsys.readouterr().out
 
 
-def test_sweep_runs_two_jobs_at_once_and_writes_the_leaderboard_and_curves(
+def test_sweep_runs_two_jobs_at_once_then_an_autoresearch_round_and_writes_leaderboard_and_curves(
     shared_daemon, tiny_llama: Path, tmp_path: Path,
 ):
     argv = ["sweep", "--url", shared_daemon.url, "--tokenizer", str(tiny_llama), *TINY_JOB, "--lr", "1e-4,1e-3",
-            "--group-size", "2", "--loss", "importance_sampling", "--jobs", "2", "--out", str(tmp_path)]
+            "--group-size", "2", "--loss", "importance_sampling", "--jobs", "2", "--autoresearch", "--rounds", "2",
+            "--out", str(tmp_path)]
     assert main(argv) == 0
     rows = read_csv(tmp_path / "leaderboard.csv")
-    assert [(r.round, r.point.learning_rate) for r in rows] == [(0, 1e-4), (0, 1e-3)]
-    assert all(sorted(r.accuracy_by_step) == [0, 1, 2] and r.tokens > 0 for r in rows)
+    assert [(r.round, r.point.loss) for r in rows] == [(0, "importance_sampling")] * 2 + [(1, "importance_sampling")] * 2
+    assert [r.point.learning_rate for r in rows[:2]] == [1e-4, 1e-3]
+    # only the sweep's first job evaluates the base model (step 0)
+    assert [sorted(r.accuracy_by_step) for r in rows] == [[0, 1, 2], [1, 2], [1, 2], [1, 2]]
+    assert all(r.tokens > 0 for r in rows)
     markdown = (tmp_path / "leaderboard.md").read_text()
     assert "Exact McNemar test (two-sided)" in markdown and "Seeds: job 0, data 0." in markdown
-    assert markdown.count("| r0-j") == 2
+    assert (markdown.count("| r0-j"), markdown.count("| r1-j")) == (2, 2)
     assert (tmp_path / "heldout_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
