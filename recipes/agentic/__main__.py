@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--sandbox", choices=BACKENDS, default=DEFAULTS.sandbox)
+    parser.add_argument("--judge-model", default=None,
+                        help="a base model on the same service to judge held-out deliverables (reports agreement)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the model's)")
     parser.add_argument("--time-limit-s", type=float, default=None, help="stop after the step that crosses it")
     parser.add_argument("--out", type=Path, default=Path("agentic_out"), help="directory for the log and PNG")
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
         held_out_tasks=args.held_out_tasks, eval_every=args.eval_every, max_turns=args.max_turns,
         max_generation_tokens=args.max_generation_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
         learning_rate=args.learning_rate, lora_rank=args.lora_rank, temperature=args.temperature, seed=args.seed,
-        sandbox=args.sandbox, time_limit_s=args.time_limit_s, tokenizer=args.tokenizer,
+        sandbox=args.sandbox, time_limit_s=args.time_limit_s, tokenizer=args.tokenizer, judge_model=args.judge_model,
         log_path=args.out / "records.jsonl",
     )
     return config, args.out / "held_out_success.png"
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
 
 def _print_step(record: StepRecord) -> None:
     held_out = "" if record.held_out_success is None else f"  held_out_success {record.held_out_success:.3f}"
+    if record.judge_agreement is not None:
+        held_out += f"  judge_agreement {record.judge_agreement:.3f}"
     print(
         f"step {record.step:3d}  mean_reward {record.mean_reward:.3f}  success {record.success_rate:.3f}  "
         f"turns {record.mean_turns:.1f}  groups {record.groups_used}  t {record.elapsed_s:.0f}s{held_out}",

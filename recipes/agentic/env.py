@@ -90,11 +90,13 @@ class AgenticGroupBuilder(EnvGroupBuilder):
         self.full_schemas = full_schemas
         self.sandboxes: list[Sandbox] = []
         self.grades: list[rubric.Grade | None] = []  # per env, set when its episode is graded
+        self.deliverables: list[str | None] = []  # per env, what the grader read
 
     def _reward_fn(self, index: int, sandbox: Sandbox):
         async def reward(_history: list[Message]) -> tuple[float, dict[str, float]]:
-            grade = rubric.grade(self.task.expected, read_deliverable(sandbox, self.task.deliverable))
-            self.grades[index] = grade
+            content = read_deliverable(sandbox, self.task.deliverable)
+            grade = rubric.grade(self.task.expected, content)
+            self.grades[index], self.deliverables[index] = grade, content
             return grade.score, {"success": float(grade.success), "score": grade.score}
 
         return reward
@@ -105,6 +107,7 @@ class AgenticGroupBuilder(EnvGroupBuilder):
             sandbox = self.make_sandbox(self.task.documents)
             self.sandboxes.append(sandbox)
             self.grades.append(None)
+            self.deliverables.append(None)
             tools = WorkspaceTools(sandbox)
             envs.append(build_agent_tool_env(
                 renderer=self.renderer, tools=tools.all(),

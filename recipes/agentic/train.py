@@ -39,6 +39,7 @@ from tinker_cookbook.rl.data_processing import (
 )
 from tinker_cookbook.rl.rollouts import do_group_rollout
 
+from recipes.agentic import judge
 from recipes.agentic.backends import pick_backend
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset
 from recipes.agentic.sandbox import SandboxLimits
@@ -76,6 +77,7 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     sandbox: str = "auto"  # "auto", "bwrap" or "agent-sandbox"
     time_limit_s: float | None = None  # stop after the step that crosses it
     tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's
+    judge_model: str | None = None  # a base model on the same service to judge held-out deliverables
     log_path: Path = Path("agentic_out/records.jsonl")
 
 
@@ -87,6 +89,7 @@ class StepRecord(msgspec.Struct, frozen=True):
     groups_used: int  # groups whose rewards differed, so they gave a gradient
     datums: int
     held_out_success: float | None  # None on steps without an evaluation
+    judge_agreement: float | None  # the judge's verdicts equal to the exact checks' (None: no judge run)
     sandbox_backend: str
     elapsed_s: float
 
@@ -111,14 +114,22 @@ async def rollouts(builders: list[AgenticGroupBuilder], policy: TinkerTokenCompl
     return await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
 
 
-async def held_out_success(
+async def evaluate_held_out(
     sampler, make_builder: Callable[[Task, int], AgenticGroupBuilder], tasks: list[Task], config: AgenticConfig,
-) -> float:
-    """The share of held-out tasks whose one sampled episode passes every check."""
+    judge_sampler=None, renderer=None,
+) -> tuple[float, float | None]:
+    """(share of held-out tasks whose one sampled episode passes every check, judge agreement or None)."""
     builders = [make_builder(task, 1) for task in tasks]
     policy = TinkerTokenCompleter(sampler, max_tokens=config.max_generation_tokens, temperature=config.temperature)
     stats = _episode_stats(builders, await rollouts(builders, policy))
-    return sum(stats.successes) / len(stats.successes)
+    success = sum(stats.successes) / len(stats.successes)
+    if judge_sampler is None:
+        return success, None
+    verdicts = await judge.judge_all(judge_sampler, renderer, [(b.task, b.deliverables[0]) for b in builders])
+    agreed = judge.agreement(verdicts, stats.successes)
+    logger.info("judge agreement %d/%d (judge passed %d, exact passed %d, unparsed %d)", agreed.agreed,
+                agreed.episodes, agreed.judge_passed, agreed.exact_passed, agreed.unparsed)
+    return success, agreed.rate
 
 
 async def train_step(training, sampler, builders: list[AgenticGroupBuilder], config: AgenticConfig):
@@ -146,6 +157,9 @@ async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], Non
         training = await service.create_lora_training_client(
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
         renderer = get_renderer(RENDERER, load_tokenizer(training, config.base_model, config.tokenizer))
+        judge_sampler = None
+        if config.judge_model is not None:  # the judge shares the tokenizer: same base model family assumed
+            judge_sampler = await service.create_sampling_client(base_model=config.judge_model)
 
         def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:
             return AgenticGroupBuilder(
@@ -163,15 +177,16 @@ async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], Non
             for step in range(config.steps):
                 sampler = await training.save_weights_and_get_sampling_client()
                 is_last = step == config.steps - 1
-                evaluated = None
+                evaluated, judged = None, None
                 if step % config.eval_every == 0 or is_last:
-                    evaluated = await held_out_success(sampler, make_builder, held_out, config)
+                    evaluated, judged = await evaluate_held_out(sampler, make_builder, held_out, config,
+                                                                judge_sampler, renderer)
                 stats, groups_used, datums = await train_step(training, sampler, dataset.get_batch(step), config)
                 record = StepRecord(
                     step=step, mean_reward=sum(stats.rewards) / len(stats.rewards),
                     success_rate=sum(stats.successes) / len(stats.successes),
                     mean_turns=sum(stats.turns) / len(stats.turns), groups_used=groups_used, datums=datums,
-                    held_out_success=evaluated, sandbox_backend=backend, elapsed_s=time.monotonic() - started,
+                    held_out_success=evaluated, judge_agreement=judged, sandbox_backend=backend, elapsed_s=time.monotonic() - started,
                 )
                 records.append(record)
                 log.write(msgspec.json.encode(record).decode() + "\n")
