@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--judge-model", default=None,
                         help="a base model on the same service to judge held-out deliverables (reports agreement)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the model's)")
-    parser.add_argument("--time-limit-s", type=float, default=None, help="stop after the step that crosses it")
+    parser.add_argument("--time-limit-s", type=float, default=None,
+                        help="the first step to start past it is the last, with a held-out evaluation")
     parser.add_argument("--out", type=Path, default=Path("agentic_out"), help="directory for the log and PNG")
     args = parser.parse_args(argv)
     config = AgenticConfig(

@@ -129,7 +129,8 @@ class BwrapSandbox:
     def _argv(self, argv: list[str]) -> list[str]:
         limits = self.limits
         return [
-            *(DROP_ROOT if os.geteuid() == 0 else []), self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            *(DROP_ROOT if os.geteuid() == 0 else []),
+            self._bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LC_ALL", "C.UTF-8",
             "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
             "--symlink", "usr/lib64", "/lib64",

@@ -29,7 +29,10 @@ def _shown(result: CommandResult, *, empty: str = "") -> str:
     """What the model sees of a command: its output, or why it failed."""
     if result.timed_out:
         return "error: the command ran out of time"
-    text = result.stdout if result.exit_code == 0 else f"error: {result.stderr.strip() or f'exit code {result.exit_code}'}"
+    if result.exit_code == 0:
+        text = result.stdout
+    else:
+        text = f"error: {result.stderr.strip() or f'exit code {result.exit_code}'}"
     if result.truncated:
         text += "\n[output truncated]"
     return text or empty

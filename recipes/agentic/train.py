@@ -75,7 +75,7 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 0.7
     seed: int = 0
     sandbox: str = "auto"  # "auto", "bwrap" or "agent-sandbox"
-    time_limit_s: float | None = None  # stop after the step that crosses it
+    time_limit_s: float | None = None  # the first step that starts past it is the last (and is evaluated)
     tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's
     judge_model: str | None = None  # a base model on the same service to judge held-out deliverables
     log_path: Path = Path("agentic_out/records.jsonl")
@@ -175,8 +175,10 @@ async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], Non
         started = time.monotonic()
         with config.log_path.open("w") as log:
             for step in range(config.steps):
+                # Out of time: this is the last step, so it carries the final held-out evaluation.
+                out_of_time = config.time_limit_s is not None and time.monotonic() - started >= config.time_limit_s
+                is_last = step == config.steps - 1 or out_of_time
                 sampler = await training.save_weights_and_get_sampling_client()
-                is_last = step == config.steps - 1
                 evaluated, judged = None, None
                 if step % config.eval_every == 0 or is_last:
                     evaluated, judged = await evaluate_held_out(sampler, make_builder, held_out, config,
@@ -186,15 +188,16 @@ async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], Non
                     step=step, mean_reward=sum(stats.rewards) / len(stats.rewards),
                     success_rate=sum(stats.successes) / len(stats.successes),
                     mean_turns=sum(stats.turns) / len(stats.turns), groups_used=groups_used, datums=datums,
-                    held_out_success=evaluated, judge_agreement=judged, sandbox_backend=backend, elapsed_s=time.monotonic() - started,
+                    held_out_success=evaluated, judge_agreement=judged, sandbox_backend=backend,
+                    elapsed_s=time.monotonic() - started,
                 )
                 records.append(record)
                 log.write(msgspec.json.encode(record).decode() + "\n")
                 log.flush()
                 if on_step is not None:
                     on_step(record)
-                if config.time_limit_s is not None and record.elapsed_s >= config.time_limit_s:
-                    logger.info("time limit %.0f s reached after step %d", config.time_limit_s, step)
+                if out_of_time:
+                    logger.info("time limit %.0f s reached; step %d was the last", config.time_limit_s, step)
                     break
         return records
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from recipes.agentic.backends import pick_backend
 from recipes.agentic.sandbox import BwrapSandbox, SandboxLimits, bwrap_works
 
 pytestmark = pytest.mark.skipif(not bwrap_works(), reason="bubblewrap is missing or cannot make namespaces here "
@@ -174,3 +175,19 @@ def test_close_removes_the_episode_directory():
     box = BwrapSandbox({"a.txt": "x"})
     box.close()
     assert not box.directory.exists()
+
+
+def test_auto_picks_bwrap_outside_a_cluster():
+    backend, make_sandbox = pick_backend("auto")
+    box = make_sandbox({"a.txt": "x"})
+    try:
+        assert (backend, box.backend, box.run(["cat", "a.txt"]).stdout) == ("bwrap", "bwrap", "x")
+    finally:
+        box.close()
+
+
+def test_asking_for_agent_sandbox_outside_a_cluster_is_refused():
+    with pytest.raises(RuntimeError, match="agent-sandbox needs a Kubernetes service account"):
+        pick_backend("agent-sandbox")
+    with pytest.raises(ValueError, match="'docker' is not one of"):
+        pick_backend("docker")
