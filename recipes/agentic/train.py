@@ -137,8 +137,8 @@ async def train_step(training, sampler, builders: list[AgenticGroupBuilder], con
     policy = TinkerTokenCompleter(sampler, max_tokens=config.max_generation_tokens, temperature=config.temperature)
     groups = await rollouts(builders, policy)
     stats = _episode_stats(builders, groups)
-    informative = remove_constant_reward_groups(groups)
-    informative = [g for g in informative if len(set(g.get_total_rewards())) > 1]
+    # The cookbook keeps one uniform group when all are uniform; that group has no signal either.
+    informative = [g for g in remove_constant_reward_groups(groups) if len(set(g.get_total_rewards())) > 1]
     data, _ = assemble_training_data(informative, compute_advantages(informative)) if informative else ([], [])
     # The cookbook's own train step drops the mask: the loss takes advantages, not a mask.
     data = [dataclasses.replace(d, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "mask"})
@@ -149,48 +149,74 @@ async def train_step(training, sampler, builders: list[AgenticGroupBuilder], con
     return stats, len(informative), len(data)
 
 
-async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+class Run(msgspec.Struct, kw_only=True):
+    """What a run holds once it is set up: clients, renderer, tasks, and how to build a group."""
+
+    backend: str
+    training: object  # tinker.TrainingClient
+    renderer: object  # tinker_cookbook Renderer
+    judge_sampler: object | None  # tinker.SamplingClient of config.judge_model
+    make_builder: Callable[..., AgenticGroupBuilder]
+    dataset: TaskDataset
+    held_out: list[Task]
+
+
+async def set_up(service: tinker.ServiceClient, config: AgenticConfig) -> Run:
+    """Pick the sandbox backend, create the LoRA client (and the judge's), and generate the tasks."""
     backend, make_sandbox = pick_backend(config.sandbox, SandboxLimits())
     logger.info("sandbox backend: %s", backend)
+    training = await service.create_lora_training_client(
+        base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
+    renderer = get_renderer(RENDERER, load_tokenizer(training, config.base_model, config.tokenizer))
+    judge_sampler = None
+    if config.judge_model is not None:  # the judge shares the renderer: a model of the same family
+        judge_sampler = await service.create_sampling_client(base_model=config.judge_model)
+
+    def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:
+        return AgenticGroupBuilder(
+            task, renderer, make_sandbox, group_size=group_size, max_turns=config.max_turns,
+            max_trajectory_tokens=config.max_trajectory_tokens, max_generation_tokens=config.max_generation_tokens,
+        )
+
+    train_tasks = make_tasks(config.seed, Split.TRAIN, config.families, config.train_tasks)
+    return Run(
+        backend=backend, training=training, renderer=renderer, judge_sampler=judge_sampler,
+        make_builder=make_builder, dataset=TaskDataset(train_tasks, make_builder, config.groups_per_step),
+        held_out=make_tasks(config.seed, Split.HELD_OUT, config.families, config.held_out_tasks),
+    )
+
+
+async def run_step(run: Run, step: int, *, evaluate: bool, config: AgenticConfig, elapsed_s: Callable[[], float]):
+    """One step: fresh sampler weights, the held-out evaluation if due, the RL update; its record."""
+    sampler = await run.training.save_weights_and_get_sampling_client()
+    evaluated, judged = None, None
+    if evaluate:
+        evaluated, judged = await evaluate_held_out(sampler, run.make_builder, run.held_out, config,
+                                                    run.judge_sampler, run.renderer)
+    stats, groups_used, datums = await train_step(run.training, sampler, run.dataset.get_batch(step), config)
+    return StepRecord(
+        step=step, mean_reward=sum(stats.rewards) / len(stats.rewards),
+        success_rate=sum(stats.successes) / len(stats.successes), mean_turns=sum(stats.turns) / len(stats.turns),
+        groups_used=groups_used, datums=datums, held_out_success=evaluated, judge_agreement=judged,
+        sandbox_backend=run.backend, elapsed_s=elapsed_s(),
+    )
+
+
+async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
     service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
     try:
-        training = await service.create_lora_training_client(
-            base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
-        renderer = get_renderer(RENDERER, load_tokenizer(training, config.base_model, config.tokenizer))
-        judge_sampler = None
-        if config.judge_model is not None:  # the judge shares the tokenizer: same base model family assumed
-            judge_sampler = await service.create_sampling_client(base_model=config.judge_model)
-
-        def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:
-            return AgenticGroupBuilder(
-                task, renderer, make_sandbox, group_size=group_size, max_turns=config.max_turns,
-                max_trajectory_tokens=config.max_trajectory_tokens, max_generation_tokens=config.max_generation_tokens,
-            )
-
-        dataset = TaskDataset(make_tasks(config.seed, Split.TRAIN, config.families, config.train_tasks),
-                              make_builder, config.groups_per_step)
-        held_out = make_tasks(config.seed, Split.HELD_OUT, config.families, config.held_out_tasks)
+        run = await set_up(service, config)
         records: list[StepRecord] = []
         config.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        elapsed_s = lambda: time.monotonic() - started  # noqa: E731
         with config.log_path.open("w") as log:
             for step in range(config.steps):
                 # Out of time: this is the last step, so it carries the final held-out evaluation.
-                out_of_time = config.time_limit_s is not None and time.monotonic() - started >= config.time_limit_s
+                out_of_time = config.time_limit_s is not None and elapsed_s() >= config.time_limit_s
                 is_last = step == config.steps - 1 or out_of_time
-                sampler = await training.save_weights_and_get_sampling_client()
-                evaluated, judged = None, None
-                if step % config.eval_every == 0 or is_last:
-                    evaluated, judged = await evaluate_held_out(sampler, make_builder, held_out, config,
-                                                                judge_sampler, renderer)
-                stats, groups_used, datums = await train_step(training, sampler, dataset.get_batch(step), config)
-                record = StepRecord(
-                    step=step, mean_reward=sum(stats.rewards) / len(stats.rewards),
-                    success_rate=sum(stats.successes) / len(stats.successes),
-                    mean_turns=sum(stats.turns) / len(stats.turns), groups_used=groups_used, datums=datums,
-                    held_out_success=evaluated, judge_agreement=judged, sandbox_backend=backend,
-                    elapsed_s=time.monotonic() - started,
-                )
+                record = await run_step(run, step, evaluate=step % config.eval_every == 0 or is_last, config=config,
+                                        elapsed_s=elapsed_s)
                 records.append(record)
                 log.write(msgspec.json.encode(record).decode() + "\n")
                 log.flush()
