@@ -1,6 +1,7 @@
 """`python -m recipes.sql train|sweep ...`: one text-to-SQL RL job, or a sweep of them (with autoresearch rounds).
 
-`train` writes the job's JSONL log (step and held-out eval records) and prints
+`train` writes the job's JSONL log (held-out eval records as they come, then
+step records and a summary) and the cookbook's own logs beside it, and prints
 one line per record. `sweep` runs a grid of jobs in parallel against one
 service and writes the leaderboard (Markdown, CSV) and the held-out curves
 (PNG); with `--autoresearch --rounds R` it proposes each next grid from the
@@ -13,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from recipes.sql.train import LOSSES, EvalRecord, LogRecord, SqlTrainConfig, train
+from recipes.sql.train import LOSSES, DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, train
 from recipes.sql.reward import REWARDS
 
 DEFAULTS = SqlTrainConfig(base_url="")
@@ -28,7 +29,7 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps)
     parser.add_argument("--questions-per-step", type=int, default=DEFAULTS.questions_per_step)
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens)
-    parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
+    parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="steps between held-out evals")
     parser.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed)
     parser.add_argument("--families", default=",".join(DEFAULTS.families), help="comma-separated question families")
 
@@ -46,11 +47,13 @@ def _job_config(args: argparse.Namespace, log_path: Path, **overrides) -> SqlTra
 
 def _print_record(record: LogRecord) -> None:
     if isinstance(record, EvalRecord):
-        print(f"eval step {record.step:3d}  heldout_accuracy {record.accuracy:.3f}  tokens {record.tokens}  "
-              f"t {record.elapsed_s:.0f}s", flush=True)
+        print(f"eval step {record.step:3d}  heldout_accuracy {record.accuracy:.3f}  t {record.elapsed_s:.0f}s",
+              flush=True)
+    elif isinstance(record, DoneRecord):
+        print(f"job done: {record.steps} steps, {record.tokens} tokens, {record.wall_s:.0f}s", flush=True)
     else:
         print(f"step {record.step:3d}  mean_reward {record.mean_reward:.3f}  correct {record.correct_fraction:.3f}  "
-              f"groups {record.groups_used}  tokens {record.tokens}  t {record.elapsed_s:.0f}s", flush=True)
+              f"rollout_tokens {record.tokens}  step_s {record.step_s:.1f}", flush=True)
 
 
 def main_train(argv: list[str]) -> int:
@@ -68,8 +71,10 @@ def main_train(argv: list[str]) -> int:
                          group_size=args.group_size, loss=args.loss, reward=args.reward, seed=args.seed)
     records = train(config, on_record=_print_record)
     evals = [r for r in records if isinstance(r, EvalRecord)]
-    print(f"done: heldout accuracy {evals[0].accuracy:.3f} -> {evals[-1].accuracy:.3f} after {config.steps} steps, "
-          f"{evals[-1].tokens} tokens, {evals[-1].elapsed_s:.0f}s; log {config.log_path}", flush=True)
+    done = records[-1]
+    assert isinstance(done, DoneRecord)
+    print(f"done: heldout accuracy {evals[0].accuracy:.3f} -> {evals[-1].accuracy:.3f} after {done.steps} steps, "
+          f"{done.tokens} tokens, {done.wall_s:.0f}s; log {config.log_path}", flush=True)
     return 0
 
 

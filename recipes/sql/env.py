@@ -16,8 +16,8 @@
   whatever the training reward) and `has_sql` (a statement was found).
 - `SqlGroupBuilder` makes `group_size` envs on one question: the group whose
   mean reward is each reply's baseline.
-- `SqlDataset` serves `questions_per_step` questions a step, reshuffled
-  (seeded) on each pass over the train set.
+- `SqlDataset` serves `questions_per_step` questions a step, in a seeded
+  order.
 
 Scoring blocks on a worker process, so `SqlEnv.step` runs it in a thread; the
 pool bounds how many queries run at once.
@@ -133,25 +133,18 @@ class SqlGroupBuilder(EnvGroupBuilder):
 
 
 class SqlDataset(RLDataset):
-    """`questions_per_step` train questions per batch; each pass over them in a new seeded order."""
+    """`questions_per_step` train questions per batch, in one seeded order (the cookbook replays it each epoch)."""
 
     def __init__(self, questions: Sequence[Question], make_builder: Callable[[Question], EnvGroupBuilder],
                  questions_per_step: int, seed: int):
         self.questions = list(questions)
+        random.Random(f"{seed}:order").shuffle(self.questions)
         self.make_builder = make_builder
         self.questions_per_step = questions_per_step
-        self.seed = seed
-        self.batches_per_pass = max(1, len(self.questions) // questions_per_step)
-
-    def _pass_order(self, n: int) -> list[Question]:
-        order = list(self.questions)
-        random.Random(f"{self.seed}:pass:{n}").shuffle(order)
-        return order
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
-        n_pass, offset = divmod(index, self.batches_per_pass)
-        start = offset * self.questions_per_step
-        return [self.make_builder(q) for q in self._pass_order(n_pass)[start:start + self.questions_per_step]]
+        start = index * self.questions_per_step
+        return [self.make_builder(q) for q in self.questions[start:start + self.questions_per_step]]
 
     def __len__(self) -> int:
-        return self.batches_per_pass
+        return max(1, len(self.questions) // self.questions_per_step)

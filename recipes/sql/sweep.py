@@ -31,7 +31,7 @@ from recipes.sql.autoresearch import GridPoint, next_grid
 from recipes.sql.leaderboard import BaseComparison, JobRow, best_row, write_csv, write_markdown
 from recipes.sql.reward import REWARDS
 from recipes.sql.stats import mcnemar_exact
-from recipes.sql.train import LOSSES, EvalRecord, LogRecord, SqlTrainConfig, read_log, train
+from recipes.sql.train import LOSSES, DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, read_log, train
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,10 @@ def job_name(round_: int, index: int, p: GridPoint) -> str:
 
 def row_from_log(round_: int, job: str, point: GridPoint, seed: int, records: Sequence[LogRecord]) -> JobRow:
     evals = [r for r in records if isinstance(r, EvalRecord)]
-    last = records[-1]
+    done = records[-1]
+    assert isinstance(done, DoneRecord), f"{job}: its log ends without a summary"
     return JobRow(round=round_, job=job, point=point, seed=seed,
-                  accuracy_by_step={e.step: e.accuracy for e in evals}, tokens=last.tokens, wall_s=last.elapsed_s)
+                  accuracy_by_step={e.step: e.accuracy for e in evals}, tokens=done.tokens, wall_s=done.wall_s)
 
 
 def run_round(round_: int, grid: Sequence[GridPoint], make_config: Callable[..., SqlTrainConfig], out: Path,

