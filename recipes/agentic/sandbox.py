@@ -77,12 +77,12 @@ def bwrap_path() -> str | None:
 
 
 def bwrap_works() -> bool:
-    """bwrap is installed and can make its namespaces here (a container may forbid them)."""
+    """bwrap is installed and can make its namespaces here, as the user it will run as (a container may forbid them)."""
     path = bwrap_path()
     if path is None:
         return False
     probe = subprocess.run(
-        [path, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+        [*(DROP_ROOT if os.geteuid() == 0 else []), path, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
          "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"],
         capture_output=True, timeout=10,
     )
