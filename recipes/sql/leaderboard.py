@@ -97,8 +97,10 @@ def write_markdown(rows: Sequence[JobRow], comparison: BaseComparison, path: Pat
     lines = [
         f"# {title}", "",
         f"Held-out execution accuracy (greedy, {comparison.n_questions} questions) at each evaluated step; "
-        f"base model (step 0): {comparison.base_accuracy:.3f}. Job seed {comparison.job_seed} (LoRA init, sampling, "
-        f"question order) and data seed {comparison.data_seed} (rows, questions, split) for every job.", "",
+        f"base model (step 0, evaluated once: every job starts from it): {comparison.base_accuracy:.3f}. "
+        f"Job seed {comparison.job_seed} (the order of train questions; the cookbook loop seeds neither the LoRA "
+        f"initialisation nor sampling) and data seed {comparison.data_seed} (rows, questions, split) for every job. "
+        "Ranked by final accuracy, then fewer tokens.", "",
         "| rank | round | job | lr | LoRA rank | group | loss | reward | "
         + " | ".join(f"acc@{s}" for s in steps) + " | tokens | wall s |",
         "|" + "---|" * (10 + len(steps)),

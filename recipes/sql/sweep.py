@@ -5,7 +5,10 @@ runs the grid (the product of the comma-separated lists) `--jobs` at a time,
 each job the training entry (`train.train`) in a thread of its own: its
 rollouts and requests overlap the others', which is what a shared service is
 for. Every job uses the same job seed and data seed, so the jobs and the base
-model answer the same held-out questions and are compared pairwise.
+model answer the same held-out questions and are compared pairwise. Each job
+runs the cookbook's loop, which prints its per-step metrics table and points
+the logging module at its own `logs.log` (the last job started holds it);
+this driver's own lines start with the job's name or "round".
 
 After each round it writes, under `--out`:
 - `leaderboard.csv` and `leaderboard.md` (see `leaderboard.py`), the latter
