@@ -1,8 +1,9 @@
 """`python -m recipes.agentic --url URL`: agentic RL in sandboxes; writes the JSONL log and the PNG curve.
 
 It logs which sandbox backend it uses (bubblewrap here, agent-sandbox in the GKE
-Job), prints one line per step, and a final summary of held-out success from the
-first evaluation to the last; it exits 0.
+Job), prints each record (the run, each held-out evaluation as it comes, then the
+cookbook loop's steps), and a final summary of held-out success from the first
+evaluation to the last; it exits 0.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from recipes.agentic.backends import BACKENDS
 from recipes.agentic.plot import write_curve_png
 from recipes.agentic.tasks import Family
-from recipes.agentic.train import AgenticConfig, StepRecord, train
+from recipes.agentic.train import AgenticConfig, EvalRecord, LogRecord, RunRecord, StepRecord, train
 
 DEFAULTS = AgenticConfig(base_url="")
 
@@ -43,8 +44,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--judge-model", default=None,
                         help="a base model on the same service to judge held-out deliverables (reports agreement)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the model's)")
-    parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="the first step to start past it is the last, with a held-out evaluation")
     parser.add_argument("--out", type=Path, default=Path("agentic_out"), help="directory for the log and PNG")
     args = parser.parse_args(argv)
     config = AgenticConfig(
@@ -54,34 +53,38 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
         held_out_tasks=args.held_out_tasks, eval_every=args.eval_every, max_turns=args.max_turns,
         max_generation_tokens=args.max_generation_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
         learning_rate=args.learning_rate, lora_rank=args.lora_rank, temperature=args.temperature, seed=args.seed,
-        sandbox=args.sandbox, time_limit_s=args.time_limit_s, tokenizer=args.tokenizer, judge_model=args.judge_model,
+        sandbox=args.sandbox, tokenizer=args.tokenizer, judge_model=args.judge_model,
         log_path=args.out / "records.jsonl",
     )
     return config, args.out / "held_out_success.png"
 
 
-def _print_step(record: StepRecord) -> None:
-    held_out = "" if record.held_out_success is None else f"  held_out_success {record.held_out_success:.3f}"
-    if record.judge_agreement is not None:
-        held_out += f"  judge_agreement {record.judge_agreement:.3f}"
-    print(
-        f"step {record.step:3d}  mean_reward {record.mean_reward:.3f}  success {record.success_rate:.3f}  "
-        f"turns {record.mean_turns:.1f}  groups {record.groups_used}  t {record.elapsed_s:.0f}s{held_out}",
-        flush=True,
-    )
+def _print_record(record: LogRecord) -> None:
+    if isinstance(record, RunRecord):
+        line = f"sandbox {record.sandbox_backend}  model {record.base_model}  families {','.join(record.families)}"
+    elif isinstance(record, EvalRecord):
+        judged = "" if record.judge_agreement is None else f"  judge_agreement {record.judge_agreement:.3f}"
+        line = f"eval after {record.step:3d} steps  held_out_success {record.held_out_success:.3f}{judged}  " \
+               f"t {record.elapsed_s:.0f}s"
+    else:
+        line = f"step {record.step:3d}  mean_reward {record.mean_reward:.3f}  success {record.success_rate:.3f}  " \
+               f"step_time {record.elapsed_s:.0f}s"
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config, png_path = parse_args(argv)
-    records = train(config, on_step=_print_step)
+    records = train(config, on_record=_print_record)
     families = ", ".join(config.families)
     write_curve_png(records, png_path, title=f"{config.base_model}: {families}, LoRA RL in sandboxes")
-    evaluated = [r for r in records if r.held_out_success is not None]
+    [run] = [r for r in records if isinstance(r, RunRecord)]
+    evals = [r for r in records if isinstance(r, EvalRecord)]
+    steps = [r for r in records if isinstance(r, StepRecord)]
     print(
-        f"done: {len(records)} steps in {records[-1].elapsed_s:.0f}s on {records[-1].sandbox_backend}; held-out "
-        f"success {evaluated[0].held_out_success:.3f} -> {evaluated[-1].held_out_success:.3f}; "
-        f"log {config.log_path}; curve {png_path}",
+        f"done: {len(steps)} steps in {evals[-1].elapsed_s:.0f}s on {run.sandbox_backend}; held-out success "
+        f"{evals[0].held_out_success:.3f} -> {evals[-1].held_out_success:.3f}; log {config.log_path}; "
+        f"curve {png_path}",
         flush=True,
     )
     return 0

@@ -7,7 +7,10 @@ a trajectory token budget, and tool calls that do not parse answered with a
 corrective message (`ParseErrorPolicy`) rather than ending the episode. The episode
 ends when the model calls finish, replies without a tool call, or runs out of
 turns or tokens; the deliverable is then graded by the rubric, and its score is
-the reward. `cleanup` closes the sandboxes.
+the reward. The cookbook's Env grades only the first three endings; an episode
+that ended on a reply cut at its token budget (or a broken reply) is graded in
+`compute_group_rewards`, so every episode is judged by what it left in scratch.
+`cleanup` closes the sandboxes.
 
 `TaskDataset` is the cookbook's `RLDataset` over a fixed list of tasks, taken in
 order, `groups_per_batch` at a time, wrapping around.
@@ -15,6 +18,7 @@ order, `groups_per_batch` at a time, wrapping around.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 from tinker_cookbook.renderers import Renderer
@@ -92,14 +96,29 @@ class AgenticGroupBuilder(EnvGroupBuilder):
         self.grades: list[rubric.Grade | None] = []  # per env, set when its episode is graded
         self.deliverables: list[str | None] = []  # per env, what the grader read
 
-    def _reward_fn(self, index: int, sandbox: Sandbox):
+    def _grade(self, index: int) -> rubric.Grade:
+        content = read_deliverable(self.sandboxes[index], self.task.deliverable)
+        grade = rubric.grade(self.task.expected, content)
+        self.grades[index], self.deliverables[index] = grade, content
+        return grade
+
+    def _reward_fn(self, index: int):
         async def reward(_history: list[Message]) -> tuple[float, dict[str, float]]:
-            content = read_deliverable(sandbox, self.task.deliverable)
-            grade = rubric.grade(self.task.expected, content)
-            self.grades[index], self.deliverables[index] = grade, content
+            grade = await asyncio.to_thread(self._grade, index)
             return grade.score, {"success": float(grade.success), "score": grade.score}
 
         return reward
+
+    async def compute_group_rewards(self, trajectory_group, env_group) -> list[tuple[float, dict[str, float]]]:
+        """The rubric's score for episodes the Env ended without grading (their step rewards are 0); 0 for the rest."""
+        rewards = []
+        for index in range(len(env_group)):
+            if self.grades[index] is not None:
+                rewards.append((0.0, {}))
+                continue
+            grade = await asyncio.to_thread(self._grade, index)
+            rewards.append((grade.score, {"success": float(grade.success), "score": grade.score}))
+        return rewards
 
     async def make_envs(self) -> Sequence[Env]:
         envs = []
@@ -112,7 +131,7 @@ class AgenticGroupBuilder(EnvGroupBuilder):
             envs.append(build_agent_tool_env(
                 renderer=self.renderer, tools=tools.all(),
                 initial_messages=initial_messages(self.renderer, tools, self.task, full_schemas=self.full_schemas),
-                reward_fn=self._reward_fn(index, sandbox), max_turns=self.max_turns,
+                reward_fn=self._reward_fn(index), max_turns=self.max_turns,
                 max_trajectory_tokens=self.max_trajectory_tokens, max_generation_tokens=self.max_generation_tokens,
                 # A reply cut at its token budget still ends the episode and is graded by what it left.
                 failed_parse_reward=0.0, context_overflow_reward=0.0,
@@ -130,16 +149,30 @@ class AgenticGroupBuilder(EnvGroupBuilder):
 
 
 class TaskDataset(RLDataset):
-    """Batches of group builders over `tasks`, in order, wrapping around."""
+    """Batches of group builders over `tasks`, in order, wrapping around.
+
+    It keeps each batch's builders in the order asked for (`batches`: the training
+    loop asks once per step), whose grades say which episodes of that step
+    succeeded; a builder holds no sandbox once its group is cleaned up.
+    """
 
     def __init__(self, tasks: list[Task], make_builder: Callable[[Task], AgenticGroupBuilder], groups_per_batch: int):
         self.tasks = tasks
         self.make_builder = make_builder
         self.groups_per_batch = groups_per_batch
+        self.batches: list[list[AgenticGroupBuilder]] = []
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         start = index * self.groups_per_batch
-        return [self.make_builder(self.tasks[(start + k) % len(self.tasks)]) for k in range(self.groups_per_batch)]
+        builders = [self.make_builder(self.tasks[(start + k) % len(self.tasks)]) for k in range(self.groups_per_batch)]
+        self.batches.append(builders)
+        return builders
+
+    def success_rate(self, step: int) -> float:
+        """The share of the `step`-th batch's episodes whose deliverable passed every check."""
+        builders = self.batches[step] if step < len(self.batches) else []
+        grades = [grade for builder in builders for grade in builder.grades]
+        return sum(g is not None and g.success for g in grades) / len(grades) if grades else 0.0
 
     def __len__(self) -> int:
         return max(1, len(self.tasks) // self.groups_per_batch)

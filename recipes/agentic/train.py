@@ -1,43 +1,48 @@
-"""The agentic RL loop: sandboxed multi-turn episodes, rubric rewards, importance-sampling steps.
+"""The agentic RL job: tinker-cookbook's own training loop (`rl.train.main`) on sandboxed tool-use episodes.
 
-Built from tinker-cookbook's pieces: `do_group_rollout` runs each group's Envs
-(`env.AgenticGroupBuilder`) against a `TinkerTokenCompleter`, `compute_advantages`
-centres rewards within each group, `remove_constant_reward_groups` drops groups
-that carry no signal, and `assemble_training_data` turns trajectories into Datums
-(only the model's own tokens carry advantages). Each step then sends one
-`forward_backward` with the `importance_sampling` loss and one Adam `optim_step`
-through the public tinker SDK, and appends a `StepRecord` to the JSONL log. Every
-`eval_every` steps (and at step 0 and the last step) it samples one episode of each
-held-out task and records the held-out success rate.
-
-Why not the cookbook's `rl.train.main`: it resolves the tokenizer and renderer from
-the model's Hub name (a download this offline machine cannot make), sets up its own
-logging stores and checkpoint paths, and reads the dataset through a chz builder.
-This loop passes the tokenizer, renderer and tasks in directly, and is otherwise
-the same sync RL step. Nothing in it is specific to openrld: any Tinker-API
-service at `base_url` serves it.
+The loop is the cookbook's, unchanged: each step it runs `groups_per_step` groups
+of `group_size` episodes (`env.AgenticGroupBuilder`: one sandbox per episode,
+the rubric's score as the reward), drops groups whose rewards are all the same,
+centres rewards within each group, and takes one `forward_backward` with the
+`importance_sampling` loss and one Adam `optim_step`; it writes its per-step
+metrics to `<out>/cookbook/metrics.jsonl` as it goes. What this module passes in,
+and why:
+- the tokenizer: the cookbook takes it by Hugging Face model name, and the Hub is
+  out of reach offline, so the model's tokenizer (a local directory, or the
+  packaged SmolLM2 GGUF's) is registered under the model's name first;
+- the API key: the cookbook's `ServiceClient` reads it from `TINKER_API_KEY` only,
+  so the job sets that variable;
+- the dataset, built beforehand (`TaskDataset`) and handed over by a trivial
+  `RLDatasetBuilder`, since its builders hold the renderer and the sandbox factory;
+- the held-out evaluator (`HeldOutEvaluator`): one episode per held-out task,
+  success meaning every rubric check passed, and optionally the LLM judge's
+  agreement with those checks. The loop calls it after 0, `eval_every`,
+  2 x `eval_every`, ... steps and after the last one; each call's `EvalRecord`
+  goes to the job's JSONL log as it comes.
+When the loop is done the log gets one `StepRecord` per step from the cookbook's
+metrics. Nothing here is specific to openrld: any Tinker-API service will do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import chz
 import msgspec
 import tinker
-from tinker import types
+from tinker_cookbook import tokenizer_utils
 from tinker_cookbook.completers import TinkerTokenCompleter
-from tinker_cookbook.renderers import get_renderer
-from tinker_cookbook.rl.data_processing import (
-    assemble_training_data,
-    compute_advantages,
-    remove_constant_reward_groups,
-)
+from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
+from tinker_cookbook.renderers import Renderer, get_renderer
+from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_group_rollout
+from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
 from recipes.agentic import judge
 from recipes.agentic.backends import pick_backend
@@ -63,114 +68,147 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 4  # episodes per task: the group whose mean is each episode's baseline
     train_tasks: int = 200
     held_out_tasks: int = 16
-    eval_every: int = 5  # steps between held-out evaluations (also at the first and last step)
+    eval_every: int = 5  # steps between held-out evaluations (also before the first and after the last)
     max_turns: int = 4  # read, write, finish, and one spare
     max_generation_tokens: int = 64  # the write_file call with a date is ~35 SmolLM2 tokens
-    max_trajectory_tokens: int = 2048  # the system prompt with the tools' schemas is ~700
+    max_trajectory_tokens: int = 2048  # the system prompt and instruction are ~350
     learning_rate: float = 4e-4
     lora_rank: int = 16
     # Below 1: at 1.0 SmolLM2-135M wrote no tool call in 28 episodes (rambling text instead).
     # The sampler's logprobs are then those of the tempered policy, a known bias of the
     # importance weights that a short run tolerates.
     temperature: float = 0.7
-    seed: int = 0
+    seed: int = 0  # the tasks' (the cookbook loop seeds neither the LoRA init nor sampling)
     sandbox: str = "auto"  # "auto", "bwrap" or "agent-sandbox"
-    time_limit_s: float | None = None  # the first step that starts past it is the last (and is evaluated)
-    tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's
+    tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's, else the cookbook's
     judge_model: str | None = None  # a base model on the same service to judge held-out deliverables
     log_path: Path = Path("agentic_out/records.jsonl")
 
 
-class StepRecord(msgspec.Struct, frozen=True):
+class RunRecord(msgspec.Struct, frozen=True, tag="run"):
+    sandbox_backend: str  # "bwrap" or "agent-sandbox"
+    base_model: str
+    families: list[str]
+
+
+class EvalRecord(msgspec.Struct, frozen=True, tag="eval"):
+    step: int  # training steps taken before this evaluation
+    held_out_success: float  # held-out tasks whose one episode passed every check
+    successes: list[bool]  # per held-out task, in task order
+    judge_agreement: float | None  # the judge's verdicts equal to the exact checks' (None: no judge)
+    elapsed_s: float
+
+
+class StepRecord(msgspec.Struct, frozen=True, tag="step"):
     step: int
     mean_reward: float  # mean rubric score of the step's episodes
     success_rate: float  # episodes whose deliverable passed every check
     mean_turns: float
-    groups_used: int  # groups whose rewards differed, so they gave a gradient
-    datums: int
-    held_out_success: float | None  # None on steps without an evaluation
-    judge_agreement: float | None  # the judge's verdicts equal to the exact checks' (None: no judge run)
-    sandbox_backend: str
-    elapsed_s: float
+    elapsed_s: float  # the cookbook's time for the step
 
 
-class EpisodeStats(msgspec.Struct, frozen=True):
-    rewards: list[float]
-    successes: list[bool]
-    turns: list[int]
+LogRecord = RunRecord | EvalRecord | StepRecord
 
 
-def _episode_stats(builders: list[AgenticGroupBuilder], groups) -> EpisodeStats:
-    rewards, successes, turns = [], [], []
-    for builder, group in zip(builders, groups):
-        rewards += group.get_total_rewards()
-        successes += [grade is not None and grade.success for grade in builder.grades]
-        turns += [len(t.transitions) for t in group.trajectories_G]
-    return EpisodeStats(rewards, successes, turns)
+def eval_steps(steps: int, eval_every: int) -> list[int]:
+    """The steps after which the cookbook loop calls its evaluators, in order: multiples of eval_every, and the last."""
+    return [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
 
 
-async def rollouts(builders: list[AgenticGroupBuilder], policy: TinkerTokenCompleter):
-    """Every group's episodes, all in flight at once."""
-    return await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
+class HeldOutEvaluator(SamplingClientEvaluator):
+    """Held-out success (and the judge's agreement) at each of the loop's evaluation points."""
+
+    def __init__(self, tasks: list[Task], make_builder: Callable[..., AgenticGroupBuilder], config: AgenticConfig,
+                 renderer: Renderer, emit: Callable[[EvalRecord], None], started: float):
+        self.tasks, self.make_builder, self.config, self.renderer = tasks, make_builder, config, renderer
+        self.emit = emit
+        self.started = started
+        self.pending_steps = eval_steps(config.steps, config.eval_every)
+        self.judge_sampler = None
+
+    async def __call__(self, sampling_client: tinker.SamplingClient) -> dict[str, float]:
+        step = self.pending_steps.pop(0)
+        builders = [self.make_builder(task, 1) for task in self.tasks]
+        policy = TinkerTokenCompleter(sampling_client, max_tokens=self.config.max_generation_tokens,
+                                      temperature=self.config.temperature)
+        await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
+        successes = [b.grades[0].success for b in builders]  # every episode is graded (AgenticGroupBuilder)
+        agreement = await self._judge([(b.task, b.deliverables[0]) for b in builders], successes)
+        success = sum(successes) / len(successes)
+        self.emit(EvalRecord(step, success, successes, agreement, time.monotonic() - self.started))
+        metrics = {"held_out/success": success}
+        return metrics if agreement is None else {**metrics, "held_out/judge_agreement": agreement}
+
+    async def _judge(self, items: list[tuple[Task, str | None]], successes: list[bool]) -> float | None:
+        if self.config.judge_model is None:
+            return None
+        if self.judge_sampler is None:
+            service = tinker.ServiceClient(base_url=self.config.base_url, api_key=self.config.api_key)
+            self.judge_sampler = await service.create_sampling_client(base_model=self.config.judge_model)
+        agreed = judge.agreement(await judge.judge_all(self.judge_sampler, self.renderer, items), successes)
+        logger.info("judge agreement %d/%d (judge passed %d, exact passed %d, unparsed %d)", agreed.agreed,
+                    agreed.episodes, agreed.judge_passed, agreed.exact_passed, agreed.unparsed)
+        return agreed.rate
 
 
-async def evaluate_held_out(
-    sampler, make_builder: Callable[[Task, int], AgenticGroupBuilder], tasks: list[Task], config: AgenticConfig,
-    judge_sampler=None, renderer=None,
-) -> tuple[float, float | None]:
-    """(share of held-out tasks whose one sampled episode passes every check, judge agreement or None)."""
-    builders = [make_builder(task, 1) for task in tasks]
-    policy = TinkerTokenCompleter(sampler, max_tokens=config.max_generation_tokens, temperature=config.temperature)
-    stats = _episode_stats(builders, await rollouts(builders, policy))
-    success = sum(stats.successes) / len(stats.successes)
-    if judge_sampler is None:
-        return success, None
-    verdicts = await judge.judge_all(judge_sampler, renderer, [(b.task, b.deliverables[0]) for b in builders])
-    agreed = judge.agreement(verdicts, stats.successes)
-    logger.info("judge agreement %d/%d (judge passed %d, exact passed %d, unparsed %d)", agreed.agreed,
-                agreed.episodes, agreed.judge_passed, agreed.exact_passed, agreed.unparsed)
-    return success, agreed.rate
+@chz.chz
+class PrebuiltDatasetBuilder(RLDatasetBuilder):
+    """Hands the cookbook a dataset built beforehand (its builders hold the renderer and the sandbox factory)."""
+
+    dataset: RLDataset
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        return self.dataset, None
 
 
-async def train_step(training, sampler, builders: list[AgenticGroupBuilder], config: AgenticConfig):
-    """One RL step on `builders`' groups; returns (episode stats, groups used, datums sent)."""
-    policy = TinkerTokenCompleter(sampler, max_tokens=config.max_generation_tokens, temperature=config.temperature)
-    groups = await rollouts(builders, policy)
-    stats = _episode_stats(builders, groups)
-    # The cookbook keeps one uniform group when all are uniform; that group has no signal either.
-    informative = [g for g in remove_constant_reward_groups(groups) if len(set(g.get_total_rewards())) > 1]
-    data, _ = assemble_training_data(informative, compute_advantages(informative)) if informative else ([], [])
-    # The cookbook's own train step drops the mask: the loss takes advantages, not a mask.
-    data = [dataclasses.replace(d, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "mask"})
-            for d in data]
-    if data:
-        await training.forward_backward(data, "importance_sampling")
-        await training.optim_step(types.AdamParams(learning_rate=config.learning_rate))
-    return stats, len(informative), len(data)
+def register_local_tokenizer(base_model: str, tokenizer_dir: str | None):
+    """Register the model's local tokenizer under its name for the cookbook; returns it, or None (the Hub's)."""
+    from openrld.model_catalog import find_packaged_gguf
+
+    if tokenizer_dir is None and find_packaged_gguf(base_model) is None:
+        return None
+    tokenizer = load_tokenizer(None, base_model, tokenizer_dir)  # the training client is needed only without both
+    tokenizer_utils.register_tokenizer(base_model, lambda: tokenizer)
+    return tokenizer
 
 
-class Run(msgspec.Struct, kw_only=True):
-    """What a run holds once it is set up: clients, renderer, tasks, and how to build a group."""
+def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
+    """The cookbook's per-step metrics (the rows with rollout rewards) as StepRecords, with each step's successes.
 
-    backend: str
-    training: object  # tinker.TrainingClient
-    renderer: object  # tinker_cookbook Renderer
-    judge_sampler: object | None  # tinker.SamplingClient of config.judge_model
-    make_builder: Callable[..., AgenticGroupBuilder]
-    dataset: TaskDataset
-    held_out: list[Task]
+    Success comes from the step's own builders, not the metrics: the cookbook averages
+    an episode metric only over the episodes that report it.
+    """
+    records = []
+    for line in metrics_path.read_text().splitlines():
+        row = msgspec.json.decode(line)
+        if "env/all/reward/total" in row:
+            records.append(StepRecord(
+                row["step"], row["env/all/reward/total"], dataset.success_rate(row["step"]),
+                row.get("env/all/turns_per_episode", 0.0), row.get("time/total", 0.0),
+            ))
+    return records
 
 
-async def set_up(service: tinker.ServiceClient, config: AgenticConfig) -> Run:
-    """Pick the sandbox backend, create the LoRA client (and the judge's), and generate the tasks."""
+def _cookbook_config(config: AgenticConfig, dataset: TaskDataset, evaluator: HeldOutEvaluator,
+                     log_dir: Path) -> cookbook_train.Config:
+    return cookbook_train.Config(
+        learning_rate=config.learning_rate, dataset_builder=PrebuiltDatasetBuilder(dataset=dataset),
+        model_name=config.base_model, recipe_name="openrld_agentic", max_tokens=config.max_generation_tokens,
+        log_path=str(log_dir), eval_every=config.eval_every, save_every=0, evaluator_builders=[lambda: evaluator],
+        base_url=config.base_url, loss_fn="importance_sampling", lora_rank=config.lora_rank,
+        temperature=config.temperature, remove_constant_reward_groups=True, num_groups_to_log=0,
+        rollout_json_export=False, max_steps=config.steps, num_epochs=max(1, math.ceil(config.steps / len(dataset))),
+    )
+
+
+def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None = None) -> list[LogRecord]:
+    """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log)."""
     backend, make_sandbox = pick_backend(config.sandbox, SandboxLimits())
     logger.info("sandbox backend: %s", backend)
-    training = await service.create_lora_training_client(
-        base_model=config.base_model, rank=config.lora_rank, seed=config.seed)
-    renderer = get_renderer(RENDERER, load_tokenizer(training, config.base_model, config.tokenizer))
-    judge_sampler = None
-    if config.judge_model is not None:  # the judge shares the renderer: a model of the same family
-        judge_sampler = await service.create_sampling_client(base_model=config.judge_model)
+    started = time.monotonic()
+    os.environ["TINKER_API_KEY"] = config.api_key
+    tokenizer = register_local_tokenizer(config.base_model, config.tokenizer)
+    renderer = get_renderer(RENDERER, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
 
     def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:
         return AgenticGroupBuilder(
@@ -178,58 +216,25 @@ async def set_up(service: tinker.ServiceClient, config: AgenticConfig) -> Run:
             max_trajectory_tokens=config.max_trajectory_tokens, max_generation_tokens=config.max_generation_tokens,
         )
 
-    train_tasks = make_tasks(config.seed, Split.TRAIN, config.families, config.train_tasks)
-    return Run(
-        backend=backend, training=training, renderer=renderer, judge_sampler=judge_sampler,
-        make_builder=make_builder, dataset=TaskDataset(train_tasks, make_builder, config.groups_per_step),
-        held_out=make_tasks(config.seed, Split.HELD_OUT, config.families, config.held_out_tasks),
-    )
+    records: list[LogRecord] = []
+    config.log_path.parent.mkdir(parents=True, exist_ok=True)
+    with config.log_path.open("w") as log:
+        def emit(record: LogRecord) -> None:
+            records.append(record)
+            log.write(msgspec.json.encode(record).decode() + "\n")
+            log.flush()
+            if on_record is not None:
+                on_record(record)
 
-
-async def run_step(run: Run, step: int, *, evaluate: bool, config: AgenticConfig, elapsed_s: Callable[[], float]):
-    """One step: fresh sampler weights, the held-out evaluation if due, the RL update; its record."""
-    sampler = await run.training.save_weights_and_get_sampling_client()
-    evaluated, judged = None, None
-    if evaluate:
-        evaluated, judged = await evaluate_held_out(sampler, run.make_builder, run.held_out, config,
-                                                    run.judge_sampler, run.renderer)
-    stats, groups_used, datums = await train_step(run.training, sampler, run.dataset.get_batch(step), config)
-    return StepRecord(
-        step=step, mean_reward=sum(stats.rewards) / len(stats.rewards),
-        success_rate=sum(stats.successes) / len(stats.successes), mean_turns=sum(stats.turns) / len(stats.turns),
-        groups_used=groups_used, datums=datums, held_out_success=evaluated, judge_agreement=judged,
-        sandbox_backend=run.backend, elapsed_s=elapsed_s(),
-    )
-
-
-async def train_async(config: AgenticConfig, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
-    service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
-    try:
-        run = await set_up(service, config)
-        records: list[StepRecord] = []
-        config.log_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        elapsed_s = lambda: time.monotonic() - started  # noqa: E731
-        with config.log_path.open("w") as log:
-            for step in range(config.steps):
-                # Out of time: this is the last step, so it carries the final held-out evaluation.
-                out_of_time = config.time_limit_s is not None and elapsed_s() >= config.time_limit_s
-                is_last = step == config.steps - 1 or out_of_time
-                record = await run_step(run, step, evaluate=step % config.eval_every == 0 or is_last, config=config,
-                                        elapsed_s=elapsed_s)
-                records.append(record)
-                log.write(msgspec.json.encode(record).decode() + "\n")
-                log.flush()
-                if on_step is not None:
-                    on_step(record)
-                if out_of_time:
-                    logger.info("time limit %.0f s reached; step %d was the last", config.time_limit_s, step)
-                    break
-        return records
-    finally:
-        await service.close("success")
-
-
-def train(config: AgenticConfig, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
-    """Run the loop against the service at `config.base_url`; returns one record per step."""
-    return asyncio.run(train_async(config, on_step))
+        emit(RunRecord(backend, config.base_model, [f.value for f in config.families]))
+        train_tasks = make_tasks(config.seed, Split.TRAIN, config.families, config.train_tasks)
+        dataset = TaskDataset(train_tasks, make_builder, config.groups_per_step)
+        held_out = make_tasks(config.seed, Split.HELD_OUT, config.families, config.held_out_tasks)
+        evaluator = HeldOutEvaluator(held_out, make_builder, config, renderer, emit, started)
+        cookbook_dir = config.log_path.parent / "cookbook"
+        # The cookbook resumes from a checkpoint it finds there, which would make this another run.
+        assert not (cookbook_dir / "checkpoints.jsonl").exists(), f"{cookbook_dir} holds an earlier run; use a new --out"
+        asyncio.run(cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir)))
+        for record in step_records(cookbook_dir / "metrics.jsonl", dataset):
+            emit(record)
+    return records

@@ -9,14 +9,14 @@ import pytest
 
 from recipes.agentic.__main__ import main
 from recipes.agentic.sandbox import bwrap_works
-from recipes.agentic.train import StepRecord
+from recipes.agentic.train import EvalRecord, LogRecord, RunRecord, StepRecord
 
 pytest.importorskip("matplotlib", reason="the recipe's PNG needs matplotlib (pip install -e '.[recipes]')")
 pytestmark = pytest.mark.skipif(not bwrap_works(), reason="bubblewrap is missing or cannot make namespaces here "
                                                           "(apt-get install bubblewrap)")
 
 
-def test_two_steps_write_two_records_with_held_out_success_judge_agreement_and_a_png(
+def test_two_steps_through_the_cookbook_loop_write_run_eval_and_step_records_and_a_png(
     shared_daemon, tiny_llama: Path, tmp_path: Path, capsys,
 ):
     argv = [
@@ -27,12 +27,17 @@ def test_two_steps_write_two_records_with_held_out_success_judge_agreement_and_a
         "--out", str(tmp_path),
     ]
     assert main(argv) == 0
-    records = [msgspec.json.decode(line, type=StepRecord) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert [r.step for r in records] == [0, 1]
-    assert [r.sandbox_backend for r in records] == ["bwrap", "bwrap"]
-    # Evaluated at the first and the last step, over the 2 held-out tasks.
-    assert [r.held_out_success in (0.0, 0.5, 1.0) for r in records] == [True, True]
-    assert [r.judge_agreement in (0.0, 0.5, 1.0) for r in records] == [True, True]
-    assert all(0.0 <= r.mean_reward <= 1.0 and 1.0 <= r.mean_turns <= 2.0 for r in records)
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    records = [msgspec.json.decode(line, type=LogRecord) for line in lines]
+    run, *rest = records
+    assert run == RunRecord("bwrap", "tiny-llama", ["termination_date"])
+    evals = [r for r in rest if isinstance(r, EvalRecord)]
+    steps = [r for r in rest if isinstance(r, StepRecord)]
+    # Evaluated before the first step and after the last (eval_every 5 > 2 steps), over the 2 held-out tasks.
+    assert [r.step for r in evals] == [0, 2]
+    assert all(len(r.successes) == 2 and r.held_out_success == sum(r.successes) / 2 for r in evals)
+    assert all(r.judge_agreement in (0.0, 0.5, 1.0) for r in evals)
+    assert [r.step for r in steps] == [0, 1]
+    assert all(0.0 <= r.mean_reward <= 1.0 and 0.0 <= r.success_rate <= 1.0 for r in steps)
     assert (tmp_path / "held_out_success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "done: 2 steps" in capsys.readouterr().out

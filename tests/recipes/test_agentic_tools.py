@@ -119,3 +119,26 @@ def test_a_scripted_episode_recovers_from_a_malformed_call_and_earns_full_reward
     assert (finish.episode_done, finish.reward, finish.metrics["success"]) == (True, 1.0, 1.0)
     assert [g.success for g in builder.grades] == [True]
     assert builder.sandboxes == []  # cleaned up
+
+
+def test_an_episode_cut_at_its_token_budget_is_still_graded_by_what_it_wrote():
+    tokenizer = build_tokenizer()
+    renderer = get_renderer(RENDERER, tokenizer)
+    task = make_task(0, Split.TRAIN, Family.TERMINATION_DATE, 0)
+    builder = AgenticGroupBuilder(task, renderer, BwrapSandbox, group_size=1, max_turns=5,
+                                  max_trajectory_tokens=100_000, max_generation_tokens=100)
+    write = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "2027-07-22"}}\n</tool_call>'
+
+    async def play():
+        [env] = await builder.make_envs()
+        await env.initial_observation()
+        await env.step(tokenizer.encode(write + "<|im_end|>", add_special_tokens=False))
+        cut = await env.step(tokenizer.encode("I will now", add_special_tokens=False), extra={"stop_reason": "length"})
+        graded_before = list(builder.grades)
+        group_rewards = await builder.compute_group_rewards([], [env])
+        await builder.cleanup()
+        return cut, graded_before, group_rewards
+
+    cut, graded_before, group_rewards = asyncio.run(play())
+    assert (cut.episode_done, cut.reward, graded_before) == (True, 0.0, [None])
+    assert group_rewards == [(1.0, {"success": 1.0, "score": 1.0})]
