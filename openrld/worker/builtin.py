@@ -10,7 +10,7 @@ from typing import Any
 
 from openrld.worker.protocol import Start
 
-KINDS = ("lora_trainer", "full_trainer", "torch_sampler", "full_sampler", "vllm_sampler")
+KINDS = ("lora_trainer", "full_trainer", "automodel_trainer", "torch_sampler", "full_sampler", "vllm_sampler")
 
 
 def build(start: Start) -> Any:
@@ -32,6 +32,12 @@ def build(start: Start) -> Any:
 
             config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
             return FullTrainer(start.model_dir, device, config=config, weight_sync=str(options.get("weight_sync", "delta")))
+        case "automodel_trainer":
+            # NeMo Automodel's FSDP2 trainer: one rank of a torchrun group (or a group of one), in the
+            # Automodel environment (`make automodel-env`); nemo_automodel is imported in the engine only.
+            from openrld.gpu.automodel_trainer import AutomodelTrainer
+
+            return AutomodelTrainer(start.model_dir, device, _automodel_options(options))
         case "torch_sampler":
             from openrld.gpu.torch_sampler import TorchSampler
 
@@ -47,6 +53,29 @@ def build(start: Start) -> Any:
 
             return VllmSampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
     raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")
+
+
+def _automodel_options(options: dict) -> Any:
+    """The Automodel trainer's options: fine_tuning, cp, weight_sync, max_batch_tokens; others refused."""
+    from openrld.errors import BadRequest
+    from openrld.gpu.automodel_trainer import AutomodelOptions
+
+    known = ("fine_tuning", "cp", "weight_sync", "max_batch_tokens")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise BadRequest(f"automodel_trainer has no option {unknown[0]!r}; it takes {', '.join(known)}")
+    return AutomodelOptions(
+        fine_tuning=str(options.get("fine_tuning", "lora")),
+        cp=int(options.get("cp", 1)),
+        weight_sync=str(options.get("weight_sync", "delta")),
+        max_batch_tokens=int(options.get("max_batch_tokens", 8192)),
+    )
+
+
+def ready_info(engine: Any) -> dict:
+    """What a built-in engine adds to Ready: the Automodel trainer's group (ranks, devices); {} for the rest."""
+    info = getattr(engine, "ready_info", None)
+    return info() if callable(info) else {}
 
 
 def _sampler_options(options: dict) -> dict[str, int]:

@@ -1,0 +1,623 @@
+"""The trainer engine for one job on several devices: NeMo Automodel's FSDP2 path.
+
+What it does: on every rank of a torchrun group (`worker/ranks.py`; or alone, a group
+of one), it loads the model with `NeMoAutoModelForCausalLM.from_pretrained`, sharded by
+FSDP2 over a `DistributedSetup` of `ParallelismSizes(dp_size=world/cp, cp_size=cp)`, in
+one of two modes (option `fine_tuning`):
+- "lora": Automodel's `PeftConfig` LoRA on the modules the job's `LoraSpec` names
+  (alpha 32 whatever the rank, no dropout, as `models.lora_config`); the model is built
+  when the job's adapter is added, since Automodel puts LoRA in before sharding;
+- "full": every weight trains; the model is built with the engine.
+It then runs the job's `forward_backward*` (`automodel_passes`: the built-in losses of
+`gpu/losses.py`, the datums split over the data-parallel ranks), `optim_step` (the
+`optim.AdamW` of the single-device trainers, over each rank's shards, clipped by the
+global norm over all shards), weight sync, and saving and loading of its state.
+
+Guarantees:
+- the job's losses, metrics, log-probabilities and weights are the one-process ones up
+  to float summation order: the datums' gradients are summed over the ranks (FSDP's
+  divide factor is 1; every loss is a sum over datums), and AdamW is elementwise;
+- LoRA A is drawn as a whole tensor from a generator seeded with `spec.seed` (a seed
+  broadcast from rank 0 when it has none), then each rank keeps its rows: N ranks start
+  exactly where one does (a DTensor's own random init on a CPU mesh gives every shard
+  the same numbers);
+- files are the single-device trainers' formats, written by rank 0: LoRA state and
+  sampler weights in `lora_io` form, with `torch_trainer`'s state.json and optimizer
+  file, and `export_adapter` in HF-PEFT form (peft loads it); full fine-tuning in
+  `full_io` form with `full_trainer`'s state.json. Either trainer loads the other's;
+- full fine-tuning's weight sync is computed where the shards are (`automodel_shards`):
+  no rank holds more than one whole tensor on its device at a time.
+
+Refused, by name: a second job (one job per engine: its devices are its own); Dimuon
+(its Newton–Schulz step needs whole matrices and its row/column statistics whole rows
+and columns, while FSDP2 shards every matrix by rows); context parallelism (cp > 1) on
+a CPU device (PyTorch's context-parallel attention has no sharding rules for the CPU's
+SDPA kernel, and Automodel's own Llama and Qwen3 need Transformer Engine for it) and,
+for now, on a GPU too (its Automodel path is not built here yet); parking on a GPU.
+
+What it does not do: import trio; anything but rank 0's return values reach the daemon.
+The Automodel import stays inside this module: the daemon's environment lacks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from openrld.batches import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
+from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
+from openrld.gpu import delta, full_io, lora_io, offload, train_steps
+from openrld.gpu.automodel_passes import ShardedPasses
+from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, gather_concat, global_norm, local_view, shard_of, whole
+from openrld.gpu.full_trainer import FullTrainerState
+from openrld.gpu.models import ATTN_MODULES, MLP_MODULES, pick_dtype
+from openrld.gpu.optim import AdamW, validate_adam_params
+from openrld.gpu.peft_export import save_peft_adapter
+from openrld.gpu.scoring import TrainerConfig
+from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
+
+__all__ = ["AutomodelOptions", "AutomodelStatistics", "AutomodelTrainer"]
+
+logger = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."  # peft's state-dict keys are the model's names under this
+LORA_ALPHA = 32  # as models.lora_config: alpha 32 whatever the rank (Tinker's)
+DIMUON_REFUSAL = (
+    "dimuon is not supported by the automodel trainer: its Newton-Schulz step needs whole LoRA matrices and its "
+    "row and column statistics whole rows and columns, while FSDP2 shards every matrix by rows over the devices; "
+    "use adamw, or trainer_backend=pytorch"
+)
+CPU_CP_REFUSAL = (
+    "openrl.trainer_cp > 1 needs GPUs: PyTorch's context-parallel attention has no sharding rules for the CPU's "
+    "SDPA kernel, and Automodel's own Llama and Qwen3 need Transformer Engine attention for it; got cp={cp} on {device}"
+)
+GPU_CP_REFUSAL = "openrl.trainer_cp > 1 is not supported yet by the automodel trainer; got cp={cp}"
+
+
+class AutomodelOptions(msgspec.Struct, frozen=True):
+    """`Start.options` of kind "automodel_trainer"."""
+
+    fine_tuning: str = "lora"  # "lora" or "full" (openrl.fine_tuning_type)
+    cp: int = 1  # context-parallel degree (openrl.trainer_cp); divides the group's size
+    weight_sync: str = "delta"  # full fine-tuning: "delta" or "full" (openrl.weight_sync)
+    max_batch_tokens: int = 8192  # padded tokens per micro-batch, as the single-device trainers'
+
+
+class AutomodelStatistics(msgspec.Struct, frozen=True):
+    job: str | None
+    fine_tuning: str
+    world_size: int  # ranks in the group
+    dp: int  # data-parallel ranks (world_size / cp)
+    cp: int
+    rank_devices: list[str]  # each rank's device, in rank order
+    parameters: int  # trainable elements, over every shard
+    optim_steps: int
+    forward_backward_calls: int
+    tokens: int  # model-input tokens run through forward_backward
+    last_sync: SyncStats | None
+
+
+class _ShardedAdamW:
+    """`optim.AdamW` over one rank's shards, stepped with the norm of the whole gradient.
+
+    AdamW is elementwise but for its clipping factor, min(1, c / (‖g‖ + 1e-6)), and the
+    `grad_norm:mean` it reports: both need ‖g‖ over every rank's shards. So the step
+    validates `params` as AdamW does, takes the global norm (`global_norm`), refuses a
+    non-finite one as AdamW does (gradients dropped), scales each shard's gradient by the
+    factor, and lets AdamW step the shards unclipped. Every rank sees the same norm.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self._params = params  # name -> the parameter (a DTensor of shards, or a plain tensor)
+        self._shards = {name: local_view(p) for name, p in params.items()}  # plain views of the local rows
+        self.inner = AdamW(self._shards)
+
+    @property
+    def steps_done(self) -> int:
+        return self.inner.steps_done
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        self.inner.zero_grad()
+
+    def step(self, params: AdamParams) -> dict[str, float]:
+        validate_adam_params(params)  # invalid: BadRequest with the gradients kept, as AdamW
+        grads = {name: local_view(p.grad) for name, p in self._params.items() if p.grad is not None}
+        if not grads:
+            return self.inner.step(params)
+        norm = global_norm(list(grads.values()))
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
+        factor = None if params.grad_clip_norm <= 0 else torch.clamp(params.grad_clip_norm / (norm + 1e-6), max=1.0)
+        for name, grad in grads.items():
+            if factor is not None:
+                # As AdamW's own clipping: widened, scaled; kept in the parameter's dtype (a bf16
+                # gradient rounds once more here, which a one-process bf16 step does not).
+                widened = grad.to(torch.promote_types(grad.dtype, torch.float32))
+                grad = (widened * factor.to(widened.dtype)).to(grad.dtype)
+            self._shards[name].grad = grad
+        for param in self._params.values():
+            param.grad = None  # the shards' copies step; the parameters' go now
+        metrics = self.inner.step(msgspec.structs.replace(params, grad_clip_norm=0.0))
+        metrics["grad_norm:mean"] = grad_norm
+        return metrics
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """AdamW's state of the whole tensors, on rank 0 (every rank gathers; others get {})."""
+        flat = self.inner.state_tensors()
+        gathered: dict[str, torch.Tensor] = {}
+        for key in sorted(flat):
+            name, _, suffix = key.rpartition(".")
+            local = flat[key]
+            if suffix == "step":
+                gathered[key] = local
+                continue
+            joined = gather_concat(local.reshape(-1))
+            if joined is not None:
+                gathered[key] = joined.reshape(tuple(self._params[name].shape))
+        return gathered if dist.get_rank() == 0 else {}
+
+    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
+        """Take whole-tensor AdamW state (any trainer's), each rank keeping its rows."""
+        mine = {}
+        for key, tensor in flat.items():
+            name, _, suffix = key.rpartition(".")
+            param = self._params.get(name)
+            if suffix == "step" or param is None or tuple(tensor.shape) != tuple(param.shape):
+                mine[key] = tensor  # AdamW refuses what does not fit, by name
+            else:
+                mine[key] = shard_of(tensor, param)
+        self.inner.load_state_tensors(mine)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class AutomodelTrainer(train_steps.TrainsInPasses):
+    """One job's trainer over the ranks of a group; every call runs on every rank alike."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        options: AutomodelOptions = AutomodelOptions(),
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Raises:
+            BadRequest: an unknown fine_tuning or weight_sync, a cp that does not divide the
+                group, or cp > 1 on a CPU.  NotSupportedYet: cp > 1 on a GPU.
+        """
+        _check_options(options)
+        _ensure_process_group(device)
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        if self.world_size % options.cp:
+            raise BadRequest(
+                f"openrl.trainer_cp={options.cp} does not divide openrl.trainer_gpus={self.world_size}", key="trainer_cp"
+            )
+        if options.cp > 1:
+            template = CPU_CP_REFUSAL if device.type == "cpu" else GPU_CP_REFUSAL
+            error = BadRequest if device.type == "cpu" else NotSupportedYet
+            raise error(template.format(cp=options.cp, device=device), key="trainer_cp")
+        self.device = device
+        self.options = options
+        self.dp = self.world_size // options.cp
+        self._dtype = dtype or pick_dtype(device)
+        self._model_dir = str(model_dir)
+        self._config = TrainerConfig(max_batch_tokens=options.max_batch_tokens, chunked_head=False)
+        parts = gather_bytes(str(device).encode())
+        self.rank_devices = [part.decode() for part in parts] if parts is not None else []
+        self._job: str | None = None
+        self._spec: LoraSpec | None = None
+        self._model: torch.nn.Module | None = None
+        self._params: dict[str, torch.nn.Parameter] = {}  # trainable: peft key (LoRA) or model name (full)
+        self._optimizer: _ShardedAdamW | None = None
+        self._passes: ShardedPasses | None = None  # type: ignore[assignment]
+        self._weights: ShardedWeights | None = None
+        self._synced_version: str | None = None
+        self._last_sync: SyncStats | None = None
+        self._slot = offload.ParkSlot("trainer", device, lambda: [])  # a CPU group parks nothing
+        if options.fine_tuning == "full":
+            self._build(None)
+
+    # ------------------------------------------------------------ the job
+
+    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str = "adamw") -> None:
+        """Open the engine's one job: for LoRA, build the model with `spec`'s adapter.
+
+        Raises:
+            Conflict: a job is open.  BadRequest: `optimizer` is not "adamw" (Dimuon: see
+            the module docstring), or a LoRA job without a spec or with rank < 1.
+        """
+        if optimizer != "adamw":
+            raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer")
+        if self._job is not None:
+            raise Conflict(
+                f"this automodel trainer already serves model {self._job}; it serves one job (its devices are its own)"
+            )
+        if self.options.fine_tuning == "lora":
+            if spec is None:
+                raise BadRequest("a LoRA job needs its LoraSpec; got none (a full fine-tuning job?)")
+            if spec.rank < 1:
+                raise BadRequest(f"LoRA rank must be >= 1; got {spec.rank}", key="rank")
+            self._build(spec)
+            self._spec = spec
+        else:
+            for param in self._params.values():
+                param.requires_grad_(True)
+        self._job = name
+        logger.info(
+            "automodel job opened model_id=%s fine_tuning=%s ranks=%d rank=%d",
+            name, self.options.fine_tuning, self.world_size, self.rank,
+        )
+
+    def drop_adapter(self, name: str) -> None:
+        """Close the job; a LoRA job's model goes with it. Raises NotFound."""
+        self._get(name)
+        assert self._optimizer is not None
+        self._optimizer.zero_grad()
+        self._optimizer.reset()
+        if self.options.fine_tuning == "lora":
+            self._model = self._passes = self._optimizer = None
+            self._params = {}
+            self._spec = None
+        self._job = None
+        logger.info("automodel job closed model_id=%s", name)
+
+    def has_adapter(self, name: str) -> bool:
+        return name == self._job
+
+    def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The trainable weights, whole, as CPU tensors on rank 0 ({} on the others): peft's keys
+        for LoRA (what `TorchTrainer.adapter_tensors` gives), the model's names for full."""
+        self._get(name)
+        return self._whole_params()
+
+    def sampler_payload(self, name: str, version: str) -> dict[str, torch.Tensor] | delta.WeightDelta:
+        """LoRA: the adapter tensors. Full: the change since the sampler's version (weight_sync
+        "delta") or every tensor ("full"), as `FullTrainer.sampler_payload`; on rank 0 (the
+        other ranks return {} after their part of the gathers)."""
+        self._get(name)
+        if self.options.fine_tuning == "lora":
+            return self._whole_params()
+        assert self._weights is not None
+        if self.options.weight_sync == "delta":
+            change = self._weights.delta(self._synced_version)
+        else:
+            change = self._weights.full(self._synced_version)
+        self._synced_version = version
+        if change is None:
+            return {}
+        self._last_sync = change.stats()
+        logger.info(
+            "weight sync model_id=%s version=%s mode=%s changed_fraction=%.4f bytes=%d of %d",
+            name, version, change.mode, self._last_sync.changed_fraction, change.bytes_moved, change.full_bytes,
+        )
+        return change
+
+    # ------------------------------------------------------------ training
+
+    # forward_backward, forward_backward_many, forward_backward_then_step, optim_step:
+    # train_steps.TrainsInPasses, over the job's trainable tensors and its sharded AdamW.
+    def _trainable(self, name: str) -> Iterable[torch.nn.Parameter]:
+        self._get(name)
+        return self._params.values()
+
+    def _stepper(self, name: str) -> tuple[str, _ShardedAdamW]:  # type: ignore[override]
+        self._get(name)
+        assert self._optimizer is not None
+        return "adamw", self._optimizer
+
+    def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
+        """`TrainsInPasses.forward_backward_many`, once the job is known to be open (NotFound)."""
+        self._get(name)
+        return super().forward_backward_many(name, batches)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def sampler_checkpoint(self, name: str, directory: Path) -> int:
+        """Write what a sampler loads (lora_io for LoRA, full_io for full) into the empty `directory`."""
+        self._get(name)
+        tensors = self._whole_params()
+        if self.rank != 0:
+            return 0
+        if self.options.fine_tuning == "lora":
+            assert self._spec is not None
+            return lora_io.save_adapter(directory, tensors, self._spec)
+        return full_io.save_full(directory, tensors)
+
+    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
+        """Write the adapter in HF-PEFT form (`peft.PeftModel.from_pretrained` reads it).
+
+        Raises:
+            NotSupportedYet: a full fine-tuning job has no adapter.
+        """
+        self._get(name)
+        if self.options.fine_tuning == "full":
+            raise NotSupportedYet(
+                "save_weights_external is not supported yet for full fine-tuning; save_weights_for_sampler with a "
+                "name writes the full weights as safetensors (model.safetensors)"
+            )
+        tensors = self._whole_params()
+        if self.rank != 0:
+            return 0
+        assert self._spec is not None
+        return save_peft_adapter(directory, tensors, self._spec, base_model)
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
+        """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json` into
+        the existing, empty `directory` (rank 0 writes; every rank gathers). Bytes written."""
+        self._get(name)
+        assert self._optimizer is not None
+        size = self.sampler_checkpoint(name, directory)
+        optimizer_state = self._optimizer.state_tensors() if with_optimizer else {}
+        if self.rank != 0:
+            return 0
+        if with_optimizer:
+            size += lora_io.write_synced(directory / OPTIMIZER_FILE, lora_io.encode_tensors(optimizer_state))
+        if self.options.fine_tuning == "lora":
+            assert self._spec is not None
+            state: msgspec.Struct = TrainerState(
+                format_version=STATE_FORMAT_VERSION, lora=self._spec, optimizer="adamw",
+                optimizer_steps=self._optimizer.steps_done, has_optimizer_state=with_optimizer,
+            )
+        else:
+            state = FullTrainerState(
+                format_version=STATE_FORMAT_VERSION, optimizer="adamw",
+                optimizer_steps=self._optimizer.steps_done, has_optimizer_state=with_optimizer,
+            )
+        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
+        lora_io.fsync_directory(directory)
+        return size
+
+    def load_state(
+        self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
+    ) -> None:
+        """Take the weights (and, `with_optimizer`, the AdamW state) of `directory`, a state or
+        sampler checkpoint of this trainer or of the single-device one, opening the job if needed.
+        Accumulated gradients are dropped. Every rank reads the files and keeps its rows.
+
+        Raises:
+            BadRequest: not weights of this kind, a spec other than the checkpoint's, tensors
+                missing or of another shape, "checkpoint has no optimizer state", Dimuon.
+            Conflict: another job is open.
+        """
+        if optimizer != "adamw":
+            raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer")
+        if self._job is not None and self._job != name:
+            raise Conflict(f"this automodel trainer already serves model {self._job}; it serves one job")
+        if self.options.fine_tuning == "lora":
+            tensors, stored = lora_io.load_adapter(directory)
+            spec = spec or stored
+            for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
+                if getattr(stored, field) != getattr(spec, field):
+                    raise BadRequest(
+                        f"checkpoint {directory.name!r} has LoRA {field}={getattr(stored, field)!r}; "
+                        f"the model wants {field}={getattr(spec, field)!r}",
+                        key=field,
+                    )
+        else:
+            tensors = full_io.load_full(directory)
+        optimizer_path = directory / OPTIMIZER_FILE
+        if with_optimizer and not optimizer_path.is_file():
+            raise BadRequest(
+                f"checkpoint has no optimizer state ({directory.name!r} holds weights only)", key="optimizer"
+            )
+        if self._job is None:
+            self.add_adapter(name, spec, optimizer)
+        _check_same_tensors(directory.name, self._params, tensors)
+        assert self._optimizer is not None
+        if with_optimizer:
+            self._optimizer.load_state_tensors(lora_io.read_tensors(optimizer_path))
+        else:
+            self._optimizer.reset()
+        with torch.no_grad():
+            for key, param in self._params.items():
+                local_view(param).copy_(shard_of(tensors[key].to(param.dtype), param))
+        self._optimizer.zero_grad()
+        logger.info("automodel job loaded model_id=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
+
+    # ------------------------------------------------------------ time-slicing
+
+    def park(self):
+        """On a CPU group, a no-op that reports; a GPU group does not park yet.
+
+        Raises:
+            NotSupportedYet: on a GPU (FSDP2 holds each shard in storage of its own, which
+            moving tensor by tensor would break; a multi-device job runs exclusive).
+        """
+        self._require_cpu_parking()
+        return self._slot.park()
+
+    def resume(self):
+        self._require_cpu_parking()
+        return self._slot.resume()
+
+    @property
+    def is_parked(self) -> bool:
+        return self._slot.is_parked
+
+    @property
+    def last_sync(self) -> SyncStats | None:
+        """The trainer side of the last full-weight sync (None before one, and always for LoRA)."""
+        return self._last_sync
+
+    def close(self) -> None:
+        """Drop the model; the process group is the worker's and stays."""
+        self._model = self._passes = self._optimizer = None
+        self._params = {}
+
+    # ------------------------------------------------------------ observability
+
+    def statistics(self) -> AutomodelStatistics:
+        passes = self._passes
+        return AutomodelStatistics(
+            job=self._job,
+            fine_tuning=self.options.fine_tuning,
+            world_size=self.world_size,
+            dp=self.dp,
+            cp=self.options.cp,
+            rank_devices=self.rank_devices,
+            parameters=sum(p.numel() for p in self._params.values()),
+            optim_steps=self._optimizer.steps_done if self._optimizer is not None else 0,
+            forward_backward_calls=passes.calls if passes is not None else 0,
+            tokens=passes.tokens if passes is not None else 0,
+            last_sync=self._last_sync,
+        )
+
+    def ready_info(self) -> dict[str, str | int]:
+        """Facts for the worker's Ready: the group's shape and each rank's device."""
+        return {
+            "engine": "automodel_trainer",
+            "fine_tuning": self.options.fine_tuning,
+            "world_size": self.world_size,
+            "dp": self.dp,
+            "cp": self.options.cp,
+            "rank_devices": ",".join(self.rank_devices),
+        }
+
+    # ------------------------------------------------------------ internals
+
+    def _build(self, spec: LoraSpec | None) -> None:
+        """Load and shard the model (with `spec`'s LoRA), then its passes, optimizer and sync."""
+        from openrld.gpu.automodel_shims import on_device
+
+        try:
+            from nemo_automodel import NeMoAutoModelForCausalLM
+            from nemo_automodel.components._peft.lora import PeftConfig
+            from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+            from nemo_automodel.components.distributed.mesh import ParallelismSizes
+            from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+        except ImportError as error:
+            raise NotSupportedYet(
+                f"the automodel trainer needs NeMo Automodel in its worker's environment (`make automodel-env`): {error}"
+            ) from error
+
+        strategy = FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype, reduce_dtype=torch.float32))
+        setup = DistributedSetup.build(
+            strategy=strategy, parallelism_sizes=ParallelismSizes(dp_size=self.dp, cp_size=self.options.cp)
+        )
+        peft_config = None
+        if spec is not None:
+            peft_config = PeftConfig(
+                target_modules=_lora_targets(spec), dim=spec.rank, alpha=LORA_ALPHA, dropout=0.0, lora_A_init="kaiming",
+            )
+        with on_device(self.device):
+            model = NeMoAutoModelForCausalLM.from_pretrained(
+                self._model_dir, distributed_setup=setup, peft_config=peft_config, force_hf=True, dtype=self._dtype,
+                use_liger_kernel=False, use_sdpa_patching=False, attn_implementation="sdpa",
+            )
+        model.eval()  # no dropout
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # The ranks' gradients are summed, as the losses are sums; a plain SUM (gloo has no PREMUL_SUM).
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        if spec is None:
+            self._params = dict(model.named_parameters())
+        else:
+            self._params = {
+                PEFT_PREFIX + key: p for key, p in model.named_parameters() if ".lora_A." in key or ".lora_B." in key
+            }
+            assert self._params, "Automodel put no LoRA tensors in the model"
+            _seeded_lora_init(self._params, spec.seed)
+        self._model = model
+        self._passes = ShardedPasses(model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp)
+        self._optimizer = _ShardedAdamW(self._params)
+        if spec is None:
+            self._weights = ShardedWeights(self._params, keep_shadow=self.options.weight_sync == "delta")
+
+    def _whole_params(self) -> dict[str, torch.Tensor]:
+        """Every trainable tensor whole, on rank 0's host, gathered one at a time ({} elsewhere)."""
+        tensors = {}
+        for key, param in self._params.items():
+            value = whole(param)
+            if self.rank == 0:
+                tensors[key] = value
+        return tensors
+
+    def _get(self, name: str) -> None:
+        if name != self._job:
+            raise NotFound(f"no model {name!r} on this automodel trainer")
+        self._slot.require_resident(f"model {name}")
+
+    def _require_cpu_parking(self) -> None:
+        if self.device.type != "cpu":
+            raise NotSupportedYet(
+                "parking an automodel trainer on GPUs is not supported yet: FSDP2 keeps each rank's shards in "
+                "storage of its own; run the job with openrl.exclusive=true"
+            )
+
+
+def _check_options(options: AutomodelOptions) -> None:
+    if options.fine_tuning not in ("lora", "full"):
+        raise BadRequest(f"fine_tuning: expected 'lora' or 'full', got {options.fine_tuning!r}", key="fine_tuning_type")
+    if options.weight_sync not in ("delta", "full"):
+        raise BadRequest(f"weight_sync: expected 'full' or 'delta', got {options.weight_sync!r}", key="weight_sync")
+    if options.cp < 1:
+        raise BadRequest(f"trainer_cp must be >= 1; got {options.cp}", key="trainer_cp")
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """A group of one when no torchrun group made the default process group (one device)."""
+    if dist.is_initialized():
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _lora_targets(spec: LoraSpec) -> list[str]:
+    """Automodel's module patterns for the modules `models.lora_target_modules` names."""
+    targets: list[str] = []
+    if spec.train_attn:
+        targets += [f"*.{m}" for m in ATTN_MODULES]
+    if spec.train_mlp:
+        targets += [f"*.{m}" for m in MLP_MODULES]
+    if spec.train_unembed:
+        targets.append("lm_head")
+    if not targets:
+        raise BadRequest("a LoRA must train at least one of attn, mlp, unembed", key="lora_config")
+    return targets
+
+
+def _seeded_lora_init(params: dict[str, torch.nn.Parameter], seed: int | None) -> None:
+    """A = kaiming_uniform(a=√5) drawn whole, in key order, from one seeded generator; B = 0.
+
+    Every rank draws the same whole tensors and keeps its own rows, so the init does not
+    depend on how many ranks there are. Without a seed, rank 0's random one is broadcast.
+    """
+    if seed is None:
+        shared = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        dist.broadcast(shared, src=0)
+        seed = int(shared)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key in sorted(params):
+            param = params[key]
+            full = torch.zeros(tuple(param.shape), dtype=torch.float32)
+            if ".lora_A." in key:
+                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+            local_view(param).copy_(shard_of(full, param).to(param.dtype))
+
+
+def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
+    if missing or unknown:
+        raise BadRequest(
+            f"checkpoint {checkpoint!r} does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
+        )
+    for key, param in params.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise BadRequest(
+                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
+            )
