@@ -85,6 +85,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     launcher: Literal["inproc", "process"] = "inproc"  # the built-in engines: in the daemon, or a process each
     python: str = ""  # the process launcher's interpreter; "": the daemon's own
     vllm_python: str = ""  # the vLLM environment's interpreter; set: the vLLM sampler runs there, in a process
+    automodel_python: str = ""  # the Automodel environment's interpreter; "": openrl.trainer_backend=automodel is refused
     container_runtime: Literal["podman", "docker", "kubernetes"] = "podman"  # for custom images
     container_global_args: tuple[str, ...] = ()  # before the runtime's subcommand, every call: podman's --runtime runc
     container_run_args: tuple[str, ...] = ()  # to `run` alone: extra mounts, --shm-size

@@ -98,7 +98,8 @@ def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
         )
     checkpoints, staging = store.files.checkpoint_files
     return WorkerHosting(
-        builtin=builtin, vllm=vllm, images=images, socket_root=workers.socket_dir,
+        builtin=builtin, vllm=vllm, images=images, automodel_python=workers.automodel_python,
+        socket_root=workers.socket_dir,
         timeouts=WorkerTimeouts(
             hello_s=workers.hello_timeout_s, heartbeat_s=workers.heartbeat_s,
             deadline_s=workers.heartbeat_timeout_s, stop_s=workers.stop_timeout_s,
@@ -230,7 +231,8 @@ async def serve(
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
                 registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
-                allowed_images=config.workers.allowed_images, commits=commits, id_tag=id_tag,
+                allowed_images=config.workers.allowed_images, has_automodel=bool(config.workers.automodel_python),
+                commits=commits, id_tag=id_tag,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))

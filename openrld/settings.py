@@ -311,10 +311,11 @@ _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     "fine_tuning_type": lambda value: True,  # full: gpu/full_trainer.py, a group per job
     "weight_sync": lambda value: True,  # gpu/delta.py; legal only with fine_tuning_type=full
     "exclusive": lambda value: True,  # actors/device_pool.py books devices of its own, or refuses
-    # pytorch, or an image (has a '/'), run by the node's container runtime; automodel: not yet
-    "trainer_backend": lambda value: value == "pytorch" or "/" in str(value),
-    "trainer_gpus": lambda value: value == 1,
-    "trainer_cp": lambda value: value == 1,
+    # pytorch; automodel (gpu/automodel_trainer.py, where the node has its environment: jobs.py
+    # checks); or an image (has a '/'), run by the node's container runtime
+    "trainer_backend": lambda value: True,
+    "trainer_gpus": lambda value: True,  # > 1: automodel as a torchrun group; an image: below
+    "trainer_cp": lambda value: True,  # divides trainer_gpus (_check_cross_fields)
     "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them
     "sampler_backend": lambda value: True,  # the node's, or an image the node's allow-list decides on
 }
@@ -343,6 +344,13 @@ def require_supported(settings: JobSettings) -> None:
                 f"{PREFIX}{key}={setting_text(value)} is not supported yet by this node",
                 key=PREFIX + key,
             )
+    if settings.trainer_gpus > 1 and settings.trainer_image is not None:
+        # A container image is one worker on one device; a torchrun group of an image is not built.
+        raise NotSupportedYet(
+            f"{PREFIX}trainer_gpus={settings.trainer_gpus} with a trainer image is not supported yet: "
+            f"an image's trainer runs on one device; use {PREFIX}trainer_backend=automodel",
+            key=PREFIX + "trainer_gpus",
+        )
 
 
 # --- schema and stored form ------------------------------------------------------------------------

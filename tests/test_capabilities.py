@@ -14,9 +14,12 @@ def test_refused_losses_are_the_trainer_refusals():
     assert capabilities.REFUSED_LOSSES == tuple(losses.NOT_SUPPORTED)
 
 
-def test_the_pytorch_trainer_and_images_are_built_and_automodel_is_not():
+def test_automodel_is_built_only_where_the_node_has_its_environment():
     assert [(b.name, b.built) for b in capabilities.trainer_backends()] == [
         ("pytorch", True), ("automodel", False), ("image", True),
+    ]
+    assert [(b.name, b.built) for b in capabilities.trainer_backends(has_automodel=True)] == [
+        ("pytorch", True), ("automodel", True), ("image", True),
     ]
     assert [(b.name, b.built) for b in capabilities.sampler_backends()] == [("torch", True), ("vllm", True)]
 

@@ -247,23 +247,18 @@ def test_defaults_are_supported() -> None:
     require_supported(JobSettings())
 
 
-@pytest.mark.parametrize(
-    ("settings", "key", "detail"),
-    [
-        (
-            JobSettings(trainer_backend="automodel"),
-            "openrl.trainer_backend",
-            "openrl.trainer_backend=automodel is not supported yet by this node",
-        ),
-        (JobSettings(trainer_gpus=2), "openrl.trainer_gpus", "openrl.trainer_gpus=2 is not supported yet by this node"),
-        (JobSettings(trainer_cp=2), "openrl.trainer_cp", "openrl.trainer_cp=2 is not supported yet by this node"),
-    ],
-    ids=["automodel", "gpus", "cp"],
-)
-def test_unbuilt_feature_is_not_supported_yet(settings: JobSettings, key: str, detail: str) -> None:
+def test_automodel_on_several_devices_with_context_parallelism_is_supported() -> None:
+    require_supported(JobSettings(trainer_backend="automodel", trainer_gpus=4, trainer_cp=2))
+
+
+def test_a_trainer_image_on_several_devices_is_not_supported_yet() -> None:
     with pytest.raises(NotSupportedYet) as excinfo:
-        require_supported(settings)
-    assert (excinfo.value.detail, excinfo.value.key) == (detail, key)
+        require_supported(JobSettings(trainer_backend="ghcr.io/org/trainer:1", trainer_gpus=2))
+    assert (excinfo.value.detail, excinfo.value.key) == (
+        "openrl.trainer_gpus=2 with a trainer image is not supported yet: an image's trainer runs on one device; "
+        "use openrl.trainer_backend=automodel",
+        "openrl.trainer_gpus",
+    )
 
 
 def test_a_trainer_image_is_supported_and_left_to_the_nodes_allow_list() -> None:

@@ -10,7 +10,11 @@ Placement of a group (a trainer and a sampler):
 - with none, a shared group joins the least-loaded device that holds no
   exclusive group, and takes turns on it with the groups already there;
 - an exclusive group (`openrl.exclusive=true`) takes free devices only, and
-  nothing else is ever placed on them; with no free device its creation fails.
+  nothing else is ever placed on them; with no free device its creation fails;
+- a group whose trainer spans N devices (openrl.trainer_gpus = N, a torchrun
+  group) takes N free devices for it, and its sampler the next free device, or
+  its trainer's first when there is none; with fewer than N free its creation
+  fails, naming the key and how many devices this node has.
 
 Placement is decided synchronously, on the event loop, when a job is created,
 so two creations can never book the same free device. It never imports torch
@@ -33,9 +37,15 @@ logger = logging.getLogger(__name__)
 
 class Placement(msgspec.Struct, frozen=True):
     key: str  # the group's key
-    trainer_device: str
+    trainer_device: str  # its first rank's, for a trainer on several devices
     sampler_device: str
     is_exclusive: bool
+    trainer_devices: tuple[str, ...] = ()  # every rank's, in rank order, for a trainer on several devices
+
+    @property
+    def trainer_ranks(self) -> tuple[str, ...]:
+        """The trainer's device for each of its ranks (one rank: its one device)."""
+        return self.trainer_devices or (self.trainer_device,)
 
 
 class DeviceUse(msgspec.Struct, frozen=True):
@@ -55,7 +65,7 @@ class DevicePool:
 
     def _groups_on(self, device: str) -> list[str]:
         return [
-            key for key, p in self._placements.items() if device in (p.trainer_device, p.sampler_device)
+            key for key, p in self._placements.items() if device in (*p.trainer_ranks, p.sampler_device)
         ]
 
     def _is_exclusive(self, device: str) -> bool:
@@ -64,20 +74,24 @@ class DevicePool:
     def free_devices(self) -> list[str]:
         return [d for d in self._devices if not self._groups_on(d)]
 
-    def place(self, key: str, *, exclusive: bool, label: str) -> Placement:
+    def place(self, key: str, *, exclusive: bool, label: str, trainer_devices: int = 1) -> Placement:
         """Devices for group `key` (placing it again answers the first placement).
 
         Args:
             key: the group's key.
             exclusive: the group must have its devices to itself.
             label: how errors name the group ("job s:train:0", "base model tiny-llama").
+            trainer_devices: how many devices its trainer spans; over 1, exclusive by nature.
 
         Raises:
-            NoCapacity (a BadRequest): exclusive, and no device is free (key `openrl.exclusive`).
+            NoCapacity (a BadRequest): exclusive, and no device is free (key `openrl.exclusive`);
+                or fewer free devices than `trainer_devices` (key `openrl.trainer_gpus`).
             NoSharedDevice (a ServiceUnavailable): every device is held by an exclusive group.
         """
         if key in self._placements:
             return self._placements[key]
+        if trainer_devices > 1:
+            return self._place_spread(key, label, trainer_devices)
         free = self.free_devices()
         if len(free) >= 2:
             trainer, sampler = free[0], free[1]
@@ -102,6 +116,25 @@ class DevicePool:
         logger.info(
             "placed group=%s trainer_device=%s sampler_device=%s exclusive=%s", key, trainer, sampler, exclusive
         )
+        return placement
+
+    def _place_spread(self, key: str, label: str, count: int) -> Placement:
+        """A group whose trainer spans `count` free devices, all its own."""
+        free = self.free_devices()
+        if len(free) < count:
+            raise NoCapacity(
+                f"openrl.trainer_gpus={count}: {label} needs {count} free devices on one node, and this node has "
+                f"{len(free)} free of {len(self._devices)} ({self._describe_use()})",
+                key="openrl.trainer_gpus",
+            )
+        ranks = tuple(free[:count])
+        sampler = free[count] if len(free) > count else ranks[0]
+        placement = Placement(
+            key=key, trainer_device=ranks[0], sampler_device=sampler, is_exclusive=True, trainer_devices=ranks
+        )
+        self._placements[key] = placement
+        self._labels[key] = label
+        logger.info("placed group=%s trainer_devices=%s sampler_device=%s", key, ",".join(ranks), sampler)
         return placement
 
     def release(self, key: str) -> None:

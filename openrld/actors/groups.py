@@ -17,6 +17,13 @@ job, when the job is created: `reserve`), and each takes a lease from its
 device's time-slicer. A LoRA group's two workers share one party (they fit
 together and never park for each other); a full fine-tuning job's trainer and
 sampler are two parties, so on one device they take turns, one parked.
+
+An Automodel job (openrl.trainer_backend=automodel) has a group of its own whose
+trainer is NeMo Automodel's, a torchrun group with one rank per device it was
+placed on (openrl.trainer_gpus); its sampler is the kind its fine-tuning type
+samples with. To the actors the whole torchrun group is one engine: its lease is
+taken on its first device, and a park or resume reaches every rank at once
+(rank 0 broadcasts each call, `worker/ranks.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import trio
 
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
-from openrld.actors.job_registry import NO_IMAGES, Images
+from openrld.actors.job_registry import NO_IMAGES, Automodel, Images
 from openrld.actors.sampler import (
     MAX_HOST_VERSIONS,
     MAX_LOADED_VERSIONS,
@@ -65,6 +72,10 @@ class EngineFactory(Protocol):
     def full_sampler(
         self, model: ModelEntry, image: str | None = None, job: str | None = None
     ) -> Callable[[], SamplerEngine]: ...
+    def automodel_trainer(
+        self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
+        job: str | None = None,
+    ) -> Callable[[], TrainerEngine]: ...
     def on(self, device: str) -> "EngineFactory": ...
 
 
@@ -88,6 +99,7 @@ class OwnGroup(msgspec.Struct, frozen=True):
     full_sync: str | None  # full fine-tuning's weight_sync; None: a LoRA group of its own (exclusive, image)
     is_exclusive: bool
     images: Images = NO_IMAGES  # openrl.trainer_backend / sampler_backend=<image>: its workers run from them
+    automodel: Automodel | None = None  # openrl.trainer_backend=automodel: its trainer's ranks and cp
 
 
 class _Seat(msgspec.Struct, frozen=True):
@@ -96,6 +108,7 @@ class _Seat(msgspec.Struct, frozen=True):
     engines: EngineFactory  # building on the worker's device
     limiter: trio.CapacityLimiter
     lease_from: Callable[[Parkable], DeviceLease] | None  # None: the node has no time-slicers
+    devices: tuple[str, ...] = ()  # a torchrun trainer's, one per rank; (): the node has no device pool
 
 
 class GroupStatistics(msgspec.Struct, frozen=True):
@@ -138,20 +151,26 @@ class GroupTable:
         self.stability = StabilityRecords()
 
     def reserve(
-        self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, images: Images = NO_IMAGES
+        self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, images: Images = NO_IMAGES,
+        automodel: Automodel | None = None,
     ) -> None:
-        """Book devices now for `job`'s own group (exclusive, a trainer image, or full fine-tuning), before it starts.
+        """Book devices now for `job`'s own group (exclusive, an image, Automodel, or full fine-tuning), before it starts.
 
         Placement is synchronous, so two jobs created at once never book one free device.
 
         Raises:
-            BadRequest: exclusive, and no device of this node is free (key `openrl.exclusive`).
+            BadRequest: exclusive, and no device of this node is free (key `openrl.exclusive`); or
+                fewer free devices than its Automodel trainer's ranks (key `openrl.trainer_gpus`).
         """
         key = _group_key(model, job)
-        self._own[key] = OwnGroup(job=job, full_sync=full_sync, is_exclusive=exclusive, images=images)
+        self._own[key] = OwnGroup(
+            job=job, full_sync=full_sync, is_exclusive=exclusive, images=images, automodel=automodel
+        )
         if self._devices is not None:
             try:
-                self._devices.pool.place(key, exclusive=exclusive, label=f"job {job}")
+                self._devices.pool.place(
+                    key, exclusive=exclusive, label=f"job {job}", trainer_devices=_ranks(self._own[key])
+                )
             except OpenrldError:
                 del self._own[key]
                 raise
@@ -235,13 +254,18 @@ class GroupTable:
             return _Seat(self._engines, self._limiter, None), _Seat(self._engines, self._limiter, None)
         own = self._own.get(key)
         label = f"job {job}" if job is not None else name
-        placement = self._devices.pool.place(key, exclusive=own is not None and own.is_exclusive, label=label)
+        placement = self._devices.pool.place(
+            key, exclusive=own is not None and own.is_exclusive, label=label, trainer_devices=_ranks(own)
+        )
         seats = []
-        for role, device in (("trainer", placement.trainer_device), ("sampler", placement.sampler_device)):
+        for role, device, devices in (
+            ("trainer", placement.trainer_device, placement.trainer_ranks),
+            ("sampler", placement.sampler_device, (placement.sampler_device,)),
+        ):
             # A LoRA group's workers fit on one device together; a full fine-tuning job's take turns.
             party = f"{name} {role}" if is_full else name
             lease_from = partial(self._devices.slicers[device].register, f"{name} {role}", party)
-            seats.append(_Seat(self._engines.on(device), self._devices.limiters[device], lease_from))
+            seats.append(_Seat(self._engines.on(device), self._devices.limiters[device], lease_from, devices))
         return seats[0], seats[1]
 
     async def _start(self, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
@@ -310,8 +334,13 @@ class GroupTable:
                 eager_versions=is_full,
             ).run
         )
-        if is_full:
-            sync = own.full_sync if own is not None else weight_sync
+        sync = own.full_sync if own is not None and own.full_sync is not None else weight_sync
+        if own is not None and own.automodel is not None:
+            build_trainer = trainer_seat.engines.automodel_trainer(
+                model, devices=trainer_seat.devices or ("cpu",) * own.automodel.gpus,
+                fine_tuning="full" if is_full else "lora", weight_sync=sync, cp=own.automodel.cp, job=job,
+            )
+        elif is_full:
             build_trainer = trainer_seat.engines.full_trainer(model, sync, images.trainer, job)
         else:
             build_trainer = trainer_seat.engines.trainer(model, images.trainer, job)
@@ -333,6 +362,11 @@ class GroupTable:
             GroupStatistics(base_model=g.model.name, trainer=g.trainer.statistics(), sampler=g.sampler.statistics())
             for g in self._groups.values()
         ]
+
+
+def _ranks(own: OwnGroup | None) -> int:
+    """How many devices the group's trainer spans."""
+    return own.automodel.gpus if own is not None and own.automodel is not None else 1
 
 
 def _group_key(model: ModelEntry, job: str | None) -> str:

@@ -43,21 +43,31 @@ class Images(msgspec.Struct, frozen=True):
 NO_IMAGES = Images()
 
 
+class Automodel(msgspec.Struct, frozen=True):
+    """openrl.trainer_backend=automodel: the job's trainer is NeMo Automodel's FSDP2 trainer, a
+    torchrun group of `gpus` ranks on devices of the job's own, sequences split over `cp` of them."""
+
+    gpus: int = 1
+    cp: int = 1
+
+
 class Job:
     """One resident training job (a Tinker model id)."""
 
     __slots__ = (
         "model_id", "owner", "model", "lora", "requests", "touched_at", "sampler_replicas", "full_sync", "is_exclusive",
-        "images",
+        "images", "automodel",
     )
 
     def __init__(
         self, model_id: str, owner: str, model: ModelEntry, lora: LoraSpec | None, sampler_replicas: int = 1,
         full_sync: str | None = None, is_exclusive: bool = False, images: Images = NO_IMAGES,
+        automodel: Automodel | None = None,
     ) -> None:
         self.is_exclusive = is_exclusive  # openrl.exclusive: a group of its own on devices of its own
         # openrl.trainer_backend / sampler_backend=<image>: a group of its own, running them
         self.images = images
+        self.automodel = automodel  # openrl.trainer_backend=automodel: a group of its own, its trainer a torchrun group
         self.model_id = model_id
         self.owner = owner
         self.model = model
@@ -87,8 +97,9 @@ class Job:
 
     @property
     def group_job(self) -> str | None:
-        """The key of the job's own group (full fine-tuning, exclusive or an image), else None (its base model's LoRA group)."""
-        has_own = self.full_sync is not None or self.is_exclusive or self.images.any
+        """The key of the job's own group (full fine-tuning, exclusive, an image or Automodel), else None (its
+        base model's LoRA group)."""
+        has_own = self.full_sync is not None or self.is_exclusive or self.images.any or self.automodel is not None
         return self.model_id if has_own else None
 
 
@@ -152,6 +163,23 @@ def images_of(settings: job_settings.JobSettings, allowed_images: tuple[str, ...
         if image is not None:
             check_image_allowed(image, allowed_images, key=job_settings.PREFIX + key)
     return Images(settings.trainer_image, settings.sampler_image)
+
+
+def automodel_of(settings: job_settings.JobSettings, *, available: bool) -> Automodel | None:
+    """The job's Automodel trainer layout; None when its trainer_backend is another.
+
+    Raises:
+        BadRequest: automodel, and this node has no Automodel environment (naming the key).
+    """
+    if settings.trainer_backend != "automodel":
+        return None
+    if not available:
+        raise BadRequest(
+            f"{job_settings.PREFIX}trainer_backend=automodel: this node has no Automodel environment "
+            "([workers] automodel_python is unset; `make automodel-env` builds one)",
+            key=job_settings.PREFIX + "trainer_backend",
+        )
+    return Automodel(gpus=settings.trainer_gpus, cp=settings.trainer_cp)
 
 
 def check_lora_rank(lora: LoraSpec, max_lora_rank: int) -> None:

@@ -35,6 +35,7 @@ from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import (
     Job,
     JobRegistry,
+    automodel_of,
     check_lora_rank,
     full_sync_of,
     images_of,
@@ -102,7 +103,9 @@ class JobTable:
         commits: DurableCommits,
         id_tag: str = "",
         allowed_images: tuple[str, ...] = (),
+        has_automodel: bool = False,
     ) -> None:
+        self._has_automodel = has_automodel  # [workers] automodel_python is set: Automodel jobs run here
         self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
         self._usage = usage
@@ -177,6 +180,7 @@ class JobTable:
         )
         job_settings.require_supported(job_settings_value)
         images = images_of(job_settings_value, self._allowed_images)
+        automodel = automodel_of(job_settings_value, available=self._has_automodel)
         full_sync = full_sync_of(job_settings_value)
         if full_sync is None:
             if lora is None:
@@ -188,7 +192,7 @@ class JobTable:
         model = self._catalog.resolve(base_model)
         job = Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
-            images,
+            images, automodel,
         )
         request_id = self._open_job(
             job, "create_model",
@@ -225,7 +229,10 @@ class JobTable:
             require_full_optimizer(resumed_config)
         is_exclusive = source_settings.exclusive
         images = images_of(source_settings, self._allowed_images)
-        job = Job(model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images)
+        automodel = automodel_of(source_settings, available=self._has_automodel)
+        job = Job(
+            model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images, automodel
+        )
         request_id = self._open_job(
             job, "load_weights",
             lambda: self._store.runs.create(
@@ -248,10 +255,11 @@ class JobTable:
 
         The booking comes first, so that a node with no free device refuses an exclusive job now.
         """
-        own_group = job.is_exclusive or job.images.any
+        own_group = job.is_exclusive or job.images.any or job.automodel is not None
         if own_group:
             self._groups.reserve(
-                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images
+                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images,
+                automodel=job.automodel,
             )
         try:
             record_run()

@@ -44,6 +44,7 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     turns: int
     parks: int
     resumes: int
+    rank: int = 0  # a trainer on several devices (a torchrun group) is listed once per rank, in rank order
 
 
 class QueueDepths(msgspec.Struct, frozen=True):
@@ -94,14 +95,14 @@ class GroupView(msgspec.Struct, frozen=True):
 _PARKED_LEASE = (LeaseState.PARKED, LeaseState.PARKING, LeaseState.RESUMING, LeaseState.WAITING)
 
 
-def _worker(role: str, lease: WorkerLeaseStatistics | None, device: str | None) -> WorkerStatus:
+def _worker(role: str, lease: WorkerLeaseStatistics | None, device: str | None, rank: int = 0) -> WorkerStatus:
     if lease is None:
-        return WorkerStatus(role, "resident", device, 0.0, 0, 0, 0)
-    return WorkerStatus(role, lease.state.value, device, lease.lease_s, lease.turns, lease.parks, lease.resumes)
+        return WorkerStatus(role, "resident", device, 0.0, 0, 0, 0, rank)
+    return WorkerStatus(role, lease.state.value, device, lease.lease_s, lease.turns, lease.parks, lease.resumes, rank)
 
 
-def _loading(role: str, device: str | None) -> WorkerStatus:
-    return WorkerStatus(role, JobState.LOADING_WEIGHTS.value, device, 0.0, 0, 0, 0)
+def _loading(role: str, device: str | None, rank: int = 0) -> WorkerStatus:
+    return WorkerStatus(role, JobState.LOADING_WEIGHTS.value, device, 0.0, 0, 0, 0, rank)
 
 
 def _last_sync(trainer: TrainerStatistics | None, sampler: SamplerStatistics | None) -> SyncStats | None:
@@ -116,13 +117,16 @@ def build_status(job: JobFacts, group: GroupView) -> ModelStatus:
     placement = group.placement
     trainer_device = placement.trainer_device if placement is not None else None
     sampler_device = placement.sampler_device if placement is not None else None
+    rank_devices: tuple[str | None, ...] = placement.trainer_ranks if placement is not None else (None,)
     trainer, sampler = group.trainer, group.sampler
     progress = _progress(trainer, job.model_id)
     waiting_ops = next((j.waiting for j in trainer.jobs if j.model_id == job.model_id), 0) if trainer else 0
+    # The ranks of one torchrun trainer share its one lease: they park and resume together.
     workers = (
-        [_worker("trainer", trainer.lease, trainer_device), _worker("sampler", sampler.lease, sampler_device)]
+        [_worker("trainer", trainer.lease, d, r) for r, d in enumerate(rank_devices)]
+        + [_worker("sampler", sampler.lease, sampler_device)]
         if trainer is not None and sampler is not None
-        else [_loading("trainer", trainer_device), _loading("sampler", sampler_device)]
+        else [_loading("trainer", d, r) for r, d in enumerate(rank_devices)] + [_loading("sampler", sampler_device)]
     )
     state, waiting_for = _state(job, group, waiting_ops, trainer_device)
     return ModelStatus(

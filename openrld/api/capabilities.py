@@ -107,8 +107,13 @@ def _trainer_backend_is_built(example: str) -> bool:
     return True
 
 
-def trainer_backends() -> tuple[Backend, ...]:
-    return tuple(Backend(name, _trainer_backend_is_built(example), text) for name, example, text in _TRAINER_BACKENDS)
+def trainer_backends(*, has_automodel: bool = False) -> tuple[Backend, ...]:
+    """Each trainer backend, built where the code has it and, for automodel, where this node has
+    its environment ([workers] automodel_python): a job naming it elsewhere is refused."""
+    return tuple(
+        Backend(name, _trainer_backend_is_built(example) and (name != "automodel" or has_automodel), text)
+        for name, example, text in _TRAINER_BACKENDS
+    )
 
 
 def sampler_backends() -> tuple[Backend, ...]:
@@ -116,7 +121,8 @@ def sampler_backends() -> tuple[Backend, ...]:
 
 
 def server_info(
-    *, limits: Limits, models: tuple[ModelSummary, ...], devices: tuple[DeviceSummary, ...], is_open_mode: bool
+    *, limits: Limits, models: tuple[ModelSummary, ...], devices: tuple[DeviceSummary, ...], is_open_mode: bool,
+    has_automodel: bool = False,
 ) -> ServerInfo:
     """Everything discovery publishes about this node.
 
@@ -125,6 +131,7 @@ def server_info(
         models: the models this node serves without a download (the catalog's listing).
         devices: the compute devices the daemon resolved at startup.
         is_open_mode: True when the node runs without a key file.
+        has_automodel: the node has an Automodel environment ([workers] automodel_python).
     """
     return ServerInfo(
         version=__version__,
@@ -134,7 +141,7 @@ def server_info(
         settings_schema=settings_json_schema(),
         losses=SUPPORTED_LOSSES,
         refused_losses=REFUSED_LOSSES,
-        trainer_backends=trainer_backends(),
+        trainer_backends=trainer_backends(has_automodel=has_automodel),
         sampler_backends=sampler_backends(),
         models=models,
         devices=devices,

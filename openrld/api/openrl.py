@@ -69,6 +69,7 @@ async def info(services: Services) -> Response:
             models=served_models(services),
             devices=services.devices,
             is_open_mode=services.auth.is_open,
+            has_automodel=bool(services.config.workers.automodel_python),
         )
     )
 

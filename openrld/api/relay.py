@@ -406,6 +406,9 @@ class Relay:
         except UserError:
             return None  # this node's app refuses it with the same message, before placing anything
         needs = needs_of_settings(settings, base_model)
+        refusal = self._placement.too_large(needs)
+        if refusal is not None:
+            return detail_answer(400, refusal)
         return await self._offer(call, needs, ids.model_id(req.session_id, req.model_seq_id))
 
     async def _base_model_sampler(self, call: _Call, ref: _Ids, sampler_id: str) -> Answer | None:

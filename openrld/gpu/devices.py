@@ -48,6 +48,23 @@ def resolve_device(spec: str) -> torch.device:
     raise ValueError(f"device {spec!r}: expected auto, cpu, cpu:N, cuda or cuda:N")
 
 
+def group_device(labels: Sequence[str]) -> str:
+    """A torchrun group's `Start.device` from its ranks' device labels, in rank order
+    (launchers/torchrun.py): "cpu" for CPU labels, "cuda:2,3" for cuda:2 and cuda:3.
+
+    Raises:
+        ValueError: no labels, CPU and CUDA mixed, or a bare "cuda" among several.
+    """
+    if not labels:
+        raise ValueError("a torchrun group needs at least one device")
+    if all(label == "cpu" or label.startswith("cpu:") for label in labels):
+        return "cpu"
+    indices = [label.partition(":")[2] for label in labels if label.startswith("cuda:")]
+    if len(indices) != len(labels) or not all(index.isdecimal() for index in indices):
+        raise ValueError(f"a torchrun group's devices must all be cpu or all cuda:N, got {list(labels)}")
+    return "cuda:" + ",".join(indices)
+
+
 GKE_DRIVER_LIBS = "/usr/local/nvidia/lib64"  # where GKE's driver installer puts libcuda for containers
 
 

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from openrld.engine_types import SamplerEngine, TrainerEngine
+from openrld.gpu.devices import group_device
 from openrld.gpu.gguf_convert import GgufConverter
 from openrld.model_catalog import ModelEntry
 from openrld.worker import builtin
@@ -94,6 +95,28 @@ class TorchEngineFactory:
     ) -> Callable[[], SamplerEngine]:
         """A sampler for one full fine-tuning job's weight versions."""
         return lambda: self._build("sampler", "full_sampler", model, self.sampler_options, image=image, job=job)
+
+    def automodel_trainer(
+        self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
+        job: str | None = None,
+    ) -> Callable[[], TrainerEngine]:
+        """NeMo Automodel's FSDP2 trainer for one job (gpu/automodel_trainer.py): a torchrun group in the
+        Automodel environment, one rank per device of `devices` (labels of the node's inventory, in rank
+        order), context parallel over `cp` of them; `fine_tuning` is "lora" or "full"."""
+        options: dict[str, Scalar] = {
+            "max_batch_tokens": self.max_batch_tokens, "fine_tuning": fine_tuning, "cp": cp, "weight_sync": weight_sync,
+        }
+
+        def build() -> TrainerEngine:
+            if self.converter is not None:
+                self.converter.ensure(model)
+            return self.hosting.start(
+                self.hosting.automodel_launcher(len(devices)), role="trainer", kind="automodel_trainer",
+                model_name=model.name, model_dir=model.directory, device=group_device(devices),
+                threads=self.cpu_threads, options=options, job=job,
+            )
+
+        return build
 
     def _unembed_refusal(self, model: ModelEntry) -> str | None:
         """Why an adapter on lm_head cannot be sampled here (None: it can)."""

@@ -10,10 +10,11 @@ as a `RemoteTrainer` or `RemoteSampler`:
 - a job's image runs through the container runtime, after the allow-list said yes;
 - an engine on several devices (`nproc` > 1) runs as a torchrun group of that many
   ranks (`launchers/torchrun.py`), in the built-in process launcher's Python
-  environment, else the daemon's. Not yet reachable from job settings:
-  openrl.trainer_gpus > 1 is refused until the multi-GPU trainer lands, which
-  asks `launcher_for(kind, nproc=len(devices))` and passes `start` the devices as
-  one comma list, device="cuda:2,3".
+  environment, else the daemon's; `start` gets the devices as one comma list,
+  device="cuda:2,3";
+- the Automodel trainer (openrl.trainer_backend=automodel) always runs as a torchrun
+  group, of openrl.trainer_gpus ranks (one too: its FSDP2 setup wants a process group),
+  in the Automodel environment that `automodel_python` names (`automodel_launcher`).
 
 It owns the private socket directory (made at start, removed at close) and reaps,
 at start, the containers or Pods an earlier daemon of this node left.
@@ -39,11 +40,12 @@ logger = logging.getLogger(__name__)
 class WorkerHosting:
     def __init__(
         self, *, builtin: Launcher | None = None, vllm: Launcher | None = None, images: Launcher | None = None,
-        socket_root: Path | None = None, timeouts: WorkerTimeouts = WorkerTimeouts(), mounts: tuple[Mount, ...] = (),
+        automodel_python: str = "", socket_root: Path | None = None, timeouts: WorkerTimeouts = WorkerTimeouts(), mounts: tuple[Mount, ...] = (),
     ) -> None:
         self.builtin = builtin  # None: the built-in engines run inproc
         self.vllm = vllm  # None: the vLLM sampler (if any) runs inproc
         self.images = images  # None: this node runs no images
+        self.automodel_python = automodel_python  # "": this node runs no Automodel trainer
         self.timeouts = timeouts
         self.mounts = mounts  # what every worker sees besides its model: the checkpoint root
         self.socket_root = socket_root
@@ -78,6 +80,20 @@ class WorkerHosting:
         if kind == "vllm_sampler":
             return self.vllm
         return self.builtin
+
+    @property
+    def has_automodel(self) -> bool:
+        return bool(self.automodel_python)
+
+    def automodel_launcher(self, nproc: int) -> Launcher:
+        """A torchrun group of `nproc` ranks in the Automodel environment.
+
+        Raises:
+            ServerError: this node has no Automodel environment (jobs.py refuses such jobs first).
+        """
+        if not self.automodel_python:
+            raise ServerError("this node has no Automodel environment: [workers] automodel_python is unset")
+        return TorchrunLauncher(self.automodel_python, nproc)
 
     def start(
         self, launcher: Launcher, *, role: Role, kind: str, model_name: str, model_dir: str, device: str,

@@ -77,10 +77,10 @@ def serve(
 
     Arguments not given come from the environment the launcher set: OPENRLD_WORKER_SOCKET,
     OPENRLD_WORKER_TOKEN and OPENRLD_WORKER_ROLE. `info(engine)` adds facts to Ready.
-    Started by the torchrun launcher (OPENRLD_WORKER_RANKS=1, WORLD_SIZE > 1), this process
-    is one rank of a group: see `ranks.py`.
+    Started by the torchrun launcher (OPENRLD_WORKER_RANKS=1), this process is one rank of a
+    group, a group of one included (its engine may rely on the process group): see `ranks.py`.
     """
-    if os.environ.get(RANKS_ENV) == "1" and int(os.environ.get(WORLD_SIZE_ENV, "1")) > 1:
+    if os.environ.get(RANKS_ENV) == "1" and WORLD_SIZE_ENV in os.environ:
         from openrld.worker import ranks
 
         ranks.serve(build, role=role, socket_path=socket_path, token=token, engine=engine, info=info)  # exits

@@ -59,3 +59,38 @@ def test_a_released_group_frees_its_devices():
     pool.place("hero", exclusive=True, label="hero")
     pool.release("hero")
     assert pool.free_devices() == ["cpu:0"]
+
+
+def test_a_trainer_on_three_devices_takes_three_free_ones_and_its_sampler_the_next():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
+    assert pool.place("job", exclusive=False, label="job j", trainer_devices=3) == Placement(
+        "job", "cpu:0", "cpu:3", True, ("cpu:0", "cpu:1", "cpu:2")
+    )
+    assert pool.free_devices() == []
+
+
+def test_a_trainer_on_every_device_shares_its_first_with_its_sampler():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    assert pool.place("job", exclusive=False, label="job j", trainer_devices=2) == Placement(
+        "job", "cpu:0", "cpu:0", True, ("cpu:0", "cpu:1")
+    )
+
+
+def test_a_trainer_on_more_devices_than_are_free_is_refused_naming_the_setting_and_the_free_count():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    pool.place("other", exclusive=False, label="base model llama")
+    with pytest.raises(BadRequest) as refused:
+        pool.place("job", exclusive=False, label="job j", trainer_devices=2)
+    assert (refused.value.key, refused.value.detail) == (
+        "openrl.trainer_gpus",
+        "openrl.trainer_gpus=2: job j needs 2 free devices on one node, and this node has 0 free of 2 "
+        "(cpu:0: base model llama, cpu:1: base model llama)",
+    )
+    assert pool.placement_of("job") is None
+
+
+def test_a_spread_trainers_devices_are_free_again_once_released():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2"])
+    pool.place("job", exclusive=False, label="job j", trainer_devices=2)
+    pool.release("job")
+    assert pool.free_devices() == ["cpu:0", "cpu:1", "cpu:2"]

@@ -106,3 +106,11 @@ def test_the_samplers_record_of_the_last_sync_wins_for_its_apply_time():
         msgspec.structs.replace(sampler(), last_sync=sampler_side),
     )
     assert build_status(JOB, group).last_sync == sampler_side
+
+
+def test_a_trainer_on_several_devices_is_listed_once_per_rank_in_rank_order():
+    spread = Placement("s-1:train:0", "cpu:0", "cpu:2", True, ("cpu:0", "cpu:1"))
+    status = build_status(JOB, GroupView(False, None, spread, trainer(), sampler()))
+    assert [(w.role, w.rank, w.device, w.state) for w in status.workers] == [
+        ("trainer", 0, "cpu:0", "resident"), ("trainer", 1, "cpu:1", "resident"), ("sampler", 0, "cpu:2", "resident"),
+    ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from openrld.actors.membership.messages import DeviceSlot, GroupLoad, MemberState, NodePayload
 from openrld.actors.membership.table import Member
-from openrld.actors.placement import GROUP_ROOM, Candidate, JobNeeds, Placer, candidate, rank
+from openrld.actors.placement import GROUP_ROOM, Candidate, JobNeeds, Placer, candidate, rank, too_large
 
 LORA_LLAMA = JobNeeds(base_model="llama", own_group=False, is_exclusive=False)
 EXCLUSIVE = JobNeeds(base_model="llama", own_group=True, is_exclusive=True)
@@ -101,3 +101,17 @@ def test_a_lora_job_placed_on_a_node_counts_as_a_resident_group_there():
     b, c = member("b", two_free), member("c", two_free)
     placer.placed(c, LORA_LLAMA)
     assert placer.rank([b, c], LORA_LLAMA) == ["c", "b"]
+
+
+def test_a_trainer_wider_than_the_largest_node_is_refused_naming_it():
+    members = [member("a", [DeviceSlot("cuda:0", "cuda", 80, 80)] * 2), member("b", [DeviceSlot("cuda:0", "cuda", 80, 80)] * 4)]
+    needs = JobNeeds(base_model="llama", own_group=True, is_exclusive=True, devices=8)
+    assert too_large(members, needs) == (
+        "openrl.trainer_gpus=8: a trainer runs on the devices of one node, and the largest node of the cluster, b, has 4"
+    )
+
+
+def test_a_trainer_that_fits_the_largest_node_is_not_too_large_even_when_its_devices_are_busy():
+    busy = DeviceSlot("cuda:0", "cuda", 80, 10, groups=1)
+    needs = JobNeeds(base_model="llama", own_group=True, is_exclusive=True, devices=2)
+    assert too_large([member("a", [busy, busy])], needs) is None

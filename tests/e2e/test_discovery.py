@@ -53,7 +53,7 @@ def test_info_settings_schema_is_the_one_settings_validate_with(info):
 def test_info_lists_losses_and_backends(info):
     assert info["losses"] == list(SUPPORTED_LOSSES)
     assert info["refused_losses"] == ["custom"]
-    assert [(b["name"], b["built"]) for b in info["trainer_backends"]] == [
+    assert [(b["name"], b["built"]) for b in info["trainer_backends"]] == [  # no [workers] automodel_python
         ("pytorch", True), ("automodel", False), ("image", True),
     ]
     assert [(b["name"], b["built"]) for b in info["sampler_backends"]] == [("torch", True), ("vllm", True)]

@@ -121,16 +121,29 @@ def test_unknown_openrl_key_is_400_naming_the_key(http):
     assert "openrl.fast_mode" in response.json()["detail"]
 
 
-def test_not_yet_supported_setting_is_refused_by_name(http):
+def test_automodel_on_a_node_without_its_environment_is_refused_by_name(http):
     session_id = _post(http, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
     response = _post(
         http, "create_model",
         {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4},
          "user_metadata": {"openrl.trainer_backend": "automodel"}},
     )
+    assert (response.status_code, response.json()["detail"]) == (
+        400,
+        "openrl.trainer_backend=automodel: this node has no Automodel environment "
+        "([workers] automodel_python is unset; `make automodel-env` builds one)",
+    )
+
+
+def test_a_trainer_image_on_several_devices_is_refused_by_name(http):
+    session_id = _post(http, "create_session", {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+    response = _post(
+        http, "create_model",
+        {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-llama", "lora_config": {"rank": 4},
+         "user_metadata": {"openrl.trainer_backend": "registry.example/trainer:1", "openrl.trainer_gpus": "2"}},
+    )
     assert response.status_code == 400
-    assert "openrl.trainer_backend" in response.json()["detail"]
-    assert "not supported yet" in response.json()["detail"]
+    assert "openrl.trainer_gpus=2 with a trainer image is not supported yet" in response.json()["detail"]
 
 
 def test_malformed_protobuf_is_400_and_the_daemon_keeps_serving(http):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from openrld.gpu.devices import (
-    CudaFacts, DeviceInfo, cpu_threads, detected_device_names, inventory, resolve_device, why_no_cuda,
+    CudaFacts, DeviceInfo, cpu_threads, detected_device_names, group_device, inventory, resolve_device, why_no_cuda,
 )
 
 HOST_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -118,3 +118,16 @@ def test_a_node_told_to_use_cuda_without_one_refuses_to_start_with_the_reason(tm
     )
     assert done.returncode == 2
     assert done.stderr == f"openrld: device 'cuda': no CUDA device is usable here: {why_no_cuda(CudaFacts.here())}\n"
+
+
+def test_a_torchrun_group_on_cpu_devices_sees_the_cpu():
+    assert group_device(["cpu:0", "cpu:1"]) == "cpu"
+
+
+def test_a_torchrun_group_on_gpus_names_their_indices_in_rank_order():
+    assert group_device(["cuda:3", "cuda:1"]) == "cuda:3,1"
+
+
+def test_a_torchrun_group_on_mixed_devices_is_refused():
+    with pytest.raises(ValueError, match=r"must all be cpu or all cuda:N, got \['cpu:0', 'cuda:1'\]"):
+        group_device(["cpu:0", "cuda:1"])

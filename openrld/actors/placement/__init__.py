@@ -7,7 +7,16 @@ async shell). Neither books a device: the chosen node's device pool does.
 """
 
 from openrld.actors.placement.offers import ClusterPlacer, OfferRound, Reply, needs_of_note, needs_of_settings
-from openrld.actors.placement.ranking import GROUP_ROOM, Booking, Candidate, JobNeeds, Placer, candidate, rank
+from openrld.actors.placement.ranking import (
+    GROUP_ROOM,
+    Booking,
+    Candidate,
+    JobNeeds,
+    Placer,
+    candidate,
+    rank,
+    too_large,
+)
 
 __all__ = [
     "GROUP_ROOM",
@@ -22,4 +31,5 @@ __all__ = [
     "needs_of_note",
     "needs_of_settings",
     "rank",
+    "too_large",
 ]

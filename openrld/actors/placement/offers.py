@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 from openrld.actors.directory import Directory
 from openrld.actors.membership.messages import JobNote
 from openrld.actors.membership.table import Member
-from openrld.actors.placement.ranking import Booking, JobNeeds, Placer
+from openrld.actors.placement.ranking import Booking, JobNeeds, Placer, too_large
 from openrld.actors.peer_client import RelayCounters
 from openrld.settings import JobSettings
 
@@ -43,7 +43,7 @@ class Reply(enum.Enum):
 def needs_of_settings(settings: JobSettings, base_model: str) -> JobNeeds:
     """What a new job with these settings asks of a node (`base_model` already resolved)."""
     own_group = (
-        settings.fine_tuning_type.value == "full" or settings.exclusive
+        settings.fine_tuning_type.value == "full" or settings.exclusive or settings.trainer_backend == "automodel"
         or settings.trainer_image is not None or settings.sampler_image is not None
     )
     return JobNeeds(
@@ -102,6 +102,10 @@ class ClusterPlacer(Generic[T]):
         self._directory = directory
         self._counters = counters  # placed and refused, for /metrics
         self._placer = Placer()  # remembers this node's recent placements across rounds
+
+    def too_large(self, needs: JobNeeds) -> str | None:
+        """Why no node of the cluster can ever take the job (`ranking.too_large`), or None."""
+        return too_large(self._directory.members(), needs)
 
     async def offer(
         self, needs: JobNeeds, created_id: str, ask: Callable[[Member], Awaitable[tuple[Reply, T]]]

@@ -77,6 +77,21 @@ def rank(candidates: Iterable[Candidate], needs: JobNeeds) -> list[str]:
     return [name for tier in (joins, fresh, sliced) for _, name in sorted(tier)]
 
 
+def too_large(members: Iterable[Member], needs: JobNeeds) -> str | None:
+    """Why no node of the cluster can ever take the job, or None: its trainer spans more devices
+    than the largest live node has (free or not), so offering it would only be refused by all."""
+    sizes = [(len(m.payload.devices), m.name) for m in members if m.is_alive and m.payload.devices]
+    if needs.devices <= 1 or not sizes:
+        return None
+    devices, name = max(sorted(sizes, key=lambda size: size[1]), key=lambda size: size[0])  # ties: first by name
+    if needs.devices <= devices:
+        return None
+    return (
+        f"openrl.trainer_gpus={needs.devices}: a trainer runs on the devices of one node, "
+        f"and the largest node of the cluster, {name}, has {devices}"
+    )
+
+
 class Booking(msgspec.Struct, frozen=True):
     """One placement the placer counts until the node's payload shows it."""
 
