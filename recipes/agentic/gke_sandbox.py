@@ -2,7 +2,7 @@
 
 An `AgentSandbox` claims one sandbox per episode: it creates a `SandboxClaim`
 (extensions.agents.x-k8s.io/v1alpha1) naming the `SandboxTemplate` in
-`config/k8s-agentic/` (runtimeClassName gvisor), which the controller fills from
+`config/k8s/agentic/` (runtimeClassName gvisor), which the controller fills from
 the `SandboxWarmPool` when a warm pod is free; it waits for the claim's Ready
 condition, takes the sandbox's name from the claim's status (the sandbox's pod
 has that name), uploads the documents into `/workspace`, makes them read-only,
@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 GROUP = "extensions.agents.x-k8s.io"
 VERSION = "v1alpha1"
 CLAIMS = "sandboxclaims"
-TEMPLATE_NAME = "agentic-workspace"  # config/k8s-agentic/sandbox-template.yaml
-WARM_POOL_NAME = "agentic-workspace-pool"  # config/k8s-agentic/sandbox-warmpool.yaml
+TEMPLATE_NAME = "agentic-workspace"  # config/k8s/agentic/sandbox-template.yaml
+WARM_POOL_NAME = "agentic-workspace-pool"  # config/k8s/agentic/sandbox-warmpool.yaml
 NAMESPACE = "openrld"
 CONTAINER = "workspace"
 # (pod name, namespace, command) -> (exit code, stdout, stderr). No stdin: the exec API's

@@ -21,7 +21,7 @@ from recipes.agentic.sandbox import SandboxLimits
 yaml = pytest.importorskip("yaml", reason="PyYAML is a test dependency (pip install -e .[test])")
 
 REPO = Path(__file__).resolve().parents[2]
-MANIFESTS = REPO / "config" / "k8s-agentic"
+MANIFESTS = REPO / "config" / "k8s" / "agentic"
 
 
 class FakeCustomObjects:
@@ -149,7 +149,7 @@ def test_outside_a_cluster_there_is_no_agent_sandbox_factory():
     assert gke_sandbox.in_cluster_factory() is None
 
 
-# --- manifests: config/k8s-agentic/ ---------------------------------------------------------
+# --- manifests: config/k8s/agentic/ ---------------------------------------------------------
 
 
 def _objects() -> dict[tuple[str, str], dict]:
