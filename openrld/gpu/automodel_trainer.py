@@ -200,14 +200,14 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         _ensure_process_group(device)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
+        if options.cp > 1 and device.type == "cpu":
+            raise BadRequest(CPU_CP_REFUSAL.format(cp=options.cp, device=device), key="trainer_cp")
         if self.world_size % options.cp:
             raise BadRequest(
                 f"openrl.trainer_cp={options.cp} does not divide openrl.trainer_gpus={self.world_size}", key="trainer_cp"
             )
         if options.cp > 1:
-            template = CPU_CP_REFUSAL if device.type == "cpu" else GPU_CP_REFUSAL
-            error = BadRequest if device.type == "cpu" else NotSupportedYet
-            raise error(template.format(cp=options.cp, device=device), key="trainer_cp")
+            raise NotSupportedYet(GPU_CP_REFUSAL.format(cp=options.cp), key="trainer_cp")
         self.device = device
         self.options = options
         self.dp = self.world_size // options.cp

@@ -1,0 +1,245 @@
+"""The Automodel trainer (gpu/automodel_trainer.py) as the daemon drives it: a torchrun group of
+2 CPU ranks (gloo) in the Automodel environment behind one worker endpoint, through
+`RemoteTrainer` and the real worker protocol.
+
+What is checked, against a one-process run of the single-device trainers (TorchTrainer for
+LoRA, FullTrainer for full fine-tuning) in the same environment, from the same start:
+- parity: over 5 steps of forward_backward_then_step with every built-in loss in each step
+  (7 requests, 3 datums each, micro-batches small enough that both ranks score datums),
+  the losses, metrics, log-probabilities and final weights agree within 1e-5;
+- resume: a state saved at step 3 (with optimizer) and loaded into a fresh group continues
+  to the same weights as the uninterrupted group;
+- sampling: the exported adapter loads in peft, whose log-probabilities match the group's
+  forward; a full fine-tuning delta, applied to the base weights, gives the group's weights
+  bit for bit, and its digest;
+- refusals: a second job, Dimuon, cp > 1 on the CPU.
+
+The Automodel environment is `.venv-automodel` at the repository root (`make automodel-env`);
+without it every test here is skipped. Each group start costs ~20 s of imports on 2 cores, so
+the tests share groups by module-scoped fixtures, and run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.errors import BadRequest, Conflict
+from openrld.worker.client import RemoteTrainer, WorkerTimeouts
+from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
+from openrld.worker.launchers.process import ProcessLauncher
+from openrld.worker.launchers.torchrun import TorchrunLauncher
+from openrld.worker.protocol import Start
+from openrld.worker.values import local_payload
+
+REPO = Path(__file__).resolve().parents[2]
+AUTOMODEL_PYTHON = REPO / ".venv-automodel" / "bin" / "python"
+pytestmark = pytest.mark.skipif(
+    not AUTOMODEL_PYTHON.exists(),
+    reason=".venv-automodel is not built (make automodel-env): the Automodel trainer runs only in its own environment",
+)
+
+TIMEOUTS = WorkerTimeouts(hello_s=180.0, heartbeat_s=1.0, deadline_s=180.0, stop_s=20.0)
+MAX_BATCH_TOKENS = 24  # datums of 5-12 tokens: several micro-batches per request, so both ranks score
+STEPS = 5
+SAVE_AT = 3
+ATOL = 1e-5  # fp32 over 5 AdamW steps; the ranks only change the order of the gradient sums
+ADAM = AdamParams(learning_rate=5e-3, grad_clip_norm=5.0)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+SPEC = LoraSpec(rank=4, seed=7)
+
+
+def step_batches(step: int) -> list[ForwardBackwardBatch]:
+    """One request per built-in loss, 3 datums each, seeded by the step."""
+    rng = np.random.default_rng(100 + step)
+    batches = []
+    for loss in LOSSES:
+        data = []
+        for _ in range(3):
+            n = int(rng.integers(5, 13))
+            inputs = {"target_tokens": rng.integers(0, 384, n)}
+            recorded = None
+            if loss == "cross_entropy":
+                inputs["weights"] = (rng.random(n) > 0.2).astype(np.float32)
+            else:
+                inputs["advantages"] = (rng.normal(size=n) * (rng.random(n) > 0.3)).astype(np.float32)
+                inputs["logprobs"] = (-5.95 + 0.1 * rng.normal(size=n)).astype(np.float32)
+            if loss == "gspo":
+                inputs["sequence_ratio_mask"] = (rng.random(n) > 0.2).astype(np.float32)
+            if loss == "stable_reinforce":
+                recorded = np.where(rng.random(n) > 0.3, inputs["logprobs"], np.nan).astype(np.float32)
+            data.append(TrainDatum(tokens=rng.integers(0, 384, n), inputs=inputs, recorded_logprobs=recorded))
+        batches.append(ForwardBackwardBatch(data=data, loss_fn=loss, loss_config={}, forward_only=False))
+    return batches
+
+
+def start(directory: Path, start: Start, ranks: int) -> RemoteTrainer:
+    launcher = TorchrunLauncher(str(AUTOMODEL_PYTHON), ranks) if ranks > 1 else ProcessLauncher(str(AUTOMODEL_PYTHON))
+    connection, _ = start_worker(launcher, WorkerSpec(name=start.kind, role="trainer", start=start), directory, timeouts=TIMEOUTS)
+    return RemoteTrainer(connection)
+
+
+def group(directory: Path, model: Path, fine_tuning: str) -> RemoteTrainer:
+    options = {"fine_tuning": fine_tuning, "max_batch_tokens": MAX_BATCH_TOKENS, "weight_sync": "delta"}
+    return start(directory, Start("automodel_trainer", str(model), "cpu", threads=1, options=options), 2)
+
+
+def single(directory: Path, model: Path, kind: str) -> RemoteTrainer:
+    return start(directory, Start(kind, str(model), "cpu", threads=2, options={"max_batch_tokens": MAX_BATCH_TOKENS}), 1)
+
+
+def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None) -> list[list]:
+    """The results of `steps`; with `save_to`, the state (with optimizer) after step SAVE_AT."""
+    results = []
+    for step in steps:
+        passes, stepped = trainer.forward_backward_then_step("job", step_batches(step), ADAM)
+        assert not isinstance(stepped, Exception), stepped
+        results.append([passes, stepped])
+        if save_to is not None and step + 1 == SAVE_AT:
+            save_to.mkdir()
+            trainer.save_state("job", save_to, True)
+    return results
+
+
+def assert_runs_agree(ours: list[list], theirs: list[list]) -> float:
+    """Every metric and log-probability within ATOL; returns the largest difference seen."""
+    worst = 0.0
+    for (passes, stepped), (their_passes, their_stepped) in zip(ours, theirs, strict=True):
+        for mine, reference in zip(passes, their_passes, strict=True):
+            assert mine.metrics.keys() == reference.metrics.keys()
+            for key, value in mine.metrics.items():
+                worst = max(worst, abs(value - reference.metrics[key]))
+                assert value == pytest.approx(reference.metrics[key], abs=ATOL, rel=ATOL), key
+            for lp, their_lp in zip(mine.logprobs, reference.logprobs, strict=True):
+                assert lp.shape == their_lp.shape
+                worst = max(worst, float(np.abs(lp - their_lp).max()))
+                np.testing.assert_allclose(lp, their_lp, atol=ATOL, rtol=0)
+        assert stepped.metrics["grad_norm:mean"] == pytest.approx(their_stepped.metrics["grad_norm:mean"], rel=ATOL)
+    return worst
+
+
+def max_weight_difference(ours, theirs) -> float:
+    ours, theirs = local_payload(ours), local_payload(theirs)
+    assert ours.keys() == theirs.keys()
+    return max(float((ours[key] - theirs[key]).abs().max()) for key in ours)
+
+
+@pytest.fixture(scope="module")
+def sockets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return socket_directory(tmp_path_factory.mktemp("sockets"))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, sockets, tiny_llama):
+    """The one-process LoRA run (TorchTrainer) and the 2-rank group's, from the same start."""
+    root = tmp_path_factory.mktemp("lora")
+    reference = single(sockets, tiny_llama, "lora_trainer")
+    reference.add_adapter("job", SPEC, "adamw")
+    (root / "start").mkdir()
+    reference.save_state("job", root / "start", False)
+    theirs = train(reference, range(STEPS))
+    their_weights = reference.adapter_tensors("job")
+    reference.close()
+    trainer = group(sockets, tiny_llama, "lora")
+    trainer.load_state("job", root / "start", SPEC, False, "adamw")
+    ours = train(trainer, range(STEPS), save_to=root / "step3")
+    yield trainer, root, ours, theirs, their_weights
+    trainer.close()
+
+
+def test_two_ranks_train_lora_as_one_process_does_with_every_loss(lora_run):
+    trainer, _, ours, theirs, their_weights = lora_run
+    worst = assert_runs_agree(ours, theirs)
+    weights = trainer.adapter_tensors("job")
+    difference = max_weight_difference(weights, their_weights)
+    print(f"lora parity: largest metric/logprob difference {worst:.2e}, weight difference {difference:.2e}")
+    assert difference <= ATOL
+
+
+def test_a_second_job_and_dimuon_are_refused_by_name(lora_run):
+    trainer = lora_run[0]
+    with pytest.raises(Conflict, match="it serves one job"):
+        trainer.add_adapter("other", SPEC, "adamw")
+    with pytest.raises(BadRequest, match="optimizer mismatch"):
+        trainer.optim_step("job", DimuonParams(learning_rate=1e-3))
+
+
+def test_the_exported_adapter_gives_peft_the_groups_logprobs(lora_run, tiny_llama, tmp_path):
+    import peft
+    import transformers
+
+    trainer = lora_run[0]
+    export = tmp_path / "export"
+    export.mkdir()
+    trainer.export_adapter("job", export, str(tiny_llama))
+    assert json.loads((export / "adapter_config.json").read_text())["r"] == SPEC.rank
+    datum = step_batches(0)[0].data[0]
+    scored = trainer.forward_backward(
+        "job", ForwardBackwardBatch(data=[datum], loss_fn="cross_entropy", loss_config={}, forward_only=True)
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(export)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(datum.tokens)[None]).logits[0].float()
+    lp = torch.log_softmax(logits, -1)[torch.arange(len(datum.tokens)), torch.from_numpy(datum.inputs["target_tokens"])]
+    difference = float(np.abs(lp.numpy() - scored.logprobs[0]).max())
+    print(f"peft export: largest logprob difference {difference:.2e}")
+    assert difference <= 1e-5
+
+
+def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, tiny_llama):
+    trainer, root, ours, _, _ = lora_run
+    weights = local_payload(trainer.adapter_tensors("job"))
+    trainer.close()  # two groups do not fit two cores at once
+    fresh = group(sockets, tiny_llama, "lora")
+    try:
+        fresh.load_state("job", root / "step3", SPEC, True, "adamw")
+        resumed = train(fresh, range(SAVE_AT, STEPS))
+        assert_runs_agree(resumed, ours[SAVE_AT:])
+        assert max_weight_difference(fresh.adapter_tensors("job"), weights) <= 1e-6
+    finally:
+        fresh.close()
+
+
+def test_two_ranks_train_every_weight_as_one_process_does_and_sync_it_by_delta(sockets, tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    from openrld.gpu import delta
+
+    reference = single(sockets, tiny_llama, "full_trainer")
+    reference.add_adapter("job", None, "adamw")
+    theirs = train(reference, range(STEPS))
+    their_weights = reference.adapter_tensors("job")
+    reference.close()
+    trainer = group(sockets, tiny_llama, "full")
+    try:
+        trainer.add_adapter("job", None, "adamw")
+        base = load_file(str(tiny_llama / "model.safetensors"))
+        first = train(trainer, range(2))
+        change = local_payload(trainer.sampler_payload("job", "v1"))
+        delta.apply_delta(base, change)
+        ours = first + train(trainer, range(2, STEPS))
+        change = local_payload(trainer.sampler_payload("job", "v2"))
+        assert change.base_version == "v1" and change.mode == "delta"
+        delta.apply_delta(base, change)
+        weights = local_payload(trainer.adapter_tensors("job"))
+        worst = assert_runs_agree(ours, theirs)
+        difference = max_weight_difference(weights, their_weights)
+        print(f"full parity: largest metric/logprob difference {worst:.2e}, weight difference {difference:.2e}")
+        assert difference <= ATOL
+        assert all(torch.equal(base[key], weights[key]) for key in weights), "the patched weights differ"
+        assert delta.digest(base) == change.digest
+    finally:
+        trainer.close()
+
+
+def test_context_parallelism_on_the_cpu_is_refused_naming_trainer_cp(sockets, tiny_llama):
+    options = {"fine_tuning": "lora", "cp": 2}
+    with pytest.raises(BadRequest, match=r"openrl.trainer_cp > 1 needs GPUs.*got cp=2 on cpu") as refused:
+        start(sockets, Start("automodel_trainer", str(tiny_llama), "cpu", threads=1, options=options), 1)
+    assert refused.value.key == "trainer_cp"
