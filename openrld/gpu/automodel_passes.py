@@ -17,6 +17,8 @@ How a pass runs on N data-parallel ranks:
   not raises its `BadRequest`; the others stop too and add nothing (every rank's earlier
   gradients are set aside and put back, `scoring.gradients_set_aside`), so a failed
   request adds no gradient anywhere;
+- after every pass, every FSDP unit frees its gathered weights (`_reshard`): a forward
+  with no backward after it would otherwise leave some units on stale whole weights;
 - FSDP sums the ranks' gradients (its divide factor is set to 1 by the trainer), and
   every loss is a sum over datums, so the gradient is the one-process gradient; the
   metrics are summed over the ranks and the log-probabilities gathered to rank 0, in
@@ -35,6 +37,7 @@ import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult
 from openrld.errors import BadRequest
@@ -102,6 +105,8 @@ class ShardedPasses:
                 logprobs, metrics = self._rounds(batches, requests)
         except _PeerFailed:
             return [ForwardBackwardResult(logprobs=[], metrics={}) for _ in batches]
+        finally:
+            self._reshard()
         self.calls += len(batches)
         self.tokens += sum(len(datum.tokens) for batch in batches for datum in batch.data)
         return self._gathered(batches, requests, logprobs, metrics)
@@ -161,6 +166,15 @@ class ShardedPasses:
                 metrics[r][key] += value
         assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
         return total, None
+
+    def _reshard(self) -> None:
+        """Free every unit's gathered weights. A unit that keeps them after its forward
+        (reshard_after_forward off, as for the last layers) frees them in its backward; after a
+        forward with no backward (forward_only, or a pass that stopped) they would stay, and the
+        next forward would run on them after optim_step has moved the shards."""
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _empty_pass(self) -> torch.Tensor:
         """A forward (and, with grad, a zero backward) through every FSDP unit: one token, loss 0."""

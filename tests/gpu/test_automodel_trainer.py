@@ -48,6 +48,7 @@ TIMEOUTS = WorkerTimeouts(hello_s=180.0, heartbeat_s=1.0, deadline_s=180.0, stop
 MAX_BATCH_TOKENS = 24  # datums of 5-12 tokens: several micro-batches per request, so both ranks score
 STEPS = 5
 SAVE_AT = 3
+POISONED_AT = 1
 ATOL = 1e-5  # fp32 over 5 AdamW steps; the ranks only change the order of the gradient sums
 ADAM = AdamParams(learning_rate=5e-3, grad_clip_norm=5.0)
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
@@ -93,11 +94,35 @@ def single(directory: Path, model: Path, kind: str) -> RemoteTrainer:
     return start(directory, Start(kind, str(model), "cpu", threads=2, options={"max_batch_tokens": MAX_BATCH_TOKENS}), 1)
 
 
-def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None) -> list[list]:
-    """The results of `steps`; with `save_to`, the state (with optimizer) after step SAVE_AT."""
-    results = []
+def poisoned() -> ForwardBackwardBatch:
+    """A request whose loss is inf on rank 1 alone: datums of 12, 12 and 5 tokens plan as [12, 12]
+    (rank 0) and [5] (rank 1), and the 5-token datum's ratio is exp(lp + 1000)."""
+    data = []
+    for n, sampled in ((12, -5.95), (12, -5.95), (5, -1000.0)):
+        inputs = {
+            "target_tokens": np.arange(n) + 1, "advantages": np.ones(n, np.float32),
+            "logprobs": np.full(n, sampled, np.float32),
+        }
+        data.append(TrainDatum(tokens=np.arange(n) + 20, inputs=inputs))
+    return ForwardBackwardBatch(data=data, loss_fn="importance_sampling", loss_config={}, forward_only=False)
+
+
+def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None, refusals: list[str] | None = None) -> list[list]:
+    """The results of `steps`; with `save_to`, the state (with optimizer) after step SAVE_AT.
+
+    At step POISONED_AT the pass and the step are two calls, with a request whose loss is not
+    finite between them: it must add nothing, so the run goes on as if it had not been sent.
+    """
+    results, refusals = [], [] if refusals is None else refusals
     for step in steps:
-        passes, stepped = trainer.forward_backward_then_step("job", step_batches(step), ADAM)
+        if step == POISONED_AT:
+            passes = trainer.forward_backward_many("job", step_batches(step))
+            with pytest.raises(BadRequest, match=r"loss for 'importance_sampling' is not finite \(-inf\)") as refused:
+                trainer.forward_backward("job", poisoned())
+            refusals.append(str(refused.value))
+            stepped = trainer.optim_step("job", ADAM)
+        else:
+            passes, stepped = trainer.forward_backward_then_step("job", step_batches(step), ADAM)
         assert not isinstance(stepped, Exception), stepped
         results.append([passes, stepped])
         if save_to is not None and step + 1 == SAVE_AT:
@@ -106,21 +131,22 @@ def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None) -> 
     return results
 
 
-def assert_runs_agree(ours: list[list], theirs: list[list]) -> float:
-    """Every metric and log-probability within ATOL; returns the largest difference seen."""
-    worst = 0.0
+def assert_runs_agree(ours: list[list], theirs: list[list]) -> str:
+    """Every log-probability within ATOL, every metric (sums of ~100) within ATOL relative;
+    returns the largest differences seen, for the log."""
+    worst_lp = worst_metric = 0.0
     for (passes, stepped), (their_passes, their_stepped) in zip(ours, theirs, strict=True):
         for mine, reference in zip(passes, their_passes, strict=True):
             assert mine.metrics.keys() == reference.metrics.keys()
             for key, value in mine.metrics.items():
-                worst = max(worst, abs(value - reference.metrics[key]))
+                worst_metric = max(worst_metric, abs(value - reference.metrics[key]) / max(1.0, abs(value)))
                 assert value == pytest.approx(reference.metrics[key], abs=ATOL, rel=ATOL), key
             for lp, their_lp in zip(mine.logprobs, reference.logprobs, strict=True):
                 assert lp.shape == their_lp.shape
-                worst = max(worst, float(np.abs(lp - their_lp).max()))
+                worst_lp = max(worst_lp, float(np.abs(lp - their_lp).max()))
                 np.testing.assert_allclose(lp, their_lp, atol=ATOL, rtol=0)
         assert stepped.metrics["grad_norm:mean"] == pytest.approx(their_stepped.metrics["grad_norm:mean"], rel=ATOL)
-    return worst
+    return f"logprobs {worst_lp:.2e}, metrics {worst_metric:.2e} relative"
 
 
 def max_weight_difference(ours, theirs) -> float:
@@ -145,20 +171,37 @@ def lora_run(tmp_path_factory, sockets, tiny_llama):
     theirs = train(reference, range(STEPS))
     their_weights = reference.adapter_tensors("job")
     reference.close()
+    alone = start(sockets, Start("automodel_trainer", str(tiny_llama), "cpu", threads=2, options={"fine_tuning": "lora"}), 1)
+    alone.add_adapter("init", SPEC, "adamw")
+    init_alone = local_payload(alone.adapter_tensors("init"))
+    alone.close()
     trainer = group(sockets, tiny_llama, "lora")
+    trainer.add_adapter("init", SPEC, "adamw")
+    init_group = local_payload(trainer.adapter_tensors("init"))
+    trainer.drop_adapter("init")
     trainer.load_state("job", root / "start", SPEC, False, "adamw")
-    ours = train(trainer, range(STEPS), save_to=root / "step3")
-    yield trainer, root, ours, theirs, their_weights
+    refusals: list[str] = []
+    ours = train(trainer, range(STEPS), save_to=root / "step3", refusals=refusals)
+    yield trainer, root, ours, theirs, their_weights, (init_alone, init_group), refusals
     trainer.close()
 
 
 def test_two_ranks_train_lora_as_one_process_does_with_every_loss(lora_run):
-    trainer, _, ours, theirs, their_weights = lora_run
+    trainer, _, ours, theirs, their_weights, _, refusals = lora_run
     worst = assert_runs_agree(ours, theirs)
+    # The poisoned request failed on rank 1 alone, and added nothing on either rank.
+    assert refusals and refusals[0].startswith("rank 1 of 2 failed: loss for 'importance_sampling'"), refusals
     weights = trainer.adapter_tensors("job")
     difference = max_weight_difference(weights, their_weights)
-    print(f"lora parity: largest metric/logprob difference {worst:.2e}, weight difference {difference:.2e}")
+    print(f"lora parity: largest differences: {worst}, weights {difference:.2e}")
     assert difference <= ATOL
+
+
+def test_a_seeded_lora_starts_the_same_on_two_ranks_as_on_one(lora_run):
+    init_alone, init_group = lora_run[5]
+    assert init_alone.keys() == init_group.keys()
+    assert all(torch.equal(init_alone[key], init_group[key]) for key in init_alone)
+    assert any(float(t.abs().sum()) > 0 for key, t in init_group.items() if "lora_A" in key)
 
 
 def test_a_second_job_and_dimuon_are_refused_by_name(lora_run):
@@ -193,7 +236,7 @@ def test_the_exported_adapter_gives_peft_the_groups_logprobs(lora_run, tiny_llam
 
 
 def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, tiny_llama):
-    trainer, root, ours, _, _ = lora_run
+    trainer, root, ours, _, _, _, _ = lora_run
     weights = local_payload(trainer.adapter_tensors("job"))
     trainer.close()  # two groups do not fit two cores at once
     fresh = group(sockets, tiny_llama, "lora")
@@ -230,7 +273,7 @@ def test_two_ranks_train_every_weight_as_one_process_does_and_sync_it_by_delta(s
         weights = local_payload(trainer.adapter_tensors("job"))
         worst = assert_runs_agree(ours, theirs)
         difference = max_weight_difference(weights, their_weights)
-        print(f"full parity: largest metric/logprob difference {worst:.2e}, weight difference {difference:.2e}")
+        print(f"full parity: largest differences: {worst}, weights {difference:.2e}")
         assert difference <= ATOL
         assert all(torch.equal(base[key], weights[key]) for key in weights), "the patched weights differ"
         assert delta.digest(base) == change.digest
