@@ -10,8 +10,10 @@ one of two modes (option `fine_tuning`):
 - "full": every weight trains; the model is built with the engine.
 It then runs the job's `forward_backward*` (`automodel_passes`: the built-in losses of
 `gpu/losses.py`, the datums split over the data-parallel ranks), `optim_step` (the
-`optim.AdamW` of the single-device trainers, over each rank's shards, clipped by the
-global norm over all shards), weight sync, and saving and loading of its state.
+optimizers of the single-device trainers, `gpu/optim.py`: AdamW over each rank's shards,
+clipped by the global norm over all shards; Dimuon, LoRA only, over whole matrices
+gathered at each step, since it is not elementwise), weight sync, and saving and loading
+of its state.
 
 Guarantees:
 - the job's losses, metrics, log-probabilities and weights are the one-process ones up
@@ -28,12 +30,11 @@ Guarantees:
 - full fine-tuning's weight sync is computed where the shards are (`automodel_shards`):
   no rank holds more than one whole tensor on its device at a time.
 
-Refused, by name: a second job (one job per engine: its devices are its own); Dimuon
-(its Newton–Schulz step needs whole matrices and its row/column statistics whole rows
-and columns, while FSDP2 shards every matrix by rows); context parallelism (cp > 1) on
-a CPU device (PyTorch's context-parallel attention has no sharding rules for the CPU's
-SDPA kernel, and Automodel's own Llama and Qwen3 need Transformer Engine for it) and,
-for now, on a GPU too (its Automodel path is not built here yet); parking on a GPU.
+Refused, by name: a second job (one job per engine: its devices are its own); Dimuon for
+full fine-tuning (as `full_trainer`); context parallelism (cp > 1) on a CPU device
+(PyTorch's context-parallel attention has no sharding rules for the CPU's SDPA kernel,
+and Automodel's own Llama and Qwen3 need Transformer Engine for it) and, for now, on a
+GPU too (its Automodel path is not built here yet); parking on a GPU.
 
 What it does not do: import trio; anything but rank 0's return values reach the daemon.
 The Automodel import stays inside this module: the daemon's environment lacks it.
@@ -49,15 +50,16 @@ from pathlib import Path
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from openrld.batches import AdamParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.automodel_passes import ShardedPasses
 from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, gather_concat, global_norm, local_view, shard_of, whole
 from openrld.gpu.full_trainer import FullTrainerState
 from openrld.gpu.models import ATTN_MODULES, MLP_MODULES, pick_dtype
-from openrld.gpu.optim import AdamW, validate_adam_params
+from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
 from openrld.gpu.peft_export import save_peft_adapter
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
@@ -68,11 +70,7 @@ logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."  # peft's state-dict keys are the model's names under this
 LORA_ALPHA = 32  # as models.lora_config: alpha 32 whatever the rank (Tinker's)
-DIMUON_REFUSAL = (
-    "dimuon is not supported by the automodel trainer: its Newton-Schulz step needs whole LoRA matrices and its "
-    "row and column statistics whole rows and columns, while FSDP2 shards every matrix by rows over the devices; "
-    "use adamw, or trainer_backend=pytorch"
-)
+DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
 CPU_CP_REFUSAL = (
     "openrl.trainer_cp > 1 needs GPUs: PyTorch's context-parallel attention has no sharding rules for the CPU's "
     "SDPA kernel, and Automodel's own Llama and Qwen3 need Transformer Engine attention for it; got cp={cp} on {device}"
@@ -182,6 +180,60 @@ class _ShardedAdamW:
         self.inner.reset()
 
 
+class _WholeDimuon:
+    """`optim.Dimuon` over whole LoRA matrices, stepped alike on every rank.
+
+    Dimuon is not elementwise: its direction needs each matrix whole (row and column
+    statistics, a Newton-Schulz iteration), and FSDP2 shards every matrix by rows. LoRA
+    matrices are small (r x n, m x r), so each step gathers every matrix and its gradient
+    whole, on the device; every rank runs the same Dimuon step on the same whole tensors,
+    so every rank computes the same update, and keeps its own rows of it. The momentum is
+    kept whole on every rank (one r x n or m x r tensor per matrix).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int) -> None:
+        self._params = params
+        self._whole = {name: _whole_on_device(p) for name, p in params.items()}
+        self.inner = Dimuon(self._whole, rank)
+
+    @property
+    def steps_done(self) -> int:
+        return self.inner.steps_done
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        self.inner.zero_grad()
+
+    def step(self, params: DimuonParams) -> dict[str, float]:
+        validate_dimuon_params(params)  # invalid: BadRequest with the gradients kept
+        with torch.no_grad():
+            for name, param in self._params.items():
+                self._whole[name].copy_(_whole_on_device(param))  # the weights as they are now (a load may have moved them)
+                self._whole[name].grad = None if param.grad is None else _whole_on_device(param.grad)
+        try:
+            metrics = self.inner.step(params)
+        finally:
+            # What Dimuon did with the whole gradients (spent, dropped, or kept), the shards' follow.
+            for name, param in self._params.items():
+                if self._whole[name].grad is None:
+                    param.grad = None
+        with torch.no_grad():
+            for name, param in self._params.items():
+                local_view(param).copy_(shard_of(self._whole[name], param))
+        return metrics
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The momentum (whole already), on rank 0; {} on the others."""
+        return self.inner.state_tensors() if dist.get_rank() == 0 else {}
+
+    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
+        self.inner.load_state_tensors(flat)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
 class AutomodelTrainer(train_steps.TrainsInPasses):
     """One job's trainer over the ranks of a group; every call runs on every rank alike."""
 
@@ -220,7 +272,8 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._spec: LoraSpec | None = None
         self._model: torch.nn.Module | None = None
         self._params: dict[str, torch.nn.Parameter] = {}  # trainable: peft key (LoRA) or model name (full)
-        self._optimizer: _ShardedAdamW | None = None
+        self._optimizer: _ShardedAdamW | _WholeDimuon | None = None
+        self._family = "adamw"  # the job's optimizer family, fixed when it opens
         self._passes: ShardedPasses | None = None  # type: ignore[assignment]
         self._weights: ShardedWeights | None = None
         self._synced_version: str | None = None
@@ -235,11 +288,10 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         """Open the engine's one job: for LoRA, build the model with `spec`'s adapter.
 
         Raises:
-            Conflict: a job is open.  BadRequest: `optimizer` is not "adamw" (Dimuon: see
-            the module docstring), or a LoRA job without a spec or with rank < 1.
+            Conflict: a job is open.  BadRequest: an unknown optimizer family, Dimuon for full
+            fine-tuning, or a LoRA job without a spec or with rank < 1.
         """
-        if optimizer != "adamw":
-            raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer")
+        _check_family(optimizer, self.options.fine_tuning)
         if self._job is not None:
             raise Conflict(
                 f"this automodel trainer already serves model {self._job}; it serves one job (its devices are its own)"
@@ -249,7 +301,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
                 raise BadRequest("a LoRA job needs its LoraSpec; got none (a full fine-tuning job?)")
             if spec.rank < 1:
                 raise BadRequest(f"LoRA rank must be >= 1; got {spec.rank}", key="rank")
-            self._build(spec)
+            self._build(spec, optimizer)
             self._spec = spec
         else:
             for param in self._params.values():
@@ -312,10 +364,10 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._get(name)
         return self._params.values()
 
-    def _stepper(self, name: str) -> tuple[str, _ShardedAdamW]:  # type: ignore[override]
+    def _stepper(self, name: str) -> tuple[str, _ShardedAdamW | _WholeDimuon]:  # type: ignore[override]
         self._get(name)
         assert self._optimizer is not None
-        return "adamw", self._optimizer
+        return self._family, self._optimizer
 
     def forward_backward_many(self, name: str, batches: Sequence[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
         """`TrainsInPasses.forward_backward_many`, once the job is known to be open (NotFound)."""
@@ -367,7 +419,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         if self.options.fine_tuning == "lora":
             assert self._spec is not None
             state: msgspec.Struct = TrainerState(
-                format_version=STATE_FORMAT_VERSION, lora=self._spec, optimizer="adamw",
+                format_version=STATE_FORMAT_VERSION, lora=self._spec, optimizer=self._family,
                 optimizer_steps=self._optimizer.steps_done, has_optimizer_state=with_optimizer,
             )
         else:
@@ -388,11 +440,11 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
 
         Raises:
             BadRequest: not weights of this kind, a spec other than the checkpoint's, tensors
-                missing or of another shape, "checkpoint has no optimizer state", Dimuon.
+                missing or of another shape, "checkpoint has no optimizer state", an optimizer
+                family other than the job's or the checkpoint's.
             Conflict: another job is open.
         """
-        if optimizer != "adamw":
-            raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer")
+        _check_family(optimizer, self.options.fine_tuning)
         if self._job is not None and self._job != name:
             raise Conflict(f"this automodel trainer already serves model {self._job}; it serves one job")
         if self.options.fine_tuning == "lora":
@@ -412,8 +464,18 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             raise BadRequest(
                 f"checkpoint has no optimizer state ({directory.name!r} holds weights only)", key="optimizer"
             )
+        if with_optimizer and _stored_family(directory) != optimizer:
+            raise BadRequest(
+                f"checkpoint {directory.name!r} holds {_stored_family(directory)!r} optimizer state; the model uses "
+                f"{optimizer!r}: cannot override restored optimizer state",
+                key="optimizer",
+            )
         if self._job is None:
             self.add_adapter(name, spec, optimizer)
+        elif self._family != optimizer:
+            raise BadRequest(
+                f"model {name} uses optimizer {self._family!r}; cannot load it as {optimizer!r}", key="optimizer"
+            )
         _check_same_tensors(directory.name, self._params, tensors)
         assert self._optimizer is not None
         if with_optimizer:
@@ -487,7 +549,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
 
     # ------------------------------------------------------------ internals
 
-    def _build(self, spec: LoraSpec | None) -> None:
+    def _build(self, spec: LoraSpec | None, family: str = "adamw") -> None:
         """Load and shard the model (with `spec`'s LoRA), then its passes, optimizer and sync."""
         from openrld.gpu.automodel_shims import on_device
 
@@ -532,7 +594,8 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             _seeded_lora_init(self._params, spec.seed)
         self._model = model
         self._passes = ShardedPasses(model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp)
-        self._optimizer = _ShardedAdamW(self._params)
+        self._family = family
+        self._optimizer = _ShardedAdamW(self._params) if family == "adamw" else _WholeDimuon(self._params, spec.rank)  # type: ignore[union-attr]
         if spec is None:
             self._weights = ShardedWeights(self._params, keep_shadow=self.options.weight_sync == "delta")
 
@@ -558,6 +621,13 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             )
 
 
+def _whole_on_device(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor where its shards are (an all-gather for a DTensor; a detached copy otherwise)."""
+    if isinstance(tensor, DTensor):
+        return tensor.detach().full_tensor()
+    return tensor.detach().clone()
+
+
 def _check_options(options: AutomodelOptions) -> None:
     if options.fine_tuning not in ("lora", "full"):
         raise BadRequest(f"fine_tuning: expected 'lora' or 'full', got {options.fine_tuning!r}", key="fine_tuning_type")
@@ -565,6 +635,21 @@ def _check_options(options: AutomodelOptions) -> None:
         raise BadRequest(f"weight_sync: expected 'full' or 'delta', got {options.weight_sync!r}", key="weight_sync")
     if options.cp < 1:
         raise BadRequest(f"trainer_cp must be >= 1; got {options.cp}", key="trainer_cp")
+
+
+def _check_family(optimizer: str, fine_tuning: str) -> None:
+    if optimizer not in ("adamw", "dimuon"):
+        raise BadRequest(f"unsupported optimizer type {optimizer!r}; supported: adamw, dimuon", key="optimizer")
+    if optimizer == "dimuon" and fine_tuning == "full":
+        raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer_config")
+
+
+def _stored_family(directory: Path) -> str:
+    """The optimizer family a state checkpoint's state.json names ("adamw" when it names none)."""
+    path = directory / STATE_FILE
+    if not path.is_file():
+        return "adamw"
+    return str(msgspec.json.decode(path.read_bytes()).get("optimizer", "adamw"))
 
 
 def _ensure_process_group(device: torch.device) -> None:

@@ -12,7 +12,8 @@ LoRA, FullTrainer for full fine-tuning) in the same environment, from the same s
 - sampling: the exported adapter loads in peft, whose log-probabilities match the group's
   forward; a full fine-tuning delta, applied to the base weights, gives the group's weights
   bit for bit, and its digest;
-- refusals: a second job, Dimuon, cp > 1 on the CPU.
+- Dimuon (LoRA) over whole matrices on 2 ranks as in one process;
+- refusals: a second job, Dimuon params to an AdamW job, cp > 1 on the CPU.
 
 The Automodel environment is `.venv-automodel` at the repository root (`make automodel-env`);
 without it every test here is skipped. Each group start costs ~20 s of imports on 2 cores, so
@@ -107,7 +108,10 @@ def poisoned() -> ForwardBackwardBatch:
     return ForwardBackwardBatch(data=data, loss_fn="importance_sampling", loss_config={}, forward_only=False)
 
 
-def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None, refusals: list[str] | None = None) -> list[list]:
+def train(
+    trainer: RemoteTrainer, steps: range, save_to: Path | None = None, refusals: list[str] | None = None,
+    params: AdamParams | DimuonParams = ADAM,
+) -> list[list]:
     """The results of `steps`; with `save_to`, the state (with optimizer) after step SAVE_AT.
 
     At step POISONED_AT the pass and the step are two calls, with a request whose loss is not
@@ -120,9 +124,9 @@ def train(trainer: RemoteTrainer, steps: range, save_to: Path | None = None, ref
             with pytest.raises(BadRequest, match=r"loss for 'importance_sampling' is not finite \(-inf\)") as refused:
                 trainer.forward_backward("job", poisoned())
             refusals.append(str(refused.value))
-            stepped = trainer.optim_step("job", ADAM)
+            stepped = trainer.optim_step("job", params)
         else:
-            passes, stepped = trainer.forward_backward_then_step("job", step_batches(step), ADAM)
+            passes, stepped = trainer.forward_backward_then_step("job", step_batches(step), params)
         assert not isinstance(stepped, Exception), stepped
         results.append([passes, stepped])
         if save_to is not None and step + 1 == SAVE_AT:
@@ -182,12 +186,13 @@ def lora_run(tmp_path_factory, sockets, tiny_llama):
     trainer.load_state("job", root / "start", SPEC, False, "adamw")
     refusals: list[str] = []
     ours = train(trainer, range(STEPS), save_to=root / "step3", refusals=refusals)
-    yield trainer, root, ours, theirs, their_weights, (init_alone, init_group), refusals
+    our_weights = local_payload(trainer.adapter_tensors("job"))
+    yield trainer, root, ours, (theirs, their_weights, our_weights), (init_alone, init_group), refusals
     trainer.close()
 
 
 def test_two_ranks_train_lora_as_one_process_does_with_every_loss(lora_run):
-    trainer, _, ours, theirs, their_weights, _, refusals = lora_run
+    trainer, _, ours, (theirs, their_weights, _), _, refusals = lora_run
     worst = assert_runs_agree(ours, theirs)
     # The poisoned request failed on rank 1 alone, and added nothing on either rank.
     assert refusals and refusals[0].startswith("rank 1 of 2 failed: loss for 'importance_sampling'"), refusals
@@ -198,7 +203,7 @@ def test_two_ranks_train_lora_as_one_process_does_with_every_loss(lora_run):
 
 
 def test_a_seeded_lora_starts_the_same_on_two_ranks_as_on_one(lora_run):
-    init_alone, init_group = lora_run[5]
+    init_alone, init_group = lora_run[4]
     assert init_alone.keys() == init_group.keys()
     assert all(torch.equal(init_alone[key], init_group[key]) for key in init_alone)
     assert any(float(t.abs().sum()) > 0 for key, t in init_group.items() if "lora_A" in key)
@@ -235,9 +240,25 @@ def test_the_exported_adapter_gives_peft_the_groups_logprobs(lora_run, tiny_llam
     assert difference <= 1e-5
 
 
+def test_dimuon_over_whole_matrices_steps_two_ranks_as_one_process(lora_run, sockets, tiny_llama):
+    trainer, root = lora_run[0], lora_run[1]
+    dimuon = DimuonParams(learning_rate=2e-3, grad_clip_norm=5.0)
+    reference = single(sockets, tiny_llama, "lora_trainer")
+    reference.load_state("job", root / "start", SPEC, False, "dimuon")
+    theirs = train(reference, range(3), params=dimuon)
+    their_weights = reference.adapter_tensors("job")
+    reference.close()
+    trainer.drop_adapter("job")
+    trainer.load_state("job", root / "start", SPEC, False, "dimuon")
+    ours = train(trainer, range(3), params=dimuon)
+    worst = assert_runs_agree(ours, theirs)
+    difference = max_weight_difference(trainer.adapter_tensors("job"), their_weights)
+    print(f"dimuon parity: largest differences: {worst}, weights {difference:.2e}")
+    assert difference <= ATOL
+
+
 def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, tiny_llama):
-    trainer, root, ours, _, _, _, _ = lora_run
-    weights = local_payload(trainer.adapter_tensors("job"))
+    trainer, root, ours, (_, _, weights), _, _ = lora_run
     trainer.close()  # two groups do not fit two cores at once
     fresh = group(sockets, tiny_llama, "lora")
     try:
