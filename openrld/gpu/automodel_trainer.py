@@ -25,7 +25,8 @@ Guarantees:
   the same numbers);
 - files are the single-device trainers' formats, written by rank 0: LoRA state and
   sampler weights in `lora_io` form, with `torch_trainer`'s state.json and optimizer
-  file, and `export_adapter` in HF-PEFT form (peft loads it); full fine-tuning in
+  file, and `export_adapter` in HF-PEFT form by Automodel's `Checkpointer` (peft loads it,
+  bit-identical to `adapter_tensors`); full fine-tuning in
   `full_io` form with `full_trainer`'s state.json. Either trainer loads the other's;
 - full fine-tuning's weight sync is computed where the shards are (`automodel_shards`):
   no rank holds more than one whole tensor on its device at a time.
@@ -42,8 +43,10 @@ The Automodel import stays inside this module: the daemon's environment lacks it
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -60,7 +63,7 @@ from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, gather_co
 from openrld.gpu.full_trainer import FullTrainerState
 from openrld.gpu.models import ATTN_MODULES, MLP_MODULES, pick_dtype
 from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
-from openrld.gpu.peft_export import save_peft_adapter
+from openrld.gpu.peft_export import PEFT_CONFIG, PEFT_WEIGHTS
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
 
@@ -68,6 +71,7 @@ __all__ = ["AutomodelOptions", "AutomodelStatistics", "AutomodelTrainer"]
 
 logger = logging.getLogger(__name__)
 
+EXPORT_STAGING = ".automodel-export"  # inside the export's directory: Checkpointer writes there first
 PEFT_PREFIX = "base_model.model."  # peft's state-dict keys are the model's names under this
 LORA_ALPHA = 32  # as models.lora_config: alpha 32 whatever the rank (Tinker's)
 DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
@@ -274,6 +278,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._params: dict[str, torch.nn.Parameter] = {}  # trainable: peft key (LoRA) or model name (full)
         self._optimizer: _ShardedAdamW | _WholeDimuon | None = None
         self._family = "adamw"  # the job's optimizer family, fixed when it opens
+        self._peft_config = None  # Automodel's PeftConfig of the LoRA job (for its Checkpointer)
         self._passes: ShardedPasses | None = None  # type: ignore[assignment]
         self._weights: ShardedWeights | None = None
         self._synced_version: str | None = None
@@ -388,22 +393,41 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         return full_io.save_full(directory, tensors)
 
     def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
-        """Write the adapter in HF-PEFT form (`peft.PeftModel.from_pretrained` reads it).
+        """Write the adapter in HF-PEFT form (`peft.PeftModel.from_pretrained` reads it) with
+        Automodel's `Checkpointer`: `adapter_model.safetensors` and `adapter_config.json`
+        (naming `base_model`) into the empty `directory`, every file fsynced. Bytes written.
 
         Raises:
             NotSupportedYet: a full fine-tuning job has no adapter.
         """
+        from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+        from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+
         self._get(name)
         if self.options.fine_tuning == "full":
             raise NotSupportedYet(
                 "save_weights_external is not supported yet for full fine-tuning; save_weights_for_sampler with a "
                 "name writes the full weights as safetensors (model.safetensors)"
             )
-        tensors = self._whole_params()
+        staging = directory / EXPORT_STAGING
+        config = CheckpointingConfig(
+            enabled=True, checkpoint_dir=str(staging), model_save_format="safetensors", model_repo_id=base_model,
+            save_consolidated=False, is_peft=True,
+        )
+        checkpointer = Checkpointer(config, dp_rank=self.rank // self.options.cp, tp_rank=0, pp_rank=0, moe_mesh=None)
+        checkpointer.save_model(self._model, str(staging), peft_config=self._peft_config)  # rank 0 writes
         if self.rank != 0:
             return 0
-        assert self._spec is not None
-        return save_peft_adapter(directory, tensors, self._spec, base_model)
+        written = staging / "model"  # Checkpointer.save_model's layout: <path>/model/<peft files>
+        size = 0
+        for filename in (PEFT_WEIGHTS, PEFT_CONFIG):
+            data = (written / filename).read_bytes()
+            if filename == PEFT_CONFIG:  # name the base model as the caller does, not as this node's path
+                data = json.dumps({**json.loads(data), "base_model_name_or_path": base_model}, indent=2, sort_keys=True).encode()
+            size += lora_io.write_synced(directory / filename, data)
+        shutil.rmtree(staging)
+        lora_io.fsync_directory(directory)
+        return size
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json` into
@@ -573,6 +597,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             peft_config = PeftConfig(
                 target_modules=_lora_targets(spec), dim=spec.rank, alpha=LORA_ALPHA, dropout=0.0, lora_A_init="kaiming",
             )
+        self._peft_config = peft_config
         with on_device(self.device):
             model = NeMoAutoModelForCausalLM.from_pretrained(
                 self._model_dir, distributed_setup=setup, peft_config=peft_config, force_hf=True, dtype=self._dtype,

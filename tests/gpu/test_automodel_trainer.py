@@ -225,7 +225,13 @@ def test_the_exported_adapter_gives_peft_the_groups_logprobs(lora_run, tiny_llam
     export = tmp_path / "export"
     export.mkdir()
     trainer.export_adapter("job", export, str(tiny_llama))
-    assert json.loads((export / "adapter_config.json").read_text())["r"] == SPEC.rank
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in export.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (SPEC.rank, 32, str(tiny_llama))
+    exported, trained = load_file(str(export / "adapter_model.safetensors")), local_payload(trainer.adapter_tensors("job"))
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
     datum = step_batches(0)[0].data[0]
     scored = trainer.forward_backward(
         "job", ForwardBackwardBatch(data=[datum], loss_fn="cross_entropy", loss_config={}, forward_only=True)
