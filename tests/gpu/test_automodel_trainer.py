@@ -276,7 +276,7 @@ def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, ti
         fresh.close()
 
 
-def test_two_ranks_train_every_weight_as_one_process_does_and_sync_it_by_delta(sockets, tiny_llama, tmp_path):
+def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_resume(sockets, tiny_llama, tmp_path):
     from safetensors.torch import load_file
 
     from openrld.gpu import delta
@@ -293,7 +293,7 @@ def test_two_ranks_train_every_weight_as_one_process_does_and_sync_it_by_delta(s
         first = train(trainer, range(2))
         change = local_payload(trainer.sampler_payload("job", "v1"))
         delta.apply_delta(base, change)
-        ours = first + train(trainer, range(2, STEPS))
+        ours = first + train(trainer, range(2, STEPS), save_to=tmp_path / "step3")
         change = local_payload(trainer.sampler_payload("job", "v2"))
         assert change.base_version == "v1" and change.mode == "delta"
         delta.apply_delta(base, change)
@@ -304,6 +304,12 @@ def test_two_ranks_train_every_weight_as_one_process_does_and_sync_it_by_delta(s
         assert difference <= ATOL
         assert all(torch.equal(base[key], weights[key]) for key in weights), "the patched weights differ"
         assert delta.digest(base) == change.digest
+        # Resume: the state saved at step 3 (whole weights and AdamW moments, from the shards)
+        # takes the group back there, and the last two steps come out the same.
+        trainer.load_state("job", tmp_path / "step3", None, True, "adamw")
+        resumed = train(trainer, range(SAVE_AT, STEPS))
+        assert_runs_agree(resumed, ours[SAVE_AT:])
+        assert max_weight_difference(trainer.adapter_tensors("job"), weights) <= 1e-6
     finally:
         trainer.close()
 
