@@ -24,16 +24,19 @@ What it does not do: know about requests, losses or optimizers, or import trio.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
+import safetensors
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from openrld.errors import BadRequest
 from openrld.gpu import delta
 
-__all__ = ["ShardedWeights", "gather_bytes", "gather_concat", "global_norm", "local_rows", "local_view", "whole"]
+__all__ = ["ShardedWeights", "gather_bytes", "gather_concat", "global_norm", "local_rows", "local_view", "read_rows", "shard_of", "whole"]
 
 
 def local_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -70,8 +73,9 @@ def whole(param: torch.Tensor) -> torch.Tensor:
 
 
 def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of the whole tensor `full`, for a parameter laid out as `like`."""
-    if not isinstance(like, DTensor):
+    """This rank's rows of the whole tensor `full`, for a parameter laid out as `like` (a tensor
+    that already has the local shape, as `read_rows` gives, is taken as it is)."""
+    if not isinstance(like, DTensor) or tuple(full.shape) == tuple(like.to_local().shape):
         return full
     _check_sharding(like)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,6 +83,37 @@ def shard_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     part = full[start:stop]
     assert part.shape == like.to_local().shape, f"shard {tuple(part.shape)} != local {tuple(like.to_local().shape)}"
     return part
+
+
+def read_rows(path: Path, like: Callable[[str], torch.Tensor | None]) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.Tensor]]:
+    """Every tensor's whole shape in a safetensors file, and this rank's rows of each tensor laid
+    out as a sharded parameter (`like(key)` names it; others are read whole), reading no other rows.
+
+    A rank reads its share of a checkpoint, not the whole of it, so N ranks hold one copy of
+    the weights between them while they load.
+
+    Raises:
+        BadRequest: the file is missing or is not safetensors.
+    """
+    if not path.is_file():
+        raise BadRequest(f"checkpoint {path.parent.name!r} has no {path.name}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as file:
+            for key in file.keys():
+                part = file.get_slice(key)
+                shape = tuple(part.get_shape())
+                shapes[key] = shape
+                param = like(key)
+                if isinstance(param, DTensor) and shape == tuple(param.shape) and shape:
+                    start, stop = local_rows(shape[0], dist.get_rank(), dist.get_world_size())
+                    tensors[key] = part[start:stop]
+                else:
+                    tensors[key] = file.get_tensor(key)
+    except safetensors.SafetensorError as error:
+        raise BadRequest(f"checkpoint {path.parent.name!r}: {path.name} is not valid safetensors: {error}") from error
+    return shapes, tensors
 
 
 def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:

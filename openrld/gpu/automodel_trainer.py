@@ -59,7 +59,9 @@ from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, Forw
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.automodel_passes import ShardedPasses
-from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, gather_concat, global_norm, local_view, shard_of, whole
+from openrld.gpu.automodel_shards import (
+    ShardedWeights, gather_bytes, gather_concat, global_norm, local_view, read_rows, shard_of, whole,
+)
 from openrld.gpu.full_trainer import FullTrainerState
 from openrld.gpu.models import ATTN_MODULES, MLP_MODULES, pick_dtype
 from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
@@ -168,8 +170,13 @@ class _ShardedAdamW:
                 gathered[key] = joined.reshape(tuple(self._params[name].shape))
         return gathered if dist.get_rank() == 0 else {}
 
+    def param_of(self, key: str) -> torch.Tensor | None:
+        """The parameter a state key ("<name>.exp_avg", ...) is laid out as; None for a step count."""
+        name, _, suffix = key.rpartition(".")
+        return None if suffix == "step" else self._params.get(name)
+
     def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
-        """Take whole-tensor AdamW state (any trainer's), each rank keeping its rows."""
+        """Take AdamW state (any trainer's), whole or already this rank's rows, each rank keeping its rows."""
         mine = {}
         for key, tensor in flat.items():
             name, _, suffix = key.rpartition(".")
@@ -230,6 +237,10 @@ class _WholeDimuon:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The momentum (whole already), on rank 0; {} on the others."""
         return self.inner.state_tensors() if dist.get_rank() == 0 else {}
+
+    def param_of(self, key: str) -> None:
+        """None: the momentum is kept whole on every rank, so every rank reads it whole."""
+        return None
 
     def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
         self.inner.load_state_tensors(flat)
@@ -472,7 +483,10 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         if self._job is not None and self._job != name:
             raise Conflict(f"this automodel trainer already serves model {self._job}; it serves one job")
         if self.options.fine_tuning == "lora":
-            tensors, stored = lora_io.load_adapter(directory)
+            stored = lora_io.read_meta(
+                directory, lora_io.ADAPTER_META, lora_io.AdapterMeta, lora_io.FORMAT_VERSION, kind="adapter",
+                is_not="a LoRA adapter",
+            ).lora
             spec = spec or stored
             for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
                 if getattr(stored, field) != getattr(spec, field):
@@ -481,8 +495,13 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
                         f"the model wants {field}={getattr(spec, field)!r}",
                         key=field,
                     )
+            weights_file = directory / lora_io.ADAPTER_WEIGHTS
         else:
-            tensors = full_io.load_full(directory)
+            lora_io.read_meta(
+                directory, full_io.FULL_META, full_io.FullMeta, full_io.FORMAT_VERSION, kind="full-model",
+                is_not="full-model weights",
+            )
+            weights_file = directory / full_io.FULL_WEIGHTS
         optimizer_path = directory / OPTIMIZER_FILE
         if with_optimizer and not optimizer_path.is_file():
             raise BadRequest(
@@ -500,15 +519,16 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             raise BadRequest(
                 f"model {name} uses optimizer {self._family!r}; cannot load it as {optimizer!r}", key="optimizer"
             )
-        _check_same_tensors(directory.name, self._params, tensors)
+        shapes, rows = read_rows(weights_file, self._params.get)  # this rank's rows only
+        _check_same_tensors(directory.name, self._params, shapes)
         assert self._optimizer is not None
         if with_optimizer:
-            self._optimizer.load_state_tensors(lora_io.read_tensors(optimizer_path))
+            self._optimizer.load_state_tensors(read_rows(optimizer_path, self._optimizer.param_of)[1])
         else:
             self._optimizer.reset()
         with torch.no_grad():
             for key, param in self._params.items():
-                local_view(param).copy_(shard_of(tensors[key].to(param.dtype), param))
+                local_view(param).copy_(shard_of(rows[key].to(param.dtype), param))
         self._optimizer.zero_grad()
         logger.info("automodel job loaded model_id=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
 
@@ -719,15 +739,16 @@ def _seeded_lora_init(params: dict[str, torch.nn.Parameter], seed: int | None) -
             local_view(param).copy_(shard_of(full, param).to(param.dtype))
 
 
-def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(params) - set(tensors))
-    unknown = sorted(set(tensors) - set(params))
+def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise BadRequest unless the checkpoint holds exactly `params`' names, each of its whole shape."""
+    missing = sorted(set(params) - set(shapes))
+    unknown = sorted(set(shapes) - set(params))
     if missing or unknown:
         raise BadRequest(
             f"checkpoint {checkpoint!r} does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
         )
     for key, param in params.items():
-        if tuple(tensors[key].shape) != tuple(param.shape):
+        if tuple(shapes[key]) != tuple(param.shape):
             raise BadRequest(
-                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
+                f"checkpoint {checkpoint!r}: {key} has shape {list(shapes[key])}; expected {list(param.shape)}"
             )
