@@ -37,35 +37,34 @@ full fine-tuning (as `full_trainer`); context parallelism (cp > 1) on a CPU devi
 and Automodel's own Llama and Qwen3 need Transformer Engine for it) and, for now, on a
 GPU too (its Automodel path is not built here yet); parking on a GPU.
 
+The pieces: `automodel_model` (loading through Automodel, the seeded LoRA init, the
+HF-PEFT export), `automodel_passes` (the training passes over the ranks),
+`automodel_optim` (AdamW and Dimuon over shards), `automodel_shards` (gathers, reads and
+the weight sync), `automodel_shims` (Automodel's CUDA assumptions on a CPU).
+
 What it does not do: import trio; anything but rank 0's return values reach the daemon.
-The Automodel import stays inside this module: the daemon's environment lacks it.
+nemo_automodel is imported only when a model is built: the daemon's environment lacks it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import msgspec
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
+from openrld.gpu.automodel_model import ShardSizes, export_peft, load_sharded
+from openrld.gpu.automodel_optim import ShardedAdamW, WholeDimuon
 from openrld.gpu.automodel_passes import ShardedPasses
-from openrld.gpu.automodel_shards import (
-    ShardedWeights, gather_bytes, gather_concat, global_norm, local_view, read_rows, shard_of, whole,
-)
+from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, local_view, read_rows, shard_of, whole
 from openrld.gpu.full_trainer import FullTrainerState
-from openrld.gpu.models import ATTN_MODULES, MLP_MODULES, pick_dtype
-from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
-from openrld.gpu.peft_export import PEFT_CONFIG, PEFT_WEIGHTS
+from openrld.gpu.models import pick_dtype
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
 
@@ -73,9 +72,6 @@ __all__ = ["AutomodelOptions", "AutomodelStatistics", "AutomodelTrainer"]
 
 logger = logging.getLogger(__name__)
 
-EXPORT_STAGING = ".automodel-export"  # inside the export's directory: Checkpointer writes there first
-PEFT_PREFIX = "base_model.model."  # peft's state-dict keys are the model's names under this
-LORA_ALPHA = 32  # as models.lora_config: alpha 32 whatever the rank (Tinker's)
 DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
 CPU_CP_REFUSAL = (
     "openrl.trainer_cp > 1 needs GPUs: PyTorch's context-parallel attention has no sharding rules for the CPU's "
@@ -105,148 +101,6 @@ class AutomodelStatistics(msgspec.Struct, frozen=True):
     forward_backward_calls: int
     tokens: int  # model-input tokens run through forward_backward
     last_sync: SyncStats | None
-
-
-class _ShardedAdamW:
-    """`optim.AdamW` over one rank's shards, stepped with the norm of the whole gradient.
-
-    AdamW is elementwise but for its clipping factor, min(1, c / (‖g‖ + 1e-6)), and the
-    `grad_norm:mean` it reports: both need ‖g‖ over every rank's shards. So the step
-    validates `params` as AdamW does, takes the global norm (`global_norm`), refuses a
-    non-finite one as AdamW does (gradients dropped), scales each shard's gradient by the
-    factor, and lets AdamW step the shards unclipped. Every rank sees the same norm.
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
-        self._params = params  # name -> the parameter (a DTensor of shards, or a plain tensor)
-        self._shards = {name: local_view(p) for name, p in params.items()}  # plain views of the local rows
-        self.inner = AdamW(self._shards)
-
-    @property
-    def steps_done(self) -> int:
-        return self.inner.steps_done
-
-    def zero_grad(self) -> None:
-        for param in self._params.values():
-            param.grad = None
-        self.inner.zero_grad()
-
-    def step(self, params: AdamParams) -> dict[str, float]:
-        validate_adam_params(params)  # invalid: BadRequest with the gradients kept, as AdamW
-        grads = {name: local_view(p.grad) for name, p in self._params.items() if p.grad is not None}
-        if not grads:
-            return self.inner.step(params)
-        norm = global_norm(list(grads.values()))
-        grad_norm = float(norm)
-        if not math.isfinite(grad_norm):
-            self.zero_grad()
-            raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
-        factor = None if params.grad_clip_norm <= 0 else torch.clamp(params.grad_clip_norm / (norm + 1e-6), max=1.0)
-        for name, grad in grads.items():
-            if factor is not None:
-                # As AdamW's own clipping: widened, scaled; kept in the parameter's dtype (a bf16
-                # gradient rounds once more here, which a one-process bf16 step does not).
-                widened = grad.to(torch.promote_types(grad.dtype, torch.float32))
-                grad = (widened * factor.to(widened.dtype)).to(grad.dtype)
-            self._shards[name].grad = grad
-        for param in self._params.values():
-            param.grad = None  # the shards' copies step; the parameters' go now
-        metrics = self.inner.step(msgspec.structs.replace(params, grad_clip_norm=0.0))
-        metrics["grad_norm:mean"] = grad_norm
-        return metrics
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """AdamW's state of the whole tensors, on rank 0 (every rank gathers; others get {})."""
-        flat = self.inner.state_tensors()
-        gathered: dict[str, torch.Tensor] = {}
-        for key in sorted(flat):
-            name, _, suffix = key.rpartition(".")
-            local = flat[key]
-            if suffix == "step":
-                gathered[key] = local
-                continue
-            joined = gather_concat(local.reshape(-1))
-            if joined is not None:
-                gathered[key] = joined.reshape(tuple(self._params[name].shape))
-        return gathered if dist.get_rank() == 0 else {}
-
-    def param_of(self, key: str) -> torch.Tensor | None:
-        """The parameter a state key ("<name>.exp_avg", ...) is laid out as; None for a step count."""
-        name, _, suffix = key.rpartition(".")
-        return None if suffix == "step" else self._params.get(name)
-
-    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
-        """Take AdamW state (any trainer's), whole or already this rank's rows, each rank keeping its rows."""
-        mine = {}
-        for key, tensor in flat.items():
-            name, _, suffix = key.rpartition(".")
-            param = self._params.get(name)
-            if suffix == "step" or param is None or tuple(tensor.shape) != tuple(param.shape):
-                mine[key] = tensor  # AdamW refuses what does not fit, by name
-            else:
-                mine[key] = shard_of(tensor, param)
-        self.inner.load_state_tensors(mine)
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-
-class _WholeDimuon:
-    """`optim.Dimuon` over whole LoRA matrices, stepped alike on every rank.
-
-    Dimuon is not elementwise: its direction needs each matrix whole (row and column
-    statistics, a Newton-Schulz iteration), and FSDP2 shards every matrix by rows. LoRA
-    matrices are small (r x n, m x r), so each step gathers every matrix and its gradient
-    whole, on the device; every rank runs the same Dimuon step on the same whole tensors,
-    so every rank computes the same update, and keeps its own rows of it. The momentum is
-    kept whole on every rank (one r x n or m x r tensor per matrix).
-    """
-
-    def __init__(self, params: dict[str, torch.Tensor], rank: int) -> None:
-        self._params = params
-        self._whole = {name: _whole_on_device(p) for name, p in params.items()}
-        self.inner = Dimuon(self._whole, rank)
-
-    @property
-    def steps_done(self) -> int:
-        return self.inner.steps_done
-
-    def zero_grad(self) -> None:
-        for param in self._params.values():
-            param.grad = None
-        self.inner.zero_grad()
-
-    def step(self, params: DimuonParams) -> dict[str, float]:
-        validate_dimuon_params(params)  # invalid: BadRequest with the gradients kept
-        with torch.no_grad():
-            for name, param in self._params.items():
-                self._whole[name].copy_(_whole_on_device(param))  # the weights as they are now (a load may have moved them)
-                self._whole[name].grad = None if param.grad is None else _whole_on_device(param.grad)
-        try:
-            metrics = self.inner.step(params)
-        finally:
-            # What Dimuon did with the whole gradients (spent, dropped, or kept), the shards' follow.
-            for name, param in self._params.items():
-                if self._whole[name].grad is None:
-                    param.grad = None
-        with torch.no_grad():
-            for name, param in self._params.items():
-                local_view(param).copy_(shard_of(self._whole[name], param))
-        return metrics
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The momentum (whole already), on rank 0; {} on the others."""
-        return self.inner.state_tensors() if dist.get_rank() == 0 else {}
-
-    def param_of(self, key: str) -> None:
-        """None: the momentum is kept whole on every rank, so every rank reads it whole."""
-        return None
-
-    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
-        self.inner.load_state_tensors(flat)
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 class AutomodelTrainer(train_steps.TrainsInPasses):
@@ -287,7 +141,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._spec: LoraSpec | None = None
         self._model: torch.nn.Module | None = None
         self._params: dict[str, torch.nn.Parameter] = {}  # trainable: peft key (LoRA) or model name (full)
-        self._optimizer: _ShardedAdamW | _WholeDimuon | None = None
+        self._optimizer: ShardedAdamW | WholeDimuon | None = None
         self._family = "adamw"  # the job's optimizer family, fixed when it opens
         self._peft_config = None  # Automodel's PeftConfig of the LoRA job (for its Checkpointer)
         self._passes: ShardedPasses | None = None  # type: ignore[assignment]
@@ -380,7 +234,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._get(name)
         return self._params.values()
 
-    def _stepper(self, name: str) -> tuple[str, _ShardedAdamW | _WholeDimuon]:  # type: ignore[override]
+    def _stepper(self, name: str) -> tuple[str, ShardedAdamW | WholeDimuon]:  # type: ignore[override]
         self._get(name)
         assert self._optimizer is not None
         return self._family, self._optimizer
@@ -411,34 +265,13 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         Raises:
             NotSupportedYet: a full fine-tuning job has no adapter.
         """
-        from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
-        from nemo_automodel.components.checkpoint.config import CheckpointingConfig
-
         self._get(name)
         if self.options.fine_tuning == "full":
             raise NotSupportedYet(
                 "save_weights_external is not supported yet for full fine-tuning; save_weights_for_sampler with a "
                 "name writes the full weights as safetensors (model.safetensors)"
             )
-        staging = directory / EXPORT_STAGING
-        config = CheckpointingConfig(
-            enabled=True, checkpoint_dir=str(staging), model_save_format="safetensors", model_repo_id=base_model,
-            save_consolidated=False, is_peft=True,
-        )
-        checkpointer = Checkpointer(config, dp_rank=self.rank // self.options.cp, tp_rank=0, pp_rank=0, moe_mesh=None)
-        checkpointer.save_model(self._model, str(staging), peft_config=self._peft_config)  # rank 0 writes
-        if self.rank != 0:
-            return 0
-        written = staging / "model"  # Checkpointer.save_model's layout: <path>/model/<peft files>
-        size = 0
-        for filename in (PEFT_WEIGHTS, PEFT_CONFIG):
-            data = (written / filename).read_bytes()
-            if filename == PEFT_CONFIG:  # name the base model as the caller does, not as this node's path
-                data = json.dumps({**json.loads(data), "base_model_name_or_path": base_model}, indent=2, sort_keys=True).encode()
-            size += lora_io.write_synced(directory / filename, data)
-        shutil.rmtree(staging)
-        lora_io.fsync_directory(directory)
-        return size
+        return export_peft(self._model, self._peft_config, directory, base_model, dp_rank=self.rank // self.options.cp)
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json` into
@@ -595,52 +428,13 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
 
     def _build(self, spec: LoraSpec | None, family: str = "adamw") -> None:
         """Load and shard the model (with `spec`'s LoRA), then its passes, optimizer and sync."""
-        from openrld.gpu.automodel_shims import on_device
-
-        try:
-            from nemo_automodel import NeMoAutoModelForCausalLM
-            from nemo_automodel.components._peft.lora import PeftConfig
-            from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
-            from nemo_automodel.components.distributed.mesh import ParallelismSizes
-            from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-        except ImportError as error:
-            raise NotSupportedYet(
-                f"the automodel trainer needs NeMo Automodel in its worker's environment (`make automodel-env`): {error}"
-            ) from error
-
-        strategy = FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=self._dtype, reduce_dtype=torch.float32))
-        setup = DistributedSetup.build(
-            strategy=strategy, parallelism_sizes=ParallelismSizes(dp_size=self.dp, cp_size=self.options.cp)
+        sizes = ShardSizes(dp=self.dp, cp=self.options.cp)
+        self._model, self._params, self._peft_config = load_sharded(self._model_dir, self.device, self._dtype, sizes, spec)
+        self._passes = ShardedPasses(
+            self._model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp
         )
-        peft_config = None
-        if spec is not None:
-            peft_config = PeftConfig(
-                target_modules=_lora_targets(spec), dim=spec.rank, alpha=LORA_ALPHA, dropout=0.0, lora_A_init="kaiming",
-            )
-        self._peft_config = peft_config
-        with on_device(self.device):
-            model = NeMoAutoModelForCausalLM.from_pretrained(
-                self._model_dir, distributed_setup=setup, peft_config=peft_config, force_hf=True, dtype=self._dtype,
-                use_liger_kernel=False, use_sdpa_patching=False, attn_implementation="sdpa",
-            )
-        model.eval()  # no dropout
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                # The ranks' gradients are summed, as the losses are sums; a plain SUM (gloo has no PREMUL_SUM).
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        if spec is None:
-            self._params = dict(model.named_parameters())
-        else:
-            self._params = {
-                PEFT_PREFIX + key: p for key, p in model.named_parameters() if ".lora_A." in key or ".lora_B." in key
-            }
-            assert self._params, "Automodel put no LoRA tensors in the model"
-            _seeded_lora_init(self._params, spec.seed)
-        self._model = model
-        self._passes = ShardedPasses(model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp)
         self._family = family
-        self._optimizer = _ShardedAdamW(self._params) if family == "adamw" else _WholeDimuon(self._params, spec.rank)  # type: ignore[union-attr]
+        self._optimizer = ShardedAdamW(self._params) if family == "adamw" else WholeDimuon(self._params, spec.rank)  # type: ignore[union-attr]
         if spec is None:
             self._weights = ShardedWeights(self._params, keep_shadow=self.options.weight_sync == "delta")
 
@@ -664,13 +458,6 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
                 "parking an automodel trainer on GPUs is not supported yet: FSDP2 keeps each rank's shards in "
                 "storage of its own; run the job with openrl.exclusive=true"
             )
-
-
-def _whole_on_device(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor where its shards are (an all-gather for a DTensor; a detached copy otherwise)."""
-    if isinstance(tensor, DTensor):
-        return tensor.detach().full_tensor()
-    return tensor.detach().clone()
 
 
 def _check_options(options: AutomodelOptions) -> None:
@@ -703,40 +490,6 @@ def _ensure_process_group(device: torch.device) -> None:
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def _lora_targets(spec: LoraSpec) -> list[str]:
-    """Automodel's module patterns for the modules `models.lora_target_modules` names."""
-    targets: list[str] = []
-    if spec.train_attn:
-        targets += [f"*.{m}" for m in ATTN_MODULES]
-    if spec.train_mlp:
-        targets += [f"*.{m}" for m in MLP_MODULES]
-    if spec.train_unembed:
-        targets.append("lm_head")
-    if not targets:
-        raise BadRequest("a LoRA must train at least one of attn, mlp, unembed", key="lora_config")
-    return targets
-
-
-def _seeded_lora_init(params: dict[str, torch.nn.Parameter], seed: int | None) -> None:
-    """A = kaiming_uniform(a=√5) drawn whole, in key order, from one seeded generator; B = 0.
-
-    Every rank draws the same whole tensors and keeps its own rows, so the init does not
-    depend on how many ranks there are. Without a seed, rank 0's random one is broadcast.
-    """
-    if seed is None:
-        shared = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        dist.broadcast(shared, src=0)
-        seed = int(shared)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key in sorted(params):
-            param = params[key]
-            full = torch.zeros(tuple(param.shape), dtype=torch.float32)
-            if ".lora_A." in key:
-                torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
-            local_view(param).copy_(shard_of(full, param).to(param.dtype))
 
 
 def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], shapes: dict[str, tuple[int, ...]]) -> None:

@@ -1,0 +1,182 @@
+"""The optimizers of the Automodel trainer: `gpu/optim.py`'s, stepped over sharded weights.
+
+FSDP2 holds each weight as row shards over the group's ranks (`automodel_shards`). The
+two families need different things of the shards:
+- `ShardedAdamW`: AdamW is elementwise but for its clipping factor and reported norm, so
+  it steps each rank's shards in place, with the norm taken over every rank's gradient
+  shards; a step is the one-process step up to the order of the norm's sums;
+- `WholeDimuon`: Dimuon is not elementwise (row and column statistics, a Newton-Schulz
+  iteration over each matrix), so it steps whole matrices, gathered at each step, alike on
+  every rank, and each rank keeps its rows. Only for LoRA, whose matrices are small.
+
+Both keep `optim.py`'s contract: validation first (invalid params keep the gradients), a
+non-finite norm drops them, the same metrics; and both export and import their state as
+whole tensors (rank 0 holds the export), the files of the single-device trainers.
+
+What it does not do: compute gradients, choose the tensors, import trio.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from openrld.batches import AdamParams, DimuonParams
+from openrld.errors import BadRequest
+from openrld.gpu.automodel_shards import gather_concat, global_norm, local_view, shard_of
+from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
+
+__all__ = ["ShardedAdamW", "WholeDimuon", "whole_on_device"]
+
+
+class ShardedAdamW:
+    """`optim.AdamW` over one rank's shards, stepped with the norm of the whole gradient.
+
+    AdamW is elementwise but for its clipping factor, min(1, c / (‖g‖ + 1e-6)), and the
+    `grad_norm:mean` it reports: both need ‖g‖ over every rank's shards. So the step
+    validates `params` as AdamW does, takes the global norm (`global_norm`), refuses a
+    non-finite one as AdamW does (gradients dropped), scales each shard's gradient by the
+    factor, and lets AdamW step the shards unclipped. Every rank sees the same norm.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self._params = params  # name -> the parameter (a DTensor of shards, or a plain tensor)
+        self._shards = {name: local_view(p) for name, p in params.items()}  # plain views of the local rows
+        self.inner = AdamW(self._shards)
+
+    @property
+    def steps_done(self) -> int:
+        return self.inner.steps_done
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        self.inner.zero_grad()
+
+    def step(self, params: AdamParams) -> dict[str, float]:
+        validate_adam_params(params)  # invalid: BadRequest with the gradients kept, as AdamW
+        grads = {name: local_view(p.grad) for name, p in self._params.items() if p.grad is not None}
+        if not grads:
+            return self.inner.step(params)
+        norm = global_norm(list(grads.values()))
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
+        factor = None if params.grad_clip_norm <= 0 else torch.clamp(params.grad_clip_norm / (norm + 1e-6), max=1.0)
+        for name, grad in grads.items():
+            if factor is not None:
+                # As AdamW's own clipping: widened, scaled; kept in the parameter's dtype (a bf16
+                # gradient rounds once more here, which a one-process bf16 step does not).
+                widened = grad.to(torch.promote_types(grad.dtype, torch.float32))
+                grad = (widened * factor.to(widened.dtype)).to(grad.dtype)
+            self._shards[name].grad = grad
+        for param in self._params.values():
+            param.grad = None  # the shards' copies step; the parameters' go now
+        metrics = self.inner.step(msgspec.structs.replace(params, grad_clip_norm=0.0))
+        metrics["grad_norm:mean"] = grad_norm
+        return metrics
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """AdamW's state of the whole tensors, on rank 0 (every rank gathers; others get {})."""
+        flat = self.inner.state_tensors()
+        gathered: dict[str, torch.Tensor] = {}
+        for key in sorted(flat):
+            name, _, suffix = key.rpartition(".")
+            local = flat[key]
+            if suffix == "step":
+                gathered[key] = local
+                continue
+            joined = gather_concat(local.reshape(-1))
+            if joined is not None:
+                gathered[key] = joined.reshape(tuple(self._params[name].shape))
+        return gathered if dist.get_rank() == 0 else {}
+
+    def param_of(self, key: str) -> torch.Tensor | None:
+        """The parameter a state key ("<name>.exp_avg", ...) is laid out as; None for a step count."""
+        name, _, suffix = key.rpartition(".")
+        return None if suffix == "step" else self._params.get(name)
+
+    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
+        """Take AdamW state (any trainer's), whole or already this rank's rows, each rank keeping its rows."""
+        mine = {}
+        for key, tensor in flat.items():
+            name, _, suffix = key.rpartition(".")
+            param = self._params.get(name)
+            if suffix == "step" or param is None or tuple(tensor.shape) != tuple(param.shape):
+                mine[key] = tensor  # AdamW refuses what does not fit, by name
+            else:
+                mine[key] = shard_of(tensor, param)
+        self.inner.load_state_tensors(mine)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class WholeDimuon:
+    """`optim.Dimuon` over whole LoRA matrices, stepped alike on every rank.
+
+    Dimuon is not elementwise: its direction needs each matrix whole (row and column
+    statistics, a Newton-Schulz iteration), and FSDP2 shards every matrix by rows. LoRA
+    matrices are small (r x n, m x r), so each step gathers every matrix and its gradient
+    whole, on the device; every rank runs the same Dimuon step on the same whole tensors,
+    so every rank computes the same update, and keeps its own rows of it. The momentum is
+    kept whole on every rank (one r x n or m x r tensor per matrix).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], rank: int) -> None:
+        self._params = params
+        self._whole = {name: whole_on_device(p) for name, p in params.items()}
+        self.inner = Dimuon(self._whole, rank)
+
+    @property
+    def steps_done(self) -> int:
+        return self.inner.steps_done
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        self.inner.zero_grad()
+
+    def step(self, params: DimuonParams) -> dict[str, float]:
+        validate_dimuon_params(params)  # invalid: BadRequest with the gradients kept
+        with torch.no_grad():
+            for name, param in self._params.items():
+                self._whole[name].copy_(whole_on_device(param))  # the weights as they are now (a load may have moved them)
+                self._whole[name].grad = None if param.grad is None else whole_on_device(param.grad)
+        try:
+            metrics = self.inner.step(params)
+        finally:
+            # What Dimuon did with the whole gradients (spent, dropped, or kept), the shards' follow.
+            for name, param in self._params.items():
+                if self._whole[name].grad is None:
+                    param.grad = None
+        with torch.no_grad():
+            for name, param in self._params.items():
+                local_view(param).copy_(shard_of(self._whole[name], param))
+        return metrics
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The momentum (whole already), on rank 0; {} on the others."""
+        return self.inner.state_tensors() if dist.get_rank() == 0 else {}
+
+    def param_of(self, key: str) -> None:
+        """None: the momentum is kept whole on every rank, so every rank reads it whole."""
+        return None
+
+    def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
+        self.inner.load_state_tensors(flat)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def whole_on_device(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor where its shards are (an all-gather for a DTensor; a detached copy otherwise)."""
+    if isinstance(tensor, DTensor):
+        return tensor.detach().full_tensor()
+    return tensor.detach().clone()
