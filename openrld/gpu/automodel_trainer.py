@@ -87,6 +87,9 @@ class AutomodelOptions(msgspec.Struct, frozen=True):
     cp: int = 1  # context-parallel degree (openrl.trainer_cp); divides the group's size
     weight_sync: str = "delta"  # full fine-tuning: "delta" or "full" (openrl.weight_sync)
     max_batch_tokens: int = 8192  # padded tokens per micro-batch, as the single-device trainers'
+    # Set when the job's sampler cannot serve a LoRA on lm_head (vLLM, for some architectures):
+    # why, as the 400 that refuses such an adapter (the lora_trainer's option of the same name).
+    unembed_refusal: str | None = None
 
 
 class AutomodelStatistics(msgspec.Struct, frozen=True):
@@ -171,6 +174,8 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
                 raise BadRequest("a LoRA job needs its LoraSpec; got none (a full fine-tuning job?)")
             if spec.rank < 1:
                 raise BadRequest(f"LoRA rank must be >= 1; got {spec.rank}", key="rank")
+            if spec.train_unembed and self.options.unembed_refusal is not None:
+                raise BadRequest(self.options.unembed_refusal, key="lora_config.train_unembed")
             self._build(spec, optimizer)
             self._spec = spec
         else:
@@ -346,19 +351,25 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
                 f"{optimizer!r}: cannot override restored optimizer state",
                 key="optimizer",
             )
-        if self._job is None:
+        is_new = self._job is None
+        if is_new:
             self.add_adapter(name, spec, optimizer)
         elif self._family != optimizer:
             raise BadRequest(
                 f"model {name} uses optimizer {self._family!r}; cannot load it as {optimizer!r}", key="optimizer"
             )
-        shapes, rows = read_rows(weights_file, self._params.get)  # this rank's rows only
-        _check_same_tensors(directory.name, self._params, shapes)
         assert self._optimizer is not None
-        if with_optimizer:
-            self._optimizer.load_state_tensors(read_rows(optimizer_path, self._optimizer.param_of)[1])
-        else:
-            self._optimizer.reset()
+        try:
+            shapes, rows = read_rows(weights_file, self._params.get)  # this rank's rows only
+            _check_same_tensors(directory.name, self._params, shapes)
+            if with_optimizer:
+                self._optimizer.load_state_tensors(read_rows(optimizer_path, self._optimizer.param_of)[1])
+            else:
+                self._optimizer.reset()
+        except BaseException:
+            if is_new:  # on failure nothing changes: the job this call opened closes again
+                self.drop_adapter(name)
+            raise
         with torch.no_grad():
             for key, param in self._params.items():
                 local_view(param).copy_(shard_of(rows[key].to(param.dtype), param))

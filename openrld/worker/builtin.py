@@ -60,15 +60,17 @@ def _automodel_options(options: dict) -> Any:
     from openrld.errors import BadRequest
     from openrld.gpu.automodel_trainer import AutomodelOptions
 
-    known = ("fine_tuning", "cp", "weight_sync", "max_batch_tokens")
+    known = ("fine_tuning", "cp", "weight_sync", "max_batch_tokens", "unembed_refusal")
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise BadRequest(f"automodel_trainer has no option {unknown[0]!r}; it takes {', '.join(known)}")
+    refusal = options.get("unembed_refusal")
     return AutomodelOptions(
         fine_tuning=str(options.get("fine_tuning", "lora")),
         cp=int(options.get("cp", 1)),
         weight_sync=str(options.get("weight_sync", "delta")),
         max_batch_tokens=int(options.get("max_batch_tokens", 8192)),
+        unembed_refusal=None if refusal is None else str(refusal),
     )
 
 
