@@ -10,8 +10,8 @@ LoRA, FullTrainer for full fine-tuning) in the same environment, from the same s
 - resume: a state saved at step 3 (with optimizer) and loaded into a fresh group continues
   to the same weights as the uninterrupted group;
 - sampling: the exported adapter loads in peft, whose log-probabilities match the group's
-  forward; a full fine-tuning delta, applied to the base weights, gives the group's weights
-  bit for bit, and its digest;
+  forward; full fine-tuning's deltas, loaded by openrld's full sampler (which checks their
+  digest), give it the group's weights bit for bit;
 - Dimuon (LoRA) over whole matrices on 2 ranks as in one process;
 - refusals: a second job, Dimuon params to an AdamW job, cp > 1 on the CPU.
 
@@ -277,9 +277,7 @@ def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, ti
 
 
 def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_resume(sockets, tiny_llama, tmp_path):
-    from safetensors.torch import load_file
-
-    from openrld.gpu import delta
+    from openrld.gpu.full_sampler import FullSampler
 
     reference = single(sockets, tiny_llama, "full_trainer")
     reference.add_adapter("job", None, "adamw")
@@ -289,21 +287,23 @@ def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_r
     trainer = group(sockets, tiny_llama, "full")
     try:
         trainer.add_adapter("job", None, "adamw")
-        base = load_file(str(tiny_llama / "model.safetensors"))
+        # The job's sampler: openrld's full sampler, which patches each delta in place and checks
+        # the digest of its weights against the trainer's (WeightMismatch otherwise).
+        sampler = FullSampler(tiny_llama, torch.device("cpu"))
         first = train(trainer, range(2))
-        change = local_payload(trainer.sampler_payload("job", "v1"))
-        delta.apply_delta(base, change)
+        sampler.load_version("v1", trainer.sampler_payload("job", "v1"), None)
         ours = first + train(trainer, range(2, STEPS), save_to=tmp_path / "step3")
         change = local_payload(trainer.sampler_payload("job", "v2"))
-        assert change.base_version == "v1" and change.mode == "delta"
-        delta.apply_delta(base, change)
+        assert change.base_version == "v1" and change.mode == "delta" and change.changed_elements > 0
+        sampler.load_version("v2", change, None)
         weights = local_payload(trainer.adapter_tensors("job"))
         worst = assert_runs_agree(ours, theirs)
         difference = max_weight_difference(weights, their_weights)
         print(f"full parity: largest differences: {worst}, weights {difference:.2e}")
         assert difference <= ATOL
-        assert all(torch.equal(base[key], weights[key]) for key in weights), "the patched weights differ"
-        assert delta.digest(base) == change.digest
+        held = sampler.live_weights()
+        assert held.keys() == weights.keys()
+        assert all(torch.equal(held[key], weights[key]) for key in weights), "the sampler's weights differ"
         # Resume: the state saved at step 3 (whole weights and AdamW moments, from the shards)
         # takes the group back there, and the last two steps come out the same.
         trainer.load_state("job", tmp_path / "step3", None, True, "adamw")
