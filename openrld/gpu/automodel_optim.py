@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from openrld.batches import AdamParams, DimuonParams
 from openrld.errors import BadRequest
 from openrld.gpu.automodel_shards import gather_concat, global_norm, local_view, shard_of
-from openrld.gpu.optim import AdamW, Dimuon, validate_adam_params, validate_dimuon_params
+from openrld.gpu.optim import CLIP_EPS, AdamW, Dimuon, validate_adam_params, validate_dimuon_params
 
 __all__ = ["ShardedAdamW", "WholeDimuon", "whole_on_device"]
 
@@ -67,7 +67,7 @@ class ShardedAdamW:
         if not math.isfinite(grad_norm):
             self.zero_grad()
             raise BadRequest("non-finite gradient norm (check loss inputs)", key="grad_norm")
-        factor = None if params.grad_clip_norm <= 0 else torch.clamp(params.grad_clip_norm / (norm + 1e-6), max=1.0)
+        factor = None if params.grad_clip_norm <= 0 else torch.clamp(params.grad_clip_norm / (norm + CLIP_EPS), max=1.0)
         for name, grad in grads.items():
             if factor is not None:
                 # As AdamW's own clipping: widened, scaled; kept in the parameter's dtype (a bf16
