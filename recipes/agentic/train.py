@@ -7,11 +7,7 @@ centres rewards within each group, and takes one `forward_backward` with the
 `importance_sampling` loss and one Adam `optim_step`; it writes its per-step
 metrics to `<out>/cookbook/metrics.jsonl` as it goes. What this module passes in,
 and why:
-- the tokenizer: the cookbook takes it by Hugging Face model name, and the Hub is
-  out of reach offline, so the model's tokenizer (a local directory, or the
-  packaged SmolLM2 GGUF's) is registered under the model's name first;
-- the API key: the cookbook's `ServiceClient` reads it from `TINKER_API_KEY` only,
-  so the job sets that variable;
+- the tokenizer and the API key, as `recipes/cookbook_offline.py` says;
 - the dataset, built beforehand (`TaskDataset`) and handed over by a trivial
   `RLDatasetBuilder`, since its builders hold the renderer and the sandbox factory;
 - the held-out evaluator (`HeldOutEvaluator`): one episode per held-out task,
@@ -28,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,11 +40,11 @@ from tinker_cookbook.rl.rollouts import do_group_rollout
 from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
 from recipes.agentic import judge
+from recipes.cookbook_offline import prepare_cookbook
 from recipes.agentic.backends import pick_backend
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset
 from recipes.agentic.sandbox import SandboxLimits
 from recipes.agentic.tasks import Family, Split, Task, make_tasks
-from recipes.quickstart.train import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -161,17 +156,6 @@ class PrebuiltDatasetBuilder(RLDatasetBuilder):
         return self.dataset, None
 
 
-def register_local_tokenizer(base_model: str, tokenizer_dir: str | None):
-    """Register the model's local tokenizer under its name for the cookbook; returns it, or None (the Hub's)."""
-    from openrld.model_catalog import find_packaged_gguf
-
-    if tokenizer_dir is None and find_packaged_gguf(base_model) is None:
-        return None
-    tokenizer = load_tokenizer(None, base_model, tokenizer_dir)  # the training client is needed only without both
-    tokenizer_utils.register_tokenizer(base_model, lambda: tokenizer)
-    return tokenizer
-
-
 def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
     """The cookbook's per-step metrics (the rows with rollout rewards) as StepRecords, with each step's successes.
 
@@ -206,8 +190,7 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
     backend, make_sandbox = pick_backend(config.sandbox, SandboxLimits())
     logger.info("sandbox backend: %s", backend)
     started = time.monotonic()
-    os.environ["TINKER_API_KEY"] = config.api_key
-    tokenizer = register_local_tokenizer(config.base_model, config.tokenizer)
+    tokenizer = prepare_cookbook(config.base_model, config.tokenizer, config.api_key)
     renderer = get_renderer(RENDERER, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
 
     def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:

