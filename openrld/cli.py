@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -22,6 +23,7 @@ import trio
 
 from openrld import __version__
 from openrld.config import ConfigError, NodeConfig, load_config, process_environment
+from openrld.heap import bound_heap
 
 
 class _JsonFormatter(logging.Formatter):
@@ -89,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
     # What the layers (flags, OPENRLD_* variables, the file) came to; -v shows it. The secret stays out.
     shown = msgspec.structs.replace(config, cluster_secret="<set>" if config.cluster_secret else "")
     logging.getLogger(__name__).debug("config %s", msgspec.json.encode(shown, enc_hook=str).decode())
+    bound_heap(os.environ)  # before the engines' threads allocate (heap.py)
     refused: list[ConfigError] = []
     try:
         trio.run(_serve_until_signalled, config)
