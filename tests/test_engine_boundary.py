@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from openrld import engine_types
+from openrld.gpu.automodel_trainer import AutomodelTrainer
 from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.torch_sampler import TorchSampler
@@ -31,6 +32,7 @@ ENGINES = [
     (engine_types.TrainerEngine, TorchTrainer),
     (engine_types.TrainerEngine, FullTrainer),
     (engine_types.TrainerEngine, RemoteTrainer),
+    (engine_types.TrainerEngine, AutomodelTrainer),
     (engine_types.SamplerEngine, TorchSampler),
     (engine_types.SamplerEngine, FullSampler),
     (engine_types.SamplerEngine, VllmSampler),

@@ -100,6 +100,9 @@ class OwnGroup(msgspec.Struct, frozen=True):
     is_exclusive: bool
     images: Images = NO_IMAGES  # openrl.trainer_backend / sampler_backend=<image>: its workers run from them
     automodel: Automodel | None = None  # openrl.trainer_backend=automodel: its trainer's ranks and cp
+    # Called with the error's detail when its trainer engine is lost (a process or a rank died); the
+    # job is over, and the caller ends the group. None: the trainer is rebuilt, as a shared group's is.
+    on_lost: Callable[[str], None] | None = None
 
 
 class _Seat(msgspec.Struct, frozen=True):
@@ -152,7 +155,7 @@ class GroupTable:
 
     def reserve(
         self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, images: Images = NO_IMAGES,
-        automodel: Automodel | None = None,
+        automodel: Automodel | None = None, on_lost: Callable[[str], None] | None = None,
     ) -> None:
         """Book devices now for `job`'s own group (exclusive, an image, Automodel, or full fine-tuning), before it starts.
 
@@ -164,7 +167,7 @@ class GroupTable:
         """
         key = _group_key(model, job)
         self._own[key] = OwnGroup(
-            job=job, full_sync=full_sync, is_exclusive=exclusive, images=images, automodel=automodel
+            job=job, full_sync=full_sync, is_exclusive=exclusive, images=images, automodel=automodel, on_lost=on_lost
         )
         if self._devices is not None:
             try:
@@ -353,6 +356,7 @@ class GroupTable:
                 futures=self._futures,
                 checkpoints=self._checkpoints,
                 sampler=sampler,
+                on_engine_lost=_detail_to(own.on_lost) if own is not None and own.on_lost is not None else None,
             ).run
         )
         return Group(model=model, trainer=trainer, sampler=sampler, job=job if is_full else None)
@@ -362,6 +366,10 @@ class GroupTable:
             GroupStatistics(base_model=g.model.name, trainer=g.trainer.statistics(), sampler=g.sampler.statistics())
             for g in self._groups.values()
         ]
+
+
+def _detail_to(on_lost: Callable[[str], None]) -> Callable[[OpenrldError], None]:
+    return lambda error: on_lost(error.detail)
 
 
 def _ranks(own: OwnGroup | None) -> int:

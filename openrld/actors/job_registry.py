@@ -130,6 +130,10 @@ class JobRegistry:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def remove(self, model_id: str) -> Job | None:
+        """Remove and return the job `model_id`; None when it is not resident."""
+        return self._jobs.pop(model_id, None)
+
     def remove_own_groups_of(self, session_id: str) -> list[Job]:
         """Remove and return the session's jobs that have a group of their own; its LoRA jobs stay."""
         ending = [j for j in self._jobs.values() if session_of(j.model_id) == session_id and j.group_job is not None]

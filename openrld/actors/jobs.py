@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -119,6 +120,7 @@ class JobTable:
         self._sessions = sessions
         self._sampling = sampling  # the sampling sessions a job saves unnamed weights for are registered there
         self._jobs = registry  # shared with `sampling`, which only reads it
+        self._lost: dict[str, str] = {}  # model_id -> why: jobs whose own group ended with a lost engine
 
     # ------------------------------------------------------------ what this node holds
 
@@ -259,7 +261,7 @@ class JobTable:
         if own_group:
             self._groups.reserve(
                 job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images,
-                automodel=job.automodel,
+                automodel=job.automodel, on_lost=partial(self._own_group_lost, job),
             )
         try:
             record_run()
@@ -272,6 +274,15 @@ class JobTable:
         self._jobs.add(job)
         self._nursery.start_soon(self._open_and_submit, job, first_op(request_id))
         return request_id
+
+    def _own_group_lost(self, job: Job, detail: str) -> None:
+        """The trainer engine of `job`'s own group was lost (its process, or a rank of it, died):
+        the job is over, its group ends (freeing its devices), and its later calls fail with `detail`."""
+        if self._jobs.remove(job.model_id) is None:
+            return  # already ended (its session finished)
+        self._lost[job.model_id] = detail
+        self._sampling.drop_group(job.model_id)
+        self._groups.end(job.model, job.model_id, detail)
 
     def _first_create(self, model_id: str) -> str | None:
         """The request that created resident job `model_id` (seq_id 0), for a retried create."""
@@ -341,6 +352,8 @@ class JobTable:
         if job is None:
             run = self._store.runs.get(model_id)
             if run is not None and run.owner == owner:
+                if model_id in self._lost:
+                    raise Gone(self._lost[model_id])
                 if self._sessions.is_finished(run.session_id):
                     raise Gone(f"model {model_id} has stopped: its session {run.session_id} has finished")
                 raise Gone(

@@ -35,7 +35,10 @@ still holds fails, and the lease is given back as the actor stops.
 A lost engine (`EngineLost`: a trainer in a process of its own that died) is
 replaced by a new one at once, so that the group trains on. The jobs whose
 adapters it held are lost with it: their ops fail with that error until the job
-loads a state (`load_state`) or the client creates a new model.
+loads a state (`load_state`) or the client creates a new model. A trainer that
+serves one job's group of its own (`on_engine_lost` given) is not rebuilt: the
+job is over, so the lost engine is closed (its processes stopped and reaped) and
+the callback ends the group, which frees its devices.
 """
 
 from __future__ import annotations
@@ -366,8 +369,10 @@ class TrainerActor:
         specs: dict[str, LoraSpec] | None = None,
         max_combined_tokens: int = MAX_COMBINED_TOKENS,
         lease_from: Callable[[Parkable], DeviceLease] | None = None,
+        on_engine_lost: Callable[[EngineLost], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_engine_lost = on_engine_lost  # set: one job's own group, ended (not rebuilt) when its engine is lost
         self.queues = TrainerQueues()
         self.mailbox: Mailbox[TrainOp] = Mailbox(f"trainer {name}", MAILBOX_CAPACITY)
         self._build_engine = build_engine
@@ -538,6 +543,9 @@ class TrainerActor:
         logger.error("trainer engine lost group=%s jobs=%d: %s", self.name, len(self._specs), error.detail)
         lost, self._engine = self._engine, None
         await self._close_engine(lost)
+        if self._on_engine_lost is not None:
+            self._on_engine_lost(error)
+            return
         try:
             self._engine = await self._in_thread(self._build_engine)
         except Exception:  # the next op finds no engine, fails, and this is tried again

@@ -110,6 +110,9 @@ class TorchEngineFactory:
         def build() -> TrainerEngine:
             if self.converter is not None:
                 self.converter.ensure(model)
+            refusal = self._unembed_refusal(model) if fine_tuning == "lora" else None
+            if refusal is not None:  # as the LoRA trainer: vLLM samples here and takes no LoRA on lm_head
+                options["unembed_refusal"] = refusal
             return self.hosting.start(
                 self.hosting.automodel_launcher(len(devices)), role="trainer", kind="automodel_trainer",
                 model_name=model.name, model_dir=model.directory, device=group_device(devices),

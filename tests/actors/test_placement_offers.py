@@ -70,10 +70,11 @@ def test_answered_before_next_is_a_programming_error():
         ([], {"openrl.exclusive": "true"}, JobNeeds("llama", own_group=True, is_exclusive=True, devices=1)),
         (
             [], {"openrl.trainer_backend": "automodel", "openrl.trainer_gpus": "2"},
-            JobNeeds("llama", own_group=False, is_exclusive=True, devices=2),
+            JobNeeds("llama", own_group=True, is_exclusive=True, devices=2),
         ),
+        ([], {"openrl.trainer_backend": "automodel"}, JobNeeds("llama", own_group=True, is_exclusive=False, devices=1)),
     ],
-    ids=["lora", "full", "exclusive", "two-gpu-trainer"],
+    ids=["lora", "full", "exclusive", "two-gpu-trainer", "one-gpu-automodel"],
 )
 def test_a_new_jobs_needs_come_from_its_settings(tags, metadata, expected):
     settings, _ = parse_settings(tags, {}, metadata)

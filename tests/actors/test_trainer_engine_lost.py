@@ -17,6 +17,7 @@ from openrld.actors.trainer import CreateAdapter, ForwardBackward, LoadState, Op
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import EngineLost
 from tests.actors.test_sampler_replicas import MemoryLog
+from tests.waits import wait_until
 
 SPEC = LoraSpec(rank=2)
 BATCH = ForwardBackwardBatch(data=[], loss_fn="cross_entropy", loss_config={}, forward_only=False)
@@ -68,12 +69,13 @@ class StandInEngine:
 class Trainer:
     """A TrainerActor on stand-in engines, its futures, and one helper per op."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, on_engine_lost: Callable[[EngineLost], None] | None = None) -> None:
         self.engines: list[StandInEngine] = []
         self.futures = FutureTable(MemoryLog())
         self.actor = TrainerActor(
             name="t", build_engine=self._build, limiter=trio.CapacityLimiter(1), futures=self.futures,
             checkpoints=None, sampler=None,  # type: ignore[arg-type]  # no op here saves
+            on_engine_lost=on_engine_lost,
         )
         self._nursery = nursery
         self._count = 0
@@ -129,11 +131,11 @@ async def lose_engine(trainer: Trainer, *jobs: str) -> Any:
     return await trainer.step(jobs[0])
 
 
-def with_trainer(body: Any) -> None:
+def with_trainer(body: Any, on_engine_lost: Callable[[EngineLost], None] | None = None) -> None:
     async def main() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                trainer = Trainer(nursery)
+                trainer = Trainer(nursery, on_engine_lost)
                 await trainer.start()
                 await body(trainer)
                 nursery.cancel_scope.cancel()
@@ -167,6 +169,17 @@ def test_the_lost_jobs_later_ops_fail_with_the_same_detail():
         assert len(trainer.engines) == 2
 
     with_trainer(body)
+
+
+def test_a_trainer_of_one_jobs_own_group_is_not_rebuilt_its_engine_is_closed_and_the_loss_reported():
+    reported: list[str] = []
+
+    async def body(trainer: Trainer) -> None:
+        assert await lose_engine(trainer) == Failed(detail=DIED, category="server")
+        await wait_until(lambda: bool(reported), within_s=10)  # the op fails first, then the engine is closed
+        assert ([e.number for e in trainer.engines], trainer.engines[0].closed, reported) == ([1], True, [DIED])
+
+    with_trainer(body, on_engine_lost=lambda error: reported.append(error.detail))
 
 
 def test_a_job_created_after_the_loss_trains_on_the_new_engine():
