@@ -11,6 +11,7 @@ openrld: any Tinker service will do.
 from __future__ import annotations
 
 import os
+import threading
 
 # Resolved here, at import, in the main thread: transformers resolves its names lazily, and a
 # sweep's job threads reaching `transformers.AutoTokenizer` first at once failed with an
@@ -21,6 +22,13 @@ from tinker_cookbook import tokenizer_utils
 from recipes.quickstart.train import load_tokenizer
 
 
+# A sweep's jobs start in threads at once; loading a GGUF tokenizer imports transformers' gguf
+# module, and two first imports at once left one thread a half-made module (an ImportError). So
+# one thread loads, the others wait and share the tokenizer.
+_loading = threading.Lock()
+_loaded: dict[tuple[str, str | None], object] = {}
+
+
 def prepare_cookbook(base_model: str, tokenizer_dir: str | None, api_key: str):
     """Register `base_model`'s local tokenizer for the cookbook and set its API key; returns the
     tokenizer, or None when there is no local one (the cookbook then asks the Hub)."""
@@ -29,6 +37,11 @@ def prepare_cookbook(base_model: str, tokenizer_dir: str | None, api_key: str):
 
     if tokenizer_dir is None and find_packaged_gguf(base_model) is None:
         return None
-    tokenizer = load_tokenizer(None, base_model, tokenizer_dir)  # the training client is needed only without both
-    tokenizer_utils.register_tokenizer(base_model, lambda: tokenizer)
-    return tokenizer
+    with _loading:
+        key = (base_model, tokenizer_dir)
+        if key not in _loaded:
+            # The training client is needed only without both a directory and a packaged GGUF.
+            _loaded[key] = load_tokenizer(None, base_model, tokenizer_dir)
+            tokenizer = _loaded[key]
+            tokenizer_utils.register_tokenizer(base_model, lambda: tokenizer)
+        return _loaded[key]

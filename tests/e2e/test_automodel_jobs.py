@@ -1,0 +1,144 @@
+"""Automodel jobs through the real SDK: a trainer spread over two CPU devices as a torchrun group.
+
+The node has three CPU devices and the Automodel environment (`make automodel-env`, which
+`make test` builds); a job with openrl.trainer_backend=automodel and openrl.trainer_gpus=2 trains
+on two gloo ranks (gpu/automodel_trainer.py), and its sampler takes the third device. The
+engine's parity with the single-device trainers is tests/gpu/test_automodel_trainer.py's; here
+it is the daemon's part: placement, status, sampling after training, refusal, and a rank killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.conftest import Daemon, write_config
+from tests.waits import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+AUTOMODEL_PYTHON = REPO / ".venv-automodel" / "bin" / "python"
+TWO_RANKS = {"openrl.trainer_backend": "automodel", "openrl.trainer_gpus": "2"}
+
+pytestmark = pytest.mark.skipif(
+    not AUTOMODEL_PYTHON.exists(), reason="no Automodel environment: `make automodel-env` builds .venv-automodel"
+)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_qwen3: Path):
+    root = tmp_path_factory.mktemp("automodel")
+    config = write_config(
+        root / "openrld.toml", root / "data", {"tiny-llama": tiny_llama, "tiny-qwen3": tiny_qwen3},
+        f'longpoll_s = 3.0\ndevices = ["cpu:0", "cpu:1", "cpu:2"]\n\n[workers]\nautomodel_python = "{AUTOMODEL_PYTHON}"',
+    )
+    daemon = Daemon(root / "data", config, root / "daemon.log").start()
+    yield daemon
+    daemon.stop()
+
+
+def _status(node: Daemon, model_id: str) -> dict:
+    response = httpx.get(f"{node.url}/openrl/v1/models/{model_id}/status", headers={"X-API-Key": "tml-test"}, timeout=30)
+    return response.json()
+
+
+def _datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def _children(pid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of each child of `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append((int(entry.name), command))
+    return found
+
+
+def _ranks(daemon: int) -> list[int]:
+    """The torchrun ranks under `daemon`: the children of its torchrun child."""
+    torchruns = [pid for pid, command in _children(daemon) if b"torch.distributed.run" in command]
+    return sorted(rank for torchrun in torchruns for rank, _ in _children(torchrun))
+
+
+def _two_rank_job(service: tinker.ServiceClient):
+    """A new two-rank job, once two devices are free: a group ended before (its session closed,
+    or its rank died) frees them when its actors have stopped, a moment after."""
+    made = []
+
+    def created() -> bool:
+        try:
+            made.append(service.create_lora_training_client(base_model="tiny-llama", rank=4, user_metadata=TWO_RANKS).result())
+        except tinker.BadRequestError as refused:
+            assert "free devices" in str(refused), refused
+            return False
+        return True
+
+    wait_for(created, 60, poll_s=0.5)
+    return made[0]
+
+
+def test_a_two_rank_lora_job_trains_samples_and_lists_both_ranks(node: Daemon):
+    service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
+    training = _two_rank_job(service)
+    tokens = list(range(5, 21))
+    losses = []
+    for _ in range(3):
+        losses.append(training.forward_backward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampled = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    trained = training.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    status = _status(node, training.model_id)
+    service.close("success").result()
+    assert losses[2] < losses[0]
+    assert sampled[0] is None and sampled[1:] == pytest.approx(trained, abs=1e-5, rel=0)
+    assert [(w["role"], w["rank"], w["device"]) for w in status["workers"]] == [
+        ("trainer", 0, "cpu:0"), ("trainer", 1, "cpu:1"), ("sampler", 0, "cpu:2"),
+    ]
+
+
+def test_a_trainer_wider_than_the_node_is_refused_naming_the_setting(node: Daemon):
+    service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
+    wide = {**TWO_RANKS, "openrl.trainer_gpus": "4"}
+    with pytest.raises(tinker.BadRequestError) as refused:
+        service.create_lora_training_client(base_model="tiny-llama", rank=4, user_metadata=wide).result()
+    service.close("success").result()
+    # How many are free depends on whether the last test's group has stopped yet; the node has 3.
+    assert re.search(r"openrl\.trainer_gpus=4: job \S+ needs 4 free devices on one node, and this node has [0-3] free of 3",
+                     str(refused.value))
+
+
+def test_a_rank_killed_fails_the_job_reaps_its_group_and_frees_its_devices(node: Daemon):
+    service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
+    training = _two_rank_job(service)
+    training.forward_backward([_datum(list(range(5, 15)))], "cross_entropy").result()
+    ranks = _ranks(node.proc.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    # A call made before the daemon has seen the loss fails as a request; one made after, at once (410).
+    with pytest.raises((tinker.RequestFailedError, tinker.APIStatusError)) as failed:
+        training.forward_backward([_datum(list(range(5, 15)))], "cross_entropy").result()
+    wait_for(lambda: _ranks(node.proc.pid) == [] and not any(Path(f"/proc/{pid}").exists() for pid in ranks), 60)
+    with pytest.raises(tinker.APIStatusError) as later:
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # Its two devices (and the sampler's) are free again: the next two-rank job is placed.
+    again = _two_rank_job(service)
+    again.forward_backward([_datum(list(range(5, 15)))], "cross_entropy").result()
+    service.close("success").result()
+    assert "died" in str(failed.value) and "resume from a saved state" in str(failed.value)
+    assert later.value.status_code == 410 and "resume from a saved state" in str(later.value)
