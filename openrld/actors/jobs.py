@@ -259,9 +259,11 @@ class JobTable:
         """
         own_group = job.is_exclusive or job.images.any or job.automodel is not None
         if own_group:
+            # An Automodel trainer holds its devices alone: parking a torchrun group's FSDP shards
+            # on a GPU is not built (gpu/automodel_trainer.py), so it is never time-sliced.
             self._groups.reserve(
-                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images,
-                automodel=job.automodel, on_lost=partial(self._own_group_lost, job),
+                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive or job.automodel is not None,
+                images=job.images, automodel=job.automodel, on_lost=partial(self._own_group_lost, job),
             )
         try:
             record_run()

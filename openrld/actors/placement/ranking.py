@@ -11,7 +11,7 @@ The rules, in order:
 1. a LoRA job joins a resident LoRA group for the same base model that has room;
 2. else a new group starts on a node with a free device (the most free first);
 3. else a device is time-sliced (the least crowded first);
-4. an exclusive job, or one with `trainer_gpus > 1`, takes free devices only.
+4. an exclusive job, or an Automodel one (`trainer_gpus` of them), takes free devices only.
 
 A member's payload lags its state by a refresh and a gossip round, so the
 placer also counts the placements it made since it last heard from a node:
@@ -36,7 +36,7 @@ class JobNeeds(msgspec.Struct, frozen=True):
 
     base_model: str
     own_group: bool  # full fine-tuning or exclusive: a group of its own, not the base model's LoRA group
-    is_exclusive: bool  # openrl.exclusive, or trainer_gpus > 1: free devices only, never time-sliced
+    is_exclusive: bool  # openrl.exclusive, or an Automodel trainer: free devices only, never time-sliced
     devices: int = 1  # devices its trainer needs
 
 
