@@ -2,9 +2,10 @@
 
 The commands are read from README.md itself, so that this breaks when the
 README changes: `make serve ARGS=...` from "Run it", the Python block of "A
-short client", `openrl-doctor --url ...` from "Operate it", and `make
-quickstart ARGS=...` from "The quickstart that learns" (with a small step
-count). They run from the repository root in its .venv, as a user who has
+short client", `openrl-doctor --url ...` from "Operate it", `make
+quickstart ARGS=...` from "The quickstart that learns", and `make sql-sweep
+ARGS=...` and `make agentic ARGS=...` from "Two research workloads" (each with
+a small step count). They run from the repository root in its .venv, as a user who has
 run `make install` would; the node's data dir is given the run's SmolLM2
 conversion first (conftest's `smollm2_conversion`), as a node that converted
 it once finds it again, so the suite pays that minute only once.
@@ -115,3 +116,36 @@ def test_make_quickstart_trains_a_step_and_writes_its_log_and_curve(node: str, t
     records = (tmp_path / "quickstart_out" / "rewards.jsonl").read_text().splitlines()
     assert [json.loads(record)["step"] for record in records] == [0]
     assert (tmp_path / "quickstart_out" / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _workload_command(target: str) -> list[str]:
+    """The README's `make <target> ARGS="--url ..."` line of "Two research workloads", as argv on `node`."""
+    (block,) = _fenced(_section("Two research workloads"), "sh")
+    [command] = [c for c in _sh_commands(block) if c.startswith(f"make {target} ")]
+    assert command.startswith(f'make {target} ARGS="--url {README_URL} ')
+    return shlex.split(command)
+
+
+def test_make_sql_sweep_runs_a_job_and_writes_the_leaderboard_and_curves(node: str, tmp_path: Path):
+    argv = _workload_command("sql-sweep")
+    small = "--steps 1 --eval-every 1 --jobs 1 --rounds 1 --lr 1e-3 --heldout-fraction 0.05 --questions-per-step 1 --group-size 2"
+    argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'sql_sweep'}"
+    out = _run(argv)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    markdown = (tmp_path / "sql_sweep" / "leaderboard.md").read_text()
+    assert markdown.count("| r0-j") == 1 and "Exact McNemar test (two-sided)" in markdown
+    assert (tmp_path / "sql_sweep" / "heldout_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_make_agentic_runs_a_step_in_bubblewrap_and_writes_its_records_and_curve(node: str, tmp_path: Path):
+    if not Path("/usr/bin/bwrap").exists():
+        pytest.skip("bubblewrap is missing (make install-test installs it)")
+    argv = _workload_command("agentic")
+    small = "--steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2"
+    argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'agentic'}"
+    out = _run(argv)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "agentic" / "records.jsonl").read_text().splitlines()]
+    assert (records[0]["type"], records[0]["sandbox_backend"]) == ("run", "bwrap")
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 1]
+    assert (tmp_path / "agentic" / "held_out_success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
