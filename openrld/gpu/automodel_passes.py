@@ -43,7 +43,7 @@ from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult
 from openrld.errors import BadRequest
 from openrld.gpu import losses
 from openrld.gpu.automodel_shards import gather_bytes
-from openrld.gpu.scoring import BatchScorer, TrainerConfig, _by_request, _scatter, gradients_set_aside, plan_micro_batches
+from openrld.gpu.scoring import BatchScorer, TrainerConfig, gradients_set_aside, plan_micro_batches
 
 __all__ = ["ShardedPasses"]
 
@@ -141,31 +141,12 @@ class ShardedPasses:
         logprobs: list[list[np.ndarray | None]],
         metrics: list[dict[str, float]],
     ) -> tuple[torch.Tensor, BadRequest | None]:
-        """lp and losses of one micro-batch, as `BatchScorer._run_micro_batches` computes them;
-        the loss's non-finite error is returned, for the ranks to agree on before backward."""
-        lp = self.scorer._target_logprobs(
-            [batches[r].data[i].tokens for r, i in members],
-            [requests[r].inputs[i]["target_tokens"] for r, i in members],
-        )
-        total: torch.Tensor | None = None
-        offset = 0
-        for r, indices in _by_request(members):
-            request = requests[r]
-            size = sum(int(request.inputs[i]["target_tokens"].size) for i in indices)
-            part = lp[offset : offset + size]
-            offset += size
-            packed = losses.pack_inputs(request, indices, self._device)
-            loss, part_metrics = request.spec.fn(part, packed.inputs, request.config, packed.segments)
-            try:
-                losses.check_finite_loss(loss, batches[r].loss_fn)
-            except BadRequest as error:
-                return loss, error
-            total = loss if total is None else total + loss
-            _scatter(part, indices, request, logprobs[r])  # type: ignore[arg-type]
-            for key, value in part_metrics.items():
-                metrics[r][key] += value
-        assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
-        return total, None
+        """`BatchScorer.score_micro_batch`, with the non-finite loss's error returned instead of
+        raised, for the ranks to agree on before backward (the loss is then not used)."""
+        try:
+            return self.scorer.score_micro_batch(batches, requests, members, logprobs, metrics), None
+        except BadRequest as error:
+            return torch.zeros(()), error
 
     def _reshard(self) -> None:
         """Free every unit's gathered weights. A unit that keeps them after its forward

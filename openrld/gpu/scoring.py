@@ -128,28 +128,45 @@ class BatchScorer:
         lengths = [len(batches[r].data[i].tokens) for r, i in entries]
         for group in plan_micro_batches(lengths, self.config.max_batch_tokens):
             members = sorted(entries[k] for k in group)  # by request, then datum: contiguous per request
-            lp = self._target_logprobs(
-                [batches[r].data[i].tokens for r, i in members],
-                [requests[r].inputs[i]["target_tokens"] for r, i in members],
-            )
-            total: torch.Tensor | None = None
-            offset = 0
-            for r, indices in _by_request(members):
-                request = requests[r]
-                size = sum(int(request.inputs[i]["target_tokens"].size) for i in indices)
-                part = lp[offset : offset + size]
-                offset += size
-                packed = losses.pack_inputs(request, indices, self.device)
-                loss, part_metrics = request.spec.fn(part, packed.inputs, request.config, packed.segments)
-                losses.check_finite_loss(loss, batches[r].loss_fn)  # before backward: a bad loss adds no gradient
-                total = loss if total is None else total + loss
-                _scatter(part, indices, request, logprobs[r])
-                for key, value in part_metrics.items():
-                    metrics[r][key] += value
-            assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
+            total = self.score_micro_batch(batches, requests, members, logprobs, metrics)
             if torch.is_grad_enabled():
                 total.backward()
         return [ForwardBackwardResult(logprobs=lp_list, metrics=m) for lp_list, m in zip(logprobs, metrics)]
+
+    def score_micro_batch(
+        self,
+        batches: Sequence[ForwardBackwardBatch],
+        requests: Sequence[losses.CheckedRequest],
+        members: list[tuple[int, int]],
+        logprobs: list[list[np.ndarray]] | list[list[np.ndarray | None]],
+        metrics: list[dict[str, float]],
+    ) -> torch.Tensor:
+        """The summed loss of one micro-batch, `members` ((request, datum) pairs, sorted by request
+        then datum); its lp are scattered into `logprobs` and its metrics added into `metrics`.
+
+        Raises:
+            BadRequest: a loss is not finite, raised before any backward, so a bad loss adds no gradient.
+        """
+        lp = self._target_logprobs(
+            [batches[r].data[i].tokens for r, i in members],
+            [requests[r].inputs[i]["target_tokens"] for r, i in members],
+        )
+        total: torch.Tensor | None = None
+        offset = 0
+        for r, indices in _by_request(members):
+            request = requests[r]
+            size = sum(int(request.inputs[i]["target_tokens"].size) for i in indices)
+            part = lp[offset : offset + size]
+            offset += size
+            packed = losses.pack_inputs(request, indices, self.device)
+            loss, part_metrics = request.spec.fn(part, packed.inputs, request.config, packed.segments)
+            losses.check_finite_loss(loss, batches[r].loss_fn)
+            total = loss if total is None else total + loss
+            _scatter(part, indices, request, logprobs[r])  # type: ignore[arg-type]
+            for key, value in part_metrics.items():
+                metrics[r][key] += value
+        assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
+        return total
 
 
     def check_model_inputs(self, data: Sequence[TrainDatum]) -> None:
