@@ -9,7 +9,7 @@ metrics to `<out>/cookbook/metrics.jsonl` as it goes. What this module passes in
 and why:
 - the tokenizer and the API key, as `recipes/cookbook_offline.py` says;
 - the dataset, built beforehand (`TaskDataset`) and handed over by a trivial
-  `RLDatasetBuilder`, since its builders hold the renderer and the sandbox factory;
+  `RLDatasetBuilder` (`cookbook_offline.PrebuiltDatasetBuilder`), since its builders hold the renderer and the sandbox factory;
 - the held-out evaluator (`HeldOutEvaluator`): one episode per held-out task,
   success meaning every rubric check passed, and optionally the LLM judge's
   agreement with those checks. The loop calls it after 0, `eval_every`,
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import chz
 import msgspec
 import tinker
 from tinker_cookbook import tokenizer_utils
@@ -37,10 +35,9 @@ from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
 from tinker_cookbook.renderers import Renderer, get_renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_group_rollout
-from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
 from recipes.agentic import judge
-from recipes.cookbook_offline import prepare_cookbook
+from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 from recipes.agentic.backends import pick_backend
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset
 from recipes.agentic.sandbox import SandboxLimits
@@ -146,42 +143,28 @@ class HeldOutEvaluator(SamplingClientEvaluator):
         return agreed.rate
 
 
-@chz.chz
-class PrebuiltDatasetBuilder(RLDatasetBuilder):
-    """Hands the cookbook a dataset built beforehand (its builders hold the renderer and the sandbox factory)."""
-
-    dataset: RLDataset
-
-    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
-        return self.dataset, None
-
-
 def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
     """The cookbook's per-step metrics (the rows with rollout rewards) as StepRecords, with each step's successes.
 
     Success comes from the step's own builders, not the metrics: the cookbook averages
     an episode metric only over the episodes that report it.
     """
-    records = []
-    for line in metrics_path.read_text().splitlines():
-        row = msgspec.json.decode(line)
-        if "env/all/reward/total" in row:
-            records.append(StepRecord(
-                row["step"], row["env/all/reward/total"], dataset.success_rate(row["step"]),
-                row.get("env/all/turns_per_episode", 0.0), row.get("time/total", 0.0),
-            ))
-    return records
+    return [
+        StepRecord(
+            row["step"], row["env/all/reward/total"], dataset.success_rate(row["step"]),
+            row.get("env/all/turns_per_episode", 0.0), row.get("time/total", 0.0),
+        )
+        for row in rollout_rows(metrics_path)
+    ]
 
 
 def _cookbook_config(config: AgenticConfig, dataset: TaskDataset, evaluator: HeldOutEvaluator,
                      log_dir: Path) -> cookbook_train.Config:
-    return cookbook_train.Config(
-        learning_rate=config.learning_rate, dataset_builder=PrebuiltDatasetBuilder(dataset=dataset),
+    return cookbook_config(
+        dataset, evaluator, log_dir, steps=config.steps, learning_rate=config.learning_rate,
         model_name=config.base_model, recipe_name="openrld_agentic", max_tokens=config.max_generation_tokens,
-        log_path=str(log_dir), eval_every=config.eval_every, save_every=0, evaluator_builders=[lambda: evaluator],
-        base_url=config.base_url, loss_fn="importance_sampling", lora_rank=config.lora_rank,
-        temperature=config.temperature, remove_constant_reward_groups=True, num_groups_to_log=0,
-        rollout_json_export=False, max_steps=config.steps, num_epochs=max(1, math.ceil(config.steps / len(dataset))),
+        eval_every=config.eval_every, base_url=config.base_url, loss_fn="importance_sampling",
+        lora_rank=config.lora_rank, temperature=config.temperature,
     )
 
 

@@ -27,13 +27,11 @@ cookbook's metrics) and a `DoneRecord` with its tokens and wall time.
 from __future__ import annotations
 
 import asyncio
-import math
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import chz
 import msgspec
 import tinker
 from tinker_cookbook import tokenizer_utils
@@ -42,9 +40,8 @@ from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
 from tinker_cookbook.renderers import Renderer, get_renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_single_rollout
-from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
-from recipes.cookbook_offline import prepare_cookbook
+from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 from recipes.sql.databases import Schema, make_schemas
 from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
 from recipes.sql.questions import FAMILIES, QuestionSplit, make_questions, split_questions
@@ -149,23 +146,10 @@ class HeldoutEvaluator(SamplingClientEvaluator):
         return {"heldout/execution_accuracy": accuracy}
 
 
-@chz.chz
-class SqlDatasetBuilder(RLDatasetBuilder):
-    """Hands the cookbook the dataset built beforehand (its builders are thunks; ours needs the grader)."""
-
-    dataset: RLDataset
-
-    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
-        return self.dataset, None
-
-
 def step_records(metrics_path: Path) -> list[StepRecord]:
     """The cookbook's per-step metrics (rows with rollout rewards) as StepRecords."""
     records = []
-    for line in metrics_path.read_text().splitlines():
-        row = msgspec.json.decode(line)
-        if "env/all/reward/total" not in row:
-            continue
+    for row in rollout_rows(metrics_path):
         tokens = sum(row.get(f"tokens/cumulative/{kind}", 0) for kind in ("prefill_cached", "prefill_uncached",
                                                                             "sampled"))
         records.append(StepRecord(row["step"], row["env/all/reward/total"], row["env/all/correct"], tokens,
@@ -175,13 +159,11 @@ def step_records(metrics_path: Path) -> list[StepRecord]:
 
 def _cookbook_config(config: SqlTrainConfig, dataset: SqlDataset, evaluator: HeldoutEvaluator,
                      log_dir: Path) -> cookbook_train.Config:
-    return cookbook_train.Config(
-        learning_rate=config.learning_rate, dataset_builder=SqlDatasetBuilder(dataset=dataset),
+    return cookbook_config(
+        dataset, evaluator, log_dir, steps=config.steps, learning_rate=config.learning_rate,
         model_name=config.base_model, recipe_name="openrld_sql", max_tokens=config.max_tokens,
-        log_path=str(log_dir), eval_every=config.eval_every, save_every=0, evaluator_builders=[lambda: evaluator],
-        base_url=config.base_url, loss_fn=config.loss, lora_rank=config.lora_rank, temperature=config.temperature,
-        remove_constant_reward_groups=True, num_groups_to_log=0, rollout_json_export=False,
-        max_steps=config.steps, num_epochs=max(1, math.ceil(config.steps / len(dataset))),
+        eval_every=config.eval_every, base_url=config.base_url, loss_fn=config.loss, lora_rank=config.lora_rank,
+        temperature=config.temperature,
     )
 
 
