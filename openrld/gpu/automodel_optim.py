@@ -33,7 +33,24 @@ from openrld.gpu.optim import CLIP_EPS, AdamW, Dimuon, validate_adam_params, val
 __all__ = ["ShardedAdamW", "WholeDimuon", "whole_on_device"]
 
 
-class ShardedAdamW:
+class _DrivesOptimizer:
+    """What both wrappers share: the model's parameters, whose gradients they read and drop, and the
+    single-device optimizer (`inner`) that keeps the state and counts the steps."""
+
+    _params: dict[str, torch.Tensor]
+    inner: AdamW | Dimuon
+
+    @property
+    def steps_done(self) -> int:
+        return self.inner.steps_done
+
+    def zero_grad(self) -> None:
+        for param in self._params.values():
+            param.grad = None
+        self.inner.zero_grad()
+
+
+class ShardedAdamW(_DrivesOptimizer):
     """`optim.AdamW` over one rank's shards, stepped with the norm of the whole gradient.
 
     AdamW is elementwise but for its clipping factor, min(1, c / (‖g‖ + 1e-6)), and the
@@ -47,15 +64,6 @@ class ShardedAdamW:
         self._params = params  # name -> the parameter (a DTensor of shards, or a plain tensor)
         self._shards = {name: local_view(p) for name, p in params.items()}  # plain views of the local rows
         self.inner = AdamW(self._shards)
-
-    @property
-    def steps_done(self) -> int:
-        return self.inner.steps_done
-
-    def zero_grad(self) -> None:
-        for param in self._params.values():
-            param.grad = None
-        self.inner.zero_grad()
 
     def step(self, params: AdamParams) -> dict[str, float]:
         validate_adam_params(params)  # invalid: BadRequest with the gradients kept, as AdamW
@@ -117,7 +125,7 @@ class ShardedAdamW:
         self.inner.reset()
 
 
-class WholeDimuon:
+class WholeDimuon(_DrivesOptimizer):
     """`optim.Dimuon` over whole LoRA matrices, stepped alike on every rank.
 
     Dimuon is not elementwise: its direction needs each matrix whole (row and column
@@ -132,15 +140,6 @@ class WholeDimuon:
         self._params = params
         self._whole = {name: whole_on_device(p) for name, p in params.items()}
         self.inner = Dimuon(self._whole, rank)
-
-    @property
-    def steps_done(self) -> int:
-        return self.inner.steps_done
-
-    def zero_grad(self) -> None:
-        for param in self._params.values():
-            param.grad = None
-        self.inner.zero_grad()
 
     def step(self, params: DimuonParams) -> dict[str, float]:
         validate_dimuon_params(params)  # invalid: BadRequest with the gradients kept
