@@ -2,7 +2,7 @@
 
 It owns the lifecycle of training jobs: creating one (from settings, or from a
 checkpoint), recording its run in the store, booking a group of its own where
-its settings ask for one (GroupTable.reserve: exclusive, images), submitting
+its settings ask for one (GroupTable.reserve: exclusive, images, Automodel), submitting
 each request to its group's trainer in seq_id order, counting training tokens
 for usage, and ending a session's jobs that have groups of their own. Lookups
 take the caller's user and answer 404 for anything not theirs, 410 for a job
@@ -150,7 +150,7 @@ class JobTable:
 
     def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
         """The session finishes, and its jobs that have a group of their own (full fine-tuning,
-        exclusive, an image) end: their groups stop and free their devices, and their unnamed
+        exclusive, an image, Automodel) end: their groups stop and free their devices, and their unnamed
         sampler weights go with them. Its LoRA jobs on a shared group are left as they are.
 
         Raises:
