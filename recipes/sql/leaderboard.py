@@ -5,7 +5,8 @@ evaluated step (the same steps for every job of a sweep), its tokens and wall
 time. The Markdown adds the base model's accuracy (every job's step-0
 evaluation: a fresh LoRA adapter is the base model, and greedy decoding makes
 them identical) and the exact McNemar test of the best job against the base,
-with the seeds, so a reader can rerun it.
+Bonferroni-adjusted for the best being picked from all the jobs, with the
+seeds, so a reader can rerun it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class BaseComparison(msgspec.Struct, frozen=True):
     n_questions: int
     job_seed: int
     data_seed: int
+    jobs_compared: int  # the K jobs the best was picked from
+    adjusted_p: float  # the test's p-value, Bonferroni-adjusted for that choice
+
+    @property
+    def significant(self) -> bool:
+        """Whether the best job beats the base at the 5% level after the adjustment."""
+        return self.test.job_only > self.test.base_only and self.adjusted_p < 0.05
 
 
 def _steps_text(accuracy_by_step: dict[int, float]) -> str:
@@ -115,7 +123,10 @@ def write_markdown(rows: Sequence[JobRow], comparison: BaseComparison, path: Pat
         "", "## Best job against the base model", "",
         f"Exact McNemar test (two-sided) on the paired held-out answers of `{comparison.best_job}` (final step) and "
         f"the base model (step 0): the job alone right on {t.job_only} questions, the base alone on {t.base_only}; "
-        f"p = {t.p_value:.4g}. Seeds: job {comparison.job_seed}, data {comparison.data_seed}.", "",
+        f"p = {t.p_value:.4g}. It is the best of {comparison.jobs_compared} jobs, picked after seeing their answers, "
+        f"so the p-value is Bonferroni-adjusted for that choice: {comparison.adjusted_p:.4g}, "
+        f"{'significant' if comparison.significant else 'not significant'} at the 5% level. "
+        f"Seeds: job {comparison.job_seed}, data {comparison.data_seed}.", "",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))

@@ -1,18 +1,23 @@
 """Questions with their gold SQL, drawn from the databases' rows, and the train/held-out split.
 
 Four families, easiest first:
-- `filter`: one table, one condition, either whole rows ("Show all customers
-  who live in Paris.": SELECT *) or one column or a count ("List the names of
-  customers who live in Paris."). The whole-row form is what
-  SmolLM2-135M-Instruct writes unprompted, so it gets some right before any
-  training and RL has signal; the column form is what it has to learn.
+- `filter`: one table, one condition, asking for whole rows ("Show all
+  customers who live in Paris.": SELECT *), one column ("List the names of
+  customers who live in Paris.") or a count. Greedy SmolLM2-135M-Instruct gets
+  about a quarter of them right before training (mostly the one-column form
+  over a column named in the question); it writes out invented column lists
+  for whole rows and filters on made-up ids, which RL has to unlearn. Each
+  template is asked of every value, so held-out questions share their
+  templates with train questions, and the held-out set is large enough
+  (half of the family: 64 questions) for the sweep's paired test.
 - `join`: two or three tables joined on their keys.
 - `group`: GROUP BY, with COUNT/AVG/SUM or HAVING.
 - `order`: ORDER BY with LIMIT ("the 3 most expensive products, most
   expensive first"); the only family where row order is part of the answer.
 
-Values in the questions are taken from the rows, so every gold query returns
-rows. The split is stratified: each family gives `heldout_fraction` of its
+Values in the questions are taken from the rows (a city only where someone
+lives, a price bound only where a product lies beyond it), so every gold
+query returns rows, whatever the seed. The split is stratified: each family gives `heldout_fraction` of its
 questions (rounded up) to the held-out set, after a seeded shuffle. Pure
 functions of the schemas and the seed; no I/O.
 """
@@ -49,7 +54,8 @@ class QuestionSplit(msgspec.Struct, frozen=True):
 
 
 def _shop(schema: Schema) -> Iterator[tuple[str, str, str]]:
-    for city in CITIES:
+    customer_cities = {row[2] for row in schema.table("customers").rows}
+    for city in (c for c in CITIES if c in customer_cities):
         yield "filter", f"Show all customers who live in {city}.", f"SELECT * FROM customers WHERE city = '{city}'"
         yield "filter", f"List the names of customers who live in {city}.", \
             f"SELECT name FROM customers WHERE city = '{city}'"
@@ -59,9 +65,17 @@ def _shop(schema: Schema) -> Iterator[tuple[str, str, str]]:
             f"SELECT * FROM products WHERE category = '{category}'"
         yield "filter", f"List the names of products in the category '{category}'.", \
             f"SELECT name FROM products WHERE category = '{category}'"
+    for category in CATEGORIES:
+        yield "filter", f"How many products are in the category '{category}'?", \
+            f"SELECT COUNT(*) FROM products WHERE category = '{category}'"
+    prices = [row[3] for row in schema.table("products").rows]
     for price in range(20, 101, 10):
-        yield "filter", f"List the names of products that cost more than {price}.", \
-            f"SELECT name FROM products WHERE price > {price}"
+        if max(prices) > price:
+            yield "filter", f"List the names of products that cost more than {price}.", \
+                f"SELECT name FROM products WHERE price > {price}"
+        if min(prices) < price:
+            yield "filter", f"List the names of products that cost less than {price}.", \
+                f"SELECT name FROM products WHERE price < {price}"
     ordered_products = {row[2] for row in schema.table("orders").rows}
     ordering_customers = {row[1] for row in schema.table("orders").rows}
     for pid, name, _category, _price in schema.table("products").rows:
@@ -94,9 +108,17 @@ def _school(schema: Schema) -> Iterator[tuple[str, str, str]]:
         yield "filter", f"Show all students in grade {grade}.", f"SELECT * FROM students WHERE grade = {grade}"
         yield "filter", f"List the names of students in grade {grade}.", \
             f"SELECT name FROM students WHERE grade = {grade}"
-    for city in CITIES:
+        yield "filter", f"How many students are in grade {grade}?", \
+            f"SELECT COUNT(*) FROM students WHERE grade = {grade}"
+    student_cities = {row[3] for row in schema.table("students").rows}
+    for city in (c for c in CITIES if c in student_cities):
+        yield "filter", f"Show all students who live in {city}.", f"SELECT * FROM students WHERE city = '{city}'"
         yield "filter", f"List the names of students who live in {city}.", \
             f"SELECT name FROM students WHERE city = '{city}'"
+        yield "filter", f"How many students live in {city}?", f"SELECT COUNT(*) FROM students WHERE city = '{city}'"
+    for teacher in sorted({row[2] for row in schema.table("courses").rows}):
+        yield "filter", f"List the titles of the courses taught by {teacher}.", \
+            f"SELECT title FROM courses WHERE teacher = '{teacher}'"
     for subject in SUBJECTS:
         yield "filter", f"Which teacher teaches the course '{subject}'?", \
             f"SELECT teacher FROM courses WHERE title = '{subject}'"
@@ -119,8 +141,12 @@ def _flights(schema: Schema) -> Iterator[tuple[str, str, str]]:
         yield "filter", f"How many flights does {airline} operate?", \
             f"SELECT COUNT(*) FROM flights WHERE airline = '{airline}'"
     for code, city, _country in schema.table("airports").rows:
+        yield "filter", f"Show all flights that depart from {code}.", f"SELECT * FROM flights WHERE origin = '{code}'"
         yield "filter", f"List the ids of flights that depart from {code}.", \
             f"SELECT id FROM flights WHERE origin = '{code}'"
+        yield "filter", f"How many flights depart from {code}?", f"SELECT COUNT(*) FROM flights WHERE origin = '{code}'"
+        yield "filter", f"List the ids of flights that arrive at {code}.", \
+            f"SELECT id FROM flights WHERE destination = '{code}'"
         yield "join", f"List the ids of flights that arrive in the city {city}.", \
             f"SELECT f.id FROM flights f JOIN airports a ON a.code = f.destination WHERE a.city = '{city}'"
     yield "group", "For each airline, how many flights does it operate?", \

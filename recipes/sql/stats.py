@@ -5,7 +5,12 @@ tells them apart is only the discordant pairs: `b` questions the job got right
 and the base got wrong, `c` the other way. Under "no difference" each
 discordant pair goes either way with probability 1/2, so the two-sided exact
 p-value is the binomial tail: min(1, 2 * P[X <= min(b, c)]) for
-X ~ Binomial(b + c, 1/2). Pure functions; no I/O.
+X ~ Binomial(b + c, 1/2).
+
+The job compared is the best of the sweep's K, picked after seeing the
+answers, so its own p-value overstates the evidence; `bonferroni` multiplies
+it by K, which bounds the chance that any of the K would look this good by
+luck. Pure functions; no I/O.
 """
 
 from __future__ import annotations
@@ -31,3 +36,9 @@ def mcnemar_exact(job_correct: list[int], base_correct: list[int]) -> McNemar:
         return McNemar(b, c, 1.0)
     tail = sum(comb(n, i) for i in range(min(b, c) + 1)) / 2**n
     return McNemar(b, c, min(1.0, 2 * tail))
+
+
+def bonferroni(p_value: float, comparisons: int) -> float:
+    """`p_value` adjusted for being the best of `comparisons` tests: min(1, K * p)."""
+    assert comparisons >= 1, f"comparisons: expected >= 1, got {comparisons}"
+    return min(1.0, p_value * comparisons)

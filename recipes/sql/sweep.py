@@ -33,7 +33,7 @@ from pathlib import Path
 from recipes.sql.autoresearch import GridPoint, next_grid
 from recipes.sql.leaderboard import BaseComparison, JobRow, best_row, write_csv, write_markdown
 from recipes.sql.reward import REWARDS
-from recipes.sql.stats import mcnemar_exact
+from recipes.sql.stats import bonferroni, mcnemar_exact
 from recipes.sql.train import LOSSES, DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, read_log, train
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,10 @@ def compare_best_to_base(rows: Sequence[JobRow], out: Path, data_seed: int) -> B
     base_eval = next(r for r in read_log(out / "jobs" / rows[0].job / "log.jsonl") if isinstance(r, EvalRecord))
     best_eval = [r for r in read_log(out / "jobs" / best.job / "log.jsonl") if isinstance(r, EvalRecord)][-1]
     assert base_eval.question_ids == best_eval.question_ids, "the jobs were evaluated on different questions"
-    return BaseComparison(base_accuracy=base_eval.accuracy, best_job=best.job,
-                          test=mcnemar_exact(best_eval.correct, base_eval.correct),
-                          n_questions=len(base_eval.correct), job_seed=best.seed, data_seed=data_seed)
+    test = mcnemar_exact(best_eval.correct, base_eval.correct)
+    return BaseComparison(base_accuracy=base_eval.accuracy, best_job=best.job, test=test,
+                          n_questions=len(base_eval.correct), job_seed=best.seed, data_seed=data_seed,
+                          jobs_compared=len(rows), adjusted_p=bonferroni(test.p_value, len(rows)))
 
 
 def write_curves_png(rows: Sequence[JobRow], base_accuracy: float, path: Path, *, title: str) -> Path:
@@ -180,6 +181,7 @@ def main_sweep(argv: list[str], add_job_args, job_config) -> int:
         t = comparison.test
         print(f"round {round_} done: best {comparison.best_job} "
               f"{best_row(rows).final_accuracy:.3f} vs base {comparison.base_accuracy:.3f} "
-              f"(McNemar exact p={t.p_value:.4g}, {t.job_only} vs {t.base_only}); leaderboard {args.out}/leaderboard.md",
+              f"(McNemar exact p={t.p_value:.4g}, {t.job_only} vs {t.base_only}; Bonferroni over {len(rows)} jobs "
+              f"{comparison.adjusted_p:.4g}); leaderboard {args.out}/leaderboard.md",
               flush=True)
     return 0

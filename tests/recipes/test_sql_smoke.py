@@ -28,7 +28,7 @@ def test_training_entry_runs_two_cookbook_steps_with_evals_before_between_and_af
         ("EvalRecord", 0), ("EvalRecord", 1), ("EvalRecord", 2), ("StepRecord", 0), ("StepRecord", 1),
         ("DoneRecord", None)]
     evals, steps, done = records[:3], records[3:5], records[5]
-    assert all(len(e.correct) == len(e.question_ids) == 19 for e in evals)  # ceil(75 filter questions x 0.25)
+    assert all(len(e.correct) == len(e.question_ids) == 32 for e in evals)  # ceil(127 filter questions x 0.25)
     assert all(0.0 <= s.mean_reward <= 1.0 for s in steps) and 0 < steps[0].tokens < steps[1].tokens
     assert done.steps == 2 and done.tokens == steps[1].tokens + evals[2].tokens
     assert (tmp_path / "cookbook" / "metrics.jsonl").exists()
@@ -50,5 +50,6 @@ def test_sweep_runs_two_jobs_at_once_then_an_autoresearch_round_and_writes_leade
     assert all(r.tokens > 0 for r in rows)
     markdown = (tmp_path / "leaderboard.md").read_text()
     assert "Exact McNemar test (two-sided)" in markdown and "Seeds: job 0, data 0." in markdown
+    assert "It is the best of 4 jobs, picked after seeing their answers" in markdown
     assert (markdown.count("| r0-j"), markdown.count("| r1-j")) == (2, 2)
     assert (tmp_path / "heldout_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

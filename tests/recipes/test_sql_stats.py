@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recipes.sql.stats import McNemar, mcnemar_exact
+from recipes.sql.stats import McNemar, bonferroni, mcnemar_exact
 
 
 def test_five_wins_and_no_losses_is_p_one_sixteenth():
@@ -20,3 +20,11 @@ def test_eight_wins_one_loss_is_p_twenty_over_512():
 def test_equal_discordance_or_none_is_p_one():
     assert mcnemar_exact([1, 0], [0, 1]) == McNemar(1, 1, 1.0)
     assert mcnemar_exact([1, 0], [1, 0]) == McNemar(0, 0, 1.0)
+
+
+def test_bonferroni_multiplies_the_p_value_by_the_jobs_compared():
+    assert bonferroni(0.01, 4) == 0.04
+
+
+def test_bonferroni_never_exceeds_one():
+    assert bonferroni(0.3, 4) == 1.0
