@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--sandbox", choices=BACKENDS, default=DEFAULTS.sandbox)
     parser.add_argument("--judge-model", default=None,
                         help="a base model on the same service to judge held-out deliverables (reports agreement)")
+    parser.add_argument("--no-tool-call-prefill", dest="tool_call_prefill", action="store_false",
+                        help="let the model begin its replies itself (default: each begins as a tool call)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the model's)")
     parser.add_argument("--out", type=Path, default=Path("agentic_out"), help="directory for the log and PNG")
     args = parser.parse_args(argv)
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
         max_generation_tokens=args.max_generation_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
         learning_rate=args.learning_rate, lora_rank=args.lora_rank, temperature=args.temperature, seed=args.seed,
         sandbox=args.sandbox, tokenizer=args.tokenizer, judge_model=args.judge_model,
+        tool_call_prefill=args.tool_call_prefill,
         log_path=args.out / "records.jsonl",
     )
     return config, args.out / "held_out_success.png"
