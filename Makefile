@@ -116,6 +116,7 @@ bench: install-test
 	$(PY) bench/soak.py
 	$(PY) bench/console_cost.py
 	$(PY) bench/worker_launchers.py
+	$(PY) bench/automodel_step.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
