@@ -70,8 +70,6 @@ def initial_messages(renderer: Renderer, tools: WorkspaceTools, task: Task, *, f
 # shown the tools and an example call, wrote prose instead of a call in 28 of 28 sampled
 # episodes: a group with no call has equal rewards, so RL has nothing to learn from.
 TOOL_CALL_PREFILL = '<tool_call>\n{"name": "'
-
-
 TOOL_CALL_END = "</tool_call>"
 
 
@@ -109,10 +107,10 @@ class ToolCallPrefill:
         return [TOOL_CALL_END, *(self.renderer.tokenizer.decode([t]) for t in self.end_tokens)]
 
     def parse_response(self, response: list[int]):
-        ended = bool(response) and response[-1] in self.end_tokens
-        tail = [] if ended else [self.end_tokens[0]]
-        if not ended and TOOL_CALL_END not in self.renderer.tokenizer.decode(response):
-            tail = []  # cut by the token budget: the wrapped renderer calls it malformed
+        # A reply cut by its token budget gets no end token: the wrapped renderer calls it malformed.
+        stopped_at_tag = (bool(response) and response[-1] not in self.end_tokens
+                          and TOOL_CALL_END in self.renderer.tokenizer.decode(response))
+        tail = [self.end_tokens[0]] if stopped_at_tag else []
         return self.renderer.parse_response([*self.prefill_tokens, *response, *tail])
 
 

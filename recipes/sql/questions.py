@@ -9,7 +9,7 @@ Four families, easiest first:
   for whole rows and filters on made-up ids, which RL has to unlearn. Each
   template is asked of every value, so held-out questions share their
   templates with train questions, and the held-out set is large enough
-  (half of the family: 64 questions) for the sweep's paired test.
+  for the sweep's paired test (half of the family: 64 questions at seed 0).
 - `join`: two or three tables joined on their keys.
 - `group`: GROUP BY, with COUNT/AVG/SUM or HAVING.
 - `order`: ORDER BY with LIMIT ("the 3 most expensive products, most
@@ -17,9 +17,9 @@ Four families, easiest first:
 
 Values in the questions are taken from the rows (a city only where someone
 lives, a price bound only where a product lies beyond it), so every gold
-query returns rows, whatever the seed. The split is stratified: each family gives `heldout_fraction` of its
-questions (rounded up) to the held-out set, after a seeded shuffle. Pure
-functions of the schemas and the seed; no I/O.
+query returns rows, whatever the seed. The split is stratified: each family
+gives `heldout_fraction` of its questions (rounded up) to the held-out set,
+after a seeded shuffle. Pure functions of the schemas and the seed; no I/O.
 """
 
 from __future__ import annotations
