@@ -77,7 +77,7 @@ $(VENV)/.recipes: $(VENV)/.runtime
 	touch $@
 
 install: $(VENV)/.runtime
-install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox $(AUTOMODEL_VENV)/.automodel
+install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox $(VENV)/.containers $(AUTOMODEL_VENV)/.automodel
 
 # The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium
 # headless through its driver: system packages, so apt-get installs them (as root, or with sudo).
@@ -98,6 +98,16 @@ $(VENV)/.sandbox: $(VENV)/.runtime
 	command -v bwrap >/dev/null || { \
 		$(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(SANDBOX_PACKAGES); }
+	touch $@
+
+# The container launcher's tests (tests/worker/podman_support.py) run images under podman with
+# the runc runtime (crun fails on this kernel's cgroups); without them they skip.
+CONTAINER_PACKAGES := podman runc
+
+$(VENV)/.containers: $(VENV)/.runtime
+	command -v podman >/dev/null && command -v runc >/dev/null || { \
+		$(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $(CONTAINER_PACKAGES); }
 	touch $@
 
 serve: install
