@@ -82,7 +82,7 @@ def _run_in_the_automodel_environment() -> None:
 
 _run_in_the_automodel_environment()
 
-from openrld.batches import ForwardBackwardBatch, LoraSpec  # noqa: E402
+from openrld.batches import LoraSpec  # noqa: E402
 from openrld.gpu.tiny_models import build_tiny_model  # noqa: E402
 from openrld.worker import builtin  # noqa: E402
 from openrld.worker.client import WorkerTimeouts  # noqa: E402
@@ -91,7 +91,7 @@ from openrld.worker.protocol import Start  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 
-from worker_launchers import ADAM, RANK, TINY_SHAPES, batch  # noqa: E402
+from worker_launchers import RANK, TINY_SHAPES, batch, round_trip_s, turn_times  # noqa: E402
 
 MAX_BATCH_TOKENS = 8192
 # An Automodel group's start imports nemo_automodel on every rank: ~20 s on 2 idle cores, more when shared.
@@ -101,7 +101,7 @@ WARMUP = 2  # steps per engine at each shape before the timed ones: allocator, k
 
 
 def build_engines(model: Path, hosting: WorkerHosting, cores: int, stack: contextlib.ExitStack) -> dict[str, object]:
-    """The four engines, each with the job's adapter "a" open (the name `step_times` steps); the
+    """The four engines, each with the job's adapter "a" open (the name `turn_times` steps); the
     workers are closed when `stack` closes."""
     options = {"max_batch_tokens": MAX_BATCH_TOKENS}
     automodel = {**options, "fine_tuning": "lora"}
@@ -120,33 +120,6 @@ def build_engines(model: Path, hosting: WorkerHosting, cores: int, stack: contex
     for engine in built.values():
         engine.add_adapter("a", LoraSpec(rank=RANK, seed=0), "adamw")
     return built
-
-
-def round_trip_s(engine, calls: int = 100) -> float:
-    """Median seconds of a call that does no work."""
-    trips = []
-    for _ in range(calls):
-        began = time.perf_counter()
-        engine.has_adapter("a")
-        trips.append(time.perf_counter() - began)
-    return statistics.median(trips)
-
-
-def step_times(built: dict[str, object], work: ForwardBackwardBatch, steps: int) -> dict[str, list[float]]:
-    """Seconds of each engine's `steps` steps, after WARMUP. The engines step in turns, one step each,
-    the order rotating, so this shared machine's swings in speed fall on all alike, and the i-th
-    steps of two engines ran moments apart."""
-    for engine in built.values():
-        for _ in range(WARMUP):
-            engine.forward_backward_then_step("a", [work], ADAM)
-    times: dict[str, list[float]] = {name: [] for name in built}
-    names = list(built)
-    for turn in range(steps):
-        for name in names[turn % len(names):] + names[: turn % len(names)]:
-            began = time.perf_counter()
-            built[name].forward_backward_then_step("a", [work], ADAM)
-            times[name].append(time.perf_counter() - began)
-    return times
 
 
 def paired_ms(minuend: list[float], subtrahend: list[float]) -> float:
@@ -182,7 +155,7 @@ def main() -> None:
         hosting = WorkerHosting(automodel_python=sys.executable, timeouts=TIMEOUTS)
         stack.callback(hosting.close)
         built = build_engines(model, hosting, cores, stack)
-        trips = ", ".join(f"{name} {round_trip_s(built[name]) * 1e6:.0f} us" for name in ("1 rank", "2 ranks"))
+        trips = ", ".join(f"{name} {round_trip_s(built[name], 100) * 1e6:.0f} us" for name in ("1 rank", "2 ranks"))
         print(f"a call that does no work: {trips}", flush=True)
         print(
             f"tiny Llama, LoRA rank {RANK}, {cores} cores; medians of {steps} steps per engine after {WARMUP}, in turns;"
@@ -190,7 +163,7 @@ def main() -> None:
             flush=True,
         )
         for rows, length in shapes:
-            print_row(rows, length, step_times(built, batch(rows, length, vocab), steps))
+            print_row(rows, length, turn_times(built, batch(rows, length, vocab), steps, WARMUP))
 
 
 if __name__ == "__main__":

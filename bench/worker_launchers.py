@@ -104,31 +104,45 @@ def engines(model: Path, container) -> dict[str, object]:
     return built
 
 
-def step_times(built: dict[str, object], work: ForwardBackwardBatch, rounds: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each engine, stepping in turns, one step each, so that this
-    shared machine's swings in speed (up to 1.5x between seconds here) fall on all alike."""
-    for engine in built.values():  # warm: allocator, kernels
-        engine.forward_backward_then_step("a", [work], ADAM)
+def turn_times(built: dict[str, object], work: ForwardBackwardBatch, turns: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each engine's `turns` steps, after `warmup` each (allocator, kernels). The engines
+    step in turns, one step each, the order rotating, so that this shared machine's swings in speed
+    (up to 1.5x between seconds here) fall on all alike, and the i-th steps of two engines ran
+    moments apart."""
+    for engine in built.values():
+        for _ in range(warmup):
+            engine.forward_backward_then_step("a", [work], ADAM)
     times: dict[str, list[float]] = {name: [] for name in built}
     names = list(built)
-    for turn in range(rounds * steps):
+    for turn in range(turns):
         for name in names[turn % len(names):] + names[: turn % len(names)]:
             began = time.perf_counter()
             built[name].forward_backward_then_step("a", [work], ADAM)
             times[name].append(time.perf_counter() - began)
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
+
+
+def step_times(built: dict[str, object], work: ForwardBackwardBatch, rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each engine, over `rounds * steps` turns."""
+    return {name: statistics.median(values) for name, values in turn_times(built, work, rounds * steps).items()}
+
+
+def round_trip_s(engine, calls: int) -> float:
+    """Median seconds of a call that does no work."""
+    trips = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        engine.has_adapter("a")
+        trips.append(time.perf_counter() - began)
+    return statistics.median(trips)
 
 
 def training(label: str, model: Path, shapes, container, rounds: int, steps: int) -> None:
     vocab = int(__import__("json").loads((model / "config.json").read_text())["vocab_size"])
     built = engines(model, container)
     try:
-        trips = []
-        for _ in range(200):
-            began = time.perf_counter()
-            built["process"].has_adapter("a")
-            trips.append(time.perf_counter() - began)
-        print(f"{label}: a call that does no work, process worker: {statistics.median(trips) * 1e6:.0f} us", flush=True)
+        trip = round_trip_s(built["process"], 200)
+        print(f"{label}: a call that does no work, process worker: {trip * 1e6:.0f} us", flush=True)
         for rows, length in shapes:
             median = step_times(built, batch(rows, length, vocab), rounds, steps)
             figures = ", ".join(
