@@ -168,7 +168,6 @@ class BatchScorer:
         assert total is not None and offset == lp.numel(), f"packed {offset} of {lp.numel()} log-probs"
         return total
 
-
     def check_model_inputs(self, data: Sequence[TrainDatum]) -> None:
         for index, datum in enumerate(data):
             tokens = np.asarray(datum.tokens)
