@@ -13,8 +13,11 @@ Placement of a group (a trainer and a sampler):
   nothing else is ever placed on them; with no free device its creation fails;
 - a group whose trainer spans N devices (openrl.trainer_gpus = N, a torchrun
   group) takes N free devices for it, and its sampler the next free device, or
-  its trainer's first when there is none; with fewer than N free its creation
-  fails, naming the key and how many devices this node has.
+  its trainer's first when there is none. With fewer than N free, a shared one
+  takes the N least-loaded devices that no exclusive group holds (in device
+  order; its sampler shares the first) and takes turns on each of them; an
+  exclusive one, or a shared one on a node with fewer than N such devices, is
+  refused, naming the key and how many devices this node has.
 
 Placement is decided synchronously, on the event loop, when a job is created,
 so two creations can never book the same free device. It never imports torch
@@ -81,17 +84,18 @@ class DevicePool:
             key: the group's key.
             exclusive: the group must have its devices to itself.
             label: how errors name the group ("job s:train:0", "base model tiny-llama").
-            trainer_devices: how many devices its trainer spans; over 1, exclusive by nature.
+            trainer_devices: how many devices its trainer spans (a torchrun group, one rank each).
 
         Raises:
             NoCapacity (a BadRequest): exclusive, and no device is free (key `openrl.exclusive`);
-                or fewer free devices than `trainer_devices` (key `openrl.trainer_gpus`).
+                or fewer devices than `trainer_devices` it may take: free ones when exclusive,
+                else ones no exclusive group holds (key `openrl.trainer_gpus`).
             NoSharedDevice (a ServiceUnavailable): every device is held by an exclusive group.
         """
         if key in self._placements:
             return self._placements[key]
         if trainer_devices > 1:
-            return self._place_spread(key, label, trainer_devices)
+            return self._place_spread(key, label, trainer_devices, exclusive=exclusive)
         free = self.free_devices()
         if len(free) >= 2:
             trainer, sampler = free[0], free[1]
@@ -118,23 +122,35 @@ class DevicePool:
         )
         return placement
 
-    def _place_spread(self, key: str, label: str, count: int) -> Placement:
-        """A group whose trainer spans `count` free devices, all its own."""
+    def _place_spread(self, key: str, label: str, count: int, *, exclusive: bool) -> Placement:
+        """A group whose trainer spans `count` devices: free ones when there are enough, else
+        (shared only) the least-loaded ones no exclusive group holds, taken in turns."""
         free = self.free_devices()
-        if len(free) < count:
-            raise NoCapacity(
-                f"openrl.trainer_gpus={count}: {label} needs {count} free devices on one node, and this node has "
-                f"{len(free)} free of {len(self._devices)} ({self._describe_use()})",
-                key="openrl.trainer_gpus",
-            )
-        ranks = tuple(free[:count])
-        sampler = free[count] if len(free) > count else ranks[0]
+        if len(free) >= count:
+            ranks = tuple(free[:count])
+            sampler = free[count] if len(free) > count else ranks[0]
+        else:
+            shared = [d for d in self._devices if not self._is_exclusive(d)]
+            if exclusive or len(shared) < count:
+                total = len(self._devices)
+                have = f"{len(free)} free of {total}" if exclusive else f"{total}, {len(shared)} held by no exclusive job"
+                raise NoCapacity(
+                    f"openrl.trainer_gpus={count}: {label} needs {count} {'free ' if exclusive else ''}devices on "
+                    f"one node, and this node has {have} ({self._describe_use()})",
+                    key="openrl.trainer_gpus",
+                )
+            least = sorted(shared, key=lambda d: (len(self._groups_on(d)), self._devices.index(d)))[:count]
+            # Rank order is device order: every group takes its leases in that order, so none deadlock.
+            ranks = tuple(sorted(least, key=self._devices.index))
+            sampler = ranks[0]
         placement = Placement(
-            key=key, trainer_device=ranks[0], sampler_device=sampler, is_exclusive=True, trainer_devices=ranks
+            key=key, trainer_device=ranks[0], sampler_device=sampler, is_exclusive=exclusive, trainer_devices=ranks
         )
         self._placements[key] = placement
         self._labels[key] = label
-        logger.info("placed group=%s trainer_devices=%s sampler_device=%s", key, ",".join(ranks), sampler)
+        logger.info(
+            "placed group=%s trainer_devices=%s sampler_device=%s exclusive=%s", key, ",".join(ranks), sampler, exclusive
+        )
         return placement
 
     def release(self, key: str) -> None:

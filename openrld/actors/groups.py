@@ -21,9 +21,11 @@ sampler are two parties, so on one device they take turns, one parked.
 An Automodel job (openrl.trainer_backend=automodel) has a group of its own whose
 trainer is NeMo Automodel's, a torchrun group with one rank per device it was
 placed on (openrl.trainer_gpus); its sampler is the kind its fine-tuning type
-samples with. To the actors the whole torchrun group is one engine: its lease is
-taken on its first device, and a park or resume reaches every rank at once
-(rank 0 broadcasts each call, `worker/ranks.py`).
+samples with. To the actors the whole torchrun group is one engine: it holds the
+lease of every device it spans while it runs (`actors/group_lease.py`), and a park
+or resume reaches every rank at once (rank 0 broadcasts each call,
+`worker/ranks.py`). Unless the job is exclusive its devices are shared: other
+groups take turns with it on each of them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import trio
 
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
+from openrld.actors.group_lease import GroupLease
 from openrld.actors.job_registry import NO_IMAGES, Automodel, Images
 from openrld.actors.sampler import (
     MAX_HOST_VERSIONS,
@@ -110,7 +113,7 @@ class _Seat(msgspec.Struct, frozen=True):
 
     engines: EngineFactory  # building on the worker's device
     limiter: trio.CapacityLimiter
-    lease_from: Callable[[Parkable], DeviceLease] | None  # None: the node has no time-slicers
+    lease_from: Callable[[Parkable], DeviceLease | GroupLease] | None  # None: the node has no time-slicers
     devices: tuple[str, ...] = ()  # a torchrun trainer's, one per rank; (): the node has no device pool
 
 
@@ -267,7 +270,11 @@ class GroupTable:
         ):
             # A LoRA group's workers fit on one device together; a full fine-tuning job's take turns.
             party = f"{name} {role}" if is_full else name
-            lease_from = partial(self._devices.slicers[device].register, f"{name} {role}", party)
+            lease_from: Callable[[Parkable], DeviceLease | GroupLease] = (
+                partial(GroupLease, [self._devices.slicers[d] for d in devices], f"{name} {role}", party)
+                if len(devices) > 1
+                else partial(self._devices.slicers[device].register, f"{name} {role}", party)
+            )
             seats.append(_Seat(self._engines.on(device), self._devices.limiters[device], lease_from, devices))
         return seats[0], seats[1]
 

@@ -259,10 +259,10 @@ class JobTable:
         """
         own_group = job.is_exclusive or job.images.any or job.automodel is not None
         if own_group:
-            # An Automodel trainer holds its devices alone: parking a torchrun group's FSDP shards
-            # on a GPU is not built (gpu/automodel_trainer.py), so it is never time-sliced.
+            # An Automodel trainer that is not exclusive takes turns on its devices with other groups,
+            # parking every rank's FSDP shards together (actors/group_lease.py, gpu/automodel_park.py).
             self._groups.reserve(
-                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive or job.automodel is not None,
+                job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive,
                 images=job.images, automodel=job.automodel, on_lost=partial(self._own_group_lost, job),
             )
         try:

@@ -25,7 +25,8 @@ job's later ops still run. The actor never imports torch, nor anything of `gpu/`
 it knows its engine by the torch-free `engine_types.TrainerEngine`, and the weights
 it hands the sampler are an opaque `WeightPayload`.
 
-Device turns: each run of ops holds the device lease (actors/timeslicer.py),
+Device turns: each run of ops holds the device lease (actors/timeslicer.py; a
+trainer over several devices holds all of theirs, actors/group_lease.py),
 and so does building the engine (loading the weights onto the device): the
 actor takes its lease first and builds in its first turn. The time-slicer
 parks and resumes the engine through `park`/`resume` here, between runs, in
@@ -54,6 +55,7 @@ import trio
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
+from openrld.actors.group_lease import GroupLease
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
 from openrld.checkpoint_manifest import CheckpointManifest
@@ -368,7 +370,7 @@ class TrainerActor:
         sampler: SamplerFeed,
         specs: dict[str, LoraSpec] | None = None,
         max_combined_tokens: int = MAX_COMBINED_TOKENS,
-        lease_from: Callable[[Parkable], DeviceLease] | None = None,
+        lease_from: Callable[[Parkable], DeviceLease | GroupLease] | None = None,
         on_engine_lost: Callable[[EngineLost], None] | None = None,
     ) -> None:
         self.name = name
@@ -392,7 +394,7 @@ class TrainerActor:
         self._last_sync: SyncStats | None = None
         # The device lease, taken once the engine exists (the time-slicer parks it through this actor).
         self._lease_from = lease_from
-        self._lease: DeviceLease | NoLease = NoLease()
+        self._lease: DeviceLease | GroupLease | NoLease = NoLease()
         self._progress: dict[str, JobProgress] = {}
         self._running_job: str | None = None  # whose ops run (or wait for the device) now
         self._in_hand: list[TrainOp] = []  # the run of ops taken from the queues, until it is done
@@ -650,7 +652,7 @@ class TrainerActor:
         return TrainerStatistics(
             jobs=self.queues.statistics(), ops_done=self._done, ops_failed=self._failed,
             ops_combined=self._combined, busy=self._busy, device=self._lease.device,
-            lease=self._lease.statistics() if isinstance(self._lease, DeviceLease) else None,
+            lease=self._lease.statistics() if not isinstance(self._lease, NoLease) else None,
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
         )

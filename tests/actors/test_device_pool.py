@@ -64,29 +64,62 @@ def test_a_released_group_frees_its_devices():
 def test_a_trainer_on_three_devices_takes_three_free_ones_and_its_sampler_the_next():
     pool = DevicePool(["cpu:0", "cpu:1", "cpu:2", "cpu:3"])
     assert pool.place("job", exclusive=False, label="job j", trainer_devices=3) == Placement(
-        "job", "cpu:0", "cpu:3", True, ("cpu:0", "cpu:1", "cpu:2")
+        "job", "cpu:0", "cpu:3", False, ("cpu:0", "cpu:1", "cpu:2")
     )
     assert pool.free_devices() == []
 
 
 def test_a_trainer_on_every_device_shares_its_first_with_its_sampler():
     pool = DevicePool(["cpu:0", "cpu:1"])
-    assert pool.place("job", exclusive=False, label="job j", trainer_devices=2) == Placement(
+    assert pool.place("job", exclusive=True, label="job j", trainer_devices=2) == Placement(
         "job", "cpu:0", "cpu:0", True, ("cpu:0", "cpu:1")
     )
 
 
-def test_a_trainer_on_more_devices_than_are_free_is_refused_naming_the_setting_and_the_free_count():
+def test_an_exclusive_trainer_on_more_devices_than_are_free_is_refused_naming_the_setting_and_the_free_count():
     pool = DevicePool(["cpu:0", "cpu:1"])
     pool.place("other", exclusive=False, label="base model llama")
     with pytest.raises(BadRequest) as refused:
-        pool.place("job", exclusive=False, label="job j", trainer_devices=2)
+        pool.place("job", exclusive=True, label="job j", trainer_devices=2)
     assert (refused.value.key, refused.value.detail) == (
         "openrl.trainer_gpus",
         "openrl.trainer_gpus=2: job j needs 2 free devices on one node, and this node has 0 free of 2 "
         "(cpu:0: base model llama, cpu:1: base model llama)",
     )
     assert pool.placement_of("job") is None
+
+
+def test_a_shared_trainer_with_too_few_free_devices_takes_the_least_loaded_in_device_order():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2"])
+    pool.place("a", exclusive=False, label="a")  # cpu:0 and cpu:1
+    pool.place("b", exclusive=False, label="b")  # cpu:2
+    pool.place("c", exclusive=False, label="c")  # cpu:0 again
+    assert pool.place("job", exclusive=False, label="job j", trainer_devices=2) == Placement(
+        "job", "cpu:1", "cpu:1", False, ("cpu:1", "cpu:2")
+    )
+
+
+def test_a_shared_trainer_never_takes_a_device_an_exclusive_group_holds():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2"])
+    pool.place("hero", exclusive=True, label="job hero")
+    pool.place("a", exclusive=False, label="base model a")
+    with pytest.raises(BadRequest) as refused:
+        pool.place("job", exclusive=False, label="job j", trainer_devices=2)
+    assert (refused.value.key, refused.value.detail) == (
+        "openrl.trainer_gpus",
+        "openrl.trainer_gpus=2: job j needs 2 devices on one node, and this node has 3, 1 held by no exclusive job "
+        "(cpu:0: job hero, cpu:1: job hero, cpu:2: base model a)",
+    )
+
+
+def test_two_shared_trainers_on_two_devices_share_both():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    pool.place("one", exclusive=False, label="job one", trainer_devices=2)
+    pool.place("two", exclusive=False, label="job two", trainer_devices=2)
+    assert pool.statistics() == [
+        DeviceUse("cpu:0", ["one", "two"], False),
+        DeviceUse("cpu:1", ["one", "two"], False),
+    ]
 
 
 def test_a_spread_trainers_devices_are_free_again_once_released():

@@ -58,6 +58,12 @@ def test_a_job_needing_two_devices_skips_a_node_with_one_free():
     assert rank([node("a", free=1), node("b", free=2)], needs) == ["b"]
 
 
+def test_a_shared_job_needing_two_devices_is_time_sliced_only_where_two_are_shareable():
+    needs = JobNeeds(base_model="llama", own_group=True, is_exclusive=False, devices=2)
+    nodes = [node("a", free=0, shared=1, groups_on_shared=1), node("b", free=1, shared=2, groups_on_shared=3)]
+    assert rank(nodes, needs) == ["b"]
+
+
 def test_a_node_held_wholly_by_exclusive_jobs_is_not_time_sliced():
     assert rank([node("a", free=0, shared=0)], FULL) == []
 

@@ -70,9 +70,9 @@ def test_answered_before_next_is_a_programming_error():
         ([], {"openrl.exclusive": "true"}, JobNeeds("llama", own_group=True, is_exclusive=True, devices=1)),
         (
             [], {"openrl.trainer_backend": "automodel", "openrl.trainer_gpus": "2"},
-            JobNeeds("llama", own_group=True, is_exclusive=True, devices=2),
+            JobNeeds("llama", own_group=True, is_exclusive=False, devices=2),
         ),
-        ([], {"openrl.trainer_backend": "automodel"}, JobNeeds("llama", own_group=True, is_exclusive=True, devices=1)),
+        ([], {"openrl.trainer_backend": "automodel"}, JobNeeds("llama", own_group=True, is_exclusive=False, devices=1)),
     ],
     ids=["lora", "full", "exclusive", "two-gpu-trainer", "one-gpu-automodel"],
 )

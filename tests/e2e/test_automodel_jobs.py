@@ -75,16 +75,20 @@ def _ranks(daemon: int) -> list[int]:
     return sorted(rank for torchrun in torchruns for rank, _ in _children(torchrun))
 
 
-def _two_rank_job(service: tinker.ServiceClient):
-    """A new two-rank job, once two devices are free: a group ended before (its session closed,
-    or its rank died) frees them when its actors have stopped, a moment after."""
+def _two_rank_job(service: tinker.ServiceClient, *, exclusive: bool = True, seed: int | None = None):
+    """A new two-rank job; exclusive (the default here, so that each test has its devices to
+    itself), once two devices are free: a group ended before (its session closed, or its rank
+    died) frees them when its actors have stopped, a moment after."""
     made = []
+    metadata = {**TWO_RANKS, "openrl.exclusive": "true"} if exclusive else TWO_RANKS
 
     def created() -> bool:
         try:
-            made.append(service.create_lora_training_client(base_model="tiny-llama", rank=4, user_metadata=TWO_RANKS).result())
+            made.append(service.create_lora_training_client(
+                base_model="tiny-llama", rank=4, seed=seed, user_metadata=metadata
+            ).result())
         except tinker.BadRequestError as refused:
-            assert "free devices" in str(refused), refused
+            assert "openrl.trainer_gpus" in str(refused), refused
             return False
         return True
 
@@ -112,15 +116,38 @@ def test_a_two_rank_lora_job_trains_samples_and_lists_both_ranks(node: Daemon):
     ]
 
 
+def test_two_shared_two_rank_jobs_take_turns_on_the_same_devices_and_train_as_if_alone(node: Daemon):
+    service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
+    first = _two_rank_job(service, exclusive=False, seed=7)  # cpu:0 and cpu:1, its sampler cpu:2
+    second = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=7, user_metadata=TWO_RANKS).result()
+    tokens = list(range(5, 21))
+    losses: dict[str, list[float]] = {"first": [], "second": []}
+    for _ in range(3):  # each call of one job parks the other's two ranks, and resumes its own
+        for name, training in (("first", first), ("second", second)):
+            losses[name].append(training.forward_backward([_datum(tokens)], "cross_entropy").result().metrics["loss:sum"])
+        for training in (first, second):
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    logprobs = [t.forward([_datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+                for t in (first, second)]
+    statuses = [_status(node, t.model_id) for t in (first, second)]
+    service.close("success").result()
+    assert losses["first"] == losses["second"] and losses["first"][2] < losses["first"][0]
+    assert logprobs[0] == logprobs[1]
+    assert [[(w["role"], w["device"]) for w in s["workers"]] for s in statuses] == [
+        [("trainer", "cpu:0"), ("trainer", "cpu:1"), ("sampler", "cpu:2")],
+        [("trainer", "cpu:0"), ("trainer", "cpu:1"), ("sampler", "cpu:0")],
+    ]
+    assert all(w["parks"] >= 3 for s in statuses for w in s["workers"] if w["role"] == "trainer")
+
+
 def test_a_trainer_wider_than_the_node_is_refused_naming_the_setting(node: Daemon):
     service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
     wide = {**TWO_RANKS, "openrl.trainer_gpus": "4"}
     with pytest.raises(tinker.BadRequestError) as refused:
         service.create_lora_training_client(base_model="tiny-llama", rank=4, user_metadata=wide).result()
     service.close("success").result()
-    # How many are free depends on whether the last test's group has stopped yet; the node has 3.
-    assert re.search(r"openrl\.trainer_gpus=4: job \S+ needs 4 free devices on one node, and this node has [0-3] free of 3",
-                     str(refused.value))
+    assert re.search(r"openrl\.trainer_gpus=4: job \S+ needs 4 devices on one node, and this node has 3, [0-3] held by no "
+                     r"exclusive job", str(refused.value))
 
 
 def test_a_rank_killed_fails_the_job_reaps_its_group_and_frees_its_devices(node: Daemon):

@@ -48,7 +48,7 @@ def needs_of_settings(settings: JobSettings, base_model: str) -> JobNeeds:
     )
     return JobNeeds(
         base_model=base_model, own_group=own_group,
-        is_exclusive=settings.exclusive or settings.trainer_backend == "automodel", devices=settings.trainer_gpus,
+        is_exclusive=settings.exclusive, devices=settings.trainer_gpus,
     )
 
 

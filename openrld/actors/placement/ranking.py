@@ -11,7 +11,8 @@ The rules, in order:
 1. a LoRA job joins a resident LoRA group for the same base model that has room;
 2. else a new group starts on a node with a free device (the most free first);
 3. else a device is time-sliced (the least crowded first);
-4. an exclusive job, or an Automodel one (`trainer_gpus` of them), takes free devices only.
+4. an exclusive job takes free devices only; a trainer on several devices (`trainer_gpus`)
+   needs that many free ones, or, when it may share, that many no exclusive job holds.
 
 A member's payload lags its state by a refresh and a gossip round, so the
 placer also counts the placements it made since it last heard from a node:
@@ -36,7 +37,7 @@ class JobNeeds(msgspec.Struct, frozen=True):
 
     base_model: str
     own_group: bool  # full fine-tuning or exclusive: a group of its own, not the base model's LoRA group
-    is_exclusive: bool  # openrl.exclusive, or an Automodel trainer: free devices only, never time-sliced
+    is_exclusive: bool  # openrl.exclusive: free devices only, never time-sliced
     devices: int = 1  # devices its trainer needs
 
 
@@ -72,7 +73,7 @@ def rank(candidates: Iterable[Candidate], needs: JobNeeds) -> list[str]:
             joins.append(((load, c.name), c.name))
         elif c.free_devices >= needs.devices:
             fresh.append(((-c.free_devices, c.name), c.name))
-        elif not needs.is_exclusive and c.shared_devices > 0:
+        elif not needs.is_exclusive and c.shared_devices >= needs.devices:
             sliced.append(((c.groups_on_shared / c.shared_devices, c.name), c.name))
     return [name for tier in (joins, fresh, sliced) for _, name in sorted(tier)]
 
