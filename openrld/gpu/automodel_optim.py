@@ -11,7 +11,9 @@ two families need different things of the shards:
 
 Both keep `optim.py`'s contract: validation first (invalid params keep the gradients), a
 non-finite norm drops them, the same metrics; and both export and import their state as
-whole tensors (rank 0 holds the export), the files of the single-device trainers.
+whole tensors (rank 0 holds the export), the files of the single-device trainers;
+`ShardedAdamW` also one tensor at a time (`iter_state`), so that full fine-tuning's
+checkpoint never holds the whole optimizer state on one rank.
 
 What it does not do: compute gradients, choose the tensors, import trio.
 """
@@ -19,6 +21,7 @@ What it does not do: compute gradients, choose the tensors, import trio.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 
 import msgspec
 import torch
@@ -29,6 +32,7 @@ from openrld.batches import AdamParams, DimuonParams
 from openrld.errors import BadRequest
 from openrld.gpu.automodel_shards import gather_concat, global_norm, local_view, shard_of
 from openrld.gpu.optim import CLIP_EPS, AdamW, Dimuon, validate_adam_params, validate_dimuon_params
+from openrld.gpu.safetensors_stream import TensorEntry
 
 __all__ = ["ShardedAdamW", "WholeDimuon", "whole_on_device"]
 
@@ -90,19 +94,33 @@ class ShardedAdamW(_DrivesOptimizer):
         return metrics
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """AdamW's state of the whole tensors, on rank 0 (every rank gathers; others get {})."""
-        flat = self.inner.state_tensors()
-        gathered: dict[str, torch.Tensor] = {}
-        for key in sorted(flat):
+        """AdamW's state of the whole tensors, on rank 0 (every rank gathers; others get {}).
+        All of it at once: a checkpoint streams it instead (`state_layout`, `iter_state`)."""
+        return {key: tensor for key, tensor in self.iter_state() if tensor is not None}
+
+    def state_layout(self) -> list[TensorEntry]:
+        """The keys of `state_tensors`, in its order, each with its whole tensor's dtype and shape:
+        what a file's header needs, which every rank knows without a gather."""
+        entries = []
+        for key, local in sorted(self.inner.state_items(), key=lambda item: item[0]):
             name, _, suffix = key.rpartition(".")
-            local = flat[key]
-            if suffix == "step":
-                gathered[key] = local
-                continue
-            joined = gather_concat(local.reshape(-1))
-            if joined is not None:
-                gathered[key] = joined.reshape(tuple(self._params[name].shape))
-        return gathered if dist.get_rank() == 0 else {}
+            entries.append(TensorEntry(key, local.dtype, () if suffix == "step" else tuple(self._params[name].shape)))
+        return entries
+
+    def iter_state(self, keys: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """AdamW's state one whole tensor at a time, in the order of `keys` (default: `state_tensors`'):
+        (key, the tensor) on rank 0, (key, None) on the others. Every rank must take every item, in
+        the same order: each but a step count is a gather (`gather_concat`) of every rank's rows."""
+        local = dict(self.inner.state_items())  # the live state: no copy of it is made here
+        for key in sorted(local) if keys is None else keys:
+            yield key, self._whole_state(key, local[key])  # bound to no name: gone once the caller drops it
+
+    def _whole_state(self, key: str, local: torch.Tensor) -> torch.Tensor | None:
+        name, _, suffix = key.rpartition(".")
+        if suffix == "step":  # the same count on every rank; a copy, the caller's to drop
+            return local.clone() if dist.get_rank() == 0 else None
+        joined = gather_concat(local.reshape(-1))
+        return None if joined is None else joined.reshape(tuple(self._params[name].shape))
 
     def param_of(self, key: str) -> torch.Tensor | None:
         """The parameter a state key ("<name>.exp_avg", ...) is laid out as; None for a step count."""

@@ -28,6 +28,10 @@ Guarantees:
   file, and `export_adapter` in HF-PEFT form by Automodel's `Checkpointer` (peft loads it,
   bit-identical to `adapter_tensors`); full fine-tuning in
   `full_io` form with `full_trainer`'s state.json. Either trainer loads the other's;
+- full fine-tuning's files (weights, AdamW state) are streamed (`safetensors_stream`):
+  rank 0 writes each header from the tensors' names, dtypes and global shapes, then the
+  tensors as every rank gathers them, one at a time; the files are byte for byte what the
+  dict path (`safetensors.torch.save`) writes. LoRA keeps that dict path: adapters are small;
 - full fine-tuning's weight sync is computed where the shards are (`automodel_shards`):
   no rank holds more than one whole tensor on its device at a time.
 
@@ -65,6 +69,7 @@ from openrld.gpu.automodel_passes import ShardedPasses
 from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, local_view, read_rows, shard_of, whole
 from openrld.gpu.full_trainer import FullTrainerState
 from openrld.gpu.models import pick_dtype
+from openrld.gpu.safetensors_stream import StreamedWrites, StreamStatistics, entries_of
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
 
@@ -104,10 +109,15 @@ class AutomodelStatistics(msgspec.Struct, frozen=True):
     forward_backward_calls: int
     tokens: int  # model-input tokens run through forward_backward
     last_sync: SyncStats | None
+    # The files of the last full fine-tuning save, streamed, as this rank saw them (rank 0 writes):
+    # peak_held 1 means no more than one whole tensor was held at a time.
+    last_save: list[StreamStatistics] = []
 
 
 class AutomodelTrainer(train_steps.TrainsInPasses):
     """One job's trainer over the ranks of a group; every call runs on every rank alike."""
+
+    _last_save: tuple[StreamStatistics, ...] = ()  # the last full fine-tuning save's files (`_save_full`)
 
     def __init__(
         self,
@@ -252,15 +262,16 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
     # ------------------------------------------------------------ checkpoints
 
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
-        """Write what a sampler loads (lora_io for LoRA, full_io for full) into the empty `directory`."""
+        """Write what a sampler loads (lora_io for LoRA, full_io for full, streamed) into the empty
+        `directory`; rank 0 writes, every rank gathers. Bytes written (0 off rank 0)."""
         self._get(name)
+        if self.options.fine_tuning == "full":
+            return self._save_full(directory, with_optimizer=False)
         tensors = self._whole_params()
         if self.rank != 0:
             return 0
-        if self.options.fine_tuning == "lora":
-            assert self._spec is not None
-            return lora_io.save_adapter(directory, tensors, self._spec)
-        return full_io.save_full(directory, tensors)
+        assert self._spec is not None
+        return lora_io.save_adapter(directory, tensors, self._spec)
 
     def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
         """Write the adapter in HF-PEFT form (`peft.PeftModel.from_pretrained` reads it) with
@@ -283,12 +294,15 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         the existing, empty `directory` (rank 0 writes; every rank gathers). Bytes written."""
         self._get(name)
         assert self._optimizer is not None
-        size = self.sampler_checkpoint(name, directory)
-        optimizer_state = self._optimizer.state_tensors() if with_optimizer else {}
+        if self.options.fine_tuning == "full":
+            size = self._save_full(directory, with_optimizer)
+        else:
+            size = self.sampler_checkpoint(name, directory)
+            optimizer_state = self._optimizer.state_tensors() if with_optimizer else {}
+            if self.rank == 0 and with_optimizer:
+                size += lora_io.write_synced(directory / OPTIMIZER_FILE, lora_io.encode_tensors(optimizer_state))
         if self.rank != 0:
             return 0
-        if with_optimizer:
-            size += lora_io.write_synced(directory / OPTIMIZER_FILE, lora_io.encode_tensors(optimizer_state))
         if self.options.fine_tuning == "lora":
             assert self._spec is not None
             state: msgspec.Struct = TrainerState(
@@ -422,6 +436,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             forward_backward_calls=passes.calls if passes is not None else 0,
             tokens=passes.tokens if passes is not None else 0,
             last_sync=self._last_sync,
+            last_save=list(self._last_save),
         )
 
     def ready_info(self) -> dict[str, str | int]:
@@ -448,6 +463,37 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._optimizer = ShardedAdamW(self._params) if family == "adamw" else WholeDimuon(self._params, spec.rank)  # type: ignore[union-attr]
         if spec is None:
             self._weights = ShardedWeights(self._params, keep_shadow=self.options.weight_sync == "delta")
+
+    def _save_full(self, directory: Path, with_optimizer: bool) -> int:
+        """Full fine-tuning's weights, AdamW state (`with_optimizer`) and full_model.json, into the
+        empty `directory`, streamed: no rank holds more than one whole tensor of them at a time.
+        Bytes written (0 off rank 0).
+
+        Raises (on rank 0, once every rank is done gathering):
+            FileExistsError: `directory` is not empty.  OSError: a write failed.
+        """
+        writes = StreamedWrites(is_writer=self.rank == 0)
+        writes.precondition(lambda: full_io.require_empty(directory))
+        weights = entries_of(self._params)  # the DTensors' global shapes: every rank knows them
+        writes.write(directory / full_io.FULL_WEIGHTS, weights, self._whole_in_order)
+        if with_optimizer:
+            assert isinstance(self._optimizer, ShardedAdamW), "full fine-tuning steps with AdamW"
+            writes.write(directory / OPTIMIZER_FILE, self._optimizer.state_layout(), self._optimizer.iter_state)
+        self._last_save = tuple(writes.finish())
+        if self.rank != 0:
+            return 0
+        size = sum(written.bytes for written in self._last_save)
+        size += full_io.write_meta(directory, [entry.dtype for entry in weights])
+        lora_io.fsync_directory(directory)
+        logger.info(
+            "full fine-tuning files saved directory=%s files=%d bytes=%d peak_tensors_held=%d",
+            directory, len(self._last_save), size, max(written.peak_held for written in self._last_save),
+        )
+        return size
+
+    def _whole_in_order(self, names: list[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A `TensorSource` over the weights: each gathered whole (every rank) as it is asked for."""
+        return ((name, whole(self._params[name])) for name in names)
 
     def _whole_params(self) -> dict[str, torch.Tensor]:
         """Every trainable tensor whole, on rank 0's host, gathered one at a time ({} elsewhere)."""

@@ -15,7 +15,7 @@ caller's job (`actors/checkpoints.py`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -49,14 +49,26 @@ def save_full(directory: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     Raises:
         FileExistsError: `directory` is not empty (a caller bug: saves go to fresh staging dirs).
     """
-    if any(directory.iterdir()):
-        raise FileExistsError(f"{directory} is not empty; saves go into a fresh directory")
-    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    require_empty(directory)
     size = lora_io.write_synced(directory / FULL_WEIGHTS, lora_io.encode_tensors(tensors))
-    meta = FullMeta(format_version=FORMAT_VERSION, dtype=",".join(dtypes))
-    size += lora_io.write_synced(directory / FULL_META, msgspec.json.encode(meta))
+    size += write_meta(directory, [t.dtype for t in tensors.values()])
     lora_io.fsync_directory(directory)
     return size
+
+
+def require_empty(directory: Path) -> None:
+    """Raise FileExistsError unless `directory` is empty (saves go to fresh staging dirs)."""
+    if any(directory.iterdir()):
+        raise FileExistsError(f"{directory} is not empty; saves go into a fresh directory")
+
+
+def write_meta(directory: Path, dtypes: Iterable[torch.dtype]) -> int:
+    """Write full_model.json for weights of `dtypes` (fsynced; the directory is the caller's); its size.
+
+    The Automodel trainer streams its weights file (`safetensors_stream`) and writes this beside it.
+    """
+    meta = FullMeta(format_version=FORMAT_VERSION, dtype=",".join(sorted({str(dtype) for dtype in dtypes})))
+    return lora_io.write_synced(directory / FULL_META, msgspec.json.encode(meta))
 
 
 def load_full(directory: Path) -> dict[str, torch.Tensor]:

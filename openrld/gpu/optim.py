@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -227,14 +227,17 @@ class AdamW(_PerTensorOptimizer[_Moments]):
         """The state as detached CPU clones: "<name>.exp_avg", "<name>.exp_avg_sq" and
         "<name>.step" (0-d int64) for every tensor that has stepped, and "<name>.master"
         for a parameter trained through an fp32 master copy."""
-        flat: dict[str, torch.Tensor] = {}
+        return {key: tensor.detach().cpu().clone() for key, tensor in self.state_items()}
+
+    def state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`state_tensors`' keys and tensors, in its order, as the live state (not copies; a step
+        count is a new 0-d tensor): for a caller that saves them one at a time."""
         for name, moments in self._state.items():
-            flat[f"{name}.{EXP_AVG}"] = moments.exp_avg.detach().cpu().clone()
-            flat[f"{name}.{EXP_AVG_SQ}"] = moments.exp_avg_sq.detach().cpu().clone()
-            flat[f"{name}.{STEP}"] = torch.tensor(moments.step, dtype=torch.int64)
+            yield f"{name}.{EXP_AVG}", moments.exp_avg
+            yield f"{name}.{EXP_AVG_SQ}", moments.exp_avg_sq
+            yield f"{name}.{STEP}", torch.tensor(moments.step, dtype=torch.int64)
             if moments.master is not None:
-                flat[f"{name}.{MASTER}"] = moments.master.detach().cpu().clone()
-        return flat
+                yield f"{name}.{MASTER}", moments.master
 
     def load_state_tensors(self, flat: Mapping[str, torch.Tensor]) -> None:
         """Replace the state with `flat` (the format of `state_tensors`); tensors absent from

@@ -13,6 +13,8 @@ LoRA, FullTrainer for full fine-tuning) in the same environment, from the same s
   forward; full fine-tuning's deltas, loaded by openrld's full sampler (which checks their
   digest), give it the group's weights bit for bit;
 - Dimuon (LoRA) over whole matrices on 2 ranks as in one process;
+- full fine-tuning's state and sampler files, streamed from the shards one tensor at a time,
+  are the one-process FullTrainer's byte for byte;
 - refusals: a second job, Dimuon params to an AdamW job, cp > 1 on the CPU.
 
 The Automodel environment is `.venv-automodel` at the repository root (`make automodel-env`);
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
@@ -39,6 +42,7 @@ from openrld.worker.protocol import Start
 from openrld.worker.values import local_payload
 
 REPO = Path(__file__).resolve().parents[2]
+SAVE_REPORTING_WORKER = Path(__file__).with_name("automodel_save_worker.py")
 AUTOMODEL_PYTHON = REPO / ".venv-automodel" / "bin" / "python"
 pytestmark = pytest.mark.skipif(
     not AUTOMODEL_PYTHON.exists(),
@@ -312,6 +316,53 @@ def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_r
         assert max_weight_difference(trainer.adapter_tensors("job"), weights) <= 1e-6
     finally:
         trainer.close()
+
+
+def test_full_state_is_streamed_from_the_shards_as_one_process_writes_it(sockets, tiny_llama, tmp_path):
+    """The one-process FullTrainer's state (after a step: weights and AdamW moments), loaded into
+    the group and saved again there, is the same files byte for byte: a load keeps each rank's
+    rows exactly and the gathers put them back together, so any difference would be the streamed
+    writer's. The worker (automodel_save_worker.py) leaves rank 0's statistics beside each save."""
+    reference = single(sockets, tiny_llama, "full_trainer")
+    reference.add_adapter("job", None, "adamw")
+    train(reference, range(1))
+    for kind in ("state", "sampler"):
+        (tmp_path / f"reference-{kind}").mkdir()
+    reference.save_state("job", tmp_path / "reference-state", True)
+    reference.sampler_checkpoint("job", tmp_path / "reference-sampler")
+    reference.close()
+    options = {"fine_tuning": "full", "max_batch_tokens": MAX_BATCH_TOKENS, "weight_sync": "delta"}
+    engine_start = Start("automodel_trainer", str(tiny_llama), "cpu", threads=1, options=options)
+    spec = WorkerSpec(name="automodel_trainer", role="trainer", start=engine_start)
+    launcher = TorchrunLauncher(str(AUTOMODEL_PYTHON), 2, (str(SAVE_REPORTING_WORKER),))
+    trainer = RemoteTrainer(start_worker(launcher, spec, sockets, timeouts=TIMEOUTS)[0])
+    try:
+        trainer.load_state("job", tmp_path / "reference-state", None, True, "adamw")
+        for kind in ("state", "sampler"):
+            (tmp_path / f"streamed-{kind}").mkdir()
+        sizes = {
+            "state": trainer.save_state("job", tmp_path / "streamed-state", True),
+            "sampler": trainer.sampler_checkpoint("job", tmp_path / "streamed-sampler"),
+        }
+    finally:
+        trainer.close()
+    for kind, files in (("state", ["full_model.json", "model.safetensors", "optimizer.safetensors", "state.json"]),
+                        ("sampler", ["full_model.json", "model.safetensors"])):
+        ours, theirs = tmp_path / f"streamed-{kind}", tmp_path / f"reference-{kind}"
+        assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) == files
+        for name in files:
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), f"{kind}: {name} differs"
+        assert sizes[kind] == sum((ours / name).stat().st_size for name in files)
+        saved = json.loads((tmp_path / f"streamed-{kind}.statistics.json").read_text())["last_save"]
+        streamed = [name for name in files if name.endswith(".safetensors")]
+        assert [file["file"] for file in saved] == streamed
+        for file in saved:
+            with safe_open(str(ours / file["file"]), framework="pt") as opened:
+                count = len(opened.keys())
+            size = (ours / file["file"]).stat().st_size
+            # One gathered tensor held at a time on rank 0: each was written and dropped before the next gather.
+            assert (file["tensors"], file["bytes"], file["peak_held"]) == (count, size, 1)
+    assert len(saved) == 1 and saved[0]["tensors"] > 1
 
 
 def test_context_parallelism_on_the_cpu_is_refused_naming_trainer_cp(sockets, tiny_llama):
