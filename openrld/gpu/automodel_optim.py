@@ -139,6 +139,12 @@ class ShardedAdamW(_DrivesOptimizer):
                 mine[key] = shard_of(tensor, param)
         self.inner.load_state_tensors(mine)
 
+    def live_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer keeps on the device, themselves (not copies), for parking:
+        AdamW's moments and master copies, and any gradient its shards still hold (the shards
+        themselves are views of the parameters' storage)."""
+        return self.inner.live_state() + [shard.grad for shard in self._shards.values() if shard.grad is not None]
+
     def reset(self) -> None:
         self.inner.reset()
 
@@ -187,6 +193,12 @@ class WholeDimuon(_DrivesOptimizer):
 
     def load_state_tensors(self, flat: dict[str, torch.Tensor]) -> None:
         self.inner.load_state_tensors(flat)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer keeps on the device, themselves (not copies), for parking:
+        the momentum and the whole matrices (with any gradient they hold)."""
+        grads = [tensor.grad for tensor in self._whole.values() if tensor.grad is not None]
+        return self.inner.live_state() + list(self._whole.values()) + grads
 
     def reset(self) -> None:
         self.inner.reset()

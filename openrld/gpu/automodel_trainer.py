@@ -39,10 +39,15 @@ Refused, by name: a second job (one job per engine: its devices are its own); Di
 full fine-tuning (as `full_trainer`); context parallelism (cp > 1) on a CPU device
 (PyTorch's context-parallel attention has no sharding rules for the CPU's SDPA kernel,
 and Automodel's own Llama and Qwen3 need Transformer Engine for it) and, for now, on a
-GPU too (its Automodel path is not built here yet); parking on a GPU.
+GPU too (its Automodel path is not built here yet); compute, a new job or a load while
+parked, a second park and a resume when not parked (`automodel_park.StorageSlot`).
+
+Time-slicing: `park` empties every rank's device storages (shards, gradients, buffers,
+optimizer state, the delta sync's shadow) to host memory and `resume` refills them bit
+for bit (`automodel_park`), on every device type alike.
 
 The pieces: `automodel_model` (loading through Automodel, the seeded LoRA init, the
-HF-PEFT export), `automodel_passes` (the training passes over the ranks),
+HF-PEFT export), `automodel_park` (parking), `automodel_passes` (the training passes over the ranks),
 `automodel_optim` (AdamW and Dimuon over shards), `automodel_shards` (gathers, reads and
 the weight sync), `automodel_shims` (Automodel's CUDA assumptions on a CPU).
 
@@ -62,8 +67,10 @@ import torch.distributed as dist
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
-from openrld.gpu import delta, full_io, lora_io, offload, train_steps
+from openrld.engine_types import ParkReport, ResumeReport
+from openrld.gpu import delta, full_io, lora_io, train_steps
 from openrld.gpu.automodel_model import ShardSizes, export_peft, load_sharded
+from openrld.gpu.automodel_park import StorageSlot, fsdp_module_tensors
 from openrld.gpu.automodel_optim import ShardedAdamW, WholeDimuon
 from openrld.gpu.automodel_passes import ShardedPasses
 from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, local_view, read_rows, shard_of, whole
@@ -161,7 +168,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._weights: ShardedWeights | None = None
         self._synced_version: str | None = None
         self._last_sync: SyncStats | None = None
-        self._slot = offload.ParkSlot("trainer", device, lambda: [])  # a CPU group parks nothing
+        self._slot = StorageSlot("trainer", device, self._device_state)
         if options.fine_tuning == "full":
             self._build(None)
 
@@ -173,7 +180,9 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         Raises:
             Conflict: a job is open.  BadRequest: an unknown optimizer family, Dimuon for full
             fine-tuning, or a LoRA job without a spec or with rank < 1.
+            EngineParked: the engine is parked (the new model's storages would be on the device).
         """
+        self._slot.require_resident("add_adapter")
         _check_family(optimizer, self.options.fine_tuning)
         if self._job is not None:
             raise Conflict(
@@ -329,8 +338,9 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             BadRequest: not weights of this kind, a spec other than the checkpoint's, tensors
                 missing or of another shape, "checkpoint has no optimizer state", an optimizer
                 family other than the job's or the checkpoint's.
-            Conflict: another job is open.
+            Conflict: another job is open.  EngineParked: the engine is parked (its storages are empty).
         """
+        self._slot.require_resident("load_state")
         _check_family(optimizer, self.options.fine_tuning)
         if self._job is not None and self._job != name:
             raise Conflict(f"this automodel trainer already serves model {self._job}; it serves one job")
@@ -392,18 +402,17 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
 
     # ------------------------------------------------------------ time-slicing
 
-    def park(self):
-        """On a CPU group, a no-op that reports; a GPU group does not park yet.
+    def park(self) -> ParkReport:
+        """Empty this rank's device storages to host memory (every rank parks its own; rank 0's
+        report reaches the daemon); compute refuses until `resume`. Accumulated gradients stay.
 
         Raises:
-            NotSupportedYet: on a GPU (FSDP2 holds each shard in storage of its own, which
-            moving tensor by tensor would break; a multi-device job runs exclusive).
+            EngineParked: already parked.
         """
-        self._require_cpu_parking()
         return self._slot.park()
 
-    def resume(self):
-        self._require_cpu_parking()
+    def resume(self) -> ResumeReport:
+        """Refill this rank's storages, bit for bit. Raises EngineParked if not parked."""
         return self._slot.resume()
 
     @property
@@ -509,12 +518,17 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             raise NotFound(f"no model {name!r} on this automodel trainer")
         self._slot.require_resident(f"model {name}")
 
-    def _require_cpu_parking(self) -> None:
-        if self.device.type != "cpu":
-            raise NotSupportedYet(
-                "parking an automodel trainer on GPUs is not supported yet: FSDP2 keeps each rank's shards in "
-                "storage of its own; run the job with openrl.exclusive=true"
-            )
+    def _device_state(self) -> list[torch.Tensor]:
+        """Every tensor this rank keeps on its device: the model's shards, gradients and buffers,
+        the optimizer's state, and full fine-tuning's delta shadow (a copy of every shard)."""
+        tensors = fsdp_module_tensors(self._model) if self._model is not None else []
+        if self._optimizer is not None:
+            tensors += self._optimizer.live_tensors()
+        # ShardedWeights has no accessor for its shadow; its tensors are read, never changed, here.
+        shadow = self._weights._shadow if self._weights is not None else None
+        if shadow is not None:
+            tensors += shadow.values()
+        return tensors
 
 
 def _check_options(options: AutomodelOptions) -> None:
