@@ -177,6 +177,10 @@ class ShardedWeights:
         self._params = dict(params)
         self._shadow = {name: local_view(p).clone() for name, p in self._params.items()} if keep_shadow else None
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """What it keeps on the device besides the parameters: the shadow (for parking)."""
+        return list(self._shadow.values()) if self._shadow is not None else []
+
     def digest(self) -> int:
         """`delta.digest` of the whole weights, gathered one tensor at a time (every rank computes it)."""
         return delta.digest(_WholeWeights(self._params))

@@ -524,10 +524,8 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         tensors = fsdp_module_tensors(self._model) if self._model is not None else []
         if self._optimizer is not None:
             tensors += self._optimizer.live_tensors()
-        # ShardedWeights has no accessor for its shadow; its tensors are read, never changed, here.
-        shadow = self._weights._shadow if self._weights is not None else None
-        if shadow is not None:
-            tensors += shadow.values()
+        if self._weights is not None:
+            tensors += self._weights.device_tensors()
         return tensors
 
 
