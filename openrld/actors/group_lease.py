@@ -31,13 +31,12 @@ It never imports torch.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 
 import msgspec
 import trio
 
-from openrld.actors.timeslicer import DeviceLease, LeaseState, Parkable, TimeSlicer, WorkerLeaseStatistics
+from openrld.actors.timeslicer import DeviceLease, LeaseState, Parkable, TakesTurns, TimeSlicer, WorkerLeaseStatistics
 
 __all__ = ["GroupLease"]
 
@@ -72,8 +71,9 @@ class _GroupParking:
                 self.resumes += 1
 
 
-class GroupLease:
-    """A worker's leases on several devices, acquired and released together (as `DeviceLease` is on one)."""
+class GroupLease(TakesTurns):
+    """A worker's leases on several devices, acquired and released together (as `DeviceLease` is on one);
+    `hold` is `TakesTurns`'."""
 
     def __init__(self, slicers: Sequence[TimeSlicer], worker: str, party: str, parkable: Parkable) -> None:
         """`slicers` in device order: the order the group takes its leases in (see the module's docstring)."""
@@ -102,15 +102,6 @@ class GroupLease:
     def release(self, *, has_more: bool) -> None:
         for lease in self._leases:
             lease.release(has_more=has_more)
-
-    @asynccontextmanager
-    async def hold(self, has_more: Callable[[], bool]) -> AsyncIterator[None]:
-        """Hold every device around one batch of engine calls; `has_more()` is asked at the end."""
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release(has_more=has_more())
 
     def is_due(self) -> bool:
         """Another party waits on any of its devices and the turn there is over: start no new work."""

@@ -339,7 +339,26 @@ class DeviceTurns:
 # ---------------------------------------------------------------- handle
 
 
-class DeviceLease:
+class TakesTurns:
+    """`hold`, around a lease's own `acquire` and `release`: one device's lease, or a group's on several."""
+
+    async def acquire(self) -> None:
+        raise NotImplementedError
+
+    def release(self, *, has_more: bool) -> None:
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def hold(self, has_more: Callable[[], bool]) -> AsyncIterator[None]:
+        """Hold the device(s) around one batch of engine calls; `has_more()` is asked at the end."""
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release(has_more=has_more())
+
+
+class DeviceLease(TakesTurns):
     """One worker's lease on one device: the only thing a worker holds of the time-slicer.
 
     Several tasks of one worker (a sampler's replicas) may hold it at once: the
@@ -370,15 +389,6 @@ class DeviceLease:
         self._holders -= 1
         if self._holders == 0:
             self._slicer.release(self.worker, has_more=has_more)
-
-    @asynccontextmanager
-    async def hold(self, has_more: Callable[[], bool]) -> AsyncIterator[None]:
-        """Hold the device around one batch of engine calls; `has_more()` is asked at the end."""
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release(has_more=has_more())
 
     def is_due(self) -> bool:
         """Another party waits and this party's turn is over: start no new work, finish what runs."""
