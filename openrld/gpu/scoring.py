@@ -9,9 +9,20 @@ loss (`gpu/losses.py`) and, when grad is enabled, backpropagates into whatever
 parameters of the model require grad. The LoRA trainer (`torch_trainer`) and the
 full fine-tuning trainer (`full_trainer`) both drive it.
 
+Datums that share a prefix of at least `min_shared_prefix` tokens (a GRPO group's prompt)
+run it once (`gpu/shared_prefix.py`): `plan_passes` puts such groups in micro-batches of
+their own, costed as prefixes + suffixes, and `score_micro_batch(..., shared=...)` runs
+them in two passes. That path is opt-in per micro-batch: `score_micro_batch` without
+`shared` runs every datum whole, as the Automodel trainer's passes call it. It steps aside
+(every datum whole) under activation checkpointing (a checkpointed layer would append to
+the cache again when it recomputes), and for a model with a sliding window, a cache that
+cannot select rows, or one whose two passes do not reproduce its single pass.
+
 Guarantees: a request is validated whole before any compute, and under
 `gradients_set_aside` a failed request (bad input or a non-finite loss) leaves the
-trainable tensors' accumulated gradients exactly as they were.
+trainable tensors' accumulated gradients exactly as they were. Shared prefixes change no
+result beyond fp32 rounding: log-probabilities, losses, metrics and gradients equal those
+of running every datum whole.
 
 What it does not do: own parameters or optimizers, choose which tensors train,
 ordering, locking, trio. Device and dtype are explicit.
@@ -30,8 +41,9 @@ import torch.utils.checkpoint
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, TrainDatum
 from openrld.errors import BadRequest
-from openrld.gpu import losses
+from openrld.gpu import losses, shared_prefix
 from openrld.gpu.models import max_context, vocab_size
+from openrld.gpu.shared_prefix import SharedPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +65,16 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     # activation memory drops from O(layers × tokens) to about one layer's, for ~1/3 more
     # compute. For long sequences; off by default.
     activation_checkpointing: bool = False
+    # Datums sharing at least this many leading tokens (a GRPO group's prompt) run them once,
+    # then their suffixes as one batch on the prefix's cache; 0 runs every datum whole. Below
+    # ~32 tokens the saving is smaller than the second pass's overhead.
+    min_shared_prefix: int = 32
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
+        if self.min_shared_prefix < 0:
+            raise ValueError(f"TrainerConfig.min_shared_prefix must be >= 0; got {self.min_shared_prefix}")
 
 
 class BatchScorer:
@@ -79,6 +97,10 @@ class BatchScorer:
         self._softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         self._chunked_head = config.chunked_head and self._head_reproduces_logits()
         self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
+        # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
+        # that a caller that never plans shared groups, such as the Automodel trainer's passes,
+        # runs nothing extra).
+        self._shares_prefixes: bool | None = None if config.min_shared_prefix else False
 
     def forward_backward_many(
         self, batches: Sequence[ForwardBackwardBatch], trainable: Iterable[torch.nn.Parameter]
@@ -125,10 +147,11 @@ class BatchScorer:
         entries = [(r, i) for r, batch in enumerate(batches) for i in range(len(batch.data))]
         logprobs = [[np.empty(0, np.float32)] * len(batch.data) for batch in batches]
         metrics = [dict.fromkeys(request.spec.metric_keys, 0.0) for request in requests]
-        lengths = [len(batches[r].data[i].tokens) for r, i in entries]
-        for group in plan_micro_batches(lengths, self.config.max_batch_tokens):
-            members = sorted(entries[k] for k in group)  # by request, then datum: contiguous per request
-            total = self.score_micro_batch(batches, requests, members, logprobs, metrics)
+        tokens = [np.asarray(batches[r].data[i].tokens) for r, i in entries]
+        for micro in self._plan(tokens):
+            # entries are in (request, datum) order, so ascending indices keep each request contiguous
+            members = [entries[k] for k in micro.indices]
+            total = self.score_micro_batch(batches, requests, members, logprobs, metrics, shared=micro.shared)
             if torch.is_grad_enabled():
                 total.backward()
         return [ForwardBackwardResult(logprobs=lp_list, metrics=m) for lp_list, m in zip(logprobs, metrics)]
@@ -140,17 +163,23 @@ class BatchScorer:
         members: list[tuple[int, int]],
         logprobs: list[list[np.ndarray]] | list[list[np.ndarray | None]],
         metrics: list[dict[str, float]],
+        shared: SharedPrefixes | None = None,
     ) -> torch.Tensor:
         """The summed loss of one micro-batch, `members` ((request, datum) pairs, sorted by request
         then datum); its lp are scattered into `logprobs` and its metrics added into `metrics`.
 
+        With `shared` (from `plan_passes`), the members' shared prefixes run once; without it,
+        every member runs whole.
+
         Raises:
             BadRequest: a loss is not finite, raised before any backward, so a bad loss adds no gradient.
         """
-        lp = self._target_logprobs(
-            [batches[r].data[i].tokens for r, i in members],
-            [requests[r].inputs[i]["target_tokens"] for r, i in members],
-        )
+        tokens = [batches[r].data[i].tokens for r, i in members]
+        targets = [requests[r].inputs[i]["target_tokens"] for r, i in members]
+        if shared is None:
+            lp = self._target_logprobs(tokens, targets)
+        else:
+            lp = self._shared_target_logprobs(tokens, targets, shared)
         total: torch.Tensor | None = None
         offset = 0
         for r, indices in _by_request(members):
@@ -208,7 +237,7 @@ class BatchScorer:
         attention_mask = torch.from_numpy(mask).to(self.device)
         # Without padding, no mask: attention then takes its plain causal path, which is faster.
         model_mask = None if min(lengths) == max(lengths) else attention_mask
-        chunk = self.config.logprob_chunk_positions or max(1, self.config.logits_budget_bytes // (4 * self.vocab_size))
+        chunk = self._chunk_positions()
         # One chunk holds every position: the model's own full logits are as cheap and simpler.
         head_chunks = self._chunked_head and sum(lengths) > chunk
         if head_chunks:
@@ -221,13 +250,67 @@ class BatchScorer:
             rows = features.reshape(-1, features.shape[-1])  # (P, H) or (P, V), datum by datum
         else:
             rows = features[attention_mask.bool()]  # (P, H) or (P, V): real positions, datum by datum
-        # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
         offsets = np.cumsum([0] + lengths)
-        per_position = [1 if t.ndim == 1 else t.shape[1] for t in targets]
-        pair_rows = np.concatenate(
-            [np.repeat(np.arange(offsets[i], offsets[i + 1]), k) for i, k in enumerate(per_position)]
+        positions = [np.arange(offsets[i], offsets[i + 1]) for i in range(len(lengths))]
+        return self._logprobs_at(rows, positions, targets, head_chunks, chunk)
+
+    def _shared_target_logprobs(
+        self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray], shared: SharedPrefixes
+    ) -> torch.Tensor:
+        """`_target_logprobs`, each shared prefix run once (`shared_prefix.two_pass_features`).
+
+        A prefix's rows serve every datum of its group, each reading its own targets there: the
+        target at the last prefix position is the datum's first suffix token, read from the
+        prefix pass's last row.
+        """
+        chunk = self._chunk_positions()
+        distinct = sum(shared.lengths) + sum(len(t) - shared.lengths[row] for t, row in zip(tokens, shared.rows))
+        head_chunks = self._chunked_head and distinct > chunk
+        rows, positions = shared_prefix.two_pass_features(
+            self._decoder_features if head_chunks else self._logit_features,
+            self._model.config,
+            tokens,
+            shared,
+            self.device,
         )
+        return self._logprobs_at(rows, positions, targets, head_chunks, chunk)
+
+    def _decoder_features(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, cache: object
+    ) -> torch.Tensor:
+        out = self._model.get_decoder()(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        return out.last_hidden_state  # (B, T, H)
+
+    def _logit_features(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, cache: object
+    ) -> torch.Tensor:
+        out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        return out.logits  # (B, T, V)
+
+    def _chunk_positions(self) -> int:
+        return self.config.logprob_chunk_positions or max(1, self.config.logits_budget_bytes // (4 * self.vocab_size))
+
+    def _logprobs_at(
+        self,
+        rows: torch.Tensor,
+        positions: Sequence[np.ndarray],
+        targets: Sequence[np.ndarray],
+        head_chunks: bool,
+        chunk: int,
+    ) -> torch.Tensor:
+        """lp in the packed layout: datum i's targets read at rows `positions[i]` of `rows` ((P, H)
+        hidden states, or (P, V) logits), the log-softmax taken `chunk` rows at a time."""
+        # (position, token) pairs in packed order: each position repeated K times for (N, K) targets.
+        per_position = [1 if t.ndim == 1 else t.shape[1] for t in targets]
+        pair_rows = np.concatenate([np.repeat(rows_i, k) for rows_i, k in zip(positions, per_position)])
         pair_tokens = np.concatenate([t.reshape(-1) for t in targets])
+        # Chunks take pairs by row. Shared prefix rows serve several datums, so pairs come out of
+        # row order there: sort them, and put the lp back in packed order at the end.
+        order = None if np.all(pair_rows[1:] >= pair_rows[:-1]) else np.argsort(pair_rows, kind="stable")
+        if order is not None:
+            pair_rows, pair_tokens = pair_rows[order], pair_tokens[order]
         starts = list(range(0, len(rows), chunk))
         # Recompute a chunk's logits in backward only when there are several chunks:
         # then keeping every chunk's (chunk, V) fp32 alive is what the budget forbids.
@@ -242,7 +325,12 @@ class BatchScorer:
                 pieces.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, *args, use_reentrant=False))
             else:
                 pieces.append(self._chunk_logprobs(*args))
-        return torch.cat(pieces)
+        lp = torch.cat(pieces)
+        if order is None:
+            return lp
+        packed = np.empty_like(order)
+        packed[order] = np.arange(len(order))
+        return lp[torch.from_numpy(packed).to(self.device)]
 
     def _chunk_logprobs(
         self, features: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, head_chunks: bool
@@ -287,6 +375,49 @@ class BatchScorer:
         )
         return False
 
+    def _plan(self, tokens: Sequence[np.ndarray]) -> list[MicroBatch]:
+        """`plan_passes`, with shared prefixes where this model allows them: checked (once) the
+        first time a plan has a shared group, so that requests without any run nothing extra."""
+        budget = self.config.max_batch_tokens
+        plan = plan_passes(tokens, budget, 0 if self._shares_prefixes is False else self.config.min_shared_prefix)
+        if self._shares_prefixes is None and any(micro.shared is not None for micro in plan):
+            self._shares_prefixes = self._can_share_prefixes()
+            if not self._shares_prefixes:
+                plan = plan_passes(tokens, budget, 0)
+        return plan
+
+    def _can_share_prefixes(self) -> bool:
+        """Whether two passes on the model's cache reproduce its single pass; logs why not."""
+        model_type = getattr(self._model.config, "model_type", "?")
+        if self._checkpointed_layers:
+            # A checkpointed layer runs again in backward and would append to the cache twice.
+            logger.info("shared prefixes off under activation checkpointing (model_type=%s)", model_type)
+            return False
+        if not shared_prefix.cache_supports_sharing(self._model.config):
+            logger.warning("shared prefixes off: model_type=%s has a sliding window or another cache kind", model_type)
+            return False
+        if self._prefix_sharing_reproduces():
+            return True
+        logger.warning("shared prefixes off: two passes do not reproduce one for model_type=%s", model_type)
+        return False
+
+    def _prefix_sharing_reproduces(self) -> bool:
+        """Two datums of 16 tokens that share 8, run whole and in two passes; run once."""
+        n = min(16, self._input_vocab_size)
+        first = np.arange(n, dtype=np.int64)
+        second = first.copy()
+        second[n // 2 :] = first[n // 2 :][::-1]
+        shared = SharedPrefixes(rows=(0, 0), lengths=(n // 2,))
+        with torch.no_grad():
+            ids = torch.from_numpy(np.stack([first, second])).to(self.device)
+            whole = self._model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            rows, positions = shared_prefix.two_pass_features(
+                self._decoder_features, self._model.config, [first, second], shared, self.device
+            )
+            passes = torch.stack([rows[torch.from_numpy(p).to(self.device)] for p in positions])
+        tolerance = 1e-4 if whole.dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(passes.float(), whole.float(), rtol=tolerance, atol=tolerance))
+
 
 @contextlib.contextmanager
 def gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
@@ -322,6 +453,43 @@ def plan_micro_batches(lengths: Sequence[int], max_batch_tokens: int) -> list[li
         else:
             groups.append([index])
     return groups
+
+
+class MicroBatch(msgspec.Struct, frozen=True):
+    """One micro-batch of `plan_passes`: the datums it runs, and how they share prefixes."""
+
+    indices: tuple[int, ...]  # datum indices, ascending
+    shared: SharedPrefixes | None = None  # None: every datum runs whole
+
+
+def plan_passes(tokens: Sequence[np.ndarray], max_batch_tokens: int, min_shared_prefix: int) -> list[MicroBatch]:
+    """Micro-batches for datums `tokens`: those in no prefix group as `plan_micro_batches` plans
+    them, then the prefix groups (`shared_prefix.find_prefix_groups`) packed by their shared
+    cost, prefixes + suffixes (`shared_prefix.pack_groups`).
+
+    A group over the budget on its own is split, its suffixes planned as `plan_micro_batches`
+    plans datums, within the budget less its prefix; a part of one datum runs whole.
+    With `min_shared_prefix` 0, this is `plan_micro_batches`'s plan.
+    """
+    lengths = [len(t) for t in tokens]
+    groups: list[shared_prefix.PrefixGroup] = []
+    for group in shared_prefix.find_prefix_groups(tokens, min_shared_prefix):
+        suffixes = [lengths[i] - group.prefix_len for i in group.members]
+        for part in plan_micro_batches(suffixes, max_batch_tokens - group.prefix_len):
+            if len(part) > 1:
+                groups.append(shared_prefix.PrefixGroup(tuple(sorted(group.members[k] for k in part)), group.prefix_len))
+    grouped = {i for group in groups for i in group.members}
+    alone = [i for i in range(len(tokens)) if i not in grouped]
+    plan = [
+        MicroBatch(tuple(sorted(alone[k] for k in part)))
+        for part in plan_micro_batches([lengths[i] for i in alone], max_batch_tokens)
+    ]
+    for pack in shared_prefix.pack_groups(groups, lengths, max_batch_tokens):
+        indices = sorted(i for group in pack for i in group.members)
+        row_of = {i: row for row, group in enumerate(pack) for i in group.members}
+        shared = SharedPrefixes(tuple(row_of[i] for i in indices), tuple(group.prefix_len for group in pack))
+        plan.append(MicroBatch(tuple(indices), shared))
+    return plan
 
 
 def _by_request(members: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
