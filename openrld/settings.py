@@ -315,9 +315,9 @@ _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     # checks); or an image (has a '/'), run by the node's container runtime
     "trainer_backend": lambda value: True,
     "trainer_gpus": lambda value: True,  # > 1: automodel as a torchrun group; an image: below
-    # Context parallelism: not built (gpu/automodel_trainer.py refuses it: on a CPU PyTorch has no
-    # sharding rules for its attention kernel, and on a GPU the path is not written yet).
-    "trainer_cp": lambda value: value == 1,
+    # Context parallelism: gpu/automodel_cp.py (Automodel's block-diagonal CP); it must divide
+    # trainer_gpus (_check_cross_fields), so cp > 1 means a torchrun group
+    "trainer_cp": lambda value: True,
     "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them
     "sampler_backend": lambda value: True,  # the node's, or an image the node's allow-list decides on
 }

@@ -251,12 +251,8 @@ def test_automodel_on_several_devices_is_supported() -> None:
     require_supported(JobSettings(trainer_backend="automodel", trainer_gpus=4))
 
 
-def test_context_parallelism_is_not_supported_yet() -> None:
-    with pytest.raises(NotSupportedYet) as excinfo:
-        require_supported(JobSettings(trainer_backend="automodel", trainer_gpus=4, trainer_cp=2))
-    assert (excinfo.value.detail, excinfo.value.key) == (
-        "openrl.trainer_cp=2 is not supported yet by this node", "openrl.trainer_cp"
-    )
+def test_context_parallelism_on_an_automodel_group_is_supported() -> None:
+    require_supported(JobSettings(trainer_backend="automodel", trainer_gpus=4, trainer_cp=2))
 
 
 def test_a_trainer_image_on_several_devices_is_not_supported_yet() -> None:

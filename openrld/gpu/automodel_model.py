@@ -14,6 +14,8 @@ openrld's training:
   rank 0 when it has none), each rank keeping its rows; B = 0. A DTensor's own random init
   on a CPU mesh gives every shard the same numbers, and this makes N ranks start where
   one does.
+- with cp > 1, attention through block-diagonal context parallelism
+  (`automodel_cp.use_cp_attention`), and the mesh's cp axis returned for the passes.
 `export_peft` writes the adapter with Automodel's `Checkpointer`.
 
 The trainable tensors are keyed as the single-device trainers key them: peft's state-dict
@@ -33,10 +35,12 @@ from pathlib import Path
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from openrld.batches import LoraSpec
 from openrld.errors import BadRequest, NotSupportedYet
 from openrld.gpu import lora_io
+from openrld.gpu.automodel_cp import use_cp_attention
 from openrld.gpu.automodel_shards import local_view, shard_of
 from openrld.gpu.automodel_shims import on_device
 from openrld.gpu.models import ATTN_MODULES, MLP_MODULES
@@ -56,11 +60,12 @@ class ShardSizes(msgspec.Struct, frozen=True):
 
 def load_sharded(
     model_dir: str, device: torch.device, dtype: torch.dtype, sizes: ShardSizes, spec: LoraSpec | None
-) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter], object | None]:
+) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter], object | None, DeviceMesh | None]:
     """This rank's part of the model, ready to train.
 
     Returns:
-        (the FSDP2 root module, the trainable tensors by key, Automodel's PeftConfig or None).
+        (the FSDP2 root module, the trainable tensors by key, Automodel's PeftConfig or None,
+        the cp group's DeviceMesh when sizes.cp > 1, else None).
     Raises:
         NotSupportedYet: NeMo Automodel is not installed here.  BadRequest: a LoRA that trains nothing.
     """
@@ -92,12 +97,16 @@ def load_sharded(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    cp_mesh = None
+    if sizes.cp > 1:
+        use_cp_attention(model, device)
+        cp_mesh = setup.mesh_context.device_mesh["cp"]
     if spec is None:
-        return model, dict(model.named_parameters()), None
+        return model, dict(model.named_parameters()), None, cp_mesh
     params = {PEFT_PREFIX + key: p for key, p in model.named_parameters() if ".lora_A." in key or ".lora_B." in key}
     assert params, "Automodel put no LoRA tensors in the model"
     seeded_lora_init(params, spec.seed)
-    return model, params, peft_config
+    return model, params, peft_config, cp_mesh
 
 
 def lora_targets(spec: LoraSpec) -> list[str]:

@@ -24,8 +24,16 @@ How a pass runs on N data-parallel ranks:
   metrics are summed over the ranks and the log-probabilities gathered to rank 0, in
   datum order. Only rank 0's results are whole; the worker returns only rank 0's.
 
-What it does not do: context parallelism (each datum is scored whole by one rank),
-ordering, trio.
+With context parallelism (cp = C > 1, `automodel_cp`), the N ranks are N/C data-parallel
+groups of C: a micro-batch goes to a cp group (dp rank = rank // C), whose C ranks score it
+together, its datums packed into one sequence split over them; micro-batches are planned
+by `plan_packed_micro_batches`, `max_batch_tokens` bounding each rank's part of a pack
+(packed length / C), so a datum up to C times the budget fits. Every rank of a cp group
+computes the same, whole loss and backpropagates 1/C of it (see `_backward`); empty rounds
+are whole cp groups running the empty pass; only each cp group's first rank reports
+metrics and log-probabilities (the others hold the same ones).
+
+What it does not do: ordering, trio.
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult
 from openrld.errors import BadRequest
 from openrld.gpu import losses
+from openrld.gpu.automodel_cp import ContextParallelScorer, plan_packed_micro_batches
 from openrld.gpu.automodel_shards import gather_bytes
 from openrld.gpu.scoring import BatchScorer, TrainerConfig, gradients_set_aside, plan_micro_batches
 
@@ -67,11 +77,20 @@ class ShardedPasses:
         config: memory knobs; `chunked_head` must be off (the output layer is its own FSDP
             unit, so it runs only inside the root module's forward).
         dp_rank, dp_size: this rank's place among the data-parallel ranks.
+        cp_mesh: this rank's cp group (`load_sharded`'s), when cp > 1; None scores each datum on one rank.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, config: TrainerConfig, dp_rank: int, dp_size: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, config: TrainerConfig, dp_rank: int, dp_size: int,
+        cp_mesh: DeviceMesh | None = None,
+    ) -> None:
         assert not config.chunked_head, "a sharded model's output layer runs inside its root forward only"
-        self.scorer = BatchScorer(model, device, config)
+        if cp_mesh is None:
+            self.scorer = BatchScorer(model, device, config)
+        else:
+            self.scorer = ContextParallelScorer(model, device, config, cp_mesh)
+        self._cp = 1 if cp_mesh is None else cp_mesh.size()
+        self._reports = cp_mesh is None or cp_mesh.get_local_rank() == 0  # metrics and lp, once per cp group
         self._model = model
         self._device = device
         self._dp_rank = dp_rank
@@ -117,7 +136,10 @@ class ShardedPasses:
         """Score this rank's micro-batches, one per round, with a backward after each agreed loss."""
         entries = [(r, i) for r, batch in enumerate(batches) for i in range(len(batch.data))]
         lengths = [len(batches[r].data[i].tokens) for r, i in entries]
-        plan = plan_micro_batches(lengths, self.scorer.config.max_batch_tokens)
+        if self._cp == 1:
+            plan = plan_micro_batches(lengths, self.scorer.config.max_batch_tokens)
+        else:
+            plan = plan_packed_micro_batches(lengths, self.scorer.config.max_batch_tokens, self._cp)
         logprobs: list[list[np.ndarray | None]] = [[None] * len(batch.data) for batch in batches]
         metrics = [dict.fromkeys(request.spec.metric_keys, 0.0) for request in requests]
         rounds = -(-len(plan) // self._dp_size)
@@ -130,8 +152,19 @@ class ShardedPasses:
                 total, error = self._empty_pass(), None
             self._agree(error)
             if torch.is_grad_enabled():
-                total.backward()
+                self._backward(total)
         return logprobs, metrics
+
+    def _backward(self, total: torch.Tensor) -> None:
+        """Backpropagate one round's loss. With cp = C > 1, every rank of a cp group holds the
+        same loss, computed from the lp of every chunk (all-gathered); all_gather's backward sums
+        the C ranks' gradients for each chunk's lp, so each rank backpropagates total / C and
+        its chunk's lp receives exactly the loss's gradient. FSDP's sum over the dp × cp ranks
+        (divide factor 1) then gives the one-process gradient. The loss and metrics reported
+        stay unscaled."""
+        if self._cp > 1:
+            total = total / self._cp
+        total.backward()
 
     def _score(
         self,
@@ -180,6 +213,9 @@ class ShardedPasses:
         metrics: list[dict[str, float]],
     ) -> list[ForwardBackwardResult]:
         """Every rank's metrics summed and log-probabilities gathered, on rank 0."""
+        if not self._reports:  # a cp group's other ranks hold the same values as its first
+            metrics = [dict.fromkeys(request_metrics, 0.0) for request_metrics in metrics]
+            logprobs = [[None] * len(lps) for lps in logprobs]
         flat = [value for request_metrics in metrics for value in request_metrics.values()]
         if flat:
             summed = torch.tensor(flat, dtype=torch.float64)

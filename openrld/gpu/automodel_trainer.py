@@ -35,12 +35,20 @@ Guarantees:
 - full fine-tuning's weight sync is computed where the shards are (`automodel_shards`):
   no rank holds more than one whole tensor on its device at a time.
 
+Context parallelism (option `cp` = C > 1, C dividing the group's size): each micro-batch's
+datums are packed into one sequence split over the C ranks of a cp group
+(`automodel_cp`: Automodel's block-diagonal CP, the K/V all-gathered over the group in
+every attention layer), so activation memory no longer caps the context length on one
+device; `max_batch_tokens` bounds each rank's part of a pack. The guarantee above holds
+(each cp rank backpropagates 1/C of the loss they share; `automodel_passes`). On a CPU it
+runs the dense attention kernel over gloo (what the tests run); on a GPU the same path runs
+over NCCL, with FlashAttention's varlen kernel when flash-attn is installed and the dtype
+is bf16/fp16, else the dense one: that path cannot be run here, so no test covers it.
+
 Refused, by name: a second job (one job per engine: its devices are its own); Dimuon for
-full fine-tuning (as `full_trainer`); context parallelism (cp > 1) on a CPU device
-(PyTorch's context-parallel attention has no sharding rules for the CPU's SDPA kernel,
-and Automodel's own Llama and Qwen3 need Transformer Engine for it) and, for now, on a
-GPU too (its Automodel path is not built here yet); compute, a new job or a load while
-parked, a second park and a resume when not parked (`automodel_park.StorageSlot`).
+full fine-tuning (as `full_trainer`); a cp that does not divide the group's size; compute,
+a new job or a load while parked, a second park and a resume when not parked
+(`automodel_park.StorageSlot`).
 
 Time-slicing: `park` empties every rank's device storages (shards, gradients, buffers,
 optimizer state, the delta sync's shadow) to host memory and `resume` refills them bit
@@ -48,6 +56,7 @@ for bit (`automodel_park`), on every device type alike.
 
 The pieces: `automodel_model` (loading through Automodel, the seeded LoRA init, the
 HF-PEFT export), `automodel_park` (parking), `automodel_passes` (the training passes over the ranks),
+`automodel_cp` (a cp group scoring one packed micro-batch together),
 `automodel_optim` (AdamW and Dimuon over shards), `automodel_shards` (gathers, reads and
 the weight sync), `automodel_shims` (Automodel's CUDA assumptions on a CPU).
 
@@ -85,11 +94,6 @@ __all__ = ["AutomodelOptions", "AutomodelStatistics", "AutomodelTrainer"]
 logger = logging.getLogger(__name__)
 
 DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
-CPU_CP_REFUSAL = (
-    "openrl.trainer_cp > 1 needs GPUs: PyTorch's context-parallel attention has no sharding rules for the CPU's "
-    "SDPA kernel, and Automodel's own Llama and Qwen3 need Transformer Engine attention for it; got cp={cp} on {device}"
-)
-GPU_CP_REFUSAL = "openrl.trainer_cp > 1 is not supported yet by the automodel trainer; got cp={cp}"
 
 
 class AutomodelOptions(msgspec.Struct, frozen=True):
@@ -98,7 +102,7 @@ class AutomodelOptions(msgspec.Struct, frozen=True):
     fine_tuning: str = "lora"  # "lora" or "full" (openrl.fine_tuning_type)
     cp: int = 1  # context-parallel degree (openrl.trainer_cp); divides the group's size
     weight_sync: str = "delta"  # full fine-tuning: "delta" or "full" (openrl.weight_sync)
-    max_batch_tokens: int = 8192  # padded tokens per micro-batch, as the single-device trainers'
+    max_batch_tokens: int = 8192  # padded tokens per micro-batch, as the single-device trainers'; per rank with cp
     # Set when the job's sampler cannot serve a LoRA on lm_head (vLLM, for some architectures):
     # why, as the 400 that refuses such an adapter (the lora_trainer's option of the same name).
     unembed_refusal: str | None = None
@@ -134,21 +138,16 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         dtype: torch.dtype | None = None,
     ) -> None:
         """Raises:
-            BadRequest: an unknown fine_tuning or weight_sync, a cp that does not divide the
-                group, or cp > 1 on a CPU.  NotSupportedYet: cp > 1 on a GPU.
+            BadRequest: an unknown fine_tuning or weight_sync, or a cp that does not divide the group.
         """
         _check_options(options)
         _ensure_process_group(device)
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        if options.cp > 1 and device.type == "cpu":
-            raise BadRequest(CPU_CP_REFUSAL.format(cp=options.cp, device=device), key="trainer_cp")
         if self.world_size % options.cp:
             raise BadRequest(
                 f"openrl.trainer_cp={options.cp} does not divide openrl.trainer_gpus={self.world_size}", key="trainer_cp"
             )
-        if options.cp > 1:
-            raise NotSupportedYet(GPU_CP_REFUSAL.format(cp=options.cp), key="trainer_cp")
         self.device = device
         self.options = options
         self.dp = self.world_size // options.cp
@@ -464,9 +463,11 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
     def _build(self, spec: LoraSpec | None, family: str = "adamw") -> None:
         """Load and shard the model (with `spec`'s LoRA), then its passes, optimizer and sync."""
         sizes = ShardSizes(dp=self.dp, cp=self.options.cp)
-        self._model, self._params, self._peft_config = load_sharded(self._model_dir, self.device, self._dtype, sizes, spec)
+        self._model, self._params, self._peft_config, cp_mesh = load_sharded(
+            self._model_dir, self.device, self._dtype, sizes, spec
+        )
         self._passes = ShardedPasses(
-            self._model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp
+            self._model, self.device, self._config, dp_rank=self.rank // self.options.cp, dp_size=self.dp, cp_mesh=cp_mesh
         )
         self._family = family
         self._optimizer = ShardedAdamW(self._params) if family == "adamw" else WholeDimuon(self._params, spec.rank)  # type: ignore[union-attr]

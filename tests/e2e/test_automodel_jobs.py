@@ -169,3 +169,35 @@ def test_a_rank_killed_fails_the_job_reaps_its_group_and_frees_its_devices(node:
     service.close("success").result()
     assert "died" in str(failed.value) and "resume from a saved state" in str(failed.value)
     assert later.value.status_code == 410 and "resume from a saved state" in str(later.value)
+
+
+def test_a_two_rank_job_with_context_parallelism_trains_and_lists_both_ranks(node: Daemon):
+    # openrl.trainer_cp=2: one cp group of two ranks scores each micro-batch together, its datums
+    # packed into one sequence cut in two (gpu/automodel_cp.py); parity is tests/gpu/test_automodel_cp.py's.
+    service = tinker.ServiceClient(base_url=node.url, api_key="tml-test")
+    metadata = {**TWO_RANKS, "openrl.trainer_cp": "2", "openrl.exclusive": "true"}
+    made = []
+
+    def created() -> bool:
+        try:
+            made.append(service.create_lora_training_client(base_model="tiny-llama", rank=4, user_metadata=metadata).result())
+        except tinker.BadRequestError as refused:
+            assert "openrl.trainer_gpus" in str(refused), refused  # devices still held by an earlier test's group
+            return False
+        return True
+
+    wait_for(created, 60, poll_s=0.5)
+    training = made[0]
+    tokens = list(range(5, 21))
+    losses = []
+    for _ in range(2):
+        passed = training.forward_backward([_datum(tokens), _datum(tokens[:9])], "cross_entropy").result()
+        losses.append(passed.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    status = _status(node, training.model_id)
+    service.close("success").result()
+    assert losses[1] < losses[0]
+    # The status lists the group's ranks and devices; it has no field for cp (actors/model_status.py).
+    assert [(w["role"], w["rank"], w["device"]) for w in status["workers"]] == [
+        ("trainer", 0, "cpu:0"), ("trainer", 1, "cpu:1"), ("sampler", 0, "cpu:2"),
+    ]

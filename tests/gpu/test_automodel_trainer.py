@@ -15,7 +15,7 @@ LoRA, FullTrainer for full fine-tuning) in the same environment, from the same s
 - Dimuon (LoRA) over whole matrices on 2 ranks as in one process;
 - full fine-tuning's state and sampler files, streamed from the shards one tensor at a time,
   are the one-process FullTrainer's byte for byte;
-- refusals: a second job, Dimuon params to an AdamW job, cp > 1 on the CPU.
+- refusals: a second job, Dimuon params to an AdamW job, a cp that does not divide the group.
 
 The Automodel environment is `.venv-automodel` at the repository root (`make automodel-env`);
 without it every test here is skipped. Each group start costs ~20 s of imports on 2 cores, so
@@ -365,8 +365,9 @@ def test_full_state_is_streamed_from_the_shards_as_one_process_writes_it(sockets
     assert len(saved) == 1 and saved[0]["tensors"] > 1
 
 
-def test_context_parallelism_on_the_cpu_is_refused_naming_trainer_cp(sockets, tiny_llama):
+def test_a_cp_that_does_not_divide_a_group_of_one_is_refused_naming_trainer_cp(sockets, tiny_llama):
+    # cp > 1 itself runs (tests/gpu/test_automodel_cp.py); a group of one cannot be split in two.
     options = {"fine_tuning": "lora", "cp": 2}
-    with pytest.raises(BadRequest, match=r"openrl.trainer_cp > 1 needs GPUs.*got cp=2 on cpu") as refused:
+    with pytest.raises(BadRequest, match=r"openrl.trainer_cp=2 does not divide openrl.trainer_gpus=1") as refused:
         start(sockets, Start("automodel_trainer", str(tiny_llama), "cpu", threads=1, options=options), 1)
     assert refused.value.key == "trainer_cp"
