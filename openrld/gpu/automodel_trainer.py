@@ -483,7 +483,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             FileExistsError: `directory` is not empty.  OSError: a write failed.
         """
         writes = StreamedWrites(is_writer=self.rank == 0)
-        writes.precondition(lambda: full_io.require_empty(directory))
+        writes.precondition(lambda: lora_io.require_empty(directory))
         weights = entries_of(self._params)  # the DTensors' global shapes: every rank knows them
         writes.write(directory / full_io.FULL_WEIGHTS, weights, self._whole_in_order)
         if with_optimizer:

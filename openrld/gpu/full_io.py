@@ -49,17 +49,11 @@ def save_full(directory: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     Raises:
         FileExistsError: `directory` is not empty (a caller bug: saves go to fresh staging dirs).
     """
-    require_empty(directory)
+    lora_io.require_empty(directory)
     size = lora_io.write_synced(directory / FULL_WEIGHTS, lora_io.encode_tensors(tensors))
     size += write_meta(directory, [t.dtype for t in tensors.values()])
     lora_io.fsync_directory(directory)
     return size
-
-
-def require_empty(directory: Path) -> None:
-    """Raise FileExistsError unless `directory` is empty (saves go to fresh staging dirs)."""
-    if any(directory.iterdir()):
-        raise FileExistsError(f"{directory} is not empty; saves go into a fresh directory")
 
 
 def write_meta(directory: Path, dtypes: Iterable[torch.dtype]) -> int:

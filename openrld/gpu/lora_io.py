@@ -53,7 +53,7 @@ def save_adapter(directory: Path, tensors: Mapping[str, torch.Tensor], spec: Lor
     Raises:
         FileExistsError: `directory` is not empty (a caller bug: saves go to fresh staging dirs).
     """
-    _require_empty(directory)
+    require_empty(directory)
     size = write_synced(directory / ADAPTER_WEIGHTS, encode_tensors(tensors))
     meta = AdapterMeta(format_version=FORMAT_VERSION, lora=spec)
     size += write_synced(directory / ADAPTER_META, msgspec.json.encode(meta))
@@ -129,6 +129,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _require_empty(directory: Path) -> None:
+def require_empty(directory: Path) -> None:
+    """Raise FileExistsError unless `directory` is empty (saves go to fresh staging dirs)."""
     if any(directory.iterdir()):
         raise FileExistsError(f"{directory} is not empty; saves go into a fresh directory")
