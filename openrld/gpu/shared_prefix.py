@@ -26,7 +26,12 @@ reuses a prefix's cache for generation (no grad), and training libraries pack or
 sequences; backpropagating through a cache repeated to a batch is this module's.
 
 What it does not do: log-probabilities, losses or backward (`gpu/scoring.py` drives those),
-sliding-window or other non-growing caches (those models take the unshared path).
+or any cache but one growing DynamicLayer per layer. Those models take the unshared path,
+with the same results: sliding-window layers (Gemma 3 and 4, a Mistral or Phi-3 with a
+window) keep only the window of the prefix, Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE)
+keep a recurrent state whose rows the cache cannot select, and Gemma 4's KV-shared layers
+read another layer's cache. Dense and MoE models with full attention everywhere (Llama,
+Qwen2/3, Mistral, OLMo 2, Phi-3, Qwen3-MoE) share (tests/gpu/test_trainer_families.py).
 """
 
 from __future__ import annotations

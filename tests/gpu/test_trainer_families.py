@@ -1,0 +1,179 @@
+"""The trainers across model families: what LoRA wraps, that SFT learns, shared prefixes.
+
+Each family's tiny random build (`tiny_models.FAMILIES`) is made once for the module. The
+LoRA targets are pinned to exact module counts per family (the tiny builds have 2 layers, or
+4 where a family mixes layer kinds). Shared-prefix training is compared with itself off, as
+in test_shared_prefix.py, with the same tolerances (float32, only reduction order differs):
+log-probabilities atol 1e-5, gradients atol 1e-5 plus rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.gpu.full_trainer import FullTrainer
+from openrld.gpu.scoring import TrainerConfig
+from openrld.gpu.shared_prefix import cache_supports_sharing
+from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
+from openrld.gpu.torch_trainer import TorchTrainer
+
+from test_shared_prefix import grpo_request  # the same GRPO-shaped request
+
+CPU = torch.device("cpu")
+SPEC = LoraSpec(rank=4, seed=7)
+SHARED = TrainerConfig(max_batch_tokens=4096, logprob_chunk_positions=7)
+UNSHARED = TrainerConfig(max_batch_tokens=4096, logprob_chunk_positions=7, min_shared_prefix=0)
+ATOL = 1e-5
+GRAD_RTOL = 1e-5
+TEXT = "User: what is two plus two? Assistant: four. The quick brown fox jumps over the lazy dog. Hello world!"
+
+# What peft wraps for LoraSpec(train_attn, train_mlp) besides lm_head: module name -> count.
+# "experts" and "base_layer" are the two lora.ParamWrapper of a MoE layer's 3-D expert
+# tensors (down_proj outside, gate_up_proj inside).
+DENSE = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "gate_proj": 2, "up_proj": 2, "down_proj": 2}
+LINEAR_ATTENTION = {"in_proj_qkv": 3, "in_proj_z": 3, "out_proj": 3, "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1}
+WRAPPED = {
+    "llama": DENSE,
+    "qwen2": DENSE,
+    "qwen3": DENSE,
+    "mistral": DENSE,
+    "olmo2": DENSE,
+    "phi3": {"qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2},
+    "gemma3": {name: 4 for name in DENSE},
+    # Layers 2 and 3 reuse the KV of earlier layers (num_kv_shared_layers=2): no k/v of their own.
+    "gemma4": {name: 4 for name in DENSE} | {"k_proj": 2, "v_proj": 2},
+    "qwen3_5": LINEAR_ATTENTION | {"gate_proj": 4, "up_proj": 4, "down_proj": 4},
+    "qwen3_moe": {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "experts": 2, "base_layer": 2},
+    # Every layer is MoE with a shared expert (gate/up/down) beside the routed ones.
+    "qwen3_5_moe": LINEAR_ATTENTION | {"gate_proj": 4, "up_proj": 4, "down_proj": 4, "experts": 4, "base_layer": 4},
+}
+MOE = ("qwen3_moe", "qwen3_5_moe")
+# Families whose cache is one growing DynamicLayer per layer; the others have sliding-window
+# layers (Gemma 3 and 4) or Gated DeltaNet's recurrent state (Qwen3.5), and train unshared.
+SHARES_PREFIXES = {"llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "qwen3_moe"}
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def sft_batch(family_dirs: dict[str, Path]) -> ForwardBackwardBatch:
+    """One datum predicting every next token of TEXT (the families share the tokenizer)."""
+    ids = np.array(transformers.AutoTokenizer.from_pretrained(family_dirs["llama"])(TEXT)["input_ids"], np.int64)
+    datum = TrainDatum(tokens=ids[:-1], inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1, np.float32)})
+    return ForwardBackwardBatch(data=[datum], loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+def wrapped_modules(trainer: TorchTrainer) -> dict[str, int]:
+    assert trainer._peft is not None
+    return dict(
+        collections.Counter(
+            name.rsplit(".", 1)[-1]
+            for name, module in trainer._peft.named_modules()
+            if isinstance(module, peft.tuners.lora.LoraLayer)
+        )
+    )
+
+
+def sft_losses(trainer: TorchTrainer | FullTrainer, batch: ForwardBackwardBatch, lr: float, steps: int = 4) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        losses.append(trainer.forward_backward("job", batch).metrics["loss:sum"])
+        trainer.optim_step("job", AdamParams(learning_rate=lr))
+    return losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_wraps_each_familys_attention_and_mlp_modules(family_dirs: dict[str, Path], family: str) -> None:
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", SPEC)
+    assert wrapped_modules(trainer) == WRAPPED[family] | {"lm_head": 1}
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_train_mlp_false_leaves_every_expert_frozen(family_dirs: dict[str, Path], family: str) -> None:
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", LoraSpec(rank=4, seed=7, train_mlp=False))
+    assert not any(".experts." in key for key in trainer.adapter_tensors("job"))
+    assert "experts" not in wrapped_modules(trainer)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_experts_get_gradients_under_train_mlp(
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str
+) -> None:
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", LoraSpec(rank=4, seed=7, train_attn=False))
+    trainer.forward_backward("job", sft_batch)
+    grads = trainer.adapter_gradients("job")
+    # lora_B starts at zero, so lora_A's gradient is zero on step one; lora_B's is not.
+    experts = [key for key in grads if ".experts." in key and ".lora_B." in key]
+    assert len(experts) == 2 * WRAPPED[family]["experts"]  # down_proj's and gate_up_proj's, per layer
+    assert all(float(grads[key].abs().sum()) > 0 for key in experts)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_sft_loss_falls(family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str) -> None:
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", LoraSpec(rank=4, seed=7, train_unembed=True))
+    losses = sft_losses(trainer, sft_batch, lr=5e-3)
+    # A random model starts near ln(vocab) per token (38 tokens x ln 384 ~ 226); 4 steps at
+    # lr 5e-3 take every family below 90% of that, falling at every step (measured: 75% to
+    # 84%; at 1e-2 some overshoot on the fourth step).
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_sft_loss_falls(family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str) -> None:
+    trainer = FullTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", None, "adamw")
+    losses = sft_losses(trainer, sft_batch, lr=1e-3)
+    # Measured: 4 steps at lr 1e-3 take every family to 86%-92% of its first loss.
+    assert losses[-1] < 0.95 * losses[0], losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_training_shares_only_where_the_cache_grows(family_dirs: dict[str, Path], family: str) -> None:
+    config = transformers.AutoConfig.from_pretrained(family_dirs[family])
+    assert cache_supports_sharing(config) is (family in SHARES_PREFIXES)
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_scores_and_gradients_equal_unshared(family_dirs: dict[str, Path], family: str, kind: str) -> None:
+    """Families that share get the unshared results; those that step aside run unshared."""
+    batch = grpo_request("importance_sampling")
+    shared, unshared = (new_trainer(kind, family_dirs[family], config) for config in (SHARED, UNSHARED))
+    got, expected = shared.forward_backward("job", batch), unshared.forward_backward("job", batch)
+    assert shared._passes.scorer._shares_prefixes is (family in SHARES_PREFIXES)
+    for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+    reference = trained(unshared)
+    for name, param in trained(shared).items():
+        assert param.grad is not None and reference[name].grad is not None, name
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
+
+
+def new_trainer(kind: str, model_dir: Path, config: TrainerConfig) -> TorchTrainer | FullTrainer:
+    if kind == "lora":
+        trainer: TorchTrainer | FullTrainer = TorchTrainer(model_dir, CPU, config=config)
+        trainer.add_adapter("job", SPEC)
+    else:
+        trainer = FullTrainer(model_dir, CPU, config=config)
+        trainer.add_adapter("job", None, "adamw")
+    return trainer
+
+
+def trained(trainer: TorchTrainer | FullTrainer) -> dict[str, torch.nn.Parameter]:
+    return trainer._adapters["job"].params if isinstance(trainer, TorchTrainer) else trainer._params
