@@ -27,6 +27,7 @@ import torch
 
 from openrld.batches import LoraSpec
 from openrld.gpu import models
+from openrld.gpu.fused_forward import BASE_ADAPTER
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,17 @@ class LoraVersions:
             self._delete(adapter)
         logger.info("dropped weight version=%s adapter=%s", version, adapter)
         return adapter
+
+    def run_as(self, adapter: str, **inputs: object):
+        """One forward of the whole batch under `adapter` ("__base__": none), made the active
+        adapter rather than named per row."""
+        assert self.peft is not None, "no version is loaded"
+        if adapter == BASE_ADAPTER:
+            with self.peft.disable_adapter():
+                return self.peft(**inputs)
+        if self.peft.active_adapter != adapter:
+            self.peft.set_adapter(adapter)
+        return self.peft(**inputs)
 
     def _new_adapter(self, spec: LoraSpec) -> str:
         """A new peft adapter of `spec`'s shape, its weights still peft's initial ones."""

@@ -25,7 +25,9 @@ block pool, SGLang's radix tree), tied to their own paged KV layouts and
 schedulers. Nothing offers it over a Hugging Face `DynamicCache` or our
 left-padded `kv_batch.KvBatch`, which hold each row's KV as plain contiguous
 (B, H, L, D) tensors; so this module keeps plain per-block tensors and hands
-back plain tensors, and knows nothing else of the sampler.
+back plain tensors, and knows nothing else of the sampler. Layers may differ in
+shape (Gemma 4's global layers have wider heads than its sliding ones), and a
+layer that caches nothing (shared KV) is None in and out.
 
 It never imports trio, holds no request, and is not thread-safe.
 """
@@ -59,12 +61,12 @@ class _Block:
     key: Hashable  # the caller's key (weight version) of the chain
     parent: _Block | None  # the block before it in its chain; None for a chain's first block
     tokens: tuple[int, ...]  # the block_tokens token ids it holds the KV of
-    keys: torch.Tensor  # (layers, H, block_tokens, D)
-    values: torch.Tensor  # (layers, H, block_tokens, Dv)
+    keys: tuple[torch.Tensor | None, ...]  # per layer (H, block_tokens, D); None: the layer caches nothing
+    values: tuple[torch.Tensor | None, ...]  # per layer (H, block_tokens, Dv)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(t.nbytes for t in self.keys + self.values if t is not None)
 
 
 class PrefixCache:
@@ -119,9 +121,15 @@ class PrefixCache:
         positions = len(found) * self.block_tokens
         self._hits += 1
         self._hit_tokens += positions
-        keys = torch.cat([b.keys for _, b in found], dim=2)  # (layers, H, positions, D)
-        values = torch.cat([b.values for _, b in found], dim=2)
-        return positions, [(keys[i : i + 1], values[i : i + 1]) for i in range(keys.shape[0])]
+        layers: KvLayers = []
+        for i, held in enumerate(found[0][1].keys):
+            if held is None:
+                layers.append(None)
+                continue
+            keys = torch.cat([b.keys[i] for _, b in found], dim=1)[None]  # (1, H, positions, D)
+            values = torch.cat([b.values[i] for _, b in found], dim=1)[None]
+            layers.append((keys, values))
+        return positions, layers
 
     def cached_tokens(self, key: Hashable, tokens: Sequence[int], limit: int) -> int:
         """How many positions `match` would reuse now, without using them or counting a lookup."""
@@ -233,12 +241,12 @@ class PrefixCache:
     ) -> _Block:
         end = start + self.block_tokens
         # One copy per block (never a view of the caller's tensors, whose storage it would keep).
-        keys = torch.stack([k[0, :, start:end] for k, _ in layers])  # (layers, H, block, D)
-        values = torch.stack([v[0, :, start:end] for _, v in layers])
+        keys = tuple(None if kv is None else kv[0][0, :, start:end].clone() for kv in layers)  # (H, block, D)
+        values = tuple(None if kv is None else kv[1][0, :, start:end].clone() for kv in layers)
         return _Block(key=key, parent=parent, tokens=tokens, keys=keys, values=values)
 
     def _block_bytes(self, layers: KvLayers) -> int:
-        keys, values = layers[0]
-        per_position = keys.shape[1] * keys.shape[3] * keys.element_size()
-        per_position += values.shape[1] * values.shape[3] * values.element_size()
-        return max(1, len(layers) * per_position * self.block_tokens)
+        per_position = sum(
+            t.shape[1] * t.shape[3] * t.element_size() for kv in layers if kv is not None for t in kv
+        )
+        return max(1, per_position * self.block_tokens)

@@ -76,10 +76,18 @@ from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import lora_io, models, offload
+from openrld.gpu import lora_io, models, moe_lora, offload
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
-from openrld.gpu.kv_batch import KvBatch, KvLayers, cache_holding, cache_tensors
+from openrld.gpu.kv_batch import (
+    KvBatch,
+    KvLayers,
+    UnsupportedCache,
+    cache_holding,
+    cache_tensors,
+    prefill_cache,
+    prefix_reuse_unsupported,
+)
 from openrld.gpu.lora_versions import LoraVersions
 from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
 from openrld.gpu.sampling_math import (
@@ -279,13 +287,22 @@ class TorchSampler(offload.ParksInSlot):
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
-        # The fused forward binds to peft's linears (the first adapter swaps them in) and their adapters.
-        self._versions = LoraVersions(self._model, self._fused.bind if self._fused is not None else lambda: None)
+        # The fused forward binds to peft's linears (the first adapter swaps them in) and their
+        # adapters; peft's expert wrappers (MoE models) get a forward that serves mixed batches.
+        self._mixed_experts = False  # whether peft wrapped MoE experts (`moe_lora`)
+        self._versions = LoraVersions(self._model, self._adapters_changed)
         self._requests: dict[str, _Request] = {}  # every live request
         self._queued: collections.deque[_Request] = collections.deque()  # not yet prefilled
         self._prefilled: collections.deque[_Request] = collections.deque()  # samples waiting for rows
-        self._batch = KvBatch(self._model.config, device)
+        try:
+            self._batch = KvBatch(self._model.config, device)
+        except UnsupportedCache as e:
+            raise BadRequest(f"the torch sampler cannot hold a {self._model.config.model_type!r} model: {e}") from None
         self._rows: list[tuple[_Request, _Sample]] = []  # row r of the batch
+        no_prefix_reuse = prefix_reuse_unsupported(self._model.config)
+        if no_prefix_reuse is not None and prefix_cache_bytes > 0:
+            logger.info("prefix cache off for this model: %s", no_prefix_reuse)
+            prefix_cache_bytes = 0
         self._prefixes = PrefixCache(prefix_cache_bytes, prefix_block_tokens)  # keyed by adapter name
         self._requests_done = 0
         self._samples_done = 0
@@ -298,6 +315,11 @@ class TorchSampler(offload.ParksInSlot):
         )
 
     # -- versions ---------------------------------------------------------
+
+    def _adapters_changed(self) -> None:
+        if self._fused is not None:
+            self._fused.bind()
+        self._mixed_experts = moe_lora.enable_mixed_batches(self._model) > 0
 
     def has_version(self, version: str | None) -> bool:
         return version is None or version in self._versions
@@ -492,20 +514,17 @@ class TorchSampler(offload.ParksInSlot):
     def _keep_finished_rows(self) -> None:
         """Cache the prompt + completion KV of the rows that finished in this step (all but the
         last token, which no forward has seen), for a next turn that extends them."""
-        width = self._batch.width
         for row, (request, s) in enumerate(self._rows):
             if s.stop_reason is None:
                 continue
-            length = self._batch.lengths[row]
             tokens = request.prompt_ids + s.tokens[:-1]
-            assert length == len(tokens), f"row {row} caches {length} positions for {len(tokens)} tokens"
-            if length < self._prefixes.block_tokens:
+            if len(tokens) < self._prefixes.block_tokens:
                 continue
-            layers = [
-                (layer.keys[row : row + 1, :, width - length :], layer.values[row : row + 1, :, width - length :])
-                for layer in self._batch.cache.layers
-            ]
-            self._keep_prefix(request, tokens, layers)
+            # None where a sliding-window layer kept only its window of a long row: its prompt's
+            # blocks were kept at its prefill, and the completion is not.
+            layers = self._batch.row_layers(row)
+            if layers is not None:
+                self._keep_prefix(request, tokens, layers)
 
     # -- prefill ----------------------------------------------------------
 
@@ -583,6 +602,12 @@ class TorchSampler(offload.ParksInSlot):
     ):
         if self._versions.peft is None:
             return self._model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
+        if self._mixed_experts and input_ids.shape[1] > 1:
+            # A prefill (one request, one adapter) of a MoE model: its blocks flatten rows and
+            # positions into one axis before the shared expert's linears, which then cannot
+            # take per-row adapter names; so the one adapter runs as the active one.
+            (adapter,) = set(adapters)
+            return self._versions.run_as(adapter, input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
         return self._versions.peft(input_ids=input_ids, cache=cache, use_cache=True, adapter_names=adapters, **kwargs)
 
     def _finish(self, request: _Request) -> Finished:
@@ -638,7 +663,7 @@ class TorchSampler(offload.ParksInSlot):
             cache = cache_holding(self._model.config, request.prefix)
             request.prefix = None
         else:
-            cache = transformers.DynamicCache(config=self._model.config)
+            cache = prefill_cache(self._model.config)
         for start in range(request.cache_hit_tokens, prompt_len, self._prefill_chunk_tokens):
             end = min(start + self._prefill_chunk_tokens, prompt_len)
             lo = max(start, work.first_needed)
@@ -788,11 +813,7 @@ class TorchSampler(offload.ParksInSlot):
         if self._rows or self._prefilled:
             live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
-        dropped = sum(
-            layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
-            for layer in self._batch.cache.layers
-            if layer.keys is not None and layer.values is not None
-        )
+        dropped = self._batch.nbytes()
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
         return dropped + self._prefixes.clear()
 
