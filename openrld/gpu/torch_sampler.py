@@ -20,7 +20,9 @@ are left-padded to one KV width (`kv_batch.KvBatch`), and each row gets its
 own adapter ("__base__" for the base model). For Llama-family models the
 forwards are `fused_forward.FusedForward`, the same math as flat torch calls;
 other models run Hugging Face's forward with peft's mixed-batch
-`adapter_names`. So no request waits behind another job's request for more
+`adapter_names` (MoE experts through `moe_lora`). Sliding-window layers keep
+only their window in the running batch, linear-attention layers a state per
+row (`kv_batch`). So no request waits behind another job's request for more
 than the rows it holds. Rows that sample alike (temperature, top_k, top_p)
 draw together, whichever request they belong to; so do the first tokens of
 the requests prefilled in one step, and the rows they take join the batch's
@@ -43,7 +45,11 @@ episode (that prompt, that completion, new text) prefills only what is new.
 Prompts admitted in one step that share blocks none of them has yet are
 prefilled in two waves: the first computes the shared blocks and the second
 reuses them. A version's blocks go when it is dropped, every block on a park,
-on `base_weights_changed` and on close.
+on `base_weights_changed` and on close. The cache steps aside for models with
+linear-attention layers (Qwen3.5): their state after a prefix is not kept at
+block boundaries, so every prompt is prefilled whole. For sliding-window
+models a finished row longer than its window is not kept (the batch holds
+only the window of it); its prompt's blocks were kept at its prefill.
 
 `prompt_cache_hit_tokens`: the prompt positions taken from the prefix cache;
 and since a request's n samples all start from its one prefilled KV cache,

@@ -81,6 +81,19 @@ def test_rows_that_join_a_running_batch_sample_as_a_full_forward_scores(family: 
             np.testing.assert_allclose(seq.logprobs, expected, rtol=0, atol=1e-4, err_msg=f"{arch} {name}")
 
 
+def test_prompts_prefilled_in_chunks_score_as_one_full_forward(family: tuple[str, Path]) -> None:
+    arch, directory = family
+    sampler = TorchSampler(directory, CPU, prefill_chunk_tokens=7)  # 38 positions: 6 chunks, window 8
+    reference = models.load_causal_lm(directory, CPU)
+    prompt = prompt_of(38, 7)
+    result = sampler.sample(None, job(prompt, n=2, max_tokens=10, seed=4, prompt_logprobs=True))
+    expected = reference_picked(reference, prompt[:1], np.asarray(prompt[1:]))
+    assert np.isnan(result.prompt_logprobs[0])
+    np.testing.assert_allclose(result.prompt_logprobs[1:], expected, rtol=0, atol=1e-4, err_msg=arch)
+    for seq in result.sequences:
+        np.testing.assert_allclose(seq.logprobs, reference_picked(reference, prompt, seq.tokens), rtol=0, atol=1e-4)
+
+
 def test_a_prompt_sampled_again_takes_its_prefix_from_the_cache_unless_the_model_has_linear_layers(
     family: tuple[str, Path],
 ) -> None:
