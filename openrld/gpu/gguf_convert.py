@@ -36,7 +36,7 @@ import torch
 import transformers
 
 from openrld.errors import ServerError
-from openrld.model_catalog import ModelEntry, is_converted
+from openrld.model_catalog import ModelEntry, assemble_gguf, is_converted
 from openrld.progress import ProgressBoard, Stage
 
 logger = logging.getLogger(__name__)
@@ -158,6 +158,11 @@ class GgufConverter:
                     self._board.report(entry.name, OPERATION, Stage.READY, 1.0, f"converted to {entry.directory}")
                 return
             try:
+                if entry.gguf_parts and not Path(entry.gguf_file).is_file():
+                    self._board.report(
+                        entry.name, OPERATION, Stage.READING, 0.0, f"assembling {entry.gguf_file} from its parts"
+                    )
+                    assemble_gguf(entry)
                 convert_gguf(Path(entry.gguf_file), Path(entry.directory), key=entry.name, board=self._board)
             except Exception as exc:  # the boundary: any load failure becomes this request's error
                 logger.exception("gguf conversion failed model=%s source=%s", entry.name, entry.gguf_file)

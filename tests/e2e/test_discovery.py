@@ -63,19 +63,23 @@ def test_info_models_agree_with_get_server_capabilities(shared_daemon, info):
     capabilities = tinker.RestClient(base_url=shared_daemon.url, api_key="tml-test").get_server_capabilities().result()
     listed = [(m.model_name, m.max_context_length) for m in capabilities.supported_models]
     assert [(m["model_name"], m["max_context_length"]) for m in info["models"]] == listed
-    # The configured models, then the packaged SmolLM2 under both its names (make install installs it).
+    # The configured models, then the packaged SmolLM2 under both its names (make install installs it),
+    # then the packaged Gemma 3 270M under both of its (make install-test installs it).
     assert listed == [
         ("tiny-llama", 1024), ("tiny-qwen3", 1024),
         ("SmolLM2-135M-Instruct", 8192), ("HuggingFaceTB/SmolLM2-135M-Instruct", 8192),
+        ("gemma-3-270m", 32768), ("google/gemma-3-270m", 32768),
     ]
     assert [m["arch"] for m in info["models"]] == [
         "LlamaForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "LlamaForCausalLM",
+        "Gemma3ForCausalLM", "Gemma3ForCausalLM",
     ]
 
 
 def test_info_says_why_each_model_is_listed_and_whether_it_is_ready(info):
     assert [(m["source"], m["ready"]) for m in info["models"]] == [
         ("configured", True), ("configured", True), ("packaged", False), ("packaged", False),
+        ("packaged", False), ("packaged", False),
     ]
 
 

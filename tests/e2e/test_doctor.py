@@ -132,7 +132,7 @@ def test_model_flag_naming_a_model_not_served_fails_the_smoke_with_the_served_on
     assert out.returncode == 1
     assert _json_checks(out)["smoke"]["summary"] == (
         "--model 'org/not-here' is not served here; served: tiny-llama, tiny-qwen3, SmolLM2-135M-Instruct, "
-        "HuggingFaceTB/SmolLM2-135M-Instruct"
+        "HuggingFaceTB/SmolLM2-135M-Instruct, gemma-3-270m, google/gemma-3-270m"
     )
 
 

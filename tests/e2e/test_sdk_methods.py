@@ -32,8 +32,10 @@ from tinker import types
 
 ALICE = "tml-alice-key"
 BOB = "tml-bob-key"
-# Listed after the configured model: the packaged SmolLM2 that make install installs.
+# Listed after the configured model: the packaged SmolLM2 that make install installs, and the
+# packaged Gemma 3 270M that make install-test installs.
 SMOLLM2_NAMES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+GEMMA3_NAMES = ("gemma-3-270m", "google/gemma-3-270m")
 PASSING_FLOOR = 107  # raise it as methods start to work; never lower it
 
 
@@ -119,7 +121,7 @@ def test_every_public_sdk_method_does_its_job(daemon: Daemon, tiny_llama: Path, 
     # ---------------------------------------------------------------- ServiceClient
     def capabilities(result: types.GetServerCapabilitiesResponse) -> None:
         names = [m.model_name for m in result.supported_models]
-        expect(names == [model, *SMOLLM2_NAMES], f"models {result.supported_models}")
+        expect(names == [model, *SMOLLM2_NAMES, *GEMMA3_NAMES], f"models {result.supported_models}")
 
     ok("ServiceClient.get_server_capabilities", lambda: capabilities(service.get_server_capabilities()))
     ok("ServiceClient.get_server_capabilities_async", lambda: capabilities(_await(service.get_server_capabilities_async())))

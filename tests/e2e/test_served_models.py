@@ -1,7 +1,7 @@
 """What a node says it serves without a download: get_server_capabilities through the SDK, and /openrl/v1/info.
 
-The listing is the configured models, the packaged SmolLM2 under both its
-names, and the local directories and Hugging Face cache ids a client has
+The listing is the configured models, the packaged SmolLM2 and Gemma 3 270M
+under both their names, and the local directories and Hugging Face cache ids a client has
 used on the node (also after a restart); each says whether its files are
 ready or still to be converted. The SDK drops fields it does not know, so
 `ready` and `source` are read from the raw JSON.
@@ -22,6 +22,8 @@ from conftest import ServeCommand, seed_smollm2, write_config
 
 KEY = "tml-served-models"
 SMOLLM2_NAMES = ["SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+GEMMA3_NAMES = ["gemma-3-270m", "google/gemma-3-270m"]  # make install-test installs its part packages
+PACKAGED_NAMES = [*SMOLLM2_NAMES, *GEMMA3_NAMES]
 HF_ID = "org/tiny-llama"  # in the node's Hugging Face cache, as a download by the operator left it
 
 
@@ -78,21 +80,24 @@ def _info_models(daemon: Node) -> list[dict]:
     return response.json()["models"]
 
 
-def test_a_fresh_node_lists_both_smollm2_names_still_to_convert_and_none_of_its_hf_cache(node: Node):
-    assert _sdk_names(node) == SMOLLM2_NAMES  # HF_ID is in its cache, but no client has used it yet
+def test_a_fresh_node_lists_the_packaged_names_still_to_convert_and_none_of_its_hf_cache(node: Node):
+    assert _sdk_names(node) == PACKAGED_NAMES  # HF_ID is in its cache, but no client has used it yet
     assert _capabilities(node) == [
-        {"model_name": name, "max_context_length": 8192, "trainable": True, "sampleable": True, "ready": False}
-        for name in SMOLLM2_NAMES
+        {"model_name": name, "max_context_length": context, "trainable": True, "sampleable": True, "ready": False}
+        for names, context in ((SMOLLM2_NAMES, 8192), (GEMMA3_NAMES, 32768))
+        for name in names
     ]
     assert [(m["model_name"], m["source"], m["ready"]) for m in _info_models(node)] == [
-        (name, "packaged", False) for name in SMOLLM2_NAMES
+        (name, "packaged", False) for name in PACKAGED_NAMES
     ]
 
 
 def test_smollm2_is_listed_ready_once_its_conversion_is_in_the_model_cache(node: Node, smollm2_conversion: Path):
     seed_smollm2(node.data_dir, smollm2_conversion)  # as a finished conversion publishes it
-    assert [(m["model_name"], m["ready"]) for m in _capabilities(node)] == [(name, True) for name in SMOLLM2_NAMES]
-    assert [m["ready"] for m in _info_models(node)] == [True, True]
+    assert [(m["model_name"], m["ready"]) for m in _capabilities(node)] == [
+        *((name, True) for name in SMOLLM2_NAMES), *((name, False) for name in GEMMA3_NAMES)
+    ]
+    assert [m["ready"] for m in _info_models(node)] == [True, True, False, False]
 
 
 def test_a_model_directory_and_a_cache_id_clients_used_are_listed_as_served_also_after_a_restart(
@@ -103,12 +108,12 @@ def test_a_model_directory_and_a_cache_id_clients_used_are_listed_as_served_also
     service.create_lora_training_client(base_model=HF_ID, rank=4).result()
     service.close("success").result()
     served = sorted([str(tiny_llama), HF_ID])
-    assert _sdk_names(node) == [*SMOLLM2_NAMES, *served]
-    assert _capabilities(node)[2:] == [
+    assert _sdk_names(node) == [*PACKAGED_NAMES, *served]
+    assert _capabilities(node)[4:] == [
         {"model_name": name, "max_context_length": 1024, "trainable": True, "sampleable": True, "ready": True}
         for name in served
     ]
     node.stop()
     node.start()
-    assert _sdk_names(node) == [*SMOLLM2_NAMES, *served]
-    assert [(m["source"], m["ready"]) for m in _info_models(node)[2:]] == [("served", True), ("served", True)]
+    assert _sdk_names(node) == [*PACKAGED_NAMES, *served]
+    assert [(m["source"], m["ready"]) for m in _info_models(node)[4:]] == [("served", True), ("served", True)]

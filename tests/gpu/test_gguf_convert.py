@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -142,3 +143,36 @@ def test_a_second_name_for_the_same_file_waits_for_the_first_conversion(tiny_lla
         thread.join(60)
     assert [(p.key, p.stage) for p in board.statistics()] == [("first", Stage.READY), ("second", Stage.READY)]
     assert board.get("second").message == f"converted to {first.directory}"
+
+
+def _in_parts(gguf_file: Path, tmp_path: Path, sha256: str) -> ModelEntry:
+    """An entry for `gguf_file` as a package ships one in parts: three pieces, assembled into the cache."""
+    data = gguf_file.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    parts = [tmp_path / f"tiny.gguf.part{i:02d}" for i in range(3)]
+    for part, start, end in zip(parts, cuts, cuts[1:]):
+        part.write_bytes(data[start:end])
+    return ModelEntry(
+        name="parted", directory=str(tmp_path / "cache" / "gguf" / "tiny"), arch="LlamaForCausalLM", max_context=1024,
+        gguf_file=str(tmp_path / "cache" / "packaged" / "tiny.gguf"), gguf_parts=tuple(map(str, parts)),
+        gguf_sha256=sha256,
+    )
+
+
+def test_a_gguf_in_parts_is_assembled_then_converted(tiny_llama_gguf: Path, tmp_path: Path, caplog):
+    entry = _in_parts(tiny_llama_gguf, tmp_path, hashlib.sha256(tiny_llama_gguf.read_bytes()).hexdigest())
+    with caplog.at_level("INFO", logger="openrld.progress"):
+        GgufConverter(ProgressBoard()).ensure(entry)
+    stages = [m.split(" stage=")[1].split()[0] for m in caplog.messages if m.startswith("progress ")]
+    assert stages == ["reading", "reading", "converting", "writing", "publishing", "ready"]  # assembling, then as any
+    assert Path(entry.gguf_file).read_bytes() == tiny_llama_gguf.read_bytes()
+    assert f'"source": "{entry.gguf_file}"' in (Path(entry.directory) / SOURCE_RECORD).read_text()
+
+
+def test_parts_that_do_not_assemble_to_their_sha256_fail_the_conversion(tiny_llama_gguf: Path, tmp_path: Path):
+    entry = _in_parts(tiny_llama_gguf, tmp_path, "0" * 64)
+    board = ProgressBoard()
+    with pytest.raises(ServerError, match=r"base_model 'parted': converting .*tiny.gguf failed: ValueError: tiny.gguf"):
+        GgufConverter(board).ensure(entry)
+    assert board.get("parted").stage is Stage.FAILED
+    assert list((tmp_path / "cache" / "packaged").iterdir()) == []
