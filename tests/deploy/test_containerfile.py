@@ -70,6 +70,29 @@ def test_worker_environments_are_pinned_and_apart_from_the_daemons():
         assert f"COPY --from={env}-env /opt/openrld/envs/{env} /opt/openrld/envs/{env}" in text
 
 
+def test_each_worker_environment_holds_openrld_and_loads_what_its_workers_import():
+    # A rank runs `python -m openrld.worker` in its environment: without openrld there, every
+    # job of that engine failed at its first rank with ModuleNotFoundError.
+    stages = _stages()
+    for env, imports in (
+        ("vllm", "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler"),
+        ("automodel", "import nemo_automodel, openrld.worker.builtin, openrld.gpu.automodel_trainer"),
+    ):
+        [run] = [line for line in stages[f"{env}-env"][1] if line.startswith("RUN ")]
+        assert f"/opt/openrld/envs/{env}/bin/pip install --no-deps /src" in run
+        assert f'/opt/openrld/envs/{env}/bin/python -c "{imports}"' in run
+
+
+def test_the_automodel_environment_has_the_makefiles_pins():
+    [makefile_line] = re.findall(r"^AUTOMODEL := (.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    args = _args()
+    image = {args[name] for name in ("AUTOMODEL", "AUTOMODEL_TRITON", "AUTOMODEL_PEFT", "AUTOMODEL_MSGSPEC")}
+    assert image == set(makefile_line.split())
+    [run] = [line for line in _stages()["automodel-env"][1] if line.startswith("RUN ")]
+    for name in ("AUTOMODEL", "AUTOMODEL_TRITON", "AUTOMODEL_PEFT", "AUTOMODEL_MSGSPEC", "AUTOMODEL_TORCH"):
+        assert f'"${{{name}}}"' in run
+
+
 def test_the_image_finds_gkes_driver_and_runs_unprivileged():
     text = CONTAINERFILE.read_text()
     assert re.search(r"LD_LIBRARY_PATH=\S*/usr/local/nvidia/lib64", text)
