@@ -50,6 +50,7 @@ from openrld.config import ConfigError, NodeConfig, load_api_keys
 from openrld.loop_watch import LoopWatch
 from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
+from openrld.model_families import Engine
 from openrld.store import Store
 from openrld.worker.client import WorkerTimeouts
 from openrld.worker.hosting import WorkerHosting
@@ -224,15 +225,16 @@ async def serve(
             catalog.remember(store.runs.base_models())
             sessions = SessionTable(store=store, commits=commits, id_tag=id_tag)
             job_registry = JobRegistry()
+            lora_sampler = Engine.VLLM_SAMPLER if config.sampler_backend == "vllm" else Engine.TORCH_SAMPLER
             sampling = SamplingSessions(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
-                jobs=job_registry, usage=usage, id_tag=id_tag,
+                jobs=job_registry, usage=usage, id_tag=id_tag, lora_sampler=lora_sampler,
             )
             jobs = JobTable(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
                 registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
                 allowed_images=config.workers.allowed_images, has_automodel=bool(config.workers.automodel_python),
-                commits=commits, id_tag=id_tag,
+                commits=commits, id_tag=id_tag, lora_sampler=lora_sampler,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))

@@ -28,12 +28,13 @@ from typing import Any
 import msgspec
 import trio
 
-from openrld import ids, settings as job_settings
+from openrld import ids, model_families, settings as job_settings
 from openrld.actors.checkpoints import check_ttl, readable_checkpoint
 from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import (
+    Images,
     Job,
     JobRegistry,
     automodel_of,
@@ -61,7 +62,7 @@ from openrld.actors.trainer import (
 )
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
-from openrld.model_catalog import ModelCatalog
+from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,9 @@ class JobTable:
         id_tag: str = "",
         allowed_images: tuple[str, ...] = (),
         has_automodel: bool = False,
+        lora_sampler: model_families.Engine = model_families.Engine.TORCH_SAMPLER,
     ) -> None:
+        self._lora_sampler = lora_sampler  # the node's sampler_backend: what samples its LoRA groups
         self._has_automodel = has_automodel  # [workers] automodel_python is set: Automodel jobs run here
         self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
@@ -192,6 +195,7 @@ class JobTable:
             lora = None  # the SDK always sends a lora_config; a full job has no adapter
             require_full_optimizer(optimizer_config)
         model = self._catalog.resolve(base_model)
+        self._check_engines(model, lora, full_sync is not None, automodel is not None, images)
         job = Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
             images, automodel,
@@ -232,6 +236,7 @@ class JobTable:
         is_exclusive = source_settings.exclusive
         images = images_of(source_settings, self._allowed_images)
         automodel = automodel_of(source_settings, available=self._has_automodel)
+        self._check_engines(model, lora, full_sync is not None, automodel is not None, images)
         job = Job(
             model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images, automodel
         )
@@ -248,6 +253,17 @@ class JobTable:
             ),
         )
         return request_id, model_id
+
+    def _check_engines(
+        self, model: ModelEntry, lora: LoraSpec | None, is_full: bool, is_automodel: bool, images: Images
+    ) -> None:
+        """Refuse, before any group is built, a model one of the job's engines cannot hold (a 400
+        naming the family and the engine; `model_families`)."""
+        engines = model_families.job_engines(
+            is_full=is_full, is_automodel=is_automodel, trainer_image=images.trainer is not None,
+            sampler_image=images.sampler is not None, lora_sampler=self._lora_sampler,
+        )
+        model_families.check_engines(model.name, model.arch, engines, trains_mlp=lora is not None and lora.train_mlp)
 
     def _open_job(
         self, job: Job, kind: str, record_run: Callable[[], None], first_op: Callable[[str], TrainOp]

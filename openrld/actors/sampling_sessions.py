@@ -22,7 +22,7 @@ from __future__ import annotations
 import msgspec
 import trio
 
-from openrld import ids
+from openrld import ids, model_families
 from openrld.actors.checkpoints import readable_checkpoint
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
@@ -33,6 +33,7 @@ from openrld.actors.usage import UsageMeter
 from openrld.batches import SampleJob
 from openrld.errors import BadRequest, Gone, NotFound, OpenrldError
 from openrld.model_catalog import ModelCatalog, ModelEntry
+from openrld.model_families import Engine
 from openrld.store import Store
 
 
@@ -85,7 +86,9 @@ class SamplingSessions:
         jobs: JobRegistry,
         usage: UsageMeter,
         id_tag: str = "",
+        lora_sampler: model_families.Engine = model_families.Engine.TORCH_SAMPLER,
     ) -> None:
+        self._lora_sampler = lora_sampler  # the node's sampler_backend: what samples a base model
         self._nursery = nursery  # where groups start for a first sample; the daemon's
         self._store = store
         self._catalog = catalog
@@ -146,6 +149,8 @@ class SamplingSessions:
             )
         elif base_model is not None:
             model = self._catalog.resolve(base_model)
+            # A base model samples on its LoRA group, which also loads the LoRA trainer.
+            model_families.check_engines(model.name, model.arch, (Engine.LORA_TRAINER, self._lora_sampler))
             self.register(owner, sampler_id, model, version=None, source_dir=None, model_path=None, run_id=None)
         else:
             raise BadRequest("create_sampling_session needs base_model or model_path")
