@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from openrld.batches import SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
+from openrld import model_families
 from openrld.errors import BadRequest
 from openrld.gpu.sampling_math import TOPK_EMPTY_LOGPROB, TOPK_EMPTY_TOKEN, empty_topk, stream_seed
 
@@ -43,7 +44,13 @@ VLLM_MIN_TEMPERATURE = 0.01
 # its LoRA modules: `embedding_modules` is empty), so vLLM refuses an adapter that trains it
 # ("expected target modules in [...]"). Loading the adapter without its lm_head part would
 # sample from other weights than the trainer's, so such an adapter is refused instead.
-VLLM_NO_UNEMBED_LORA = frozenset({"Qwen2ForCausalLM"})
+# Per family in `model_families.FAMILIES` (`VllmLora.takes_lm_head`).
+VLLM_NO_UNEMBED_LORA = frozenset(
+    arch
+    for family in model_families.FAMILIES
+    if family.vllm is not None and not family.vllm.takes_lm_head
+    for arch in family.architectures
+)
 
 
 # ---------------------------------------------------------------------------
@@ -152,6 +159,29 @@ def check_vllm_limits(job: SampleJob) -> None:
             f"vLLM sampler, got {temperature!r} (vLLM would sample at {VLLM_MIN_TEMPERATURE} and report those logprobs)",
             key="sampling_params.temperature",
         )
+
+
+def vllm_lora_module(arch: str, key: str) -> str | None:
+    """The vLLM module a peft adapter tensor `key` loads into for a model of `arch`: the fused
+    one where vLLM packs it (q_proj -> qkv_proj), else its own name; None where vLLM's class
+    takes no LoRA there, or `arch` has no known vLLM layout.
+
+    `key` is a peft state-dict key (`....self_attn.q_proj.lora_A.weight`); a MoE layer's
+    `experts.base_layer` (gate_up_proj's wrapper) loads into the same `experts` as down_proj's.
+    """
+    family = model_families.family_of(arch)
+    if family is None or family.vllm is None:
+        return None
+    module = key.split(".lora_A.")[0].split(".lora_B.")[0]
+    if module.endswith(".experts.base_layer"):
+        module = module.removesuffix(".base_layer")
+    leaf = module.rsplit(".", 1)[-1]
+    if leaf == "lm_head":
+        return leaf if family.vllm.takes_lm_head else None
+    for fused, parts in family.vllm.packed.items():
+        if leaf in parts:
+            return fused
+    return leaf if leaf in family.vllm.plain else None
 
 
 def unembed_lora_refusal(architectures: Sequence[str]) -> str | None:

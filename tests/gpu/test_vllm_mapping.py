@@ -8,6 +8,7 @@ mapping copies and sorts numbers, it never computes them.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -254,3 +255,72 @@ def test_memory_share_refuses_when_the_weights_and_a_kv_cache_do_not_fit() -> No
 def test_only_the_architectures_vllm_takes_no_lm_head_lora_on_are_refused() -> None:
     assert vllm_mapping.unembed_lora_refusal(["LlamaForCausalLM"]) is None
     assert "for Qwen2ForCausalLM" in (vllm_mapping.unembed_lora_refusal(["Qwen2ForCausalLM"]) or "")
+
+
+# ---------------------------------------------------------------------------
+# Model families: where each adapter tensor loads in vLLM (model_families.FAMILIES)
+
+
+# The vLLM modules a LoRA on attention and MLP (and lm_head where vLLM takes one) loads into,
+# per family: q/k/v pack into qkv_proj, gate/up into gate_up_proj, Qwen3.5's Gated DeltaNet
+# in_proj_qkv/in_proj_z into in_proj_qkvz, and a MoE layer's two expert wrappers into experts.
+VLLM_MODULES = {
+    "llama": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
+    "qwen2": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "qwen3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
+    "mistral": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
+    "olmo2": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
+    "gemma3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "gemma4": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "qwen3_5": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkvz", "out_proj", "lm_head"},
+    "qwen3_moe": {"qkv_proj", "o_proj", "experts", "lm_head"},
+    "qwen3_5_moe": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkvz", "out_proj", "experts", "lm_head"},
+}
+NO_LM_HEAD = ("qwen2", "olmo2", "gemma3", "gemma4")
+
+
+@pytest.fixture(scope="module")
+def family_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[str]]]:
+    """Per tiny family: its architecture and the keys of the adapter the LoRA trainer makes
+    (attn, mlp, and lm_head where vLLM takes it)."""
+    from openrld.batches import LoraSpec
+    from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
+    from openrld.gpu.torch_trainer import TorchTrainer
+
+    adapters = {}
+    for family in FAMILIES:
+        directory = build_tiny_model(tmp_path_factory.mktemp("families") / family, family)
+        trainer = TorchTrainer(directory, torch.device("cpu"))
+        trainer.add_adapter("job", LoraSpec(rank=2, seed=0, train_unembed=family not in NO_LM_HEAD))
+        arch = json.loads((directory / "config.json").read_text())["architectures"][0]
+        adapters[family] = (arch, sorted(vllm_mapping.lora_tensors_only(trainer.adapter_tensors("job"))))
+    return adapters
+
+
+@pytest.mark.parametrize("family", sorted(VLLM_MODULES))
+def test_every_adapter_tensor_of_a_family_loads_into_a_vllm_module(family_adapters, family: str) -> None:
+    arch, keys = family_adapters[family]
+    modules = {key: vllm_mapping.vllm_lora_module(arch, key) for key in keys}
+    assert [key for key, module in modules.items() if module is None] == []
+    assert set(modules.values()) == VLLM_MODULES[family]
+
+
+@pytest.mark.parametrize("family", sorted(VLLM_MODULES))
+def test_lm_head_adapters_are_refused_for_exactly_the_families_vllm_takes_none_on(family_adapters, family: str) -> None:
+    arch, _ = family_adapters[family]
+    refusal = vllm_mapping.unembed_lora_refusal([arch])
+    if family in NO_LM_HEAD:
+        assert refusal is not None and f"cannot load a LoRA on lm_head for {arch};" in refusal
+    else:
+        assert refusal is None
+
+
+def test_an_unknown_architecture_has_no_vllm_module() -> None:
+    assert vllm_mapping.vllm_lora_module("MambaForCausalLM", "base_model.model.x.in_proj.lora_A.weight") is None
+
+
+def test_a_module_vllm_takes_no_lora_on_maps_to_none() -> None:
+    # Gemma 4's per-layer-input projections are plain Linear layers the trainer never targets.
+    key = "base_model.model.model.layers.0.per_layer_projection.lora_A.weight"
+    assert vllm_mapping.vllm_lora_module("Gemma4ForCausalLM", key) is None
