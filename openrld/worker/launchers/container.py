@@ -50,6 +50,7 @@ from typing import Literal
 
 from openrld.errors import ServerError
 from openrld.worker.launchers import WORKER_SOCKET_DIR, LaunchedWorker, Mount, WorkerSpec
+from openrld.worker.launchers.visible_devices import worker_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,12 @@ class ContainerLauncher:
         kind, _, index = device.partition(":")
         if kind != "cuda" or not (index or "0").isdigit():
             raise ValueError(f"a container worker takes 'cpu' or 'cuda:N', got {device!r}")
-        index = index or "0"
+        # The node's name for the daemon's cuda:N (an index or a UUID, both of which CDI and
+        # docker's --gpus take), not N itself when the daemon sees a slice of the node.
+        gpu = worker_visible_devices([index or "0"], os.environ.get("CUDA_VISIBLE_DEVICES"))
         if self.runtime == "podman":
-            return ["--device", f"nvidia.com/gpu={index}"], "cuda:0"
-        return ["--gpus", f"device={index}"], "cuda:0"
+            return ["--device", f"nvidia.com/gpu={gpu}"], "cuda:0"
+        return ["--gpus", f"device={gpu}"], "cuda:0"
 
     def _user_args(self) -> list[str]:
         user = ["--user", f"{os.getuid()}:{os.getgid()}"]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from openrld.worker.launchers import LaunchedWorker, WorkerSpec
+from openrld.worker.launchers.visible_devices import worker_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class ProcessLauncher:
         device = spec.start.device
         if device.startswith("cuda"):
             # One device each: the worker sees only its own, as cuda:0, and cannot take another's memory.
-            env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
+            index = device.partition(":")[2] or "0"
+            env["CUDA_VISIBLE_DEVICES"] = worker_visible_devices([index], os.environ.get("CUDA_VISIBLE_DEVICES"))
             device = "cuda:0"
         # Its stdout is the daemon's stderr: the daemon's stdout says where it listens, and nothing else.
         process = subprocess.Popen(

@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from openrld.worker.launchers import LaunchedWorker, WorkerSpec
+from openrld.worker.launchers.visible_devices import worker_visible_devices
 from openrld.worker.launchers.process import _MALLOC  # the same working-set settings, for the same reason
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,9 @@ logger = logging.getLogger(__name__)
 TERM_GRACE_S = 5.0  # after SIGTERM: torchrun stops its ranks (a second at most here), then exits
 
 
-def group_devices(device: str, nproc: int) -> tuple[str, str | None]:
-    """(the group's device as its ranks see it, CUDA_VISIBLE_DEVICES or None) for a Start.device.
+def group_devices(device: str, nproc: int, inherited: str | None = None) -> tuple[str, str | None]:
+    """(the group's device as its ranks see it, CUDA_VISIBLE_DEVICES or None) for a Start.device,
+    the daemon's own CUDA_VISIBLE_DEVICES being `inherited` (`visible_devices`).
 
     Raises:
         ValueError: a device list whose length is not `nproc`.
@@ -59,7 +61,7 @@ def group_devices(device: str, nproc: int) -> tuple[str, str | None]:
     listed = indices.split(",")
     if len(listed) != nproc:
         raise ValueError(f"a torchrun group of {nproc} ranks was given {len(listed)} device(s): {device!r}")
-    return "cuda:" + ",".join(str(i) for i in range(nproc)), ",".join(listed)
+    return "cuda:" + ",".join(str(i) for i in range(nproc)), worker_visible_devices(listed, inherited)
 
 
 class TorchrunGroup:
@@ -118,7 +120,7 @@ class TorchrunLauncher:
         self.command = command
 
     def launch(self, spec: WorkerSpec, socket_path: str, environment: dict[str, str]) -> LaunchedWorker:
-        device, visible = group_devices(spec.start.device, self.nproc)
+        device, visible = group_devices(spec.start.device, self.nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env = {**_MALLOC, **os.environ, **environment}
         env["OPENRLD_WORKER_SOCKET"] = socket_path
         env["OPENRLD_WORKER_IGNORE_SIGNALS"] = "1"
