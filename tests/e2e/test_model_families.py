@@ -87,24 +87,20 @@ def service(node: Daemon):
 class FamilyRuns:
     """Per family, a LoRA job and a full fine-tuning job trained 3 SFT steps, made on first use."""
 
+    LR = {"lora": LORA_LR, "full": FULL_LR}
+
     def __init__(self, service: tinker.ServiceClient) -> None:
         self.service = service
-        self.lora: dict[str, tuple[tinker.TrainingClient, list[float]]] = {}
-        self.full: dict[str, tuple[tinker.TrainingClient, list[float]]] = {}
+        self.made: dict[tuple[str, str], tuple[tinker.TrainingClient, list[float]]] = {}
 
-    def lora_run(self, family: str) -> tuple[tinker.TrainingClient, list[float]]:
-        if family not in self.lora:
-            training = self.service.create_lora_training_client(base_model=f"tiny-{family}", rank=4, seed=0).result()
-            self.lora[family] = (training, train(training, LORA_LR, 3))
-        return self.lora[family]
-
-    def full_run(self, family: str) -> tuple[tinker.TrainingClient, list[float]]:
-        if family not in self.full:
+    def run(self, kind: str, family: str) -> tuple[tinker.TrainingClient, list[float]]:
+        """(the job, its 3 losses); `kind` is "lora" or "full"."""
+        if (kind, family) not in self.made:
             training = self.service.create_lora_training_client(
-                base_model=f"tiny-{family}", rank=4, user_metadata=FULL
+                base_model=f"tiny-{family}", rank=4, seed=0, user_metadata=FULL if kind == "full" else {}
             ).result()
-            self.full[family] = (training, train(training, FULL_LR, 3))
-        return self.full[family]
+            self.made[kind, family] = (training, train(training, self.LR[kind], 3))
+        return self.made[kind, family]
 
 
 @pytest.fixture(scope="module")
@@ -130,28 +126,45 @@ def sample(sampler: tinker.SamplingClient, prompt: list[int], seed: int) -> type
     return sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params).result().sequences[0]
 
 
-# ------------------------------------------------------------------ LoRA
+# ------------------------------------------------------------------ LoRA and full fine-tuning
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_sft_loss_falls_at_every_step(runs: FamilyRuns, family: str) -> None:
-    _, losses = runs.lora_run(family)
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_sft_loss_falls_at_every_step(runs: FamilyRuns, kind: str, family: str) -> None:
+    _, losses = runs.run(kind, family)
     assert losses[2] < losses[1] < losses[0], losses
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_lora_sampler_scores_a_sequence_longer_than_the_window_as_the_trainer(runs: FamilyRuns, family: str) -> None:
-    training, _ = runs.lora_run(family)
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_sampler_scores_a_sequence_longer_than_the_window_as_the_trainer(runs: FamilyRuns, kind: str, family: str) -> None:
+    """The sampler holds the trainer's weights: the adapter's tensors (LoRA), or every weight
+    after its delta syncs (full)."""
+    training, _ = runs.run(kind, family)
     tokens = sequence(23)
-    sampled = training.save_weights_and_get_sampling_client().result().compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampled = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert sampled[0] is None
     assert sampled[1:] == pytest.approx(trainer_logprobs(training, tokens), abs=LOGPROB_ATOL, rel=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_state_round_trip_continues_the_run_exactly(runs: FamilyRuns, service, kind: str, family: str) -> None:
+    training, _ = runs.run(kind, family)
+    path = training.save_state(f"{family}-{kind}-round-trip").result().path
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    assert train(restored, FamilyRuns.LR[kind], 2) == train(training, FamilyRuns.LR[kind], 2)
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_lora_sampled_tokens_carry_the_trainers_logprobs(runs: FamilyRuns, family: str) -> None:
     """Decoding past the window: each sampled token's log q (T = 1) is the trainer's log p."""
-    training, _ = runs.lora_run(family)
+    training, _ = runs.run("lora", family)
     prompt = sequence(31, 48)
     drawn = sample(training.save_weights_and_get_sampling_client().result(), prompt, seed=3)
     assert len(drawn.tokens) == 12
@@ -161,7 +174,7 @@ def test_lora_sampled_tokens_carry_the_trainers_logprobs(runs: FamilyRuns, famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_adapters_in_one_batch_sample_as_each_alone(runs: FamilyRuns, service, family: str) -> None:
-    first, _ = runs.lora_run(family)
+    first, _ = runs.run("lora", family)
     second = service.create_lora_training_client(base_model=f"tiny-{family}", rank=4, seed=1).result()
     train(second, LORA_LR, 2, [datum(sequence(101))])
     samplers = [first.save_weights_and_get_sampling_client().result(), second.save_weights_and_get_sampling_client().result()]
@@ -178,34 +191,12 @@ def test_two_adapters_in_one_batch_sample_as_each_alone(runs: FamilyRuns, servic
     assert together_results[0].sequences[0].tokens != together_results[1].sequences[0].tokens
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_lora_state_round_trip_continues_the_run_exactly(runs: FamilyRuns, service, family: str) -> None:
-    training, _ = runs.lora_run(family)
-    path = training.save_state(f"{family}-round-trip").result().path
-    restored = service.create_training_client_from_state_with_optimizer(path).result()
-    assert train(restored, LORA_LR, 2) == train(training, LORA_LR, 2)
-
-
 # ------------------------------------------------------------------ full fine-tuning
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_full_sft_loss_falls_at_every_step(runs: FamilyRuns, family: str) -> None:
-    _, losses = runs.full_run(family)
-    assert losses[2] < losses[1] < losses[0], losses
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_full_sampler_scores_as_the_trainer_after_delta_syncs(runs: FamilyRuns, family: str) -> None:
-    training, _ = runs.full_run(family)
-    tokens = sequence(59)
-    sampled = training.save_weights_and_get_sampling_client().result().compute_logprobs(types.ModelInput.from_ints(tokens)).result()
-    assert sampled[1:] == pytest.approx(trainer_logprobs(training, tokens), abs=LOGPROB_ATOL, rel=0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
 def test_delta_synced_weights_are_the_saved_weights_bit_for_bit(runs: FamilyRuns, service, node: Daemon, family: str) -> None:
-    training, _ = runs.full_run(family)
+    training, _ = runs.run("full", family)
     train(training, FULL_LR, 1)
     prompt = types.ModelInput.from_ints(sequence(67))
     by_delta = training.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
@@ -216,14 +207,6 @@ def test_delta_synced_weights_are_the_saved_weights_bit_for_bit(runs: FamilyRuns
         last_sync = http.get(f"/openrl/v1/models/{training.model_id}/status").json()["last_sync"]
     assert last_sync["mode"] == "delta"
     assert 0 < last_sync["bytes_moved"] < last_sync["full_bytes"]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_full_state_round_trip_continues_the_run_exactly(runs: FamilyRuns, service, family: str) -> None:
-    training, _ = runs.full_run(family)
-    path = training.save_state(f"{family}-full-round-trip").result().path
-    restored = service.create_training_client_from_state_with_optimizer(path).result()
-    assert train(restored, FULL_LR, 2) == train(training, FULL_LR, 2)
 
 
 # ------------------------------------------------------------------ refusals

@@ -25,7 +25,8 @@ from openrld.gpu.shared_prefix import cache_supports_sharing
 from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
 from openrld.gpu.torch_trainer import TorchTrainer
 
-from test_shared_prefix import grpo_request  # the same GRPO-shaped request
+# The same GRPO-shaped request and trainers (LoraSpec(rank=4, seed=7), or AdamW on every weight).
+from test_shared_prefix import grpo_request, new_trainer, trained
 
 CPU = torch.device("cpu")
 SPEC = LoraSpec(rank=4, seed=7)
@@ -164,16 +165,3 @@ def test_shared_prefix_scores_and_gradients_equal_unshared(family_dirs: dict[str
         assert param.grad is not None and reference[name].grad is not None, name
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
 
-
-def new_trainer(kind: str, model_dir: Path, config: TrainerConfig) -> TorchTrainer | FullTrainer:
-    if kind == "lora":
-        trainer: TorchTrainer | FullTrainer = TorchTrainer(model_dir, CPU, config=config)
-        trainer.add_adapter("job", SPEC)
-    else:
-        trainer = FullTrainer(model_dir, CPU, config=config)
-        trainer.add_adapter("job", None, "adamw")
-    return trainer
-
-
-def trained(trainer: TorchTrainer | FullTrainer) -> dict[str, torch.nn.Parameter]:
-    return trainer._adapters["job"].params if isinstance(trainer, TorchTrainer) else trainer._params
