@@ -165,3 +165,25 @@ def test_shared_prefix_scores_and_gradients_equal_unshared(family_dirs: dict[str
         assert param.grad is not None and reference[name].grad is not None, name
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
 
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_exported_adapter_loads_in_peft_with_the_trainers_logprobs(
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str, tmp_path: Path
+) -> None:
+    """The Hugging Face PEFT export names the experts as target_parameters, so peft loads
+    them back: the same float32 forward, compared at ATOL."""
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", SPEC)
+    sft_losses(trainer, sft_batch, lr=5e-3, steps=2)
+    scored = ForwardBackwardBatch(data=sft_batch.data, loss_fn="cross_entropy", loss_config={}, forward_only=True)
+    expected = trainer.forward_backward("job", scored).logprobs[0]
+    trainer.export_adapter("job", tmp_path, str(family_dirs[family]))
+    base = transformers.AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    datum = sft_batch.data[0]
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.as_tensor(datum.tokens)[None]).logits[0].float()  # (T, V)
+    targets = torch.as_tensor(datum.inputs["target_tokens"])
+    got = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
