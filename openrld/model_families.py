@@ -122,7 +122,9 @@ def refusal(name: str, arch: str, engine: Engine, *, trains_mlp: bool = False) -
     """
     family = family_of(arch)
     label = f"base_model {name!r} ({family.name if family else arch}, {arch})"
-    if not arch.endswith(CAUSAL_LM_SUFFIX):
+    # A config without `architectures` names its model_type instead ("llama"): transformers'
+    # AutoModelForCausalLM decides that one, so only a class for another head is refused here.
+    if "For" in arch and not arch.endswith(CAUSAL_LM_SUFFIX):
         return (
             f"{label}: {engine.value} holds decoder-only causal language models (architectures "
             f"'...{CAUSAL_LM_SUFFIX}'); a multimodal or encoder-decoder checkpoint is not served: use the "

@@ -88,3 +88,9 @@ def test_job_engines_follow_the_settings(
 def test_each_family_is_found_by_its_architecture() -> None:
     assert [family_of(f.architectures[0]) for f in FAMILIES] == list(FAMILIES)
     assert family_of("Gemma3ForConditionalGeneration") is None
+
+
+def test_a_config_without_architectures_is_left_to_transformers_on_the_torch_engines() -> None:
+    # The catalog names such a model by its model_type; AutoModelForCausalLM resolves that.
+    assert refusal("m", "llama", Engine.LORA_TRAINER) is None
+    assert refusal("m", "llama", Engine.VLLM_SAMPLER) is not None
