@@ -57,6 +57,12 @@ class Gone(UserError):
     status = 410
 
 
+class UnsupportedMediaType(UserError):
+    """A body whose Content-Type the route does not take."""
+
+    status = 415
+
+
 class TooManyRequests(UserError):
     status = 429
 

@@ -14,6 +14,7 @@ from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
 from openrld.loop_watch import LoopWatchStatistics
 from openrld.actors.peer_client import RelayStatistics
+from openrld.api.sdk_versions import SdkVersionStatistics
 from openrld.api.metrics import LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RequestMetrics, render_prometheus
 from openrld.store import StoreStatistics
 
@@ -229,4 +230,16 @@ def test_render_reports_slow_event_loop_steps_only_when_the_watch_is_on():
         "# HELP openrld_loop_longest_step_seconds The longest event-loop task step seen.",
         "# TYPE openrld_loop_longest_step_seconds gauge",
         "openrld_loop_longest_step_seconds 0.25",
+    ]
+
+
+def test_render_counts_requests_by_the_sdk_release_they_name():
+    node = msgspec.structs.replace(
+        _node(RequestMetrics()), sdk_versions=SdkVersionStatistics({"0.16.1": 4, "0.38.0": 9, "none": 2})
+    )
+    lines = [line for line in render_prometheus(node).splitlines() if line.startswith("openrld_sdk_")]
+    assert lines == [
+        'openrld_sdk_requests_total{sdk_version="0.16.1"} 4',
+        'openrld_sdk_requests_total{sdk_version="0.38.0"} 9',
+        'openrld_sdk_requests_total{sdk_version="none"} 2',
     ]

@@ -34,13 +34,14 @@ from openrld.actors.membership.node import MembershipNode
 from openrld.actors.peer_client import PeerClient, relay_key
 from openrld.actors.placement import ClusterPlacer
 from openrld.actors.usage import UsageMeter
-from openrld.api import wire
+from openrld.api import media, wire
 from openrld.api.auth import Authenticator
 from openrld.api.relay import Relay
 from openrld.api.signing import Signer
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
 from openrld.api.gate import Gate
+from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionWatch
 from openrld.api.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
@@ -79,6 +80,7 @@ class Services:
     console: ConsoleViews | None = None  # the console's reads; None: the node serves no console routes
     node_devices: NodeDevices | None = None  # placement and time-slicers, for the console's device view
     loop_watch: LoopWatch | None = None  # slow event-loop steps, for /metrics; None unless loop_watch_ms is set
+    sdk_versions: SdkVersionCounter = field(default_factory=SdkVersionCounter)  # requests per tinker SDK release
 
 
 def json_response(value: Any, status: int = 200) -> Response:
@@ -95,6 +97,14 @@ def error_response(status: int, detail: str, headers: dict[str, str] | None = No
 
 def caller(services: Services) -> str:
     return services.auth.user_for(request.headers.get("X-API-Key"))
+
+
+async def request_body(services: Services, type_: type[wire.T]) -> wire.T:
+    """The quart request's body as `type_`, read by its Content-Type and Content-Encoding (api/media.py)."""
+    return media.read_json(
+        await request.get_data(), type_, content_type=request.headers.get("Content-Type"),
+        content_encoding=request.headers.get("Content-Encoding"), max_body_bytes=services.config.max_body_bytes,
+    )
 
 
 # A route handler: a module-level `async def name(services, **url_values) -> Response`.
@@ -173,7 +183,7 @@ def build_app(services: Services) -> Gate:
         Gate, auth=services.auth, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
     )
     if services.cluster is None or services.peers is None:
-        return gate(front)
+        return SdkVersionWatch(gate(front), services.sdk_versions)
     directory = Directory(services.cluster, services.jobs, services.sampling)
     key = relay_key(services.config.cluster_secret)
     peers = PeerClient(
@@ -181,7 +191,7 @@ def build_app(services: Services) -> Gate:
         # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
         relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
     )
-    return gate(Relay(
+    return SdkVersionWatch(gate(Relay(
         front,
         directory=directory,
         peers=peers,
@@ -195,4 +205,4 @@ def build_app(services: Services) -> Gate:
         accept_jobs=services.config.accept_jobs,
         max_body_bytes=services.config.max_body_bytes,
         longpolls=tinker.LONGPOLL_ROUTES,
-    ))
+    )))

@@ -34,6 +34,8 @@ class Call(msgspec.Struct, frozen=True):
     body: bytes
     api_key: str | None
     content_encoding: str | None
+    content_type: str | None = None  # None: read as JSON (api/media.py)
+    accept: str | None = None  # picks the form of a result that has two (api/media.py)
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -111,6 +113,8 @@ class FastPath:
             body=bytes(body),
             api_key=_text(headers.get(b"x-api-key")),
             content_encoding=_text(headers.get(b"content-encoding")),
+            content_type=_text(headers.get(b"content-type")),
+            accept=_text(headers.get(b"accept")),
         )
         try:
             if scope["path"] in self._longpolls:

@@ -29,7 +29,7 @@ from quart_trio import QuartTrio
 
 from openrld import ids
 from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, add_route, caller, json_response, request_body
 from openrld.errors import BadRequest, NotFound
 from openrld.store import SessionRow
 
@@ -67,7 +67,7 @@ async def unpublish(services: Services, run_id: str, kind: str, name: str) -> Re
 
 async def set_ttl(services: Services, run_id: str, kind: str, name: str) -> Response:
     user = caller(services)
-    req = wire.decode_json(await request.get_data(), wire.TtlRequest)
+    req = await request_body(services, wire.TtlRequest)
     await services.checkpoints.set_ttl(user, ids.TinkerPath.of(run_id, kind, name), req.ttl_seconds)
     return json_response(wire.EmptyResponse())
 
@@ -77,7 +77,7 @@ async def set_ttl(services: Services, run_id: str, kind: str, name: str) -> Resp
 
 async def copy_weights(services: Services) -> Response:
     user = caller(services)
-    req = wire.decode_json(await request.get_data(), wire.CopyWeightsRequest)
+    req = await request_body(services, wire.CopyWeightsRequest)
     tinker_path = await services.checkpoints.copy(
         user, ids.parse_tinker_path(req.source_path), ttl_seconds=req.ttl_seconds,
         destination_project_id=req.destination_project_id,
@@ -113,14 +113,14 @@ async def download(services: Services, run_id: str, kind: str, name: str, filena
 
 async def assign_project(services: Services, session_id: str) -> Response:
     user = caller(services)
-    req = wire.decode_json(await request.get_data(), wire.ProjectRequest)
+    req = await request_body(services, wire.ProjectRequest)
     services.records.assign_project(user, session_id, req.project_id)
     return json_response(wire.EmptyResponse())
 
 
 async def search_sessions(services: Services) -> Response:
     user = caller(services)
-    req = wire.decode_json(await request.get_data(), wire.SessionSearchRequest)
+    req = await request_body(services, wire.SessionSearchRequest)
     if isinstance(req.owner, wire.UserSearchOwner) and req.owner.owner_urns != [f"tml:user:{user}"]:
         return json_response(wire.SessionSearchResponse(sessions=[]))  # only one's own sessions are visible
     before = None if req.cursor is None else (req.cursor.last_created_at, req.cursor.last_session_id)

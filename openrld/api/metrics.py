@@ -24,6 +24,7 @@ from openrld.actors.membership.codec import DropReason
 from openrld.actors.membership.node import MembershipStatistics
 from openrld.actors.peer_client import RelayStatistics
 from openrld.actors.stability import StabilityStatistics
+from openrld.api.sdk_versions import SdkVersionStatistics
 from openrld.loop_watch import LoopWatchStatistics
 from openrld.store import StoreStatistics
 
@@ -125,6 +126,7 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     relay: RelayStatistics | None = None  # any-node-answers relaying; None on a node outside any cluster
     http: HttpStatistics | None = None  # the HTTP server's connections; None when no server counts them
     loop: LoopWatchStatistics | None = None  # slow event-loop steps; None unless loop_watch_ms is set
+    sdk_versions: SdkVersionStatistics | None = None  # requests per tinker SDK release (api/sdk_versions.py)
 
 
 # ---------------------------------------------------------------- text format
@@ -274,8 +276,17 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *(_relay_lines(stats.relay) if stats.relay is not None else []),
         *(_http_lines(stats.http) if stats.http is not None else []),
         *(_loop_lines(stats.loop) if stats.loop is not None else []),
+        *(_sdk_lines(stats.sdk_versions) if stats.sdk_versions is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _sdk_lines(sdk: SdkVersionStatistics) -> list[str]:
+    return _family(
+        "openrld_sdk_requests_total", "counter",
+        "HTTP requests by the tinker SDK release they name ('none': no SDK header; 'other': past the label cap).",
+        [((("sdk_version", version),), count) for version, count in sdk.requests_by_version.items()],
+    )
 
 
 def _loop_lines(loop: LoopWatchStatistics) -> list[str]:

@@ -90,5 +90,6 @@ async def metrics(services: Services) -> Response:
         relay=services.relays.statistics() if services.cluster is not None else None,
         http=services.http.statistics(),
         loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
+        sdk_versions=services.sdk_versions.statistics(),
     )
     return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)

@@ -66,6 +66,7 @@ from openrld.actors.relayed_session import session_headers, session_of
 from openrld.api import wire
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
 from openrld.api.list_fanout import FANOUT_LISTS, fan_out
+from openrld.api import media
 from openrld.api.proto import forward_backward_model_id
 from openrld.errors import OpenrldError, UserError
 from openrld.actors.peer_client import RelayCounters
@@ -76,8 +77,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MODEL_BODY_ROUTES = {
-    "/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler",
-    "/api/v1/save_weights_external", "/api/v1/get_info", "/api/v1/load_weights",
+    "/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step", "/api/v1/save_weights",
+    "/api/v1/save_weights_for_sampler", "/api/v1/save_weights_external", "/api/v1/get_info", "/api/v1/load_weights",
 }
 # Requests that create a job or a sampling session under the caller's session (which the home may lack).
 _CREATING_ROUTES = {"/api/v1/create_model", "/api/v1/load_weights", "/api/v1/create_sampling_session"}
@@ -285,9 +286,11 @@ class Relay:
     def _ids(self, call: _Call) -> _Ids | None:
         """The ids a request body names; None if it does not decode (the home app explains why).
 
-        A forward_backward body is read only as far as its model_id: the node that serves it decodes it whole.
+        A protobuf forward_backward body is read only as far as its model_id: the node that serves it decodes it
+        whole. A body in another type, or compressed, is left to the route that reads it.
         """
-        if call.scope["path"] == "/api/v1/forward_backward":
+        content_type = _header(call.headers, b"content-type")
+        if call.scope["path"] == "/api/v1/forward_backward" and media.form_of_or_none(content_type) is media.Form.PROTOBUF:
             model_id = forward_backward_model_id(
                 call.body, _header(call.headers, b"content-encoding"), max_body_bytes=self._max_body_bytes
             )

@@ -16,7 +16,7 @@ from quart_trio import QuartTrio
 
 from openrld import ids
 from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, add_route, caller, json_response, request_body
 from openrld.errors import BadRequest, NotFound
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.store import CheckpointRow, RunRow
@@ -89,7 +89,7 @@ async def list_user_checkpoints(services: Services) -> Response:
 
 async def weights_info(services: Services) -> Response:
     user = caller(services)
-    req = wire.decode_json(await request.get_data(), wire.WeightsInfoRequest)
+    req = await request_body(services, wire.WeightsInfoRequest)
     path = ids.parse_tinker_path(req.tinker_path)
     await services.checkpoints.readable(user, path)  # on a shared root, one another node wrote is adopted first
     run = services.records.run(path.run_id)

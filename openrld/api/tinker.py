@@ -1,10 +1,12 @@
 """The Tinker API routes the SDK's training and sampling loop uses (`/api/v1/...`).
 
-Each route decodes its body (JSON with msgspec, or protobuf for
-forward_backward), authenticates the caller, hands the request to the job
-table and answers a future or a small JSON body. Results are read back by
-`retrieve_future`, which long-polls and answers protobuf for forward,
-forward_backward and sample results, JSON for the rest. Every JSON reply is a
+Each route decodes its body by what its Content-Type and Content-Encoding say
+(`media.py`: JSON with msgspec, or protobuf for forward_backward, which SDKs
+before 0.25 may also send as JSON), authenticates the caller, hands the request
+to the job table and answers a future or a small JSON body. Results are read
+back by `retrieve_future`, which long-polls and answers forward, forward_backward
+and sample results in the form the client's Accept prefers (protobuf, or JSON for
+SDKs before 0.25), JSON for the rest. Every JSON reply is a
 `wire` Struct, so it goes out as `wire.py`'s tests check it: fields at their
 default left out, never null.
 
@@ -14,22 +16,25 @@ are served by `fastpath` without quart, under the same decoding and auth rules.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import msgspec
-from quart import Response, request
+from quart import Response
 from quart_trio import QuartTrio
 
-from openrld import __version__
+from openrld import __version__, sdk_support
 from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
-from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api import forward_json, media, result_json, wire
+from openrld.api.app import Services, add_route, caller, json_response, request_body
 from openrld.api.fastpath import Call, Handler, Reply, json_reply
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
-from openrld.errors import BadRequest, NotSupportedYet, UserError
+from openrld.errors import BadRequest, NotSupportedYet, UnsupportedMediaType, UserError
 
-PROTOBUF = "application/x-protobuf"
+logger = logging.getLogger(__name__)
+
+PROTOBUF = media.PROTOBUF
 MAX_TOPK_LOGPROBS = 20  # top-k logprobs per position; vLLM caps at 20 too
 SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
     "server-side custom losses are not supported by this server (create_custom_loss); use "
@@ -70,6 +75,7 @@ def hot_routes(services: Services) -> dict[str, Handler]:
     """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
     return {
         "/api/v1/forward_backward": partial(forward_backward, services),
+        "/api/v1/forward": partial(forward, services),
         "/api/v1/optim_step": partial(optim_step, services),
         "/api/v1/asample": partial(asample, services),
         "/api/v1/retrieve_future": partial(retrieve_future, services),
@@ -81,9 +87,17 @@ def hot_routes(services: Services) -> dict[str, Handler]:
 
 async def client_config(services: Services) -> Response:
     caller(services)
-    # Every other flag stays at the SDK's default, which is what openrld serves: forward_backward
-    # chunks in parallel and uncompressed, custom losses client-side, no join_sampling_session.
-    return json_response(wire.ClientConfigResponse(pjwt_auth_enabled=services.auth.jwt_enabled))
+    req = await request_body(services, wire.ClientConfigRequest)
+    # SDKs 0.21 to 0.24 are told to send forward_backward as protobuf, and forward as a
+    # forward_backward with forward_only (the flags left their config in 0.25, and 0.16 to 0.20
+    # know only JSON). Every other flag stays at the SDK's default, which is what openrld
+    # serves: chunks in parallel and uncompressed, custom losses client-side, no join_sampling_session.
+    legacy_proto = sdk_support.wants_proto_write_flag(req.sdk_version)
+    return json_response(
+        wire.ClientConfigResponse(
+            pjwt_auth_enabled=services.auth.jwt_enabled, proto_write_fwdbwd=legacy_proto, fwd_via_fwdbwd=legacy_proto
+        )
+    )
 
 
 async def dynamic_config(services: Services) -> Response:
@@ -93,31 +107,32 @@ async def dynamic_config(services: Services) -> Response:
 
 async def create_session(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.CreateSessionRequest)
+    req = await request_body(services, wire.CreateSessionRequest)
     session_id = await services.sessions.create(
         user, tags=list(req.tags), user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
     )
+    logger.info("session created session_id=%s sdk_version=%s", session_id, req.sdk_version)
     return json_response(wire.CreateSessionResponse(session_id=session_id))
 
 
 async def session_heartbeat(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.SessionHeartbeatRequest)
+    req = await request_body(services, wire.SessionHeartbeatRequest)
     services.sessions.heartbeat(user, req.session_id)
     return json_response(wire.SessionHeartbeatResponse())
 
 
 async def finish_session(services: Services, session_id: str) -> Response:
     user = caller(services)
-    req = await _body(wire.SessionFinishRequest)
+    req = await request_body(services, wire.SessionFinishRequest)
     services.jobs.finish_session(user, session_id, req.reason.type, req.detail)
     return json_response(wire.EmptyResponse())
 
 
 async def telemetry(services: Services) -> Response:
     caller(services)
-    await _body(wire.TelemetryRequest)
+    await request_body(services, wire.TelemetryRequest)
     return json_response(wire.TelemetryResponse())
 
 
@@ -142,7 +157,7 @@ async def get_server_capabilities(services: Services) -> Response:
 
 async def create_model(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.CreateModelRequest)
+    req = await request_body(services, wire.CreateModelRequest)
     wire.optimizer_family(req.optimizer_config)
     request_id, model_id = services.jobs.create_model(
         user, session_id=req.session_id, model_seq_id=req.model_seq_id, base_model=req.base_model,
@@ -156,7 +171,7 @@ async def create_model(services: Services) -> Response:
 
 async def get_info(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.GetInfoRequest)
+    req = await request_body(services, wire.GetInfoRequest)
     info = services.jobs.job_info(user, req.model_id)
     return json_response(
         wire.GetInfoResponse(
@@ -172,7 +187,7 @@ async def get_info(services: Services) -> Response:
 
 async def save_weights(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.SaveWeightsRequest)
+    req = await request_body(services, wire.SaveWeightsRequest)
     if req.path is None:
         raise BadRequest("save_weights: path (the checkpoint name) is required")
     request_id = services.jobs.save_weights(
@@ -184,7 +199,7 @@ async def save_weights(services: Services) -> Response:
 
 async def save_weights_for_sampler(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.SaveWeightsForSamplerRequest)
+    req = await request_body(services, wire.SaveWeightsForSamplerRequest)
     request_id = services.jobs.save_weights_for_sampler(
         user, req.model_id, _seq_id(req.seq_id), name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
         kind=req.kind, ttl_seconds=req.ttl_seconds,
@@ -195,7 +210,7 @@ async def save_weights_for_sampler(services: Services) -> Response:
 
 async def save_weights_external(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.SaveWeightsExternalRequest)
+    req = await request_body(services, wire.SaveWeightsExternalRequest)
     if req.age_encryption_recipients:
         raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
     request_id = services.jobs.save_weights_external(
@@ -206,7 +221,7 @@ async def save_weights_external(services: Services) -> Response:
 
 async def load_weights(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.LoadWeightsRequest)
+    req = await request_body(services, wire.LoadWeightsRequest)
     with_optimizer = bool(req.optimizer)
     if req.optimizer_config is not None:
         wire.optimizer_family(req.optimizer_config)
@@ -230,7 +245,7 @@ async def load_weights(services: Services) -> Response:
 
 async def create_sampling_session(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.CreateSamplingSessionRequest)
+    req = await request_body(services, wire.CreateSamplingSessionRequest)
     if req.model_path is not None:
         await services.checkpoints.adopt_to_read(req.model_path)
     sampler_id = services.sampling.create(
@@ -250,7 +265,7 @@ async def get_sampler(services: Services, sampler_id: str) -> Response:
 
 async def cancel_future(services: Services) -> Response:
     user = caller(services)
-    req = await _body(wire.CancelFutureRequest)
+    req = await request_body(services, wire.CancelFutureRequest)
     services.sampling.cancel(user, req.request_id)
     return json_response(wire.EmptyResponse())
 
@@ -267,26 +282,50 @@ async def create_custom_loss(services: Services) -> Response:
 
 
 async def forward_backward(services: Services, call: Call) -> Reply:
+    return _forward_backward(services, call, forward_only=False)
+
+
+async def forward(services: Services, call: Call) -> Reply:
+    # SDKs before 0.25 call this route for TrainingClient.forward, in JSON; later ones send
+    # forward_backward with forward_only, and so do 0.21 to 0.24 told fwd_via_fwdbwd.
+    return _forward_backward(services, call, forward_only=True)
+
+
+def _forward_backward(services: Services, call: Call, *, forward_only: bool) -> Reply:
     user = services.auth.user_for(call.api_key)
     jobs = services.jobs
+    route = "forward" if forward_only else "forward_backward"
     max_body_bytes = services.config.max_body_bytes
+    # The body is what its Content-Type says: protobuf (the SDK's form since 0.21), or JSON
+    # (0.16 to 0.24); /api/v1/forward has only ever been JSON.
+    form = media.form_of(call.content_type, where=route)
+    if form is media.Form.PROTOBUF and forward_only:
+        raise UnsupportedMediaType(f"forward: this route takes {media.JSON}; send protobuf to forward_backward")
     try:
-        model_id, seq_id, batch = wire.decode_forward_backward(
-            call.body, call.content_encoding, max_body_bytes=max_body_bytes
-        )
+        if form is media.Form.JSON:
+            model_id, seq_id, batch = forward_json.decode(
+                call.body, call.content_encoding, forward_only=forward_only, max_body_bytes=max_body_bytes
+            )
+        else:
+            model_id, seq_id, batch = wire.decode_forward_backward(
+                call.body, call.content_encoding, max_body_bytes=max_body_bytes
+            )
     except UserError as error:
-        ids = wire.forward_backward_ids(call.body, call.content_encoding, max_body_bytes=max_body_bytes)
+        if form is media.Form.JSON:
+            ids = forward_json.ids(call.body, call.content_encoding, forward_only=forward_only, max_body_bytes=max_body_bytes)
+        else:
+            ids = wire.forward_backward_ids(call.body, call.content_encoding, max_body_bytes=max_body_bytes)
         if ids is None:
             raise
         model_id, seq_id = ids
-        return _future(jobs.reject(user, model_id, seq_id, "forward_backward", error), model_id)
+        return _future(jobs.reject(user, model_id, seq_id, route, error), model_id)
     return _future(jobs.forward_backward(user, model_id, seq_id, batch), model_id)
 
 
 async def optim_step(services: Services, call: Call) -> Reply:
     user = services.auth.user_for(call.api_key)
     jobs = services.jobs
-    req = wire.decode_json(call.body, wire.OptimStepRequest)
+    req = _call_body(services, call, wire.OptimStepRequest)
     seq_id = _seq_id(req.seq_id)
     try:
         params = wire.adam_params_from_request(req)
@@ -297,7 +336,7 @@ async def optim_step(services: Services, call: Call) -> Reply:
 
 async def asample(services: Services, call: Call) -> Reply:
     user = services.auth.user_for(call.api_key)
-    req = wire.decode_json(call.body, wire.SampleRequest)
+    req = _call_body(services, call, wire.SampleRequest)
     if req.sampling_session_id is None:
         raise BadRequest("asample needs sampling_session_id")
     job = wire.sample_job_from_request(
@@ -312,12 +351,12 @@ async def asample(services: Services, call: Call) -> Reply:
 
 async def retrieve_future(services: Services, call: Call) -> Reply:
     user = services.auth.user_for(call.api_key)
-    req = wire.decode_json(call.body, wire.FutureRetrieveRequest)
+    req = _call_body(services, call, wire.FutureRetrieveRequest)
     futures = services.futures
     outcome = await futures.wait(req.request_id, owner=user, hold_s=services.config.longpoll_s)
     if isinstance(outcome, Completed) and isinstance(outcome.value, SampleResult):
         services.usage.sample_delivered(req.request_id, sum(len(s.tokens) for s in outcome.value.sequences))
-    return _outcome_reply(req.request_id, outcome, futures.queue_state(req.request_id))
+    return _outcome_reply(req.request_id, outcome, futures.queue_state(req.request_id), media.reply_form(call.accept))
 
 
 # ---------------------------------------------------------------- replies
@@ -329,16 +368,27 @@ def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str
     )
 
 
-def _outcome_reply(request_id: str, outcome: Completed | Failed | None, queue_state: str = "active") -> Reply:
-    """What retrieve_future answers: try_again while pending, the failure, or the result."""
+def _outcome_reply(
+    request_id: str, outcome: Completed | Failed | None, queue_state: str = "active",
+    form: media.Form = media.Form.PROTOBUF,
+) -> Reply:
+    """What retrieve_future answers: try_again while pending, the failure, or the result.
+
+    forward_backward and sample results go out in `form` (what the client's Accept prefers);
+    every other reply has only a JSON form.
+    """
     if outcome is None:
         return json_reply(wire.TryAgainResponse(request_id=request_id, queue_state=queue_state))
     if isinstance(outcome, Failed):
         return json_reply(wire.RequestFailedResponse(error=outcome.detail, category=outcome.category))
     value = outcome.value
     if isinstance(value, ForwardBackwardResult):
+        if form is media.Form.JSON:
+            return Reply(result_json.encode_forward_backward_output(value), content_type=media.JSON)
         return Reply(wire.encode_forward_backward_output(value), content_type=PROTOBUF)
     if isinstance(value, SampleResult):
+        if form is media.Form.JSON:
+            return Reply(result_json.encode_sample_response(value), content_type=media.JSON)
         return Reply(wire.encode_sample_response(value), content_type=PROTOBUF)
     if isinstance(value, OptimResult):
         return json_reply(wire.OptimStepResponse(metrics=value.metrics))
@@ -355,8 +405,11 @@ def _outcome_reply(request_id: str, outcome: Completed | Failed | None, queue_st
 # ---------------------------------------------------------------- request fields
 
 
-async def _body(type_: type[wire.T]) -> wire.T:
-    return wire.decode_json(await request.get_data(), type_)
+def _call_body(services: Services, call: Call, type_: type[wire.T]) -> wire.T:
+    return media.read_json(
+        call.body, type_, content_type=call.content_type, content_encoding=call.content_encoding,
+        max_body_bytes=services.config.max_body_bytes,
+    )
 
 
 def _seq_id(seq_id: int | None) -> int:

@@ -2,7 +2,7 @@
 
 Owns: one msgspec Struct per JSON request and response body of
 `shared/spec/tinker-protocol.md` §3-§7 (where the spec and the installed SDK
-disagree, the SDK's `tinker/types/` wins); `decode_json` and `encode_json`;
+disagree, the SDK's `tinker/types/` wins); `encode_json` (and `decode_json`, from `media.py`);
 and the conversions of request bodies into the plain data of `batches.py`
 (`sample_job_from_request`, `adam_params_from_request`, `lora_spec_from_config`,
 `optimizer_family`). The protobuf half (forward_backward bodies, sample and
@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 # The protobuf half of the wire, re-exported so routes import one module.
+from openrld.api.media import decode_json as decode_json
 from openrld.api.proto.codec import decode_forward_backward as decode_forward_backward
 from openrld.api.proto.codec import encode_forward_backward_output as encode_forward_backward_output
 from openrld.api.proto.codec import encode_sample_response as encode_sample_response
@@ -259,27 +260,20 @@ class LoadWeightsRequest(RequestBody):
 # ================================================================ requests: sampling (§5.1, §7.1)
 
 
-class EncodedTextChunk(RequestBody, tag_field="type", tag="encoded_text"):
-    tokens: list[int]
+class ModelInputChunk(RequestBody):
+    """One chunk of a ModelInput, of the kind `type` names.
 
+    One Struct rather than a tagged union: SDKs before 0.18 send only the fields
+    that were set, so their encoded_text chunks come without `type`, its default.
+    """
 
-class ImageChunk(RequestBody, tag_field="type", tag="image"):
-    data: bytes  # standard padded base64 in JSON
-    format: Literal["png", "jpeg"]
-    expected_tokens: int | None = None
-
-
-class ImageAssetPointerChunk(RequestBody, tag_field="type", tag="image_asset_pointer"):
-    location: str
-    format: Literal["png", "jpeg"]
-    expected_tokens: int | None = None
-
-
-class DmelChunk(RequestBody, tag_field="type", tag="dmel"):
-    dmel: bytes  # serialized TensorContainer, base64 in JSON
-
-
-ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk | DmelChunk
+    type: Literal["encoded_text", "image", "image_asset_pointer", "dmel"] = "encoded_text"
+    tokens: list[int] = []  # encoded_text
+    data: bytes | None = None  # image: standard padded base64 in JSON
+    format: Literal["png", "jpeg"] | None = None  # image, image_asset_pointer
+    location: str | None = None  # image_asset_pointer
+    expected_tokens: int | None = None  # image, image_asset_pointer
+    dmel: bytes | None = None  # dmel: a serialized TensorContainer, base64 in JSON
 
 
 class ModelInput(RequestBody):
@@ -467,6 +461,10 @@ class ClientConfigResponse(ResponseBody):
     sample_use_retrieve_futures: bool = False
     custom_loss_server_side: bool = False
     sample_join_sampling_session: bool = False
+    # SDKs 0.21 to 0.24 only (later ones dropped both): send forward_backward as protobuf, and
+    # TrainingClient.forward as forward_backward with forward_only, instead of JSON to /forward.
+    proto_write_fwdbwd: bool = False
+    fwd_via_fwdbwd: bool = False
 
 
 class ClientDynamicConfigResponse(ResponseBody):
@@ -876,23 +874,6 @@ class SelfApiKeyResponse(ResponseBody):
 # ================================================================ codec
 
 
-def decode_json(body: bytes, type_: type[T]) -> T:
-    """Decode a JSON request body into `type_`.
-
-    Raises:
-        BadRequest: the body is not JSON, or does not fit `type_`; the detail
-            names the body type and carries msgspec's message, which names the
-            JSON path (`... - at $.sampling_params.top_p`).
-    """
-    name = getattr(type_, "__name__", str(type_))
-    try:
-        return msgspec.json.decode(body, type=type_)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid {name} body: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"invalid {name} body: malformed JSON: {exc}") from exc
-
-
 def encode_json(body: msgspec.Struct) -> bytes:
     """Encode a response Struct as JSON bytes (fields at their default left out)."""
     return msgspec.json.encode(body)
@@ -1111,8 +1092,8 @@ def _refuse_unbuilt_sampling_options(req: SampleRequest) -> None:
 def _prompt_tokens(prompt: ModelInput) -> np.ndarray:
     tokens: list[int] = []
     for j, chunk in enumerate(prompt.chunks):
-        if not isinstance(chunk, EncodedTextChunk):
-            kind = type(chunk).__struct_config__.tag
+        if chunk.type != "encoded_text":
+            kind = chunk.type
             raise NotSupportedYet(
                 f"prompt.chunks[{j}]: {kind!r} chunks are not supported yet; only 'encoded_text'",
                 key="prompt",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import signal
 import socket
 from urllib.parse import urlsplit
@@ -210,3 +211,57 @@ def test_sigterm_shuts_down_cleanly(make_daemon):
     daemon = make_daemon()
     assert daemon.stop(signal.SIGTERM) == 0
     assert "Traceback" not in daemon.log()
+
+
+def _json_fb(http: httpx.Client, model_id: str, seq_id: int, tokens: list[int]) -> httpx.Response:
+    # The body SDK 0.16.1 sends: JSON, TensorData lists, chunks without `type`.
+    datum = {
+        "model_input": {"chunks": [{"tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [len(tokens) - 1]}},
+    }
+    body = {"forward_backward_input": {"data": [datum], "loss_fn": "cross_entropy"}, "model_id": model_id, "seq_id": seq_id}
+    return http.post("/api/v1/forward_backward", json=body, headers=HEADERS)
+
+
+def test_forward_backward_result_comes_in_the_form_accept_asks_for(http, model_id):
+    future = _json_fb(http, model_id, 1, list(range(10, 20))).json()
+    retrieve = {"request_id": future["request_id"], "allow_metadata_only": False}
+    as_json = http.post("/api/v1/retrieve_future", json=retrieve, headers={**HEADERS, "Accept": "application/json"})
+    as_protobuf = _result(http, future["request_id"])  # httpx's default Accept: */*
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    output = deserialize_forward_backward_output(as_protobuf.content)
+    body = as_json.json()
+    assert as_json.headers["content-type"] == "application/json"
+    assert as_protobuf.headers["content-type"].startswith("application/x-protobuf")
+    assert body["metrics"] == output.metrics
+    assert body["loss_fn_outputs"][0]["logprobs"] == {
+        "data": output.loss_fn_outputs[0]["logprobs"].data, "dtype": "float32", "shape": [9],
+    }
+
+
+def test_forward_backward_declared_as_json_that_is_not_is_400_naming_the_type(http, model_id):
+    response = http.post(
+        "/api/v1/forward_backward", content=_fb_body(model_id, 1, list(range(10, 20))),
+        headers={**HEADERS, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith("invalid ForwardBackwardJsonRequest body: not application/json: ")
+
+
+def test_json_route_given_protobuf_is_415_naming_what_it_takes(http):
+    response = http.post(
+        "/api/v1/create_session", content=b"\x0a\x00", headers={**HEADERS, "Content-Type": "application/x-protobuf"}
+    )
+    assert (response.status_code, response.json()["detail"]) == (
+        415, "CreateSessionRequest: this route takes application/json, got Content-Type 'application/x-protobuf'"
+    )
+
+
+def test_gzip_json_body_is_read_by_its_content_encoding(http):
+    body = gzip.compress(b'{"tags": [], "sdk_version": "0.38.0"}')
+    response = http.post(
+        "/api/v1/create_session", content=body,
+        headers={**HEADERS, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
+    assert (response.status_code, response.json()["type"]) == (200, "create_session")

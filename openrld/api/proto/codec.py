@@ -29,6 +29,7 @@ import numpy as np
 import zstandard
 from google.protobuf import message as pb_message
 
+from openrld.api import media
 from openrld.api.proto import schema
 from openrld.api.proto.schema import DType, StopReason
 from openrld.batches import (
@@ -53,6 +54,7 @@ _TOKEN_DTYPE = np.dtype("<i4")  # EncodedTextChunk.tokens and SampledSequence.to
 _INDEX_DTYPE = np.dtype("<i8")  # CSR crow/col indices and BatchedTensor byte offsets
 _FLOAT_DTYPE = np.dtype("<f4")
 
+PROTOBUF_MEDIA_TYPE = media.PROTOBUF
 TARGET_TOKENS = "target_tokens"
 # The SDK keeps the part after the last ":" and expects "ArrayRecord" (protocol §6).
 OUTPUT_TYPE = "ArrayRecord"
@@ -88,8 +90,20 @@ def decode_forward_backward(
     try:
         request.ParseFromString(raw)
     except pb_message.DecodeError as exc:
-        raise BadRequest(f"forward_backward: body is not a ForwardBackwardRequest protobuf: {exc}") from exc
+        raise BadRequest(
+            f"forward_backward: body is not a ForwardBackwardRequest protobuf ({PROTOBUF_MEDIA_TYPE}): {exc}"
+        ) from exc
+    return forward_backward_from_message(request, max_body_bytes=max_body_bytes)
 
+
+def forward_backward_from_message(
+    request: schema.ForwardBackwardRequest, *, max_body_bytes: int
+) -> tuple[str, int, ForwardBackwardBatch]:
+    """(model_id, seq_id, batch) of a parsed ForwardBackwardRequest, whichever form it came in.
+
+    Raises:
+        BadRequest, NotSupportedYet: as `decode_forward_backward`, for the message's contents.
+    """
     if not request.model_id:
         raise BadRequest("forward_backward: model_id is required")
     if request.seq_id < 0:
@@ -210,33 +224,7 @@ def _first_string_field(reader: Any, number: int, limit: int) -> str | None:
 
 
 def _decompress(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> bytes:
-    if len(body) > max_body_bytes:
-        raise BadRequest(f"forward_backward: body is {len(body)} bytes; the limit is {max_body_bytes}")
-    encoding = (content_encoding or "identity").strip().lower()
-    if encoding == "identity":
-        return body
-    if encoding != "zstd":
-        raise BadRequest(f"Content-Encoding: expected 'zstd' or none, got {content_encoding!r}")
-    try:
-        declared = zstandard.frame_content_size(body)
-    except zstandard.ZstdError as exc:
-        raise BadRequest(f"forward_backward: body is not a zstd frame: {exc}") from exc
-    # A frame that declares its size is decompressed into exactly that many bytes,
-    # so refuse an oversize declaration before allocating; an undeclared size is
-    # bounded by max_output_size instead.
-    if declared > max_body_bytes:
-        raise BadRequest(
-            f"forward_backward: zstd body declares {declared} bytes; the limit is {max_body_bytes}"
-        )
-    try:
-        return zstandard.ZstdDecompressor().decompress(
-            body, max_output_size=max_body_bytes, allow_extra_data=False
-        )
-    except zstandard.ZstdError as exc:
-        raise BadRequest(
-            f"forward_backward: zstd body is truncated, corrupt or over {max_body_bytes} bytes "
-            f"once decompressed: {exc}"
-        ) from exc
+    return media.decompress(body, content_encoding, max_body_bytes=max_body_bytes, where="forward_backward")
 
 
 class _CellBudget:
