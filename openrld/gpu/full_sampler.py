@@ -21,6 +21,13 @@ and every request in the running batch samples from it.
   every waiting request of that version joins. Requests are taken in arrival order,
   and once one waits, later requests wait behind it, so no version starves.
 
+The engine under it and the place its live weights are kept are two parts: the torch
+sampler's parameters (`TorchWeights`), or vLLM's (`FullSampler.on_engine` with a
+`VllmSampler` and `vllm_weights.VllmWeights`, on a vLLM node). The versions, the order of
+switches and syncs, and the digest check are this module's either way. A change waits
+while the engine is parked (vLLM's weights are off the device in its sleep) and lands at
+`resume`.
+
 Guarantees: versions are immutable once loaded; the weights a request samples from
 are exactly its version's; a version in use by a live or waiting request cannot be
 dropped. It never imports trio and is not thread-safe: one call at a time.
@@ -31,7 +38,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import torch
@@ -43,15 +52,77 @@ from openrld.gpu import delta as weight_delta
 from openrld.gpu import full_io
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.torch_sampler import TorchSampler, TorchSamplerStatistics
+from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerStatistics
 
 logger = logging.getLogger(__name__)
+
+# The engine that samples the live weights: it serves the base model (version None), which they are.
+SamplingEngine = TorchSampler | VllmSampler
 
 # What `_live` says after a failed sync patched the weights: no version name looks like it.
 DAMAGED = "<live weights damaged by a failed sync>"
 
 
+class LiveWeights(Protocol):
+    """Where the live version's weights are, in the trainer's names (checkpoint coordinates)."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape by name: what a full version must hold."""
+        ...
+
+    def apply(self, change: weight_delta.WeightDelta) -> None:
+        """Patch the live weights in place (`delta.apply_delta`'s contract)."""
+        ...
+
+    def copy_from(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite every live weight with `tensors` (host tensors of the same names and shapes)."""
+        ...
+
+    def digest(self) -> int:
+        """`delta.digest` of the live weights as they are now."""
+        ...
+
+    def host_copy(self) -> dict[str, torch.Tensor]:
+        """A copy of the live weights in host memory, never written after."""
+        ...
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """The live weights by name (views where they can be), for a comparison."""
+        ...
+
+
+class TorchWeights:
+    """The torch sampler's own parameters as the live weights; every change drops its cached prefixes."""
+
+    def __init__(self, engine: TorchSampler) -> None:
+        self._engine = engine
+        self._params = engine.base_weights()
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(p.shape) for key, p in self._params.items()}
+
+    def apply(self, change: weight_delta.WeightDelta) -> None:
+        weight_delta.apply_delta(self._params, change)
+        self._engine.base_weights_changed()  # the inner engine's cached prefixes were the old weights'
+
+    def copy_from(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for key, param in self._params.items():
+                param.copy_(tensors[key])
+        self._engine.base_weights_changed()
+
+    def digest(self) -> int:
+        return weight_delta.digest(self._params)
+
+    def host_copy(self) -> dict[str, torch.Tensor]:
+        return {key: p.detach().to("cpu", copy=True) for key, p in self._params.items()}
+
+    def read(self) -> dict[str, torch.Tensor]:
+        return {key: p.detach() for key, p in self._params.items()}
+
+
 class FullSamplerStatistics(msgspec.Struct, frozen=True):
-    engine: TorchSamplerStatistics
+    engine: TorchSamplerStatistics | VllmSamplerStatistics  # the engine's own (torch, or vLLM on a vLLM node)
     live_version: str | None
     versions_held: int  # full-weight copies held on the host (the live weights not counted)
     requests_waiting_for_switch: int
@@ -70,8 +141,19 @@ class FullSampler:
     def __init__(
         self, model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None, **sampler_options: int
     ) -> None:
-        self._inner = TorchSampler(model_dir, device, dtype, **sampler_options)
-        self._weights = self._inner.base_weights()
+        inner = TorchSampler(model_dir, device, dtype, **sampler_options)
+        self._setup(inner, TorchWeights(inner))
+
+    @classmethod
+    def on_engine(cls, inner: SamplingEngine, weights: LiveWeights) -> FullSampler:
+        """Full-weight versions on another engine (vLLM's), whose live weights `weights` holds."""
+        sampler = cls.__new__(cls)
+        sampler._setup(inner, weights)
+        return sampler
+
+    def _setup(self, inner: SamplingEngine, weights: LiveWeights) -> None:
+        self._inner = inner
+        self._weights = weights
         self._held: dict[str | None, dict[str, torch.Tensor]] = {}  # version -> host tensors (never written)
         self._live: str | None = None  # the version in the model's parameters; None: the base
         self._live_is_held = False  # whether `_held` has a copy of the live weights
@@ -107,7 +189,7 @@ class FullSampler:
             # change waits in host memory, whatever device its sender computed it on.
             self._loaded.add(version)
             self._incoming.append((version, payload.to_host()))
-            if not self._running:
+            if not self._running and not self.is_parked:
                 self._apply_incoming()
         else:
             assert isinstance(payload, dict), f"a full version is a dict of tensors, got {type(payload).__name__}"
@@ -155,11 +237,14 @@ class FullSampler:
                 )
             self._switch(change.base_version)
         if not self._live_is_held and self._live in self._loaded:
-            self._held[self._live] = _host_copy(self._weights)
+            self._held[self._live] = self._weights.host_copy()
         started = time.perf_counter()
-        weight_delta.apply_delta(self._weights, change)
-        self._inner.base_weights_changed()  # the inner engine's cached prefixes were the old weights'
-        digest = weight_delta.digest(self._weights)
+        try:
+            self._weights.apply(change)
+        except BaseException:
+            self._live, self._live_is_held = DAMAGED, False  # a patch may have landed in part
+            raise
+        digest = self._weights.digest()
         if digest != change.digest:
             self._live, self._live_is_held = DAMAGED, False  # the live weights are no version now
             raise weight_delta.WeightMismatch(
@@ -195,25 +280,23 @@ class FullSampler:
         if version not in self._held:
             raise KeyError(f"weight version {version!r} is not held by this sampler")
         if not self._live_is_held and (self._live in self._loaded or self._live == self._head):
-            self._held[self._live] = _host_copy(self._weights)  # keep the version we leave
-        with torch.no_grad():
-            for key, param in self._weights.items():
-                param.copy_(self._held[version][key])
-        self._inner.base_weights_changed()
+            self._held[self._live] = self._weights.host_copy()  # keep the version we leave
+        self._weights.copy_from(self._held[version])
         self._live = version
         self._live_is_held = True
         self._switches += 1
 
     def _check_keys(self, version: str, tensors: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(self._weights) - set(tensors))
-        unknown = sorted(set(tensors) - set(self._weights))
+        shapes = self._weights.shapes()
+        missing = sorted(set(shapes) - set(tensors))
+        unknown = sorted(set(tensors) - set(shapes))
         if missing or unknown:
             raise ValueError(f"weight version {version!r}: missing {missing[:3]}, unexpected {unknown[:3]}")
-        for key, param in self._weights.items():
-            if tuple(tensors[key].shape) != tuple(param.shape):
+        for key, shape in shapes.items():
+            if tuple(tensors[key].shape) != shape:
                 raise ValueError(
                     f"weight version {version!r}: {key} has shape {list(tensors[key].shape)}; "
-                    f"expected {list(param.shape)}"
+                    f"expected {list(shape)}"
                 )
 
     # -- scheduling -------------------------------------------------------
@@ -254,7 +337,7 @@ class FullSampler:
 
     def step(self) -> list[Finished]:
         """Switch versions if the batch has drained and requests wait, then one inner step."""
-        if not self._running and self._incoming:
+        if not self._running and self._incoming and not self.is_parked:
             self._apply_incoming()
         if not self._running and self._waiting:
             self._switch(self._waiting[0][1])
@@ -278,12 +361,15 @@ class FullSampler:
 
     def park(self) -> ParkReport:
         """Park the model (between requests only; `TorchSampler.park`). Held versions and waiting
-        changes are in host memory already (`_host_copy`, `WeightDelta.to_host`): only the live
+        changes are in host memory already (`LiveWeights.host_copy`, `WeightDelta.to_host`): only the live
         weights and the KV cache are on the device."""
         return self._inner.park()
 
     def resume(self) -> ResumeReport:
-        return self._inner.resume()
+        report = self._inner.resume()
+        if not self._running and self._incoming:
+            self._apply_incoming()  # what arrived while parked
+        return report
 
     @property
     def is_parked(self) -> bool:
@@ -298,8 +384,8 @@ class FullSampler:
         self._inner.close()
 
     def live_weights(self) -> dict[str, torch.Tensor]:
-        """The live parameters, detached (for tests that compare them with the trainer's)."""
-        return {key: p.detach() for key, p in self._weights.items()}
+        """The live weights by name (for tests and checks that compare them with the trainer's)."""
+        return self._weights.read()
 
     def statistics(self) -> FullSamplerStatistics:
         return FullSamplerStatistics(
@@ -311,6 +397,3 @@ class FullSampler:
             last_sync=self._last_sync,
         )
 
-
-def _host_copy(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: p.detach().to("cpu", copy=True) for key, p in weights.items()}

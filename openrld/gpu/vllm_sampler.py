@@ -172,6 +172,11 @@ class VllmSampler:
         config: engine knobs.
         adapter_root: where version directories are written (a fresh temporary
             directory by default, removed by `close`).
+        serves_lora: False for a full fine-tuning job's sampler, which serves only the base
+            model whose weights `vllm_weights.VllmWeights` replaces in place (vLLM is then
+            built without LoRA, and `load_version` refuses every version).
+        worker_extension: the qualified name of a class vLLM mixes into its GPU worker, whose
+            methods `call_workers` can call there (`vllm_weights.EXTENSION`); "" for none.
 
     Raises:
         VllmUnavailable: vLLM is not installed, `device` is not cuda:0, or too little of
@@ -185,6 +190,8 @@ class VllmSampler:
         config: VllmSamplerConfig = VllmSamplerConfig(),
         *,
         adapter_root: Path | None = None,
+        serves_lora: bool = True,
+        worker_extension: str = "",
     ) -> None:
         if device.type != "cuda":
             raise VllmUnavailable(
@@ -218,12 +225,13 @@ class VllmSampler:
             raise VllmUnavailable(str(error)) from error
         self._unembed_refusal = unembed_lora_refusal(_architectures(Path(model_dir)))
         logger.info("starting vLLM model=%s gpu_memory_utilization=%.3f", self._model_dir, self._memory_share)
+        self._serves_lora = serves_lora
         self._llm = vllm.LLM(
             model=self._model_dir,
             tokenizer=self._model_dir,
             dtype=config.dtype,
             gpu_memory_utilization=self._memory_share,
-            enable_lora=True,
+            enable_lora=serves_lora,
             max_lora_rank=vllm_max_lora_rank(config.max_lora_rank),
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
@@ -236,6 +244,7 @@ class VllmSampler:
             enable_sleep_mode=True,  # sleep()/wake() for the time-slicer
             enforce_eager=config.enforce_eager,
             max_model_len=config.max_model_len,
+            worker_extension_cls=worker_extension,
         )
         self._engine = self._llm.llm_engine
         model_config = self._engine.model_config
@@ -266,6 +275,8 @@ class VllmSampler:
             BadRequest: the adapter trains lm_head, which vLLM takes no LoRA on for this model.
         """
         payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
+        if not self._serves_lora:
+            raise ValueError(f"weight version {version!r}: this vLLM engine serves full-weight versions, through FullSampler")
         if spec is None or not isinstance(payload, Mapping):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
         if spec.train_unembed and self._unembed_refusal is not None:
@@ -311,19 +322,46 @@ class VllmSampler:
     def versions_in_use(self) -> set[str]:
         return {r.version for r in self._requests.values() if r.version is not None}
 
+    # -- the weights, for a full fine-tuning job (vllm_weights.VllmWeights) --
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype vLLM holds the model's weights in."""
+        return self._engine.model_config.dtype
+
+    def call_workers(self, method: str, *args: object) -> list:
+        """Call `method` of the worker extension in each of vLLM's GPU workers (`LLM.collective_rpc`);
+        `args` cross to vLLM's engine process as msgpack, so plain values and bytes only.
+
+        Raises:
+            offload.EngineParked: asleep (the weights are off the device).
+        """
+        self._require_awake(method)
+        return self._llm.collective_rpc(method, args=args)
+
+    def base_weights_changed(self) -> None:
+        """The weights were replaced in place: every prefix vLLM cached holds the old weights' KV."""
+        self._require_awake("base_weights_changed")
+        self._engine.reset_prefix_cache()
+
     # -- scheduling -------------------------------------------------------
+
+    def validate(self, job: SampleJob) -> None:
+        """Raise BadRequest for a job that `add` would refuse before vLLM sees it (the torch
+        engine's checks, the logprob caps and vLLM's temperature range)."""
+        torch_sampler._validate(job, self._vocab, self._context)  # the same checks as the torch engine
+        check_logprob_caps(job, self._config.max_logprobs)
+        check_vllm_limits(job)
 
     def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
         """Validate `job` and hand its samples to vLLM.
 
         Raises:
-            BadRequest: invalid job (the torch engine's checks, the logprob caps and vLLM's
-                temperature range), or one vLLM refused (its message, and the parameter it names).
+            BadRequest: invalid job (`validate`), or one vLLM refused (its message, and the
+                parameter it names).
             KeyError: `version` not loaded.  ValueError: `request_id` already live.
         """
-        torch_sampler._validate(job, self._vocab, self._context)  # the same checks as the torch engine
-        check_logprob_caps(job, self._config.max_logprobs)
-        check_vllm_limits(job)
+        self.validate(job)
         lora = None if version is None else self._lora_request(version)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in the sampler")

@@ -2,20 +2,16 @@
 
 vLLM is not installed here (it needs CUDA). The glue (fan-out of samples, versions as
 adapter directories under fresh names, cancel, sleep) runs against a small fake of
-vLLM's `LLM` surface, the edge we cannot reach; the real engine runs in
+vLLM's `LLM` surface (fake_vllm.py), the edge we cannot reach; the real engine runs in
 bench/gpu_check.py on a GPU. The pure mapping is tested in test_vllm_mapping.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -29,8 +25,9 @@ from openrld.gpu.sample_alone import ALONE_REQUEST_ID
 from openrld.gpu.sampling_math import stream_seed
 from openrld.gpu.vllm_sampler import VllmSampler, VllmUnavailable
 
-# vLLM's output types, the edge we cannot reach (built in vllm_outputs.py).
-from vllm_outputs import PROMPT, VOCAB, Completion, Logprob, Output, job
+# vLLM, the edge we cannot reach: its output types (vllm_outputs.py) and its engine (fake_vllm.py).
+from fake_vllm import GIB, FakeEngine, FakeLoRARequest, VLLMValidationError, install_fake_vllm
+from vllm_outputs import PROMPT, VOCAB, Completion, Logprob, job
 
 
 def completion(tokens: list[int], finish_reason: str = "length") -> Completion:
@@ -70,165 +67,6 @@ def test_a_gpu_other_than_cuda0_in_the_daemons_process_is_refused_naming_vllm_py
 
 # ---------------------------------------------------------------------------
 # The engine glue, against a fake of vLLM's LLM surface
-
-
-class VLLMError(Exception):
-    """vllm.exceptions (0.30-0.33): VLLMValidationError <- VLLMClientError <- VLLMError <- Exception."""
-
-
-class VLLMClientError(VLLMError):
-    pass
-
-
-class VLLMValidationError(VLLMClientError):
-    def __init__(self, message: str, *, parameter: str | None = None, value: object = None) -> None:
-        super().__init__(message)
-        self.parameter = parameter
-        self.value = value
-
-
-class FakeSamplingParams:
-    """vllm.SamplingParams' checks (`__post_init__`, `_verify_args`), which raise
-    VLLMValidationError, and its silent rewrites: a positive temperature below 0.01 is
-    raised to 0.01 (`_MAX_TEMP`), a str stop becomes a list."""
-
-    def __init__(self, **kwargs: object) -> None:
-        self.kwargs = kwargs
-        temperature = float(kwargs.get("temperature", 1.0))  # type: ignore[arg-type]
-        if 0 < temperature < 0.01:
-            temperature = 0.01  # vLLM logs a warning and samples at 0.01
-        kwargs["temperature"] = temperature
-        stop = kwargs.get("stop") or []
-        kwargs["stop"] = [stop] if isinstance(stop, str) else list(stop)  # type: ignore[arg-type]
-        if not math.isfinite(temperature) or temperature < 0:
-            raise VLLMValidationError(f"temperature must be non-negative, got {temperature}.", parameter="temperature")
-        if temperature > 2.0:
-            raise VLLMValidationError(f"temperature must be in [0, 2], got {temperature}.", parameter="temperature")
-        if not 0.0 < float(kwargs.get("top_p", 1.0)) <= 1.0:  # type: ignore[arg-type]
-            raise VLLMValidationError(f"top_p must be in (0, 1], got {kwargs['top_p']}.", parameter="top_p")
-        if int(kwargs.get("top_k", 0)) < -1:  # type: ignore[call-overload]
-            raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {kwargs['top_k']}.")
-        if kwargs.get("max_tokens") is not None and int(kwargs["max_tokens"]) < 1:  # type: ignore[call-overload]
-            raise VLLMValidationError(f"max_tokens must be at least 1, got {kwargs['max_tokens']}.", parameter="max_tokens")
-        if any(not s for s in kwargs["stop"]):  # type: ignore[union-attr]
-            raise VLLMValidationError("stop cannot contain an empty string.")
-        if temperature < 1e-5 and int(kwargs.get("n", 1)) > 1:  # type: ignore[call-overload]
-            raise VLLMValidationError(f"n must be 1 when using greedy sampling, got {kwargs['n']}.")
-
-
-class FakeEngine:
-    """vLLM's LLMEngine as the sampler uses it. step() advances every live request by one
-    token: token j of a sample is (its seed + j) % VOCAB. A sample ends with finish_reason
-    "stop" on a stop id (stop_reason: the id) or on EOS unless ignore_eos (stop_reason None),
-    else "length" at max_tokens; with FINAL_ONLY only a finished sample is returned. Like
-    vLLM's, step() blocks until its engine core answers, which it never does with nothing
-    live (here: an error, so a test sees it), and abort_request skips unknown ids."""
-
-    def __init__(self, vocab: int, context: int, eos: int) -> None:
-        self.model_config = types.SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=context)
-        self.engine_core = types.SimpleNamespace(shutdown=lambda: None)
-        self.eos = eos
-        self.added: list[tuple[str, list[int], object, object]] = []
-        self.live: dict[str, tuple[list[int], FakeSamplingParams, list[int]]] = {}
-        self.aborted: list[str] = []
-        self.loras: dict[int, object] = {}
-        self.calls: list[str] = []
-        self.refuse_at: dict[str, VLLMValidationError] = {}  # request id -> what its processor raises
-
-    def add_request(self, request_id: str, prompt: dict, params: FakeSamplingParams, lora_request: object = None) -> None:
-        tokens = prompt["prompt_token_ids"]
-        if request_id in self.refuse_at:
-            raise self.refuse_at[request_id]
-        if len(tokens) > self.model_config.max_model_len:
-            raise VLLMValidationError(f"The decoder prompt (length {len(tokens)}) is longer than the maximum model length")
-        self.added.append((request_id, tokens, params, lora_request))
-        self.live[request_id] = (tokens, params, [])
-
-    def step(self) -> list[Output]:
-        if not self.live:
-            raise AssertionError("vLLM's step() blocks forever with no request live")
-        outputs = []
-        for request_id, (prompt, params, tokens) in list(self.live.items()):
-            kw = params.kwargs
-            tokens.append(((kw["seed"] or 0) + len(tokens)) % VOCAB)
-            finish, stop_reason = None, None
-            if tokens[-1] in kw["stop_token_ids"]:
-                finish, stop_reason = "stop", tokens[-1]
-            elif tokens[-1] == self.eos and not kw["ignore_eos"]:
-                finish = "stop"
-            elif len(tokens) == kw["max_tokens"]:
-                finish = "length"
-            if finish is None:
-                continue
-            rows = None
-            if kw["prompt_logprobs"] is not None:
-                rows = [None] + [{t: Logprob(-1.0)} for t in prompt[1:]]
-            done = Completion(list(tokens), [{t: Logprob(-0.25)} for t in tokens], finish, stop_reason=stop_reason)
-            outputs.append(Output(request_id, [done], prompt_logprobs=rows))
-            del self.live[request_id]
-        return outputs
-
-    def abort_request(self, request_ids: list[str]) -> None:
-        self.aborted += request_ids
-        for request_id in request_ids:
-            self.live.pop(request_id, None)
-
-    def add_lora(self, request: object) -> bool:
-        self.loras[request.int_id] = request  # type: ignore[attr-defined]
-        return True
-
-    def remove_lora(self, int_id: int) -> bool:
-        del self.loras[int_id]
-        return True
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.append("reset_prefix_cache")
-
-
-class FakeLLM:
-    def __init__(self, **kwargs: object) -> None:
-        self.kwargs = kwargs
-        self.environment = dict(os.environ)  # what vLLM's engine-core process would inherit
-        eos = json.loads((Path(str(kwargs["model"])) / "config.json").read_text())["eos_token_id"]
-        self.llm_engine = FakeEngine(VOCAB, 64, eos)
-
-    def sleep(self, level: int) -> None:
-        self.llm_engine.calls.append(f"sleep({level})")
-
-    def wake_up(self) -> None:
-        self.llm_engine.calls.append("wake_up")
-
-
-@dataclasses.dataclass
-class FakeLoRARequest:
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    @property
-    def int_id(self) -> int:
-        return self.lora_int_id
-
-
-GIB = 1 << 30
-H200 = 139 * GIB  # total memory of the device the fakes pretend to have
-
-
-def install_fake_vllm(monkeypatch: pytest.MonkeyPatch, free_bytes: int = H200) -> None:
-    root = types.ModuleType("vllm")
-    root.LLM = FakeLLM  # type: ignore[attr-defined]
-    root.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
-    lora_request = types.ModuleType("vllm.lora.request")
-    lora_request.LoRARequest = FakeLoRARequest  # type: ignore[attr-defined]
-    sampling_params = types.ModuleType("vllm.sampling_params")
-    sampling_params.RequestOutputKind = types.SimpleNamespace(FINAL_ONLY="final_only")  # type: ignore[attr-defined]
-    exceptions = types.ModuleType("vllm.exceptions")
-    exceptions.VLLMValidationError = VLLMValidationError  # type: ignore[attr-defined]
-    for name, module in (("vllm", root), ("vllm.lora", types.ModuleType("vllm.lora")), ("vllm.exceptions", exceptions),
-                         ("vllm.lora.request", lora_request), ("vllm.sampling_params", sampling_params)):
-        monkeypatch.setitem(sys.modules, name, module)
-    # The device's memory, the CUDA edge: (free, total) of the process's cuda:0.
-    monkeypatch.setattr(vllm_sampler, "_device_memory", lambda: (free_bytes, H200))
 
 
 @pytest.fixture
