@@ -21,6 +21,7 @@ import torch
 from openrld.engine_types import SamplerEngine, TrainerEngine
 from openrld.gpu.devices import group_device
 from openrld.gpu.gguf_convert import GgufConverter
+from openrld.gpu.models import pick_dtype
 from openrld.model_catalog import ModelEntry
 from openrld.worker import builtin
 from openrld.worker.hosting import WorkerHosting
@@ -93,8 +94,15 @@ class TorchEngineFactory:
     def full_sampler(
         self, model: ModelEntry, image: str | None = None, job: str | None = None
     ) -> Callable[[], SamplerEngine]:
-        """A sampler for one full fine-tuning job's weight versions."""
-        return lambda: self._build("sampler", "full_sampler", model, self.sampler_options, image=image, job=job)
+        """A sampler for one full fine-tuning job's weight versions: on a vLLM node, vLLM with the
+        versions patched into its weights (`vllm_weights`), else the torch engine."""
+        if self.vllm is None:
+            return lambda: self._build("sampler", "full_sampler", model, self.sampler_options, image=image, job=job)
+
+        vllm = self.vllm
+        return lambda: self._build(
+            "sampler", "vllm_full_sampler", model, vllm_full_options(vllm, self.device), image=image, job=job
+        )
 
     def automodel_trainer(
         self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
@@ -146,6 +154,16 @@ class TorchEngineFactory:
             launcher, role=role, kind=kind, model_name=model.name, model_dir=model.directory,
             device=str(self.device), threads=self.cpu_threads, options=options, image=image, job=job,
         )
+
+
+def vllm_full_options(config: VllmSamplerConfig, device: torch.device) -> dict[str, Scalar]:
+    """The vLLM engine options of a full fine-tuning job's sampler on `device`: the node's, in the
+    trainer's dtype (`models.pick_dtype`) where the node leaves it "auto" -- a sync is bit for bit,
+    and "auto" would take the checkpoint's dtype (bf16 for an fp32 one)."""
+    options = {k: v for k, v in msgspec.to_builtins(config).items() if v is not None}
+    if options.get("dtype") == "auto":
+        options["dtype"] = str(pick_dtype(device)).removeprefix("torch.")
+    return options
 
 
 def build_lora_trainer(model_dir: Path | str, device: torch.device, max_batch_tokens: int) -> TrainerEngine:

@@ -10,7 +10,7 @@ from typing import Any
 
 from openrld.worker.protocol import Start
 
-KINDS = ("lora_trainer", "full_trainer", "automodel_trainer", "torch_sampler", "full_sampler", "vllm_sampler")
+KINDS = ("lora_trainer", "full_trainer", "automodel_trainer", "torch_sampler", "full_sampler", "vllm_sampler", "vllm_full_sampler")
 
 
 def build(start: Start) -> Any:
@@ -52,6 +52,13 @@ def build(start: Start) -> Any:
             from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerConfig
 
             return VllmSampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
+        case "vllm_full_sampler":  # a full fine-tuning job's versions, patched into vLLM's weights
+            import msgspec
+
+            from openrld.gpu.vllm_sampler import VllmSamplerConfig
+            from openrld.gpu.vllm_weights import vllm_full_sampler
+
+            return vllm_full_sampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
     raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")
 
 

@@ -6,7 +6,8 @@ sampler of a kind; `None` from `launcher_for` means inproc (the engine in the
 daemon's own worker thread), anything else a worker, started here and returned
 as a `RemoteTrainer` or `RemoteSampler`:
 - the built-in engines run where `[workers] launcher` says;
-- the vLLM sampler runs in the vLLM environment when `vllm_python` names one;
+- the vLLM samplers (LoRA, and a full fine-tuning job's) run in the vLLM environment when
+  `vllm_python` names one;
 - a job's image runs through the container runtime, after the allow-list said yes;
 - an engine on several devices (`nproc` > 1) runs as a torchrun group of that many
   ranks (`launchers/torchrun.py`), in the built-in process launcher's Python
@@ -77,7 +78,7 @@ class WorkerHosting:
             if self.images is None:
                 raise ServerError(f"image {image}: this node runs no images ([workers] allowed_images is empty)")
             return self.images
-        if kind == "vllm_sampler":
+        if kind in ("vllm_sampler", "vllm_full_sampler"):
             return self.vllm
         return self.builtin
 

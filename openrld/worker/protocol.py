@@ -41,7 +41,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True
 
 
 class Start(msgspec.Struct, frozen=True, tag="start", forbid_unknown_fields=True):
-    kind: str  # a built-in engine: "lora_trainer", "full_trainer", "torch_sampler", "full_sampler", "vllm_sampler"
+    kind: str  # a built-in engine, one of `builtin.KINDS`: "lora_trainer", "full_sampler", "vllm_full_sampler", ...
     model_dir: str  # the base model's directory, as the worker sees it
     device: str  # "cpu", "cuda", "cuda:0": the device as the worker sees it
     threads: int | None = None  # torch intra-op threads; None: torch's default
