@@ -154,7 +154,7 @@ agentic: $(VENV)/.recipes $(VENV)/.sandbox
 	$(PY) -m recipes.agentic $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AUTOMODEL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AUTOMODEL_VENV) $(SDK_VENVS) .pytest_cache
 
 # --- Deployment: the image, and the checks of the manifests, the unit and the Containerfile.
 # tests/deploy validates the Kubernetes manifests against each supported version's schema
@@ -186,3 +186,20 @@ image:
 # recipes stage (the daemon's environment with the recipes extra; no GPU worker environments).
 recipes-image:
 	$(CONTAINER) build --target recipes -t $(RECIPES_IMAGE) $(BUILD_ARGS) -f Containerfile .
+
+# --- The tinker SDK matrix (tests/e2e/test_sdk_matrix.py) ------------------------------------------
+# One venv per SDK release in openrld/sdk_support.py's TESTED_RELEASES, each holding that release and
+# its own dependencies at their newest, as a user's fresh install has them. uv makes all eleven from
+# PyPI in about 30 s on a fresh machine. Another release goes into TESTED_RELEASES, nowhere else.
+SDK_VENVS ?= .venv-sdk
+UV := uv==0.13.9
+
+.PHONY: sdk-venvs
+
+$(SDK_VENVS)/.built: openrld/sdk_support.py tests/sdk_venvs.py $(VENV)/.runtime
+	$(PIP) install $(UV)
+	$(PY) tests/sdk_venvs.py $(SDK_VENVS)
+	touch $@
+
+sdk-venvs: $(SDK_VENVS)/.built
+install-test: $(SDK_VENVS)/.built
