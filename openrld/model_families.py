@@ -13,9 +13,9 @@ and packs their LoRA modules, and whether the family has mixture-of-experts laye
 - the torch trainers and samplers hold any causal LM transformers loads, listed or not;
 - the vLLM sampler holds the families whose vLLM LoRA layout is known here (`VllmLora`);
 - the NeMo Automodel trainer (0.7.0, transformers 5.18) holds the listed families, measured
-  one step each on its own environment; its LoRA (module patterns) cannot reach the 3-D
-  expert tensors of a MoE layer, so a MoE LoRA job that trains the MLP is refused there
-  (train_mlp=False freezes the experts on every trainer alike).
+  in its own environment (tests/gpu/test_automodel_families.py); its LoRA (module patterns)
+  cannot reach the 3-D expert tensors of a MoE layer, so a MoE LoRA job that trains the MLP
+  is refused there (train_mlp=False freezes the experts on every trainer alike).
 
 The job table and the sampling sessions call `check_engines` before a group is built, so a
 create answers 400 naming the family and the engine instead of failing in the engine.
