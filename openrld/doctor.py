@@ -30,6 +30,7 @@ import httpx
 import msgspec
 
 from openrld.config import is_loopback
+from openrld.sdk_support import release
 
 PROG = "openrl-doctor"
 REQUEST_TIMEOUT_S = 30.0  # one HTTP check; a healthy node answers these in milliseconds
@@ -155,22 +156,48 @@ def check_auth(client: httpx.Client, options: DoctorOptions, found: _Findings) -
 
 def check_version(client: httpx.Client, options: DoctorOptions, found: _Findings) -> CheckResult:
     assert found.info is not None
-    served = str(found.info.get("tinker_sdk_version"))
     try:
-        installed = metadata.version("tinker")
+        installed: str | None = metadata.version("tinker")
     except metadata.PackageNotFoundError:
+        installed = None
+    return sdk_verdict(installed, found.info)
+
+
+def sdk_verdict(installed: str | None, info: dict) -> CheckResult:
+    """The tinker SDK installed here (None: none is) against the releases a node's /openrl/v1/info says it serves."""
+    server = info.get("version")
+    releases = info.get("tinker_sdk_releases") or {}
+    newest = str(releases.get("newest") or info.get("tinker_sdk_version"))
+    oldest = str(releases.get("oldest") or newest)  # a node before the range was stated serves one release
+    tested = tuple(releases.get("tested") or (newest,))
+    served = f"tinker SDK {oldest} to {newest}" if oldest != newest else f"tinker SDK {newest}"
+    if installed is None:
         return CheckResult(
-            "version", Status.WARN, f"the server speaks the tinker SDK {served}; no tinker SDK is installed here",
-            f"pip install tinker=={served}",
+            "version", Status.WARN, f"openrld {server} serves {served}; no tinker SDK is installed here",
+            f"pip install tinker=={newest}",
         )
-    server = found.info.get("version")
-    if installed != served:
+    number, low, high = release(installed), release(oldest), release(newest)
+    if number is None or low is None or high is None:
+        return CheckResult(
+            "version", Status.WARN, f"openrld {server} serves {served}; the tinker installed here is {installed!r}",
+            f"pip install tinker=={newest}",
+        )
+    if number < low:
         return CheckResult(
             "version", Status.WARN,
-            f"openrld {server} speaks the tinker SDK {served}, but {installed} is installed here",
-            f"pip install tinker=={served} (other SDK versions may send requests this server does not know)",
+            f"tinker {installed} is installed here, older than openrld {server} serves ({served})",
+            f"pip install 'tinker>={oldest}' (the loop is tested with {', '.join(tested)})",
         )
-    return CheckResult("version", Status.OK, f"openrld {server} speaks tinker SDK {served}, as installed here")
+    if number > high:
+        return CheckResult(
+            "version", Status.WARN,
+            f"tinker {installed} is installed here, newer than openrld {server} was tested with ({served})",
+            f"if a call fails, pip install tinker=={newest}",
+        )
+    how = "one of the releases its tests run" if installed in tested else "within that range"
+    return CheckResult(
+        "version", Status.OK, f"tinker {installed} is installed here; openrld {server} serves {served} ({how})"
+    )
 
 
 def _describe_devices(devices: list[dict]) -> str:

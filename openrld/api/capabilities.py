@@ -4,7 +4,7 @@ This module owns the torch-free facts that discovery publishes: the loss
 names the trainer accepts (mirroring `gpu/losses.LOSSES`, which imports
 torch and so cannot be read by `api/`; a test keeps the two equal), the
 trainer and sampler backends with whether each is built, the Tinker SDK
-version the wire protocol follows, and `ServerInfo`, the body of
+releases the wire protocol serves, and `ServerInfo`, the body of
 `GET /openrl/v1/info`. It guarantees that `server_info` derives every value
 from its arguments or from the single definitions it names (settings schema,
 NodeConfig, the settings module's "is it built" rule). It does no I/O, keeps
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import msgspec
 
-from openrld import __version__
+from openrld import __version__, sdk_support
 from openrld.errors import NotSupportedYet
 from openrld.model_catalog import ModelSource
 from openrld.progress import Progress
 from openrld.settings import JobSettings, require_supported, settings_json_schema
 
-# The SDK release whose HTTP protocol openrld serves (DESIGN.md, "Tests").
-TINKER_SDK_VERSION = "0.38.0"
+# The newest SDK release whose HTTP protocol openrld serves; older ones down to
+# sdk_support.OLDEST_SERVED are served too (sdk_support.TESTED_RELEASES).
+TINKER_SDK_VERSION = sdk_support.NEWEST_TESTED
 
 # Names in gpu/losses.LOSSES, in its order; tests/test_capabilities.py checks they agree.
 SUPPORTED_LOSSES: tuple[str, ...] = (
@@ -82,11 +83,20 @@ class DeviceSummary(msgspec.Struct, frozen=True):
     memory_bytes: int
 
 
+class SdkReleases(msgspec.Struct, frozen=True):
+    """The tinker SDK releases a node serves."""
+
+    oldest: str  # the oldest release served
+    newest: str  # the newest release tested; newer ones are served as far as they speak the same protocol
+    tested: tuple[str, ...]  # every release the test suite runs its loop with, oldest first
+
+
 class ServerInfo(msgspec.Struct, frozen=True):
     """The body of GET /openrl/v1/info."""
 
     version: str
-    tinker_sdk_version: str
+    tinker_sdk_version: str  # the newest release served (tinker_sdk_releases.newest)
+    tinker_sdk_releases: SdkReleases
     auth: str  # "open" (no key file, loopback only) or "keys"
     limits: Limits
     settings_schema: dict[str, object]
@@ -136,6 +146,9 @@ def server_info(
     return ServerInfo(
         version=__version__,
         tinker_sdk_version=TINKER_SDK_VERSION,
+        tinker_sdk_releases=SdkReleases(
+            sdk_support.OLDEST_SERVED, sdk_support.NEWEST_TESTED, sdk_support.TESTED_RELEASES
+        ),
         auth="open" if is_open_mode else "keys",
         limits=limits,
         settings_schema=settings_json_schema(),
