@@ -3,7 +3,7 @@
 A base model's family is read from its config's `architectures` (a GGUF's from its header),
 which the catalog gives as `ModelEntry.arch`. `FAMILIES` lists the families openrld is
 tested on (each has a tiny random build in `gpu/tiny_models.py`, run through every engine by
-tests/e2e/test_model_families.py), with what only some engines need to know: how vLLM names
+tests/e2e/test_family_matrix.py), with what only some engines need to know: how vLLM names
 and packs their LoRA modules, and whether the family has mixture-of-experts layers.
 
 `refusal(name, arch, engine)` says why `engine` cannot hold a model (None: it can):
