@@ -1,8 +1,9 @@
-"""The device check: every CUDA path of openrld, one PASS/FAIL/SKIP line each.
+"""The device check: every CUDA path of openrld, one line each with its measured figure.
 
-One script, under eight minutes on one H200, one line per check:
-    PASS <check>: <figures>    FAIL <check>: <what differed>    SKIP <check>: <why>
-and exit status 1 when any check failed. Without CUDA every check SKIPs (so it runs
+One script, under eight minutes on one H100 or H200, one line per check:
+    PASS <check>: <figures>    MEASURE <check>: <figures>    FAIL <check>: <what differed>    SKIP <check>: <why>
+PASS means its requirements held; MEASURE is a figure with no requirement (it informs a
+decision and cannot fail but by an error); exit status 1 when any check failed. Without CUDA every check SKIPs (so it runs
 anywhere, as CI-less proof that it starts); without vLLM the vLLM checks SKIP.
 
 Checks:
@@ -14,12 +15,14 @@ Checks:
   resumed between its steps, give identical losses and identical weights.
 - offload.sampler_round_trip: a TorchSampler parked and resumed samples the same
   seeded tokens and logprobs as before.
-- offload.throughput: park/resume of a ~100M-parameter bf16 model: GB/s each way.
+- offload.throughput: park/resume of a ~100M-parameter bf16 model: GB/s each way, at least
+  half a bare pinned copy of the same bytes measured in the same run (THROUGHPUT_SHARE).
 - sampler.torch_logprobs: the torch sampler on cuda (fp32) reports sampled and prompt
   logprobs equal to the trainer's forward within 1e-3 (issue 4).
 - worker.cuda_trainer: a LoRA TorchTrainer on cuda in a process worker (the worker
-  protocol) trains as the in-process one does (losses within 1e-5), hands back adapter
-  tensors as host copies equal to the in-process ones, and parks and resumes.
+  protocol) trains as the in-process one does (losses and adapter tensors within 1e-5),
+  and its park, measured inside the worker, moved its state off a CUDA device and freed
+  that device memory (a worker that fell back to the CPU fails).
 - full.trainer_bf16: a FullTrainer on cuda in bf16 keeps fp32 master weights; its losses
   follow the CPU's fp32 run (2e-2 relative: bf16 forward) and its weights are the
   master rounded.
@@ -29,19 +32,26 @@ Checks:
   steps each followed by a sync: every sync's digest checks on the sampler, the payload
   is in host memory, the sampler's weights equal the trainer's bit for bit, and device
   memory after the tenth sync is what it was after the first (no payload accumulates).
-- timeslicer.two_jobs: two full fine-tuning jobs on one device under the TimeSlicer actor
-  (a party each): they take turns, the one waiting is parked (device memory at each turn
-  is one job's), and each job's losses equal its run alone, bit for bit.
-- worker.launcher_measurement: two LoRA trainers on one device stepping at once, as two
-  threads of one process (one CUDA context, the GIL shared) against two process workers
-  (a CUDA context each): steps per second of each, and their ratio. The figure the
-  default launcher for GPU nodes is decided from.
+- timeslicer.two_jobs: two full fine-tuning jobs (~47M parameters) on one device under
+  the TimeSlicer actor (a party each): they take turns, the one waiting is parked (the
+  tensor memory at each turn is at most 1.5x one job's footprint after its steps:
+  weights, delta shadow, AdamW's moments and fp32 master), and each job's losses equal its
+  run alone, bit for bit. cuBLAS's per-thread workspaces are left out of every figure and
+  the run alone is collected before the jobs start (its park slot is a reference cycle).
+- worker.launcher_measurement (MEASURE): two LoRA trainers on one device stepping at once,
+  as two threads of one process (one CUDA context, the GIL shared) against two process
+  workers (a CUDA context each): steps per second of each, and their ratio. The figure
+  the default launcher for GPU nodes is decided from.
 - vllm.*: a tiny random Llama (head_dim 64) served by VllmSampler: sampled-token and
   prompt logprobs at T = 1 against the trainer's forward (1e-3 in fp32; 5e-2 if vLLM
   must run it in bf16), T = 0.7 logprobs against log_softmax(logits / 0.7), T = 2.5
-  refused as a 400 with the engine still serving, a seed reproducing its tokens, a LoRA
-  version against the trainer's forward with that adapter, a reloaded version under a
-  new adapter name, and sleep/wake (memory freed, the same seeded tokens after waking).
+  refused as a 400 by openrld, then by vLLM's own SamplingParams and a prompt as long as
+  the context by vLLM's input processor with openrld's checks stepped aside (the
+  VLLMValidationError mapping), the engine still serving; a seed reproducing its tokens, a
+  LoRA version against the trainer's forward with that adapter, a reloaded version under a
+  new adapter name, sleep/wake (memory freed, the same seeded tokens after waking), and
+  vllm.full_sync: a full fine-tuning job's delta syncs patched into vLLM's weights in place,
+  digest-checked, bit for bit the trainer's, one of them made while asleep.
 
 Run on the GPU test machine with bench/gpu_check.sh (it says what it needs), or from the
 repository root: `PYTHONPATH=. python3 bench/gpu_check.py`.
@@ -49,9 +59,11 @@ repository root: `PYTHONPATH=. python3 bench/gpu_check.py`.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,6 +81,9 @@ from openrld.gpu.torch_trainer import TorchTrainer
 
 TEXT = "User: what is two plus two? Assistant: four. The quick brown fox jumps over the lazy dog."
 SPEC = LoraSpec(rank=8, seed=3)
+# Checks that measure a figure with no requirement: a MEASURE line, never a PASS.
+MEASUREMENTS = ("worker.launcher_measurement",)
+VLLM_CONTEXT = 1024  # the vLLM engines' max_model_len
 FP32_TOLERANCE = 1e-3  # issue 4: sampled logprobs at T = 1 match the trainer's forward within 1e-3
 BF16_TOLERANCE = 5e-2  # bf16 logits of a random model differ from fp32 by ~1e-2
 
@@ -77,7 +92,9 @@ class Report:
     def __init__(self) -> None:
         self.failed = 0
 
-    def run(self, name: str, check: Callable[[], str]) -> None:
+    def run(self, name: str, check: Callable[[], str], *, measure: bool = False) -> None:
+        """One line for `check`: PASS (its requirements held), or MEASURE for a figure that has no
+        requirement (it informs a decision); FAIL when it raised, SKIP when it could not run."""
         start = time.perf_counter()
         try:
             detail = check()
@@ -89,7 +106,7 @@ class Report:
             print(f"FAIL {name}: {type(error).__name__}: {error}", flush=True)
             traceback.print_exc(limit=4, file=sys.stdout)
             return
-        print(f"PASS {name}: {detail} ({time.perf_counter() - start:.1f} s)", flush=True)
+        print(f"{'MEASURE' if measure else 'PASS'} {name}: {detail} ({time.perf_counter() - start:.1f} s)", flush=True)
 
 
 class Skip(Exception):
@@ -120,6 +137,25 @@ def trainer_state(trainer: TorchTrainer, names: list[str]) -> list[torch.Tensor]
 
 def gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB"
+
+
+def tensor_bytes(device: torch.device) -> int:
+    """What the caching allocator holds for tensors on `device`, cuBLAS's workspaces left out.
+
+    Each thread that runs a matmul gets a cuBLAS handle whose workspace comes from the same
+    allocator (tens of MiB on Hopper), so memory_allocated grows with every new worker
+    thread; the workspaces are freed first (no kernel is in flight after the synchronize)."""
+    torch.cuda.synchronize(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    return torch.cuda.memory_allocated(device)
+
+
+def release() -> None:
+    """Collect what is no longer referenced, now: a trainer's park slot holds a bound method of
+    the trainer (a reference cycle), so an engine dropped by its last name keeps its device
+    memory until the GC happens to run."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------
@@ -205,18 +241,21 @@ def check_trainer_process(model_dir: Path, device: torch.device) -> str:
         from openrld.worker.values import local_payload
 
         tensors, expected = local_payload(remote.adapter_tensors("a")), local.adapter_tensors("a")
-        # adapter_tensors hands back host copies (what a sampler or a checkpoint takes), not device tensors.
-        require(all(t.device.type == "cpu" for t in tensors.values()), "adapter_tensors returned device tensors")
         require(sorted(tensors) == sorted(expected), "the worker's adapter has other tensors")
-        worst = max(float((tensors[k] - expected[k]).abs().max()) for k in tensors)
+        worst = max(float((tensors[k].cpu() - expected[k].cpu()).abs().max()) for k in tensors)
         require(worst <= 1e-5, f"adapter tensors differ from the in-process trainer's by {worst:.2e}")
         parked = remote.park()
         remote.resume()
-        require(parked.bytes_moved > 0, "park moved nothing")
+        # The park report is measured inside the worker: its state was on its CUDA device, and
+        # parking freed that device memory (a worker that fell back to the CPU fails here).
+        require(parked.device.startswith("cuda"), f"the worker's trainer parked from {parked.device}, not a CUDA device")
+        require(parked.device_bytes_freed >= parked.bytes_moved > 0,
+                f"the worker's park freed {parked.device_bytes_freed} device bytes of {parked.bytes_moved} moved")
         after, _ = remote.forward_backward_then_step("a", [batch], None)
         return (
             f"started in {started:.1f} s, losses {['%.6f' % x for x in losses[0]]} as in process, "
-            f"parked {gb(parked.bytes_moved)}, loss after resume {after[0].metrics['loss:sum']:.6f}"
+            f"parked {gb(parked.bytes_moved)} from {parked.device} (freed {gb(parked.device_bytes_freed)}), "
+            f"loss after resume {after[0].metrics['loss:sum']:.6f}"
         )
     finally:
         remote.close()
@@ -253,6 +292,27 @@ def build_wide_model(out: Path, hidden: int, layers: int, intermediate: int, hea
     return out
 
 
+# Park and resume copy tensor by tensor into pinned memory; a bare copy of the same bytes as
+# one tensor between the device and a pinned buffer is the link's speed. Below half of it, the
+# copies go through pageable memory or wait on each other.
+THROUGHPUT_SHARE = 0.5
+
+
+def bare_copy_gbps(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """(device to host, host to device) GB/s of one pinned copy of `nbytes`, best of three."""
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out, back = [], []
+    for _ in range(3):
+        for source, target, times in ((on_device, pinned, out), (pinned, on_device, back)):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    return nbytes / min(out) / 1e9, nbytes / min(back) / 1e9
+
+
 def check_throughput(root: Path, device: torch.device) -> str:
     model_dir = build_wide_model(root / "wide", hidden=1024, layers=8, intermediate=2816, head_dim=64)
     trainer = TorchTrainer(model_dir, device)
@@ -261,10 +321,14 @@ def check_throughput(root: Path, device: torch.device) -> str:
     trainer.resume()
     park = trainer.park()
     resume = trainer.resume()
+    out, back = bare_copy_gbps(park.bytes_moved, device)
+    park_gbps, resume_gbps = park.bytes_moved / park.seconds / 1e9, resume.bytes_moved / resume.seconds / 1e9
+    require(park_gbps >= THROUGHPUT_SHARE * out, f"park {park_gbps:.1f} GB/s < {THROUGHPUT_SHARE} x a bare pinned copy's {out:.1f}")
+    require(resume_gbps >= THROUGHPUT_SHARE * back, f"resume {resume_gbps:.1f} GB/s < {THROUGHPUT_SHARE} x a bare pinned copy's {back:.1f}")
     return (
-        f"{gb(park.bytes_moved)}: park {park.bytes_moved / park.seconds / 1e9:.1f} GB/s ({park.seconds * 1e3:.0f} ms), "
-        f"resume {resume.bytes_moved / resume.seconds / 1e9:.1f} GB/s ({resume.seconds * 1e3:.0f} ms), "
-        f"freed {gb(park.device_bytes_freed)}"
+        f"{gb(park.bytes_moved)}: park {park_gbps:.1f} GB/s ({park.seconds * 1e3:.0f} ms, {park_gbps / out:.2f} of a bare "
+        f"pinned copy's {out:.1f}), resume {resume_gbps:.1f} GB/s ({resume.seconds * 1e3:.0f} ms, {resume_gbps / back:.2f} "
+        f"of {back:.1f}), freed {gb(park.device_bytes_freed)}"
     )
 
 
@@ -378,16 +442,46 @@ def check_delta_sync(model_dir: Path, device: torch.device) -> str:
     )
 
 
-def check_timeslicer_two_jobs(model_dir: Path, device: torch.device) -> str:
+def workspace_kept_per_thread(device: torch.device) -> int:
+    """What a new thread's cuBLAS workspace still holds after `tensor_bytes` cleared what it can:
+    0 where torch keeps every thread's workspace in the one map it clears, a workspace where it
+    keeps them per thread."""
+    a = torch.ones(64, 64, device=device)
+    before = tensor_bytes(device)
+    thread = threading.Thread(target=lambda: torch.mm(a, a))
+    thread.start()
+    thread.join()
+    return tensor_bytes(device) - before
+
+
+def check_timeslicer_two_jobs(root: Path, device: torch.device) -> str:
     import trio
 
     from openrld.actors.timeslicer import TimeSlicer
     from openrld.gpu.full_trainer import FullTrainer
 
+    # ~47M parameters (~0.8 GB a job after a step): a footprint far above the cuBLAS workspaces.
+    model_dir = build_wide_model(root / "two-jobs", hidden=1024, layers=4, intermediate=2816, head_dim=64)
     batch, steps = sft_batch(model_dir), 4
-    alone = full_losses(FullTrainer(model_dir, device), steps, batch)
-    torch.cuda.empty_cache()
-    one_job = torch.cuda.memory_allocated(device)  # nothing of ours: the baseline
+    release()
+    kept = workspace_kept_per_thread(device)
+    threads: set[int] = set()  # the threads trio ran engine calls on: each may keep a workspace
+
+    def on_thread(call: Callable, *args: object):
+        threads.add(threading.get_ident())
+        return call(*args)
+
+    baseline = tensor_bytes(device)  # nothing of ours on the device
+    solo = FullTrainer(model_dir, device)
+    alone = full_losses(solo, steps, batch)
+    # One job's footprint after its steps: weights, delta shadow, AdamW's two moments (and the
+    # fp32 master of bf16 weights), what a job holds at every turn after its first.
+    footprint = tensor_bytes(device) - baseline
+    solo.close()
+    del solo
+    release()
+    left = tensor_bytes(device) - baseline
+    require(left <= 2**20, f"the job run alone still holds {gb(left)} after it was closed and collected")
     limiter = trio.CapacityLimiter(1)
     turns: list[tuple[str, int]] = []
     parks = [0]
@@ -397,25 +491,25 @@ def check_timeslicer_two_jobs(model_dir: Path, device: torch.device) -> str:
             self.engine = engine
 
         async def park(self) -> bool:
-            await trio.to_thread.run_sync(self.engine.park, limiter=limiter)
+            await trio.to_thread.run_sync(on_thread, self.engine.park, limiter=limiter)
             parks[0] += 1
             return True
 
         async def resume(self) -> None:
-            await trio.to_thread.run_sync(self.engine.resume, limiter=limiter)
+            await trio.to_thread.run_sync(on_thread, self.engine.resume, limiter=limiter)
 
     async def job(name: str, lease, engine, out: list[float]) -> None:
         for done in range(1, steps + 1):
             async with lease.hold(has_more=lambda: done < steps):
-                turns.append((name, torch.cuda.memory_allocated(device)))
+                turns.append((name, tensor_bytes(device) - baseline - kept * len(threads)))
                 results, _ = await trio.to_thread.run_sync(
-                    engine.forward_backward_then_step, "job", [batch], AdamParams(learning_rate=1e-4), limiter=limiter
+                    on_thread, engine.forward_backward_then_step, "job", [batch], AdamParams(learning_rate=1e-4),
+                    limiter=limiter,
                 )
                 out.append(results[0].metrics["loss:sum"])
         lease.close()
 
     engines = {name: FullTrainer(model_dir, device) for name in ("a", "b")}
-    footprint = (torch.cuda.memory_allocated(device) - one_job) // 2
     for engine in engines.values():
         engine.add_adapter("job", None, "adamw")
     losses: dict[str, list[float]] = {"a": [], "b": []}
@@ -435,14 +529,17 @@ def check_timeslicer_two_jobs(model_dir: Path, device: torch.device) -> str:
     trio.run(main)
     require(losses["a"] == alone and losses["b"] == alone, f"losses {losses} differ from the job alone {alone}")
     require(parks[0] >= 1, "no job was ever parked")
-    worst = max(held for _, held in turns) - one_job
+    worst = max(held for _, held in turns)
+    # Two resident jobs would hold twice the footprint at a turn; one resident and one parked, one.
     require(worst <= 1.5 * footprint, f"{gb(worst)} held at a turn, one job holds {gb(footprint)}: the other was not parked")
-    return f"{len(turns)} turns, {parks[0]} parks, at most {gb(worst)} held at a turn (one job {gb(footprint)}); losses as alone"
+    return (
+        f"{len(turns)} turns, {parks[0]} parks, at most {gb(worst)} held at a turn = {worst / footprint:.2f} x one job's "
+        f"{gb(footprint)} after its steps (bound 1.5; cuBLAS workspace kept per thread {gb(kept)}, "
+        f"{len(threads)} threads); losses as alone"
+    )
 
 
 def check_launcher_measurement(model_dir: Path, device: torch.device) -> str:
-    import threading
-
     batch, adam, steps = sft_batch(model_dir), AdamParams(learning_rate=1e-3), 30
 
     def run_pair(engines) -> float:
@@ -459,7 +556,10 @@ def check_launcher_measurement(model_dir: Path, device: torch.device) -> str:
             thread.join()
         return 2 * steps / (time.perf_counter() - start)
 
-    inproc = run_pair([TorchTrainer(model_dir, device), TorchTrainer(model_dir, device)])
+    threads = [TorchTrainer(model_dir, device), TorchTrainer(model_dir, device)]
+    inproc = run_pair(threads)
+    del threads
+    release()  # the two in-process trainers' memory, before the workers take theirs
     workers = [start_worker_engine("lora_trainer", "trainer", model_dir, device, {"max_batch_tokens": 8192}) for _ in range(2)]
     try:
         process = run_pair(workers)
@@ -487,7 +587,8 @@ class VllmSetup:
         for dtype, tolerance in (("float32", FP32_TOLERANCE), ("bfloat16", BF16_TOLERANCE)):
             try:
                 config = VllmSamplerConfig(
-                    gpu_memory_utilization=0.3, dtype=dtype, enforce_eager=True, max_model_len=1024, max_lora_rank=8
+                    gpu_memory_utilization=0.3, dtype=dtype, enforce_eager=True, max_model_len=VLLM_CONTEXT,
+                    max_lora_rank=8,
                 )
                 self.engine = VllmSampler(self.model_dir, device, config)
                 self.dtype, self.tolerance = dtype, tolerance
@@ -509,12 +610,12 @@ class VllmSetup:
             params=SamplingSpec(**{"max_tokens": 8, "seed": 5, "stop_at_eos": False, **params}),  # type: ignore[arg-type]
         )
 
-    def trainer_logprobs(self, adapter: str, tokens: list[int]) -> np.ndarray:
-        """The trainer's forward lp of tokens[1:] given their prefixes."""
+    def trainer_logprobs(self, adapter: str, tokens: list[int], trainer: object = None) -> np.ndarray:
+        """The trainer's forward lp of tokens[1:] given their prefixes (`trainer`: another than the LoRA one)."""
         ids = np.array(tokens, np.int64)
         datum = TrainDatum(tokens=ids[:-1], inputs={"target_tokens": ids[1:], "weights": np.ones(len(ids) - 1, np.float32)})
         batch = ForwardBackwardBatch(data=[datum], loss_fn="cross_entropy", loss_config={}, forward_only=True)
-        return self.trainer.forward_backward(adapter, batch).logprobs[0]
+        return (trainer or self.trainer).forward_backward(adapter, batch).logprobs[0]  # type: ignore[attr-defined]
 
     def tempered_logprobs(self, tokens: list[int], temperature: float) -> np.ndarray:
         with torch.no_grad():
@@ -523,12 +624,12 @@ class VllmSetup:
         return logq.gather(-1, torch.tensor(tokens[1:], device=self.device)[:, None])[:, 0].cpu().numpy()
 
 
-def compare_sampled(setup: VllmSetup, adapter: str, result) -> float:
+def compare_sampled(setup: VllmSetup, adapter: str, result, trainer: object = None) -> float:
     """Largest |vLLM - trainer| over the generated tokens' and the prompt's logprobs."""
     prompt = setup.prompt.tolist()
     worst = 0.0
     for sequence in result.sequences:
-        expected = setup.trainer_logprobs(adapter, prompt + sequence.tokens.tolist())
+        expected = setup.trainer_logprobs(adapter, prompt + sequence.tokens.tolist(), trainer)
         worst = max(worst, float(np.abs(sequence.logprobs - expected[len(prompt) - 1 :]).max()))
         worst = max(worst, float(np.abs(result.prompt_logprobs[1:] - expected[: len(prompt) - 1]).max()))
     return worst
@@ -556,18 +657,43 @@ def check_vllm_temperature(setup: VllmSetup) -> str:
     return f"T=0.7 sampled logprobs are log q_T: max |diff| {worst:.2e}"
 
 
-def check_vllm_refusal(setup: VllmSetup) -> str:
+def refusal(setup: VllmSetup, request_id: str, job: SampleJob) -> BadRequest:
+    """The BadRequest `add` raises for `job`; the engine must hold no work after it."""
     from openrld.errors import BadRequest
 
     try:
-        setup.engine.add("too-hot", None, setup.job(temperature=2.5))
-        raise AssertionError("T = 2.5 was accepted; vLLM samples at most at 2")
+        setup.engine.add(request_id, None, job)
     except BadRequest as refused:
-        detail = str(refused)
-    require(not setup.engine.has_work(), "the refused request left work in the engine")
+        require(not setup.engine.has_work(), f"{request_id}: the refused request left work in the engine")
+        return refused
+    raise AssertionError(f"{request_id}: accepted")
+
+
+def check_vllm_refusal(setup: VllmSetup) -> str:
+    """openrld's own limit first, then vLLM's own validation with openrld's checks stepped aside:
+    SamplingParams refusing T = 2.5 (VLLMValidationError naming temperature) and vLLM's input
+    processor refusing a prompt as long as the context; each a 400 for that request alone."""
+    ours = refusal(setup, "too-hot", setup.job(temperature=2.5))
+    require(ours.key == "sampling_params.temperature", f"openrld's refusal names {ours.key}")
+    setup.engine.validate = lambda job: None  # type: ignore[method-assign]  # vLLM sees what openrld would refuse
+    try:
+        params = refusal(setup, "too-hot-for-vllm", setup.job(temperature=2.5))
+        # As long as vLLM's context: no room for the one token vLLM generates even to score a prompt.
+        long_prompt = np.resize(setup.prompt, VLLM_CONTEXT)
+        prompt = refusal(setup, "too-long-for-vllm", SampleJob(
+            prompt=long_prompt, num_samples=1, prompt_logprobs=True, params=SamplingSpec(max_tokens=1, seed=5)))
+    finally:
+        del setup.engine.validate
+    mapped = "the vLLM sampler refused the request: "  # VllmSampler.add's mapping of VLLMValidationError
+    for refused in (params, prompt):
+        require(refused.detail.startswith(mapped), f"not vLLM's refusal: {refused.detail}")
+    require(params.key == "sampling_params.temperature", f"vLLM's SamplingParams refusal names {params.key}")
     result = setup.engine.sample(None, setup.job(temperature=2.0))
     require(len(result.sequences) == 2, "the engine stopped serving after a refusal")
-    return f"T=2.5 refused ({detail[:60]}...), T=2.0 served"
+    return (
+        f"T=2.5: openrld's 400 ({ours.key}); vLLM's own: {params.detail[len(mapped):][:60]!r} ({params.key}), "
+        f"{prompt.detail[len(mapped):][:70]!r}; T=2.0 served after"
+    )
 
 
 def check_vllm_lora(setup: VllmSetup) -> str:
@@ -608,6 +734,46 @@ def check_vllm_sleep(setup: VllmSetup) -> str:
     return f"sleep freed {gb(report.device_bytes_freed)} in {report.seconds:.2f} s, wake {woke.seconds:.2f} s, same tokens"
 
 
+def check_vllm_full_sync(setup: VllmSetup) -> str:
+    """A full fine-tuning job on vLLM (issue 38, item 5): three delta syncs from a FullTrainer
+    patched into vLLM's weights in place, each digest-checked on vLLM's read-back weights; then
+    vLLM's weights equal the trainer's bit for bit and its logprobs the trainer's forward; a sync
+    that arrives asleep lands at wake."""
+    from openrld.gpu.full_trainer import FullTrainer
+    from openrld.gpu.vllm_sampler import VllmSamplerConfig
+    from openrld.gpu.vllm_weights import vllm_full_sampler
+
+    trainer = FullTrainer(setup.model_dir, setup.device, setup.torch_dtype, weight_sync="delta")
+    trainer.add_adapter("job", None, "adamw")
+    config = VllmSamplerConfig(gpu_memory_utilization=0.2, dtype=setup.dtype, enforce_eager=True, max_model_len=VLLM_CONTEXT)
+    sampler = vllm_full_sampler(setup.model_dir, setup.device, config)
+    batch = sft_batch(setup.model_dir)
+
+    def sync(version: str) -> int:
+        trainer.forward_backward_then_step("job", [batch], AdamParams(learning_rate=1e-3))
+        payload = trainer.sampler_payload("job", version)
+        sampler.load_version(version, payload)  # WeightMismatch unless vLLM's read-back digest is the trainer's
+        return payload.bytes_moved
+
+    try:
+        moved = [sync(f"v{step}") for step in range(3)]
+        live, trained = sampler.live_weights(), trainer.sampler_tensors("job")
+        require(all(bit_equal(live[k], trained[k]) for k in trained), "vLLM's weights differ from the trainer's")
+        worst = compare_sampled(setup, "job", sampler.sample("v2", setup.job()), trainer)
+        require(worst <= setup.tolerance, f"max |vLLM - full trainer forward| = {worst:.2e} > {setup.tolerance}")
+        slept = sampler.park()
+        moved.append(sync("v3"))  # waits while vLLM's weights are off the device
+        sampler.resume()
+        live, trained = sampler.live_weights(), trainer.sampler_tensors("job")
+        require(all(bit_equal(live[k], trained[k]) for k in trained), "the sync made asleep did not land at wake")
+        return (
+            f"4 syncs ({', '.join(gb(m) for m in moved)} of {gb(sampler.last_sync.full_bytes)}), vLLM's weights the "
+            f"trainer's bit for bit, logprobs within {worst:.2e}; slept (freed {gb(slept.device_bytes_freed)}) across a sync"
+        )
+    finally:
+        sampler.close()
+
+
 # ---------------------------------------------------------------------------
 
 
@@ -631,14 +797,15 @@ def main() -> int:
             "full.trainer_bf16": lambda: check_full_trainer_bf16(tiny, device),
             "worker.cuda_full_trainer": lambda: check_full_trainer_worker(tiny, device),
             "delta.sync_10": lambda: check_delta_sync(tiny, device),
-            "timeslicer.two_jobs": lambda: check_timeslicer_two_jobs(tiny, device),
+            "timeslicer.two_jobs": lambda: check_timeslicer_two_jobs(root, device),
             "worker.launcher_measurement": lambda: check_launcher_measurement(tiny, device),
         }
         for name, check in cuda_checks.items():
-            report.run(name, check if has_cuda else _skip("no CUDA device here"))
+            report.run(name, check if has_cuda else _skip("no CUDA device here"), measure=name in MEASUREMENTS)
             if has_cuda:
-                torch.cuda.empty_cache()  # each check starts from a device the last one left clean
-        vllm_checks = ("vllm.base_logprobs", "vllm.temperature_logprobs", "vllm.refusal_is_a_400", "vllm.lora_version", "vllm.sleep_wake")
+                release()  # each check starts from a device the last one left clean
+        vllm_checks = ("vllm.base_logprobs", "vllm.temperature_logprobs", "vllm.refusal_is_a_400", "vllm.lora_version",
+                       "vllm.sleep_wake", "vllm.full_sync")
         if not (has_cuda and has_vllm):
             for name in vllm_checks:
                 report.run(name, _skip("no CUDA device here" if not has_cuda else "vllm is not installed here"))
@@ -649,7 +816,8 @@ def main() -> int:
                 setup = setup_box[0]
                 for name, check in zip(
                     vllm_checks,
-                    (check_vllm_base_logprobs, check_vllm_temperature, check_vllm_refusal, check_vllm_lora, check_vllm_sleep),
+                    (check_vllm_base_logprobs, check_vllm_temperature, check_vllm_refusal, check_vllm_lora, check_vllm_sleep,
+                     check_vllm_full_sync),
                 ):
                     report.run(name, lambda check=check: check(setup))
                 setup.engine.close()

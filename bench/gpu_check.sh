@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# bench/gpu_check.py on the GPU test machine: one H200, Python 3.12, torch 2.11.0,
+# bench/gpu_check.py on the GPU test machine: one H100 or H200, Python 3.12, torch 2.11.0,
 # transformers 5.17.0, peft, no vLLM and no package index (so every vllm.* check SKIPs).
+# One line per check with its measured figure: PASS, MEASURE (a figure with no requirement),
+# FAIL or SKIP; exit status 1 when a check failed (124 when the time limit cut it short).
 #
 # What that machine lacks travels with the tree as wheels in .whl/ (about 20 MiB of the
 # 64 MiB a call may carry): msgspec, trio and its outcome and sniffio, zstandard, and
