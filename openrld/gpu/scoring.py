@@ -14,9 +14,16 @@ run it once (`gpu/shared_prefix.py`): `plan_passes` puts such groups in micro-ba
 their own, costed as prefixes + suffixes, and `score_micro_batch(..., shared=...)` runs
 them in two passes. That path is opt-in per micro-batch: `score_micro_batch` without
 `shared` runs every datum whole, as the Automodel trainer's passes call it. It steps aside
-(every datum whole) under activation checkpointing (a checkpointed layer would append to
-the cache again when it recomputes), and for a model with a sliding window, a cache that
-cannot select rows, or one whose two passes do not reproduce its single pass.
+(every datum whole) for a micro-batch that activation checkpointing takes (a checkpointed
+layer would append to the cache again when it recomputes), and for a model with a sliding
+window, a cache that cannot select rows, or one whose two passes do not reproduce its
+single pass.
+
+Activation checkpointing is chosen per micro-batch by its size: one whose kept activations
+(the model's bytes per token, measured once on two probe forwards, times its padded tokens)
+would pass `activation_budget_bytes` recomputes each decoder layer in backward, so a long
+datum keeps about one layer's activations instead of all of them; short RL micro-batches
+run plain and pay no recompute.
 
 Guarantees: a request is validated whole before any compute, and under
 `gradients_set_aside` a failed request (bad input or a non-finite loss) leaves the
@@ -61,10 +68,14 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     # Apply the output layer to hidden states chunk by chunk. Turned off (with a warning)
     # when that does not reproduce the model's own logits, e.g. an unknown logit transform.
     chunked_head: bool = True
-    # Recompute each decoder layer's activations in backward instead of keeping them:
-    # activation memory drops from O(layers × tokens) to about one layer's, for ~1/3 more
-    # compute. For long sequences; off by default.
-    activation_checkpointing: bool = False
+    # Recompute each decoder layer's activations in backward instead of keeping them, in a
+    # micro-batch whose kept activations would pass `activation_budget_bytes` (the autograd
+    # graph's bytes per token, measured on the model, times its padded tokens): activation
+    # memory drops from O(layers × tokens) to about one layer's, for about a third more
+    # compute. False: never.
+    activation_checkpointing: bool = True
+    # None: the device's default (`default_activation_budget`); 0: every micro-batch.
+    activation_budget_bytes: int | None = None
     # Datums sharing at least this many leading tokens (a GRPO group's prompt) run them once,
     # then their suffixes as one batch on the prefix's cache; 0 runs every datum whole. Below
     # ~32 tokens the saving is smaller than the second pass's overhead.
@@ -73,8 +84,23 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
+        if (self.activation_budget_bytes or 0) < 0:
+            raise ValueError(f"TrainerConfig.activation_budget_bytes must be >= 0 or None; got {self}")
         if self.min_shared_prefix < 0:
             raise ValueError(f"TrainerConfig.min_shared_prefix must be >= 0; got {self.min_shared_prefix}")
+
+
+def default_activation_budget(device: torch.device) -> int:
+    """The activations a micro-batch may keep before its layers are checkpointed.
+
+    CPU: 2 GiB. SmolLM2 keeps about 1.1 MB a token, so an RL batch of 8 x 128 runs plain
+    while a single long datum is checkpointed (bench/long_context.py has the figures).
+    CUDA: a quarter of the device's memory, the rest being weights, optimizer state, the
+    logits chunks and the sampler that time-slices with the trainer.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return 2 * 1024**3
 
 
 class BatchScorer:
@@ -97,6 +123,11 @@ class BatchScorer:
         self._softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         self._chunked_head = config.chunked_head and self._head_reproduces_logits()
         self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
+        budget = config.activation_budget_bytes
+        self._activation_budget = default_activation_budget(device) if budget is None else budget
+        # The autograd graph's bytes per token of a forward with grad; measured at the first
+        # micro-batch that would need it (`_checkpoints`), when the trainable tensors exist.
+        self._activation_bytes_per_token: float | None = None
         # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
         # that a caller that never plans shared groups, such as the Automodel trainer's passes,
         # runs nothing extra).
@@ -125,10 +156,6 @@ class BatchScorer:
             requests.append(
                 losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self.vocab_size)
             )
-        for layer in self._checkpointed_layers:
-            # transformers checkpoints a layer only while its own `training` flag is set; only
-            # the flag is set, not `.train()`, so dropout below it stays off (eval mode).
-            layer.training = True
         if forward_only:
             guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         else:
@@ -151,9 +178,10 @@ class BatchScorer:
         for micro in self._plan(tokens):
             # entries are in (request, datum) order, so ascending indices keep each request contiguous
             members = [entries[k] for k in micro.indices]
-            total = self.score_micro_batch(batches, requests, members, logprobs, metrics, shared=micro.shared)
-            if torch.is_grad_enabled():
-                total.backward()
+            with self._checkpointing(micro.shared is None and self._checkpoints(micro_tokens(micro, tokens))):
+                total = self.score_micro_batch(batches, requests, members, logprobs, metrics, shared=micro.shared)
+                if torch.is_grad_enabled():
+                    total.backward()
         return [ForwardBackwardResult(logprobs=lp_list, metrics=m) for lp_list, m in zip(logprobs, metrics)]
 
     def score_micro_batch(
@@ -344,6 +372,54 @@ class BatchScorer:
             logits = features.float()
         return torch.log_softmax(logits, dim=-1)[rows, tokens]
 
+    def _checkpoints(self, padded_tokens: int) -> bool:
+        """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed."""
+        if not self._checkpointed_layers or not torch.is_grad_enabled():
+            return False
+        if self._activation_budget == 0:
+            return True
+        if self._activation_bytes_per_token is None:
+            self._activation_bytes_per_token = self._measure_activation_bytes_per_token()
+        return padded_tokens * self._activation_bytes_per_token > self._activation_budget
+
+    @contextlib.contextmanager
+    def _checkpointing(self, on: bool) -> Iterator[None]:
+        """Layers checkpointed within, when `on`: transformers checkpoints a layer only while its
+        own `training` flag is set; only the flag is set, not `.train()`, so dropout below it stays
+        off (eval mode). Backward must run within too: it recomputes the checkpointed layers."""
+        for layer in self._checkpointed_layers:
+            layer.training = on
+        try:
+            yield
+        finally:
+            for layer in self._checkpointed_layers:
+                layer.training = False
+
+    def _measure_activation_bytes_per_token(self) -> float:
+        """The bytes the autograd graph keeps per token of the decoder's forward with grad.
+
+        Two probe forwards, of 32 and 64 tokens, under `saved_tensors_hooks` that count every
+        storage the graph saves once; weights saved for backward are the same at both lengths and
+        cancel out. Nothing runs backward; the graphs are dropped. It measures whatever this
+        model's layers keep for the tensors that train now (LoRA adapters or every weight)."""
+        sizes = []
+        for length in (32, 64):
+            saved: dict[int, int] = {}
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                saved[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            ids = (torch.arange(length, device=self.device) % self._input_vocab_size)[None]
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                hidden = self._model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            del hidden
+            sizes.append(sum(saved.values()))
+        per_token = max(0.0, (sizes[1] - sizes[0]) / 32)
+        logger.info("activations kept for backward: %.1f KiB a token", per_token / 1024)
+        return per_token
+
     def _enable_activation_checkpointing(self) -> list[torch.nn.Module]:
         """Turn on transformers' per-layer checkpointing (non-reentrant, so a frozen base and
         LoRA inputs need no grad hooks); returns the layers whose flag must stay set."""
@@ -377,22 +453,31 @@ class BatchScorer:
 
     def _plan(self, tokens: Sequence[np.ndarray]) -> list[MicroBatch]:
         """`plan_passes`, with shared prefixes where this model allows them: checked (once) the
-        first time a plan has a shared group, so that requests without any run nothing extra."""
+        first time a plan has a shared group, so that requests without any run nothing extra.
+
+        A checkpointed layer runs again in backward and would append to the prefix's cache a
+        second time, so a shared micro-batch never checkpoints: one whose whole datums would
+        need it (`_checkpoints`) runs them whole instead, checkpointed."""
         budget = self.config.max_batch_tokens
         plan = plan_passes(tokens, budget, 0 if self._shares_prefixes is False else self.config.min_shared_prefix)
         if self._shares_prefixes is None and any(micro.shared is not None for micro in plan):
             self._shares_prefixes = self._can_share_prefixes()
             if not self._shares_prefixes:
                 plan = plan_passes(tokens, budget, 0)
-        return plan
+        return [part for micro in plan for part in self._unshared_if_checkpointed(micro, tokens)]
+
+    def _unshared_if_checkpointed(self, micro: MicroBatch, tokens: Sequence[np.ndarray]) -> list[MicroBatch]:
+        if micro.shared is None or not self._checkpoints(micro_tokens(micro, tokens)):
+            return [micro]
+        lengths = [len(tokens[i]) for i in micro.indices]
+        return [
+            MicroBatch(tuple(sorted(micro.indices[k] for k in part)))
+            for part in plan_micro_batches(lengths, self.config.max_batch_tokens)
+        ]
 
     def _can_share_prefixes(self) -> bool:
         """Whether two passes on the model's cache reproduce its single pass; logs why not."""
         model_type = getattr(self._model.config, "model_type", "?")
-        if self._checkpointed_layers:
-            # A checkpointed layer runs again in backward and would append to the cache twice.
-            logger.info("shared prefixes off under activation checkpointing (model_type=%s)", model_type)
-            return False
         if not shared_prefix.cache_supports_sharing(self._model.config):
             logger.warning("shared prefixes off: model_type=%s has a sliding window or another cache kind", model_type)
             return False
@@ -490,6 +575,11 @@ def plan_passes(tokens: Sequence[np.ndarray], max_batch_tokens: int, min_shared_
         shared = SharedPrefixes(tuple(row_of[i] for i in indices), tuple(group.prefix_len for group in pack))
         plan.append(MicroBatch(tuple(indices), shared))
     return plan
+
+
+def micro_tokens(micro: MicroBatch, tokens: Sequence[np.ndarray]) -> int:
+    """The padded tokens of a micro-batch's datums run whole: rows × the longest."""
+    return len(micro.indices) * max(len(tokens[i]) for i in micro.indices)
 
 
 def _by_request(members: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:

@@ -17,7 +17,7 @@ Guarantees:
   never one at a time, and the datums of several requests share micro-batches. lp = log_softmax(logits in fp32)[target] is computed over chunks
   of positions, with the output layer recomputed in backward, so full fp32 logits for
   every position never exist at once (nor, unless `chunked_head` is off, full logits at all);
-  with `activation_checkpointing`, decoder layers are recomputed in backward too;
+  a micro-batch over the activation budget recomputes its decoder layers in backward too;
 - an optim_step of the other family than the adapter's is refused and keeps the gradient;
 - adapter tensors use the keys of `peft.get_peft_model_state_dict(..., adapter_name=name,
   save_embedding_layers=False)`, which is what the sampler loads with

@@ -244,13 +244,27 @@ def test_sliding_window_model_does_not_share(tiny_llama: Path) -> None:
     assert not cache_supports_sharing(sliding)
 
 
-def test_activation_checkpointing_steps_aside_with_unshared_results(tiny_llama: Path) -> None:
+def test_a_group_that_activation_checkpointing_takes_runs_whole_with_unshared_results(tiny_llama: Path) -> None:
     request = grpo_request("importance_sampling")
-    checkpointed = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_checkpointing=True))
+    checkpointed = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=0))
     checkpointed.add_adapter("job", SPEC)
     got = checkpointed.forward_backward("job", request)
-    assert checkpointed._passes.scorer._shares_prefixes is False
+    tokens = [np.asarray(datum.tokens) for datum in request.data]
+    with torch.enable_grad():
+        plan = checkpointed._passes.scorer._plan(tokens)
+    assert [micro.shared for micro in plan] == [None] * len(plan)
     assert_same_scores(got, new_trainer("lora", tiny_llama, UNSHARED).forward_backward("job", request))
+
+
+def test_a_group_under_the_activation_budget_still_shares_its_prefix(tiny_llama: Path) -> None:
+    request = grpo_request("importance_sampling")
+    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig())  # the CPU's default budget: 2 GiB
+    trainer.add_adapter("job", SPEC)
+    trainer.forward_backward("job", request)
+    tokens = [np.asarray(datum.tokens) for datum in request.data]
+    with torch.enable_grad():
+        plan = trainer._passes.scorer._plan(tokens)
+    assert [micro.shared is not None for micro in plan] == [True]
 
 
 # ------------------------------------------------------------------ trainers: same results
