@@ -153,7 +153,12 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self.dp = self.world_size // options.cp
         self._dtype = dtype or pick_dtype(device)
         self._model_dir = str(model_dir)
-        self._config = TrainerConfig(max_batch_tokens=options.max_batch_tokens, chunked_head=False)
+        # No activation checkpointing chosen per micro-batch here: ranks score different
+        # micro-batches, and one rank recomputing a layer (FSDP all-gathers its weights again)
+        # while another does not would leave their collectives unmatched.
+        self._config = TrainerConfig(
+            max_batch_tokens=options.max_batch_tokens, chunked_head=False, activation_checkpointing=False
+        )
         parts = gather_bytes(str(device).encode())
         self.rank_devices = [part.decode() for part in parts] if parts is not None else []
         self._job: str | None = None
