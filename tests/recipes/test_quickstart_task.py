@@ -23,9 +23,10 @@ PROBLEM = task.Problem(9, 8)  # answer 17
         ("1 7", 0.0),
         ("9 + 8 = 16", 0.0),
         ("", 0.0),
+        (" 15 16 17 18", 0.0),
     ],
     ids=["bare", "whitespace", "equation", "sentence", "equation-with-words", "longer-number",
-         "split-digits", "wrong", "empty"],
+         "split-digits", "wrong", "empty", "a-list-holding-the-sum"],
 )
 def test_reward(reply: str, expected: float):
     assert task.reward(PROBLEM, reply) == expected
