@@ -313,7 +313,9 @@ class FullSampler:
             raise KeyError(f"weight version {version!r} is not loaded")
         if request_id in self._running or any(r == request_id for r, _, _ in self._waiting):
             raise ValueError(f"request {request_id!r} is already in the sampler")
-        if not self._waiting and not self._incoming and (version == self._live or not self._running):
+        # While parked nothing reaches the engine (vLLM's weights are off the device): the request
+        # waits, and the first step after resume starts it.
+        if not self._waiting and not self._incoming and not self.is_parked and (version == self._live or not self._running):
             self._switch(version)
             self._start(request_id, version, job)
         else:

@@ -157,6 +157,18 @@ def test_a_change_that_arrives_while_asleep_lands_at_wake(sampler: FullSampler, 
     assert same_bits(sampler.live_weights(), trainer.sampler_tensors("job"))
 
 
+def test_a_request_made_while_asleep_reaches_vllm_only_after_wake(sampler: FullSampler, trainer: FullTrainer) -> None:
+    for version in ("v1", "v2"):
+        step(trainer)
+        sampler.load_version(version, trainer.sampler_payload("job", version))
+    sampler.park()
+    sampler.add("r", "v1", SampleJob(prompt=PROMPT, num_samples=1, params=SamplingSpec(max_tokens=1)))  # v2 is live
+    assert (llm(sampler).llm_engine.added, sampler.statistics().requests_waiting_for_switch) == ([], 1)
+    sampler.resume()
+    finished = sampler.step()  # switches vLLM's weights to v1, then runs the request
+    assert [f.request_id for f in finished] == ["r"] and sampler.statistics().live_version == "v1"
+
+
 def test_an_older_version_samples_its_own_weights_after_a_delta(sampler: FullSampler, trainer: FullTrainer) -> None:
     step(trainer)
     sampler.load_version("v1", trainer.sampler_payload("job", "v1"))
