@@ -1,8 +1,9 @@
 """One venv per tinker SDK release the matrix runs (openrld.sdk_support.TESTED_RELEASES).
 
 `make install-test` runs this (`python tests/sdk_venvs.py DIR`), and
-tests/e2e/test_sdk_matrix.py calls `ensure_venv` for any release whose venv
-is missing, so a plain `pytest` on a fresh clone builds what it needs. Each
+`run_loop` (tests/e2e/sdk_loop.py in one release's venv) calls `ensure_venv`
+for any release whose venv is missing, so a plain `pytest` on a fresh clone
+builds what it needs. Each
 venv holds `tinker==<release>` and whatever that release requires, at the
 newest versions the index offers, as a user's own fresh install would.
 
@@ -15,6 +16,7 @@ is rebuilt.
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,8 @@ from pathlib import Path
 from openrld.sdk_support import TESTED_RELEASES
 
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / ".venv-sdk"
+LOOP = Path(__file__).resolve().parent / "e2e" / "sdk_loop.py"
+LOOP_TIMEOUT_S = 300.0  # one release's whole loop; it takes a few seconds on an idle node
 BUILT_MARKER = ".built"
 
 
@@ -50,6 +54,14 @@ def ensure_venv(root: Path, release: str) -> Path:
         )
     (venv / BUILT_MARKER).touch()
     return venv_python(root, release)
+
+
+def run_loop(release: str, url: str, base_model: str, *, timeout_s: float = LOOP_TIMEOUT_S) -> dict:
+    """tests/e2e/sdk_loop.py run with `release`'s own Python against `url`: what it printed."""
+    python = ensure_venv(DEFAULT_ROOT, release)
+    done = subprocess.run([str(python), str(LOOP), url, base_model], capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"tinker {release}: the loop failed:\n{done.stderr[-6000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> int:

@@ -205,4 +205,4 @@ def build_app(services: Services) -> Gate:
         accept_jobs=services.config.accept_jobs,
         max_body_bytes=services.config.max_body_bytes,
         longpolls=tinker.LONGPOLL_ROUTES,
-    )))
+    )), services.sdk_versions)

@@ -27,6 +27,8 @@ from openrld.actors.membership.messages import PushPull
 from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
 from openrld.actors.sessions import SessionSnapshot
 from openrld.api.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
+from openrld.sdk_support import OLDEST_SERVED
+from sdk_venvs import run_loop
 from tests.waits import wait_for
 
 SECRET = "test-cluster-secret"
@@ -157,6 +159,14 @@ def test_sampling_through_a_runs_at_the_home_node(jobs) -> None:
         sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
     ).result()
     assert [len(s.tokens) for s in result.sequences] == [4, 4]
+
+
+def test_the_oldest_sdk_runs_its_loop_through_the_front_node(cluster) -> None:
+    # SDK 0.16.1 sends forward_backward and forward as JSON and reads results as JSON: the
+    # relay finds the model in a JSON body as in a protobuf one, and passes Accept on.
+    result = run_loop(OLDEST_SERVED, cluster["node-a"].url, "tiny-llama")
+    assert result["restored_loss"] == result["trained_loss"]
+    assert result["checkpoints"] == [["sampler", "sampler_weights/sampler-a"], ["training", "weights/state-a"]]
 
 
 def test_a_base_model_sampler_asked_of_the_front_node_runs_on_another(cluster, service) -> None:

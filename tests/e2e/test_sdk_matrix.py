@@ -18,10 +18,6 @@ checkpoints listed by the REST client.
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
@@ -29,10 +25,8 @@ import tinker
 from tinker import types
 
 from openrld.sdk_support import TESTED_RELEASES
-from sdk_venvs import DEFAULT_ROOT, ensure_venv
+from sdk_venvs import run_loop
 
-LOOP = Path(__file__).with_name("sdk_loop.py")
-LOOP_TIMEOUT_S = 300.0  # one release's whole loop; it takes a few seconds on an idle node
 BASE_MODEL = "tiny-llama"  # shared_daemon's name for the tiny Llama
 TOKENS = list(range(40, 60))  # as sdk_loop.TOKENS
 MAX_TOKENS = 4  # as sdk_loop.MAX_TOKENS
@@ -53,18 +47,9 @@ def base_loss(shared_daemon) -> float:
     return training.forward([datum], "cross_entropy").result().metrics["loss:sum"]
 
 
-def run_loop(release: str, url: str) -> dict:
-    python = ensure_venv(DEFAULT_ROOT, release)
-    done = subprocess.run(
-        [str(python), str(LOOP), url, BASE_MODEL], capture_output=True, text=True, timeout=LOOP_TIMEOUT_S,
-    )
-    assert done.returncode == 0, f"tinker {release}: the loop failed:\n{done.stderr[-6000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("release", TESTED_RELEASES)
 def test_sdk_release_runs_the_whole_loop(release: str, shared_daemon, base_loss: float) -> None:
-    result = run_loop(release, shared_daemon.url)
+    result = run_loop(release, shared_daemon.url, BASE_MODEL)
 
     assert result["sdk"] == release
     # A new adapter's B is zero, so its first loss is the base model's: the same bits in any wire form.
