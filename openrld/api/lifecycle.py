@@ -36,6 +36,11 @@ from openrld.store import SessionRow
 DOWNLOAD_URL_TTL_S = 3600  # the SDK re-signs within 5 minutes of expiry; an hour as Tinker does
 TRACE_FILE = "trace.json"
 _CHECKPOINT = "/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>"
+CHECKPOINT_ARCHIVE_REFUSAL = (
+    "checkpoint archives (RestClient.get_checkpoint_archive_url) are not served by openrld; it serves a "
+    "checkpoint's files as signed URLs: TrainingClient.save_weights_external, then "
+    "RestClient.get_external_weights_urls, in tinker 0.28.0 and later (pip install 'tinker>=0.28.0')"
+)
 
 
 def register(app: QuartTrio, services: Services) -> None:
@@ -45,6 +50,7 @@ def register(app: QuartTrio, services: Services) -> None:
     route("PUT", f"{_CHECKPOINT}/ttl", set_ttl)
     route("POST", "/api/v1/copy_weights", copy_weights)
     route("GET", f"{_CHECKPOINT}/external_weights_urls", external_weights_urls)
+    route("GET", f"{_CHECKPOINT}/archive", checkpoint_archive)
     route("GET", "/api/v1/download/<run_id>/<kind>/<name>/<filename>", download)
     route("PUT", "/api/v1/sessions/<session_id>/project", assign_project)
     route("POST", "/api/v1/sessions/search", search_sessions)
@@ -83,6 +89,15 @@ async def copy_weights(services: Services) -> Response:
         destination_project_id=req.destination_project_id,
     )
     return json_response(wire.CopyWeightsResponse(tinker_path=tinker_path))
+
+
+async def checkpoint_archive(services: Services, run_id: str, kind: str, name: str) -> Response:
+    # RestClient.get_checkpoint_archive_url (SDKs before 0.36) wants a 302 to one tar.gz of the
+    # checkpoint; openrld hands out each file under its own signed URL instead, which SDKs from
+    # 0.28.0 fetch. Refused by name, so the old SDK's user is told what to upgrade to.
+    caller(services)
+    ids.TinkerPath.of(run_id, kind, name)  # a malformed path is refused as such first
+    raise BadRequest(CHECKPOINT_ARCHIVE_REFUSAL, key="get_checkpoint_archive_url")
 
 
 async def external_weights_urls(services: Services, run_id: str, kind: str, name: str) -> Response:

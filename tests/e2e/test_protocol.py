@@ -265,3 +265,13 @@ def test_gzip_json_body_is_read_by_its_content_encoding(http):
         headers={**HEADERS, "Content-Type": "application/json", "Content-Encoding": "gzip"},
     )
     assert (response.status_code, response.json()["type"]) == (200, "create_session")
+
+
+def test_checkpoint_archive_of_sdks_before_0_36_is_refused_naming_the_sdk_to_upgrade_to(http):
+    response = http.get("/api/v1/training_runs/s-1:train:0/checkpoints/weights/step-1/archive", headers=HEADERS)
+    assert (response.status_code, response.json()["detail"]) == (
+        400,
+        "checkpoint archives (RestClient.get_checkpoint_archive_url) are not served by openrld; it serves a "
+        "checkpoint's files as signed URLs: TrainingClient.save_weights_external, then "
+        "RestClient.get_external_weights_urls, in tinker 0.28.0 and later (pip install 'tinker>=0.28.0')",
+    )
