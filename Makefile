@@ -34,7 +34,7 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install $(VLLM) $(VLLM_EXTRAS)
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-deps -e .
-	$(VLLM_VENV)/bin/python -c "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -c "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler, openrld.gpu.vllm_weights; print('vllm', vllm.__version__)"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.vllm

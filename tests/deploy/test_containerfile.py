@@ -75,7 +75,7 @@ def test_each_worker_environment_holds_openrld_and_loads_what_its_workers_import
     # job of that engine failed at its first rank with ModuleNotFoundError.
     stages = _stages()
     for env, imports in (
-        ("vllm", "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler"),
+        ("vllm", "import vllm, openrld.worker.builtin, openrld.gpu.vllm_sampler, openrld.gpu.vllm_weights"),
         ("automodel", "import nemo_automodel, openrld.worker.builtin, openrld.gpu.automodel_trainer"),
     ):
         [run] = [line for line in stages[f"{env}-env"][1] if line.startswith("RUN ")]
