@@ -97,19 +97,18 @@ def patches_of(
     Raises:
         ValueError: a tensor `shapes` does not hold, or a sparse change whose values hold NaN.
     """
+    for part in change.tensors:  # all of it before the first chunk: a refusal must leave vLLM's weights as they are
+        if part.name not in shapes:
+            raise ValueError(f"the change names tensor {part.name!r}, which vLLM's model does not hold")
+        if part.indices is not None and part.values.is_floating_point() and bool(torch.isnan(part.values).any()):
+            raise ValueError(
+                f"{part.name}: the trainer's new values hold NaN, which vLLM's sparse patches keep for "
+                "'unchanged' (the training diverged)"
+            )
     chunk: list[WeightPatch] = []
     held = 0
     for part in change.tensors:
-        if part.name not in shapes:
-            raise ValueError(f"the change names tensor {part.name!r}, which vLLM's model does not hold")
-        indices = None
-        if part.indices is not None:
-            if part.values.is_floating_point() and bool(torch.isnan(part.values).any()):
-                raise ValueError(
-                    f"{part.name}: the trainer's new values hold NaN, which vLLM's sparse patches keep for "
-                    "'unchanged' (the training diverged)"
-                )
-            indices = tensor_bytes(part.indices)
+        indices = None if part.indices is None else tensor_bytes(part.indices)
         patch = WeightPatch(
             name=part.name, shape=list(shapes[part.name]), dtype=_name(part.values.dtype),
             values=tensor_bytes(part.values), indices=indices,
