@@ -65,10 +65,12 @@ def decode(
             defect `proto.codec` finds in the datums (named by their index).
         NotSupportedYet: a datum holds an image or dmel chunk.
     """
-    return forward_backward_from_message(
-        _message(_read(body, content_encoding, forward_only=forward_only, max_body_bytes=max_body_bytes), forward_only),
-        max_body_bytes=max_body_bytes,
-    )
+    request = _read(body, content_encoding, forward_only=forward_only, max_body_bytes=max_body_bytes)
+    try:
+        message = _message(request, forward_only)
+    except ValueError as exc:  # protobuf's own range check: seq_id is int32, shapes int64
+        raise BadRequest(f"{'forward' if forward_only else 'forward_backward'}: a value is out of range: {exc}") from exc
+    return forward_backward_from_message(message, max_body_bytes=max_body_bytes)
 
 
 def ids(body: bytes, content_encoding: str | None, *, forward_only: bool, max_body_bytes: int) -> tuple[str, int] | None:
@@ -96,10 +98,12 @@ def _read(
 
 def _message(request: ForwardBackwardJsonRequest | ForwardJsonRequest, forward_only: bool) -> schema.ForwardBackwardRequest:
     inputs = request.forward_input if isinstance(request, ForwardJsonRequest) else request.forward_backward_input
+    if request.seq_id is None:
+        # Every SDK sends one; without it the request could not take its turn among the model's.
+        raise BadRequest(f"{'forward' if forward_only else 'forward_backward'}: seq_id is required")
     message = schema.ForwardBackwardRequest(
         model_id=request.model_id,
-        # An absent seq_id is refused by the codec's ">= 0" check, as the protobuf form cannot carry one.
-        seq_id=-1 if request.seq_id is None else request.seq_id,
+        seq_id=request.seq_id,
         loss_fn=inputs.loss_fn,
         forward_only=forward_only,
     )

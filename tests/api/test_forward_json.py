@@ -96,3 +96,14 @@ def test_untyped_prompt_chunk_is_encoded_text() -> None:
            b'"sampling_session_id": "x", "seq_id": 0}'
     request = wire.decode_json(body, wire.SampleRequest)
     assert [(c.type, c.tokens) for c in request.prompt.chunks] == [("encoded_text", [1, 2])]
+
+
+def test_body_without_seq_id_is_refused_naming_it() -> None:
+    body = {key: value for key, value in SDK_0_16_BODY.items() if key != "seq_id"}
+    with pytest.raises(BadRequest, match=r"^forward_backward: seq_id is required$"):
+        decode(body)
+
+
+def test_seq_id_past_int32_is_bad_request_not_a_crash() -> None:
+    with pytest.raises(BadRequest, match=r"^forward_backward: a value is out of range: Value out of range: 4294967296$"):
+        decode({**SDK_0_16_BODY, "seq_id": 2**32})
