@@ -192,9 +192,11 @@ async def serve(
             await nursery.start(history.run)
             futures = FutureTable(store.requests, observer=history.observe)
             await nursery.start(futures.run_log)
+            lora_sampler = Engine.VLLM_SAMPLER if config.sampler_backend == "vllm" else Engine.TORCH_SAMPLER
             catalog = ModelCatalog(
                 {name: str(path) for name, path in config.models.items()},
                 cache_dir=Path(config.data_dir) / MODEL_CACHE_DIR,
+                engines=(Engine.LORA_TRAINER, lora_sampler),  # never list a model a LoRA create would refuse
             )
             converter = GgufConverter(catalog.progress_board)
             # One time-slicer per device: groups sharing a device take turns on it.
@@ -225,7 +227,6 @@ async def serve(
             catalog.remember(store.runs.base_models())
             sessions = SessionTable(store=store, commits=commits, id_tag=id_tag)
             job_registry = JobRegistry()
-            lora_sampler = Engine.VLLM_SAMPLER if config.sampler_backend == "vllm" else Engine.TORCH_SAMPLER
             sampling = SamplingSessions(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
                 jobs=job_registry, usage=usage, id_tag=id_tag, lora_sampler=lora_sampler,

@@ -27,7 +27,10 @@ catalog's `ProgressBoard` (`catalog.progress(name)`).
 packaged ones that are installed, and the local directories, GGUF files and
 Hugging Face cache ids it has resolved for a client, now or before a restart
 (the job table hands it those names from the store with `remember`). Each
-says whether its files are ready or still to be converted.
+says whether its files are ready or still to be converted. A model that the
+node's LoRA engines would refuse (`model_families.refusal`: a multimodal
+checkpoint, or a family the node's vLLM sampler has no layout for) is never
+listed, so that a client never picks a model its create would refuse.
 
 It reads the filesystem only (the Hugging Face cache with `local_files_only`,
 so nothing is ever downloaded at request time) and never imports torch.
@@ -49,6 +52,7 @@ import msgspec
 
 from openrld.errors import BadRequest
 from openrld.gguf_header import GgufFormatError, read_gguf_header
+from openrld.model_families import Engine, refusal
 from openrld.progress import Progress, ProgressBoard
 
 logger = logging.getLogger(__name__)
@@ -253,8 +257,10 @@ class ModelCatalog:
         allow_local_paths: bool = True,
         cache_dir: Path | None = None,
         progress: ProgressBoard | None = None,
+        engines: tuple[Engine, ...] = (Engine.LORA_TRAINER, Engine.TORCH_SAMPLER),
     ) -> None:
         self._configured = dict(configured)
+        self._engines = engines  # a LoRA job's on this node: what `listed()` checks each model against
         self._allow_local_paths = allow_local_paths
         self._cache_dir = cache_dir  # where GGUF conversions go; None: this catalog serves no GGUF
         self._progress = progress if progress is not None else ProgressBoard()
@@ -350,7 +356,8 @@ class ModelCatalog:
                 entry = self.resolve(name)
             except BadRequest:
                 continue  # its files are gone (or a packaged GGUF with no model cache): not served
-            if _has_files(entry):
+            refused = any(refusal(entry.name, entry.arch, engine) is not None for engine in self._engines)
+            if _has_files(entry) and not refused:
                 listed.append(ListedModel(entry=entry, source=source, is_ready=is_converted(entry)))
         return listed
 

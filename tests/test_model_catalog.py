@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from openrld.errors import BadRequest
+from openrld.model_families import Engine
 from openrld.model_catalog import (
     ModelCatalog,
     ModelEntry,
@@ -237,3 +239,28 @@ def test_a_served_directory_that_was_deleted_is_no_longer_listed(tiny_llama: Pat
     catalog.resolve(str(copy))
     shutil.rmtree(copy)
     assert _unpackaged(catalog) == []
+
+
+def _labelled(tiny_llama: Path, directory: Path, architecture: str) -> Path:
+    """The tiny Llama's files under a config.json naming another architecture."""
+    shutil.copytree(tiny_llama, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = [architecture]
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_model_the_nodes_lora_engines_would_refuse_is_never_listed(tiny_llama: Path, tmp_path: Path):
+    multimodal = _labelled(tiny_llama, tmp_path / "multimodal", "Gemma3ForConditionalGeneration")
+    catalog = ModelCatalog({"llama": str(tiny_llama), "multimodal": str(multimodal)}, cache_dir=tmp_path / "models")
+    catalog.resolve("multimodal")
+    assert _unpackaged(catalog) == [("llama", CONFIGURED, True)]
+
+
+def test_a_vllm_node_lists_only_the_families_its_sampler_has_a_layout_for(tiny_llama: Path, tmp_path: Path):
+    unknown = _labelled(tiny_llama, tmp_path / "unknown", "GPTNeoXForCausalLM")
+    configured = {"llama": str(tiny_llama), "neox": str(unknown)}
+    vllm = ModelCatalog(configured, cache_dir=tmp_path / "models", engines=(Engine.LORA_TRAINER, Engine.VLLM_SAMPLER))
+    torch_node = ModelCatalog(configured, cache_dir=tmp_path / "models")
+    assert [row[0] for row in _unpackaged(vllm)] == ["llama"]
+    assert [row[0] for row in _unpackaged(torch_node)] == ["llama", "neox"]

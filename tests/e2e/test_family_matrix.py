@@ -234,11 +234,6 @@ def test_sampling_a_multimodal_checkpoint_is_a_400_naming_the_engine(service) ->
     assert f"{Engine.LORA_TRAINER.value} holds decoder-only causal language models" in str(refused.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ModelCatalog.listed() (model_catalog.py) lists every configured model; it, or the capabilities "
-    "route, must drop what model_families.refusal refuses for the node's LoRA engines",
-)
 def test_capabilities_list_every_family_and_never_a_refused_model(node: Daemon) -> None:
     capabilities = tinker.RestClient(base_url=node.url, api_key=API_KEY).get_server_capabilities().result()
     listed = [m.model_name for m in capabilities.supported_models]
