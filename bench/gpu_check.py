@@ -27,7 +27,7 @@ Checks:
   follow the CPU's fp32 run (2e-2 relative: bf16 forward) and its weights are the
   master rounded.
 - worker.cuda_full_trainer: the same FullTrainer as a process worker trains bit for bit
-  as in process.
+  as in process, and its park, measured in the worker, freed memory on a CUDA device.
 - delta.sync_10: a FullTrainer (weight_sync=delta) and a FullSampler on one device, ten
   steps each followed by a sync: every sync's digest checks on the sampler, the payload
   is in host memory, the sampler's weights equal the trainer's bit for bit, and device
@@ -404,8 +404,14 @@ def check_full_trainer_worker(model_dir: Path, device: torch.device) -> str:
         require(got == expected, f"worker losses {got} != in-process {expected}")
         parked = remote.park()
         remote.resume()
-        require(parked.bytes_moved > 0, "park moved nothing")
-        return f"3 steps bit-identical to in process ({['%.6f' % x for x in got]}), parked {gb(parked.bytes_moved)}"
+        # Measured inside the worker: its weights and AdamW state were on a CUDA device, and parking freed memory there.
+        require(parked.device.startswith("cuda"), f"the worker's trainer parked from {parked.device}, not a CUDA device")
+        require(parked.bytes_moved > 0 and parked.device_bytes_freed > 0,
+                f"the worker's park moved {parked.bytes_moved} bytes and freed {parked.device_bytes_freed} device bytes")
+        return (
+            f"3 steps bit-identical to in process ({['%.6f' % x for x in got]}), parked {gb(parked.bytes_moved)} "
+            f"from {parked.device} (freed {gb(parked.device_bytes_freed)})"
+        )
     finally:
         remote.close()
 
