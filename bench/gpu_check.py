@@ -744,7 +744,7 @@ def check_vllm_full_sync(setup: VllmSetup) -> str:
     """A full fine-tuning job on vLLM (issue 38, item 5): three delta syncs from a FullTrainer
     patched into vLLM's weights in place, each digest-checked on vLLM's read-back weights; then
     vLLM's weights equal the trainer's bit for bit and its logprobs the trainer's forward; a sync
-    that arrives asleep lands at wake."""
+    that arrives asleep lands at the first step after wake."""
     from openrld.gpu.full_trainer import FullTrainer
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
     from openrld.gpu.vllm_weights import vllm_full_sampler
@@ -770,6 +770,7 @@ def check_vllm_full_sync(setup: VllmSetup) -> str:
         slept = sampler.park()
         moved.append(sync("v3"))  # waits while vLLM's weights are off the device
         sampler.resume()
+        sampler.step()  # the first step after waking lands it
         live, trained = sampler.live_weights(), trainer.sampler_tensors("job")
         require(all(bit_equal(live[k], trained[k]) for k in trained), "the sync made asleep did not land at wake")
         return (

@@ -24,9 +24,9 @@ and every request in the running batch samples from it.
 The engine under it and the place its live weights are kept are two parts: the torch
 sampler's parameters (`TorchWeights`), or vLLM's (`FullSampler.on_engine` with a
 `VllmSampler` and `vllm_weights.VllmWeights`, on a vLLM node). The versions, the order of
-switches and syncs, and the digest check are this module's either way. A change waits
-while the engine is parked (vLLM's weights are off the device in its sleep) and lands at
-`resume`.
+switches and syncs, and the digest check are this module's either way. On vLLM a change
+or a switch waits while the engine sleeps (its weights are off the device) and lands at the
+first `step` after it wakes.
 
 Guarantees: versions are immutable once loaded; the weights a request samples from
 are exactly its version's; a version in use by a live or waiting request cannot be
@@ -66,6 +66,10 @@ DAMAGED = "<live weights damaged by a failed sync>"
 class LiveWeights(Protocol):
     """Where the live version's weights are, in the trainer's names (checkpoint coordinates)."""
 
+    # Whether they take a change while the engine is parked (the torch sampler's parked parameters
+    # are host tensors; vLLM's sleeping weights are in no tensor a patch can reach).
+    patches_while_parked: bool
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight's shape by name: what a full version must hold."""
         ...
@@ -93,6 +97,8 @@ class LiveWeights(Protocol):
 
 class TorchWeights:
     """The torch sampler's own parameters as the live weights; every change drops its cached prefixes."""
+
+    patches_while_parked = True
 
     def __init__(self, engine: TorchSampler) -> None:
         self._engine = engine
@@ -189,7 +195,7 @@ class FullSampler:
             # change waits in host memory, whatever device its sender computed it on.
             self._loaded.add(version)
             self._incoming.append((version, payload.to_host()))
-            if not self._running and not self.is_parked:
+            if not self._running and self._may_change_weights:
                 self._apply_incoming()
         else:
             assert isinstance(payload, dict), f"a full version is a dict of tensors, got {type(payload).__name__}"
@@ -313,9 +319,9 @@ class FullSampler:
             raise KeyError(f"weight version {version!r} is not loaded")
         if request_id in self._running or any(r == request_id for r, _, _ in self._waiting):
             raise ValueError(f"request {request_id!r} is already in the sampler")
-        # While parked nothing reaches the engine (vLLM's weights are off the device): the request
-        # waits, and the first step after resume starts it.
-        if not self._waiting and not self._incoming and not self.is_parked and (version == self._live or not self._running):
+        # While parked vLLM's weights are off the device: the request waits, and the first step
+        # after resume starts it.
+        if not self._waiting and not self._incoming and self._may_change_weights and (version == self._live or not self._running):
             self._switch(version)
             self._start(request_id, version, job)
         else:
@@ -339,7 +345,7 @@ class FullSampler:
 
     def step(self) -> list[Finished]:
         """Switch versions if the batch has drained and requests wait, then one inner step."""
-        if not self._running and self._incoming and not self.is_parked:
+        if not self._running and self._incoming and self._may_change_weights:
             self._apply_incoming()
         if not self._running and self._waiting:
             self._switch(self._waiting[0][1])
@@ -368,14 +374,16 @@ class FullSampler:
         return self._inner.park()
 
     def resume(self) -> ResumeReport:
-        report = self._inner.resume()
-        if not self._running and self._incoming:
-            self._apply_incoming()  # what arrived while parked
-        return report
+        """Resume the model; a change that arrived meanwhile lands at the next `step` (has_work says so)."""
+        return self._inner.resume()
 
     @property
     def is_parked(self) -> bool:
         return self._inner.is_parked
+
+    @property
+    def _may_change_weights(self) -> bool:
+        return not self.is_parked or self._weights.patches_while_parked
 
     @property
     def last_sync(self) -> weight_delta.SyncStats | None:

@@ -263,6 +263,8 @@ class VllmWeights:
         shapes: the checkpoint tensors vLLM holds, by name (`checkpoint_shapes`).
     """
 
+    patches_while_parked = False  # asleep, vLLM's weights are in host memory it alone manages
+
     def __init__(self, engine: VllmSampler, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self._engine = engine
         self._shapes = dict(shapes)

@@ -147,12 +147,15 @@ def test_every_weight_change_drops_vllms_cached_prefixes(sampler: FullSampler, t
     assert llm(sampler).llm_engine.calls == ["reset_prefix_cache", "reset_prefix_cache"]
 
 
-def test_a_change_that_arrives_while_asleep_lands_at_wake(sampler: FullSampler, trainer: FullTrainer) -> None:
+def test_a_change_that_arrives_while_asleep_lands_at_the_first_step_after_wake(
+    sampler: FullSampler, trainer: FullTrainer
+) -> None:
     step(trainer)
     sampler.park()  # vLLM's sleep: its weights are off the device, so nothing may patch them
     sampler.load_version("v1", trainer.sampler_payload("job", "v1"))
-    assert llm(sampler).rpc_calls == []
     sampler.resume()
+    assert (llm(sampler).rpc_calls, sampler.has_work()) == ([], True)
+    assert sampler.step() == []
     assert llm(sampler).rpc_calls == ["openrld_patch_weights", "openrld_weights_digest"]
     assert same_bits(sampler.live_weights(), trainer.sampler_tensors("job"))
 
