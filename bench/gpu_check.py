@@ -54,7 +54,10 @@ Checks:
   digest-checked, bit for bit the trainer's, one of them made while asleep.
 
 Run on the GPU test machine with bench/gpu_check.sh (it says what it needs), or from the
-repository root: `PYTHONPATH=. python3 bench/gpu_check.py`.
+repository root: `PYTHONPATH=. python3 bench/gpu_check.py [PREFIX ...]`, which runs only the
+checks whose names start with a PREFIX (the others SKIP as not selected): on a vLLM node,
+`PYTHONPATH=. .venv-vllm/bin/python bench/gpu_check.py vllm` in the environment `make
+vllm-env` builds.
 """
 
 from __future__ import annotations
@@ -784,8 +787,13 @@ def check_vllm_full_sync(setup: VllmSetup) -> str:
 # ---------------------------------------------------------------------------
 
 
-def main() -> int:
+def main(prefixes: list[str]) -> int:
+    """Run the checks whose names start with one of `prefixes` (all of them when none is given)."""
     report = Report()
+
+    def chosen(name: str) -> bool:
+        return not prefixes or any(name.startswith(prefix) for prefix in prefixes)
+
     has_cuda = torch.cuda.is_available()
     has_vllm = importlib.util.find_spec("vllm") is not None
     print(f"torch {torch.__version__}, cuda {'yes: ' + torch.cuda.get_device_name() if has_cuda else 'no'}, "
@@ -808,26 +816,25 @@ def main() -> int:
             "worker.launcher_measurement": lambda: check_launcher_measurement(tiny, device),
         }
         for name, check in cuda_checks.items():
-            report.run(name, check if has_cuda else _skip("no CUDA device here"), measure=name in MEASUREMENTS)
-            if has_cuda:
+            why = "no CUDA device here" if not has_cuda else None if chosen(name) else "not selected"
+            report.run(name, check if why is None else _skip(why), measure=name in MEASUREMENTS)
+            if why is None:
                 release()  # each check starts from a device the last one left clean
-        vllm_checks = ("vllm.base_logprobs", "vllm.temperature_logprobs", "vllm.refusal_is_a_400", "vllm.lora_version",
-                       "vllm.sleep_wake", "vllm.full_sync")
-        if not (has_cuda and has_vllm):
-            for name in vllm_checks:
-                report.run(name, _skip("no CUDA device here" if not has_cuda else "vllm is not installed here"))
-        else:
-            setup_box: list[VllmSetup] = []
+        vllm_checks = {
+            "vllm.base_logprobs": check_vllm_base_logprobs, "vllm.temperature_logprobs": check_vllm_temperature,
+            "vllm.refusal_is_a_400": check_vllm_refusal, "vllm.lora_version": check_vllm_lora,
+            "vllm.sleep_wake": check_vllm_sleep, "vllm.full_sync": check_vllm_full_sync,
+        }
+        why_not = "no CUDA device here" if not has_cuda else "vllm is not installed here" if not has_vllm else None
+        setup_box: list[VllmSetup] = []
+        if why_not is None and any(chosen(name) for name in vllm_checks):
             report.run("vllm.engine_start", lambda: _start(setup_box, root, device))
-            if setup_box:
-                setup = setup_box[0]
-                for name, check in zip(
-                    vllm_checks,
-                    (check_vllm_base_logprobs, check_vllm_temperature, check_vllm_refusal, check_vllm_lora, check_vllm_sleep,
-                     check_vllm_full_sync),
-                ):
-                    report.run(name, lambda check=check: check(setup))
-                setup.engine.close()
+            why_not = None if setup_box else "the vLLM engine did not start"
+        for name, vllm_check in vllm_checks.items():
+            why = why_not or (None if chosen(name) else "not selected")
+            report.run(name, (lambda check=vllm_check: check(setup_box[0])) if why is None else _skip(why))
+        if setup_box:
+            setup_box[0].engine.close()
     print(f"{'FAILED' if report.failed else 'OK'}: {report.failed} check(s) failed", flush=True)
     return 1 if report.failed else 0
 
@@ -847,4 +854,4 @@ def _skip(why: str) -> Callable[[], str]:
 
 if __name__ == "__main__":
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

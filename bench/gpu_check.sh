@@ -36,4 +36,4 @@ fi
 # The workers the checks start inherit this environment, so they import the same packages.
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
-exec timeout "${GPU_CHECK_TIMEOUT_S:-450}" python3 bench/gpu_check.py
+exec timeout "${GPU_CHECK_TIMEOUT_S:-450}" python3 bench/gpu_check.py "$@"

@@ -67,3 +67,15 @@ def test_a_requirement_that_does_not_hold_is_a_fail_and_counts(gpu_check: Module
     )
     assert report.failed == 1
 
+
+
+def test_a_prefix_selects_the_checks_that_run_and_the_others_skip_as_not_selected(
+    gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A GPU is the edge: claim one, and select nothing that would touch it.
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check.torch.cuda, "get_device_name", lambda: "a claimed GPU")
+    assert gpu_check.main(["no.such.check"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SKIP ")]
+    vllm = "vllm is not installed here" if importlib.util.find_spec("vllm") is None else "not selected"
+    assert lines == [f"SKIP {name}: {'not selected' if not name.startswith('vllm.') else vllm}" for name in CHECKS]
