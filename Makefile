@@ -191,7 +191,8 @@ recipes-image:
 # --- The tinker SDK matrix (tests/e2e/test_sdk_matrix.py) ------------------------------------------
 # One venv per SDK release in openrld/sdk_support.py's TESTED_RELEASES, each holding that release and
 # its own dependencies at their newest, as a user's fresh install has them. uv makes all eleven from
-# PyPI in about 30 s on a fresh machine. Another release goes into TESTED_RELEASES, nowhere else.
+# PyPI in about 30 s on a fresh machine. Releases on PyPI newer than the list join the matrix by
+# themselves (tests/sdk_venvs.py asks the index); once one passes, it goes into TESTED_RELEASES.
 SDK_VENVS ?= .venv-sdk
 UV := uv==0.13.9
 

@@ -1,11 +1,16 @@
-"""One venv per tinker SDK release the matrix runs (openrld.sdk_support.TESTED_RELEASES).
+"""One venv per tinker SDK release the matrix runs.
 
-`make install-test` runs this (`python tests/sdk_venvs.py DIR`), and
+The matrix is openrld.sdk_support.TESTED_RELEASES, and any release the
+package index holds that is newer than the last of them: `make install-test`
+runs this (`python tests/sdk_venvs.py DIR`), which asks the index once
+(`pip index versions tinker`) and writes those newer releases to
+DIR/NEWER_RELEASES, so the day a release reaches the index the next fresh
+`make test` runs the loop with it too, before anyone lists it.
 `run_loop` (tests/e2e/sdk_loop.py in one release's venv) calls `ensure_venv`
 for any release whose venv is missing, so a plain `pytest` on a fresh clone
-builds what it needs. Each
-venv holds `tinker==<release>` and whatever that release requires, at the
-newest versions the index offers, as a user's own fresh install would.
+builds what it needs. Each venv holds `tinker==<release>` and whatever that
+release requires, at the newest versions the index offers, as a user's own
+fresh install would.
 
 uv makes a venv and installs into it in seconds (`make install-test` installs
 it into the project's venv); without it this falls back to `venv` and pip.
@@ -21,12 +26,38 @@ import subprocess
 import sys
 from pathlib import Path
 
-from openrld.sdk_support import TESTED_RELEASES
+from openrld import sdk_support
+from openrld.sdk_support import NEWEST_TESTED, TESTED_RELEASES
 
 DEFAULT_ROOT = Path(__file__).resolve().parent.parent / ".venv-sdk"
 LOOP = Path(__file__).resolve().parent / "e2e" / "sdk_loop.py"
 LOOP_TIMEOUT_S = 300.0  # one release's whole loop; it takes a few seconds on an idle node
 BUILT_MARKER = ".built"
+NEWER_RELEASES = "newer-releases.txt"  # releases on the index after NEWEST_TESTED, one a line
+INDEX_TIMEOUT_S = 120.0  # one `pip index versions` call
+
+
+def matrix(root: Path = DEFAULT_ROOT) -> tuple[str, ...]:
+    """TESTED_RELEASES, then the newer releases the last build found on the index."""
+    listed = root / NEWER_RELEASES
+    newer = listed.read_text().split() if listed.exists() else []
+    return TESTED_RELEASES + tuple(newer)
+
+
+def newer_on_index() -> tuple[str, ...]:
+    """Final releases of tinker on the index after NEWEST_TESTED, oldest first; () if the index cannot be read."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", "tinker", "--disable-pip-version-check"],
+            capture_output=True, text=True, timeout=INDEX_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return ()
+    line = next((line for line in done.stdout.splitlines() if line.startswith("Available versions:")), "")
+    versions = [v.strip() for v in line.partition(":")[2].split(",")]
+    newest = sdk_support.release(NEWEST_TESTED)
+    found = [(number, v) for v in versions if (number := sdk_support.release(v)) is not None and number > newest]
+    return tuple(v for _, v in sorted(found))
 
 
 def venv_python(root: Path, release: str) -> Path:
@@ -66,8 +97,13 @@ def run_loop(release: str, url: str, base_model: str, *, timeout_s: float = LOOP
 
 def main(argv: list[str]) -> int:
     root = Path(argv[1]) if len(argv) > 1 else DEFAULT_ROOT
-    for release in TESTED_RELEASES:
-        ensure_venv(root, release)
+    newer = newer_on_index()
+    if newer:
+        print(f"tinker releases newer than {NEWEST_TESTED} on the index join the matrix: {', '.join(newer)}")
+    for version in TESTED_RELEASES + newer:
+        ensure_venv(root, version)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / NEWER_RELEASES).write_text("".join(f"{v}\n" for v in newer))
     return 0
 
 
