@@ -80,8 +80,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("Qwen2", "qwen2", ("Qwen2ForCausalLM",), VllmLora(_QKV_GATE_UP, _DENSE, takes_lm_head=False)),
     # vLLM added lm_head LoRA to Qwen3 and Qwen3-MoE in 2026 (its PR 29816).
     Family("Qwen3", "qwen3", ("Qwen3ForCausalLM",), VllmLora(_QKV_GATE_UP, _DENSE, takes_lm_head=True)),
-    # vLLM serves Mistral with its Llama class.
-    Family("Mistral", "mistral", ("MistralForCausalLM",), VllmLora(_QKV_GATE_UP, _DENSE, takes_lm_head=True)),
+    # vLLM's Mistral class is its Llama class with embedding_modules emptied: no LoRA on lm_head.
+    Family("Mistral", "mistral", ("MistralForCausalLM",), VllmLora(_QKV_GATE_UP, _DENSE, takes_lm_head=False)),
     Family("OLMo 2", "olmo2", ("Olmo2ForCausalLM",), VllmLora(_QKV_GATE_UP, _DENSE, takes_lm_head=False)),
     # Phi-3's checkpoints hold qkv_proj and gate_up_proj fused already; vLLM's class is its Llama's.
     Family(

@@ -268,7 +268,7 @@ VLLM_MODULES = {
     "llama": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
     "qwen2": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
     "qwen3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
-    "mistral": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
+    "mistral": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
     "olmo2": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
     "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"},
     "gemma3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
@@ -277,7 +277,7 @@ VLLM_MODULES = {
     "qwen3_moe": {"qkv_proj", "o_proj", "experts", "lm_head"},
     "qwen3_5_moe": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkvz", "out_proj", "experts", "lm_head"},
 }
-NO_LM_HEAD = ("qwen2", "olmo2", "gemma3", "gemma4")
+NO_LM_HEAD = ("qwen2", "mistral", "olmo2", "gemma3", "gemma4")
 
 
 @pytest.fixture(scope="module")
