@@ -25,7 +25,7 @@ from openrld.actors.membership.codec import MAX_PUSH_PULL_BYTES, BadFrame, DropR
 from openrld.actors.membership.node import MembershipStatistics, NotRunning
 from openrld.actors.membership.peer_client import CONTENT_TYPE, PUSH_PULL_PATH, TAG_HEADER
 from openrld.api.app import Services, add_route, caller, json_response
-from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized
+from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized, UnsupportedMediaType
 
 
 class DeviceView(msgspec.Struct, frozen=True):
@@ -80,6 +80,9 @@ async def push_pull(services: Services) -> Response:
     node = services.cluster
     if node is None:
         raise NotFound("this node has no cluster_secret, so it is in no cluster and has no peer API")
+    declared = request.headers.get("Content-Type")
+    if declared is not None and declared.split(";", 1)[0].strip().lower() != CONTENT_TYPE:
+        raise UnsupportedMediaType(f"push-pull takes {CONTENT_TYPE}, got Content-Type {declared!r}")
     tag = request.headers.get(TAG_HEADER)
     if not tag:
         node.count_dropped(DropReason.BAD_TAG)

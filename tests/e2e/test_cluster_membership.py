@@ -79,6 +79,17 @@ def test_push_pull_without_the_tag_is_401_and_with_a_wrong_one_403(cluster: dict
     assert view["statistics"]["dropped"].get("bad_tag", 0) == dropped_before.get("bad_tag", 0) + 2
 
 
+def test_push_pull_declared_as_another_type_is_415_naming_it(cluster: dict[str, Daemon]) -> None:
+    body, tag = encode_push_pull(b"another-secret", PushPull("mallory", True, ()))
+    response = httpx.post(
+        f"{cluster['node-a'].url}{PUSH_PULL_PATH}", content=body,
+        headers={TAG_HEADER: tag, "Content-Type": "application/json"}, timeout=10,
+    )
+    assert (response.status_code, response.json()["detail"]) == (
+        415, "push-pull takes application/x-openrl-gossip+msgpack, got Content-Type 'application/json'"
+    )
+
+
 def test_metrics_report_gossip_health(cluster: dict[str, Daemon]) -> None:
     url = cluster["node-b"].url
     wait_for(lambda: states(url) == {"node-a": "alive", "node-b": "alive", "node-c": "alive"}, timeout_s=10.0)
