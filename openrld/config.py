@@ -118,6 +118,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     longpoll_s: Annotated[float, msgspec.Meta(gt=0.0, lt=_SDK_POLL_TIMEOUT_S)] = 30.0
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 * 1024 * 1024
     max_batch_tokens: Annotated[int, msgspec.Meta(ge=1)] = 8192
+    activation_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: the device's default
     max_num_samples: Annotated[int, msgspec.Meta(ge=1)] = 128
     max_lora_rank: Annotated[int, msgspec.Meta(ge=1)] = 128
     sample_queue_limit: Annotated[int, msgspec.Meta(ge=1)] = 256

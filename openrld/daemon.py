@@ -209,7 +209,8 @@ async def serve(
             groups = GroupTable(
                 nursery=nursery,
                 engines=TorchEngineFactory(
-                    device, max_batch_tokens=config.max_batch_tokens, converter=converter, vllm=_vllm_config(config),
+                    device, max_batch_tokens=config.max_batch_tokens,
+                    activation_budget_bytes=config.activation_budget_bytes, converter=converter, vllm=_vllm_config(config),
                     cpu_threads=threads, hosting=hosting, prefix_cache_bytes=config.sampler_prefix_cache_bytes,
                 ),
                 limiter=trio.CapacityLimiter(1),

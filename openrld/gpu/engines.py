@@ -37,6 +37,7 @@ class TorchEngineFactory:
         device: torch.device,
         *,
         max_batch_tokens: int,
+        activation_budget_bytes: int = 0,
         converter: GgufConverter | None = None,
         vllm: VllmSamplerConfig | None = None,
         cpu_threads: int | None = None,
@@ -46,6 +47,10 @@ class TorchEngineFactory:
         self.device = device
         self.vllm = vllm  # set: LoRA groups sample with vLLM (sampler_backend = "vllm"), else with torch
         self.max_batch_tokens = max_batch_tokens  # the node config's limit, reported by /openrl/v1/info
+        # What a trainer's micro-batch may keep before it checkpoints (0: the device's default).
+        self.trainer_options: dict[str, Scalar] = {
+            "max_batch_tokens": max_batch_tokens, "activation_budget_bytes": activation_budget_bytes,
+        }
         # A GGUF base model is converted on first use; whichever engine builds first converts it.
         self.converter = converter
         self.cpu_threads = cpu_threads  # a worker's torch threads, as this process has
@@ -68,7 +73,7 @@ class TorchEngineFactory:
         trainer refuses an adapter that trains it, at creation (`unembed_refusal`)."""
 
         def build() -> TrainerEngine:
-            options: dict[str, Scalar] = {"max_batch_tokens": self.max_batch_tokens}
+            options: dict[str, Scalar] = dict(self.trainer_options)
             refusal = self._unembed_refusal(model)
             if refusal is not None:
                 options["unembed_refusal"] = refusal
@@ -88,7 +93,7 @@ class TorchEngineFactory:
         self, model: ModelEntry, weight_sync: str, image: str | None = None, job: str | None = None
     ) -> Callable[[], TrainerEngine]:
         """A trainer for one full fine-tuning job; `weight_sync` is "delta" or "full"."""
-        options = {"max_batch_tokens": self.max_batch_tokens, "weight_sync": weight_sync}
+        options = {**self.trainer_options, "weight_sync": weight_sync}
         return lambda: self._build("trainer", "full_trainer", model, options, image=image, job=job)
 
     def full_sampler(

@@ -74,8 +74,8 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     # memory drops from O(layers × tokens) to about one layer's, for about a third more
     # compute. False: never.
     activation_checkpointing: bool = True
-    # None: the device's default (`default_activation_budget`); 0: every micro-batch.
-    activation_budget_bytes: int | None = None
+    # 0: the device's default (`default_activation_budget`); 1 checkpoints every micro-batch.
+    activation_budget_bytes: int = 0
     # Datums sharing at least this many leading tokens (a GRPO group's prompt) run them once,
     # then their suffixes as one batch on the prefix's cache; 0 runs every datum whole. Below
     # ~32 tokens the saving is smaller than the second pass's overhead.
@@ -84,8 +84,8 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
-        if (self.activation_budget_bytes or 0) < 0:
-            raise ValueError(f"TrainerConfig.activation_budget_bytes must be >= 0 or None; got {self}")
+        if self.activation_budget_bytes < 0:
+            raise ValueError(f"TrainerConfig.activation_budget_bytes must be >= 0; got {self}")
         if self.min_shared_prefix < 0:
             raise ValueError(f"TrainerConfig.min_shared_prefix must be >= 0; got {self.min_shared_prefix}")
 
@@ -124,7 +124,7 @@ class BatchScorer:
         self._chunked_head = config.chunked_head and self._head_reproduces_logits()
         self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
         budget = config.activation_budget_bytes
-        self._activation_budget = default_activation_budget(device) if budget is None else budget
+        self._activation_budget = budget or default_activation_budget(device)
         # The autograd graph's bytes per token of a forward with grad; measured at the first
         # micro-batch that would need it (`_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
@@ -376,8 +376,6 @@ class BatchScorer:
         """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed."""
         if not self._checkpointed_layers or not torch.is_grad_enabled():
             return False
-        if self._activation_budget == 0:
-            return True
         if self._activation_bytes_per_token is None:
             self._activation_bytes_per_token = self._measure_activation_bytes_per_token()
         return padded_tokens * self._activation_bytes_per_token > self._activation_budget

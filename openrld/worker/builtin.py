@@ -21,16 +21,15 @@ def build(start: Start) -> Any:
     options = start.options
     match start.kind:
         case "lora_trainer":
-            from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
+            from openrld.gpu.torch_trainer import TorchTrainer
 
-            config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
+            config = _trainer_config(options)
             refusal = options.get("unembed_refusal")  # the node's vLLM sampler takes no LoRA on lm_head here
             return TorchTrainer(start.model_dir, device, config=config, unembed_refusal=None if refusal is None else str(refusal))
         case "full_trainer":
             from openrld.gpu.full_trainer import FullTrainer
-            from openrld.gpu.torch_trainer import TrainerConfig
 
-            config = TrainerConfig(max_batch_tokens=int(options.get("max_batch_tokens", 8192)))
+            config = _trainer_config(options)
             return FullTrainer(start.model_dir, device, config=config, weight_sync=str(options.get("weight_sync", "delta")))
         case "automodel_trainer":
             # NeMo Automodel's FSDP2 trainer: one rank of a torchrun group (or a group of one), in the
@@ -60,6 +59,16 @@ def build(start: Start) -> Any:
 
             return vllm_full_sampler(start.model_dir, device, msgspec.convert(dict(options), VllmSamplerConfig))
     raise ValueError(f"no built-in engine {start.kind!r}; this worker builds {', '.join(KINDS)}")
+
+
+def _trainer_config(options: dict) -> Any:
+    """A LoRA or full trainer's TrainerConfig from its options (max_batch_tokens, activation_budget_bytes)."""
+    from openrld.gpu.scoring import TrainerConfig
+
+    return TrainerConfig(
+        max_batch_tokens=int(options.get("max_batch_tokens", 8192)),
+        activation_budget_bytes=int(options.get("activation_budget_bytes", 0)),
+    )
 
 
 def _automodel_options(options: dict) -> Any:

@@ -56,13 +56,13 @@ def test_a_micro_batch_over_the_budget_is_checkpointed_and_one_under_it_is_not(t
 
 
 def test_checkpointing_off_never_checkpoints(tiny_llama: Path) -> None:
-    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_checkpointing=False, activation_budget_bytes=0))
+    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_checkpointing=False, activation_budget_bytes=1))
     trainer.add_adapter("a", SPEC)
     assert layer_runs(trainer, one_datum(1000)) == 1
 
 
 def test_forward_only_never_checkpoints(tiny_llama: Path) -> None:
-    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=0))
+    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=1))
     trainer.add_adapter("a", SPEC)
     runs: list[int] = []
     trainer._model.get_decoder().layers[0].input_layernorm.register_forward_pre_hook(lambda *_: runs.append(1))
@@ -76,5 +76,23 @@ def test_the_cpu_default_budget_is_2_gib() -> None:
 
 
 def test_a_negative_budget_is_refused() -> None:
-    with pytest.raises(ValueError, match="activation_budget_bytes must be >= 0 or None"):
+    with pytest.raises(ValueError, match="activation_budget_bytes must be >= 0"):
         TrainerConfig(activation_budget_bytes=-1)
+
+
+def test_the_node_settings_budget_reaches_a_built_trainer(tiny_llama: Path) -> None:
+    from openrld.worker import builtin
+    from openrld.worker.protocol import Start
+
+    options = {"max_batch_tokens": 512, "activation_budget_bytes": 12345}
+    for kind in ("lora_trainer", "full_trainer"):
+        trainer = builtin.build(Start(kind, str(tiny_llama), "cpu", options=options))
+        assert (trainer._passes.scorer._activation_budget, trainer._passes.scorer.config.max_batch_tokens) == (12345, 512)
+
+
+def test_a_node_setting_of_0_is_the_devices_default(tiny_llama: Path) -> None:
+    from openrld.worker import builtin
+    from openrld.worker.protocol import Start
+
+    trainer = builtin.build(Start("lora_trainer", str(tiny_llama), "cpu", options={"activation_budget_bytes": 0}))
+    assert trainer._passes.scorer._activation_budget == 2 * 1024**3

@@ -246,7 +246,7 @@ def test_sliding_window_model_does_not_share(tiny_llama: Path) -> None:
 
 def test_a_group_that_activation_checkpointing_takes_runs_whole_with_unshared_results(tiny_llama: Path) -> None:
     request = grpo_request("importance_sampling")
-    checkpointed = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=0))
+    checkpointed = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=1))
     checkpointed.add_adapter("job", SPEC)
     got = checkpointed.forward_backward("job", request)
     tokens = [np.asarray(datum.tokens) for datum in request.data]
