@@ -68,7 +68,7 @@ from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_discon
 from openrld.api.list_fanout import FANOUT_LISTS, fan_out
 from openrld.api import media
 from openrld.api.proto import forward_backward_model_id
-from openrld.errors import OpenrldError, UserError
+from openrld.errors import BadRequest, OpenrldError, UserError
 from openrld.actors.peer_client import RelayCounters
 
 if TYPE_CHECKING:
@@ -287,17 +287,20 @@ class Relay:
         """The ids a request body names; None if it does not decode (the home app explains why).
 
         A protobuf forward_backward body is read only as far as its model_id: the node that serves it decodes it
-        whole. A body in another type, or compressed, is left to the route that reads it.
+        whole. A JSON body is decompressed first if its Content-Encoding says so; a body in another type is left
+        to the route that reads it.
         """
-        content_type = _header(call.headers, b"content-type")
-        if call.scope["path"] == "/api/v1/forward_backward" and media.form_of_or_none(content_type) is media.Form.PROTOBUF:
-            model_id = forward_backward_model_id(
-                call.body, _header(call.headers, b"content-encoding"), max_body_bytes=self._max_body_bytes
-            )
+        form = media.form_of_or_none(_header(call.headers, b"content-type"))
+        encoding = _header(call.headers, b"content-encoding")
+        if call.scope["path"] == "/api/v1/forward_backward" and form is media.Form.PROTOBUF:
+            model_id = forward_backward_model_id(call.body, encoding, max_body_bytes=self._max_body_bytes)
             return _Ids(model_id=model_id) if model_id is not None else None
+        if form is not media.Form.JSON:
+            return None
         try:
-            return msgspec.json.decode(call.body, type=_Ids)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            raw = media.decompress(call.body, encoding, max_body_bytes=self._max_body_bytes, where="body")
+            return msgspec.json.decode(raw, type=_Ids)
+        except (BadRequest, msgspec.DecodeError, msgspec.ValidationError):
             return None
 
     async def _to_member(self, call: _Call) -> Answer | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import gzip
+import json
 import time
 from pathlib import Path
 
@@ -159,6 +161,15 @@ def test_sampling_through_a_runs_at_the_home_node(jobs) -> None:
         sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
     ).result()
     assert [len(s.tokens) for s in result.sequences] == [4, 4]
+
+
+def test_a_compressed_json_body_is_relayed_to_its_models_home(cluster, jobs) -> None:
+    model_id = jobs["tiny-llama"].model_id
+    response = httpx.post(
+        f"{cluster['node-a'].url}/api/v1/get_info", content=gzip.compress(json.dumps({"model_id": model_id}).encode()),
+        headers={**HEADERS, "Content-Type": "application/json", "Content-Encoding": "gzip"}, timeout=30,
+    )
+    assert (response.status_code, response.json()["model_id"]) == (200, model_id)
 
 
 def test_the_oldest_sdk_runs_its_loop_through_the_front_node(cluster) -> None:
