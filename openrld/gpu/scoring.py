@@ -128,6 +128,7 @@ class BatchScorer:
         # The autograd graph's bytes per token of a forward with grad; measured at the first
         # micro-batch that would need it (`_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
+        self._checkpointed = False  # whether the micro-batch running now is checkpointed (`_checkpointing`)
         # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
         # that a caller that never plans shared groups, such as the Automodel trainer's passes,
         # runs nothing extra).
@@ -318,7 +319,14 @@ class BatchScorer:
         return out.logits  # (B, T, V)
 
     def _chunk_positions(self) -> int:
-        return self.config.logprob_chunk_positions or max(1, self.config.logits_budget_bytes // (4 * self.vocab_size))
+        """Positions per log-softmax chunk. A checkpointed micro-batch (a long one) takes chunks a
+        quarter the size: a chunk's logits live several times over at once (the output layer's,
+        a LoRA's term on it, their sum, the log-softmax, their gradients), which at the full
+        budget was most of what a long datum's step held (SmolLM2 at 4,096 tokens: 2.7 GB peak
+        against 2.2 GB with the smaller chunks). A short one keeps the larger chunks, which
+        its backward then needs not recompute."""
+        budget = self.config.logits_budget_bytes // (4 if self._checkpointed else 1)
+        return self.config.logprob_chunk_positions or max(1, budget // (4 * self.vocab_size))
 
     def _logprobs_at(
         self,
@@ -387,11 +395,13 @@ class BatchScorer:
         off (eval mode). Backward must run within too: it recomputes the checkpointed layers."""
         for layer in self._checkpointed_layers:
             layer.training = on
+        self._checkpointed = on
         try:
             yield
         finally:
             for layer in self._checkpointed_layers:
                 layer.training = False
+            self._checkpointed = False
 
     def _measure_activation_bytes_per_token(self) -> float:
         """The bytes the autograd graph keeps per token of the decoder's forward with grad.
