@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import peft
 import pytest
 import torch
 
@@ -21,6 +20,7 @@ from openrld.batches import LoraSpec, SampleJob, SamplingSpec
 from openrld.gpu import models
 from openrld.gpu.tiny_models import FAMILIES, SLIDING_WINDOW, build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
+from test_torch_sampler import make_lora  # a peft model with random lora_B, and its tensors
 
 CPU = torch.device("cpu")
 LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -108,26 +108,13 @@ def test_a_prompt_sampled_again_takes_its_prefix_from_the_cache_unless_the_model
     np.testing.assert_allclose(again.sequences[0].logprobs, first.sequences[0].logprobs, rtol=0, atol=1e-5)
 
 
-def random_lora(directory: Path, spec: LoraSpec, seed: int) -> tuple[peft.PeftModel, dict[str, torch.Tensor]]:
-    """A peft model whose every lora_B is random (as after training; experts' too), and its tensors."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = peft.get_peft_model(models.load_causal_lm(directory, CPU), models.lora_config(spec))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.05)
-    model.eval()
-    return model, peft.get_peft_model_state_dict(model, adapter_name="default")
-
-
 def test_rows_of_two_adapters_and_the_base_sample_as_their_peft_models_score(family: tuple[str, Path]) -> None:
     arch, directory = family
     spec = LoraSpec(rank=4)
     sampler = TorchSampler(directory, CPU)
     references = {None: models.load_causal_lm(directory, CPU)}
     for version, seed in (("a", 1), ("b", 2)):
-        references[version], tensors = random_lora(directory, spec, seed)
+        references[version], tensors = make_lora(directory, spec, seed)
         sampler.load_version(version, tensors, spec)
     prompt = prompt_of(9, 6)
     requests = {str(version): (version, job(prompt, n=2, max_tokens=24, seed=8)) for version in references}
@@ -143,7 +130,7 @@ def test_a_batch_mixing_two_adapters_samples_as_each_alone(family: tuple[str, Pa
     spec = LoraSpec(rank=4)
     mixed = TorchSampler(directory, CPU)
     for version, seed in (("a", 1), ("b", 2)):
-        mixed.load_version(version, random_lora(directory, spec, seed)[1], spec)
+        mixed.load_version(version, make_lora(directory, spec, seed)[1], spec)
     prompt = prompt_of(11, 4)
     requests = {
         version: (version, job(prompt, n=2, max_tokens=20, seed=5)) for version in ("a", "b")
