@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import tinker
+import torch
 import transformers
 from conftest import Daemon, write_config
 from gemma3_support import gemma3_conversion, seed_gemma3  # noqa: F401  # a fixture
+from safetensors import safe_open
 from tinker import types
 
 pytestmark = pytest.mark.slow
@@ -67,6 +69,19 @@ def sft_losses(service, tokenizer) -> tuple[tinker.TrainingClient, list[float]]:
         training.optim_step(types.AdamParams(learning_rate=SFT_LR)).result()
         losses.append(result.metrics["loss:sum"] / result.metrics["tokens:sum"])
     return training, losses
+
+
+def test_the_gemma3_conversion_is_one_tied_float32_checkpoint_with_15_sliding_layers(gemma3_conversion: Path):
+    config = transformers.AutoConfig.from_pretrained(gemma3_conversion)
+    with safe_open(gemma3_conversion / "model.safetensors", "pt") as weights:
+        names = list(weights.keys())
+    assert (config.architectures, config.dtype, config.tie_word_embeddings) == (
+        ["Gemma3ForCausalLM"], torch.float32, True
+    )
+    assert (config.sliding_window, config.layer_types.count("sliding_attention"), len(config.layer_types)) == (
+        512, 15, 18
+    )
+    assert (len(names), [n for n in names if "lm_head" in n]) == (236, [])  # the unembedding is the embedding
 
 
 def test_gemma3_270m_continues_the_days_of_the_week(service, tokenizer):
