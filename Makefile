@@ -141,6 +141,7 @@ bench: install-test
 	$(PY) bench/console_cost.py
 	$(PY) bench/worker_launchers.py
 	$(PY) bench/automodel_step.py
+	$(PY) bench/long_context.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
