@@ -195,7 +195,7 @@ def build_app(services: Services) -> Gate:
         front,
         directory=directory,
         peers=peers,
-        placement=ClusterPlacer(directory, services.relays),
+        placement=ClusterPlacer(directory, services.relays, services.config.accept_jobs),
         key=key,
         counters=services.relays,
         user_for=services.auth.user_for,

@@ -44,6 +44,24 @@ def test_a_node_gone_since_ranking_is_skipped():
     assert offers.next(MEMBERS.get) is None
 
 
+def test_when_no_node_ranks_the_last_resort_is_asked_alone():
+    exclusive = JobNeeds(base_model="llama", own_group=True, is_exclusive=True)
+    busy = {m.name: m for m in (member("a", free=0), member("b", free=0))}  # the view shows no free device
+    offers = OfferRound(Placer(), busy.values(), exclusive, last_resort="b")
+    assert offers.next(busy.get).name == "b"  # type: ignore[union-attr]
+    assert offers.answered(Reply.NO_ROOM) is False
+    assert offers.next(busy.get) is None
+
+
+def test_the_last_resort_is_not_asked_when_another_node_ranks():
+    exclusive = JobNeeds(base_model="llama", own_group=True, is_exclusive=True)
+    view = {m.name: m for m in (member("a", free=2), member("b", free=0))}
+    offers = OfferRound(Placer(), view.values(), exclusive, last_resort="b")
+    assert offers.next(view.get).name == "a"  # type: ignore[union-attr]
+    assert offers.answered(Reply.NO_ROOM) is False
+    assert offers.next(view.get) is None  # "a" refused: its refusal stands, "b" is not asked
+
+
 def test_a_node_counts_while_it_is_asked_and_is_forgotten_once_it_refuses():
     placer = Placer()
     full = JobNeeds(base_model="llama", own_group=True, is_exclusive=False)

@@ -64,10 +64,16 @@ def needs_of_note(note: JobNote | None) -> JobNeeds:
 class OfferRound:
     """One job's offers: the ranked nodes in turn, each counted by the placer while it is asked."""
 
-    def __init__(self, placer: Placer, members: Iterable[Member], needs: JobNeeds) -> None:
+    def __init__(
+        self, placer: Placer, members: Iterable[Member], needs: JobNeeds, last_resort: str | None = None
+    ) -> None:
         self._placer = placer
         self._needs = needs
         self._order = placer.rank(members, needs)  # node names, best first
+        if not self._order and last_resort is not None:
+            # No node ranks for it in this view, which lags each pool by a refresh: the node that got the
+            # request (when it takes jobs) asks its own pool, the authority, rather than refusing unseen.
+            self._order = [last_resort]
         self._booking: Booking | None = None  # the node being asked now
         self.refused = 0  # nodes that answered NO_ROOM
 
@@ -98,8 +104,9 @@ class OfferRound:
 class ClusterPlacer(Generic[T]):
     """Offers new jobs to the cluster's nodes; the async shell around `OfferRound`."""
 
-    def __init__(self, directory: Directory, counters: RelayCounters) -> None:
+    def __init__(self, directory: Directory, counters: RelayCounters, accept_jobs: bool) -> None:
         self._directory = directory
+        self._last_resort = directory.local_name if accept_jobs else None  # asked when no node ranks
         self._counters = counters  # placed and refused, for /metrics
         self._placer = Placer()  # remembers this node's recent placements across rounds
 
@@ -112,7 +119,7 @@ class ClusterPlacer(Generic[T]):
     ) -> T | None:
         """The answer of the first node that takes the job or fails it; else the last refusal; None if no node
         was offered it. `ask` offers the job to one node and says what its answer means."""
-        offers = OfferRound(self._placer, self._directory.members(), needs)
+        offers = OfferRound(self._placer, self._directory.members(), needs, self._last_resort)
         last: T | None = None
         while (member := offers.next(self._directory.member)) is not None:
             reply, answer = await ask(member)
