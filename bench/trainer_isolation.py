@@ -10,7 +10,8 @@ with the training loop's traffic, with nothing crossing between the two: the cei
 
 - engine: the daemon's `TorchTrainer` (the same `forward_backward_many` and `optim_step` calls as
   train_throughput's engine column) in a child process, 8x128 tokens per step;
-- bare: the bare PyTorch loop of train_throughput, in the same child process, with no traffic;
+- bare: bench/_bare_loop.py's loop (train_throughput's baseline) in the same child process, with the
+  daemon's thread count as the engine (a like-for-like split, not what a user gets), with no traffic;
 - traffic: while the engine steps, one SDK client sends the pipelined loop's requests to a daemon
   on loopback, paced at the bare loop's step time. Per step that is a `forward_backward` of the
   same 8 datums of 128 tokens and an `optim_step`, and their two long-polls. The daemon decodes
@@ -42,8 +43,10 @@ from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
-from train_throughput import RANK, BareLoop, EngineLoop, batch_tokens  # noqa: E402
+from _bare_loop import BareLoop  # noqa: E402
+from _daemon import match_daemon_threads, tiny_daemon, vocab_size  # noqa: E402
+from _workload import RANK, batch_tokens  # noqa: E402
+from train_throughput import EngineLoop  # noqa: E402
 
 SHAPE = (8, 128)
 ROUNDS, STEPS = 4, 6
@@ -52,7 +55,7 @@ ROUNDS, STEPS = 4, 6
 class Traffic:
     """The pipelined training loop's requests, sent from a thread while `running` is set."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, vocab: int) -> None:
         self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         self.training = self.service.create_lora_training_client(base_model="tiny-llama", rank=RANK, seed=0).result()
         self.data = [
@@ -60,7 +63,7 @@ class Traffic:
                 model_input=types.ModelInput.from_ints(row[:-1].tolist()),
                 loss_fn_inputs={"target_tokens": row.tolist()},  # one too many: refused after decoding
             )
-            for row in batch_tokens(*SHAPE)
+            for row in batch_tokens(*SHAPE, vocab)
         ]
         self.step_s = 0.06
         self.steps = 0
@@ -124,7 +127,7 @@ def main() -> None:
             child.stdin.flush()
             return float(child.stdout.readline())
 
-        traffic = Traffic(url)
+        traffic = Traffic(url, vocab_size(model_dir))
         bare, engine, rates = [], [], []
         for _ in range(ROUNDS):
             bare.append(step_s("bare"))
