@@ -24,7 +24,13 @@ Each layer keeps what its kind needs (`LayerKind`), per row:
 A prefill runs on a batch-1 cache from `prefill_cache`, where sliding layers
 keep every position like full ones (the window is applied by the mask): its
 KV is then a plain prefix the prefix cache can keep, and joining the batch
-cuts each sliding layer to its window.
+cuts each sliding layer to its window. A long prompt's prefill may instead be
+`windowed` (the caller decides when: the torch sampler past
+`windowed_prefill_tokens`): its sliding layers are Hugging Face's own and keep
+only their window from chunk to chunk, so their memory stops growing with the
+prompt, and its KV is no plain prefix (the prefix cache cannot take it). A
+windowed cache still has full layers to say its length: models whose every
+attention layer slides are never prefilled windowed (`can_window`).
 
 `KvBatch` knows nothing of requests, sampling or LoRA versions: rows join
 (`join`), advance one token per forward (`mask_and_positions`, `advance`) and
@@ -97,10 +103,19 @@ def prefix_reuse_unsupported(config: transformers.PretrainedConfig) -> str | Non
     return None
 
 
-def prefill_cache(config: transformers.PretrainedConfig) -> transformers.DynamicCache:
-    """An empty batch-1 cache for a prefill: sliding layers keep every position, as full ones do."""
+def can_window(config: transformers.PretrainedConfig) -> bool:
+    """Whether a windowed prefill (sliding layers keep only their window) saves anything and
+    leaves the row's length readable: the model has sliding layers and full ones."""
+    kinds = check_batchable(config)
+    return LayerKind.SLIDING in kinds and LayerKind.FULL in kinds
+
+
+def prefill_cache(config: transformers.PretrainedConfig, *, windowed: bool = False) -> transformers.DynamicCache:
+    """An empty batch-1 cache for a prefill: sliding layers keep every position, as full ones
+    do, unless `windowed` (then they keep their window, as in the running batch)."""
     cache = transformers.DynamicCache(config=config)
-    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    if not windowed:
+        cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -117,14 +132,23 @@ def cache_tensors(cache: transformers.DynamicCache) -> KvLayers:
     return out
 
 
-def cache_holding(config: transformers.PretrainedConfig, layers: KvLayers) -> transformers.DynamicCache:
-    """A prefill cache that holds `layers` (each (1, H, L, D)) as its positions 0 .. L-1, to run more after."""
-    cache = prefill_cache(config)
+def cache_holding(
+    config: transformers.PretrainedConfig, layers: KvLayers, *, windowed: bool = False
+) -> transformers.DynamicCache:
+    """A prefill cache that holds `layers` (each (1, H, L, D)) as its positions 0 .. L-1, to run
+    more after; `windowed` as in `prefill_cache` (its sliding layers keep their last w - 1)."""
+    cache = prefill_cache(config, windowed=windowed)
     if len(cache.layers) != len(layers):
         raise ValueError(f"{len(layers)} cached layers for a model of {len(cache.layers)}")
     for layer, tensors in zip(cache.layers, layers):
-        if tensors is not None:
-            _assign(layer, *tensors)
+        if tensors is None:
+            continue
+        keys, values = tensors
+        if type(layer) is DynamicSlidingWindowLayer:
+            # What the layer's own update would have kept, and how far its positions reach.
+            layer.cumulative_length = keys.shape[2]
+            keys, values = keys[:, :, -(layer.sliding_window - 1) :], values[:, :, -(layer.sliding_window - 1) :]
+        _assign(layer, keys, values)
     return cache
 
 
@@ -314,12 +338,14 @@ def _columns(kind: LayerKind, layer: object, width: int) -> int:
 
 
 def _row_length(layers: KvLayers, kinds: list[LayerKind]) -> int:
-    """A prefill cache's positions: the columns of its attention layers (which keep all of them)."""
-    for tensors, kind in zip(layers, kinds):
-        if kind in (LayerKind.FULL, LayerKind.SLIDING):
-            if tensors is None or tensors[0].shape[0] != 1:
-                raise ValueError("join takes batch-1 prefill caches")
-            return tensors[0].shape[2]
+    """A prefill cache's positions: the columns of its full layers, which keep all of them (a
+    windowed prefill's sliding layers keep only their window), else of its sliding layers."""
+    for wanted in (LayerKind.FULL, LayerKind.SLIDING):
+        for tensors, kind in zip(layers, kinds):
+            if kind is wanted:
+                if tensors is None or tensors[0].shape[0] != 1:
+                    raise ValueError("join takes batch-1 prefill caches")
+                return tensors[0].shape[2]
     raise ValueError("a cache without attention layers has no length")
 
 
@@ -331,9 +357,13 @@ def _is_prefix(view: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 def _grow(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Buffers holding `keys` and `values` (B, H, W, D) in their first W columns, with room for
-    as many again (at least 32): appends copy the cache once per doubling, not once per step."""
+    a quarter as many again (at least 32): appends copy the cache once per W/4 steps, not once
+    per step. A quarter, not a doubling: after a 32k-token prompt joins, a doubling would hold
+    room for 32k more positions that a request rarely generates (up to 2x the KV, issue 36),
+    while the copies it saves are 4 columns a step against the W columns each step's attention
+    reads anyway."""
     batch, heads, width, dim = keys.shape
-    capacity = width + max(32, width)
+    capacity = width + max(32, width // 4)
     room_keys = keys.new_empty((batch, heads, capacity, dim))
     room_values = values.new_empty((batch, heads, capacity, values.shape[3]))
     room_keys[:, :, :width] = keys

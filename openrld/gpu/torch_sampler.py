@@ -8,9 +8,11 @@ step-level scheduler, driven by its caller:
 
 - `add(request_id, version, job)` validates a `SampleJob` and queues it.
 - `step()` admits queued requests (prefill: each prompt runs once, in chunks
-  of `prefill_chunk_tokens`, and every sample's first token is drawn from
-  that one prefill; prompts admitted in one step that each fit a chunk share
-  one left-padded forward), moves prefilled samples into free batch rows,
+  of at most `prefill_chunk_tokens`, shorter where a chunk's attention mask
+  and logits would pass `prefill_budget_bytes` (`prefill_chunks`), and every
+  sample's first token is drawn from that one prefill; prompts admitted in one
+  step that each fit a chunk share one left-padded forward), moves prefilled
+  samples into free batch rows,
   runs one decode forward for every running row, and retires the rows that
   finished. It returns the requests that completed in this step.
 - `cancel(request_id)` drops a request wherever it is, freeing its rows.
@@ -50,6 +52,20 @@ linear-attention layers (Qwen3.5): their state after a prefix is not kept at
 block boundaries, so every prompt is prefilled whole. For sliding-window
 models a finished row longer than its window is not kept (the batch holds
 only the window of it); its prompt's blocks were kept at its prefill.
+
+Long prompts on sliding-window models: a prefill keeps every position of its
+sliding layers, so that its KV is a plain prefix for the prefix cache; past
+`windowed_prefill_tokens` the memory wins instead, and the prefill's sliding
+layers keep only their window (`kv_batch`, windowed). Such a prompt may take a
+cached prefix but never enters the prefix cache. Why memory wins there: the
+sliding layers' KV is most of such a model's (Gemma 3 270M: 15 of 18 layers,
+window 512), so at 32k positions keeping every one of them holds ~30x what
+the window does, for blocks the prefix cache (256 MiB by default) could keep
+only the head of anyway.
+
+Context: a request whose prompt plus max_tokens passes the model's context is
+refused (BadRequest naming the limit); with max_tokens None a sample ends with
+"length" at the context.
 
 `prompt_cache_hit_tokens`: the prompt positions taken from the prefix cache;
 and since a request's n samples all start from its one prefilled KV cache,
@@ -91,10 +107,12 @@ from openrld.gpu.kv_batch import (
     UnsupportedCache,
     cache_holding,
     cache_tensors,
+    can_window,
     prefill_cache,
     prefix_reuse_unsupported,
 )
 from openrld.gpu.lora_versions import LoraVersions
+from openrld.gpu.prefill_chunks import chunk_spans
 from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
@@ -118,6 +136,15 @@ UNIFORM_BLOCK = 32  # uniforms a sample draws from its generator at once
 # RL step's shared prefixes and the recent turns of a few dozen episodes); a model 10x
 # larger per token still keeps a few hundred tokens, a system prompt.
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+# What one prefill chunk's attention mask and logits may hold: the trainer's logits budget.
+# At 32k cached positions a chunk's mask takes ~160 KiB a position (fp32 + bool), so ~1,600
+# positions a chunk; scoring SmolLM2's 49k vocabulary adds ~590 KiB a position.
+DEFAULT_PREFILL_BUDGET_BYTES = 256 * 2**20
+# Past this many prompt positions, a sliding-window model's prefill keeps only each sliding
+# layer's window; a shorter prompt keeps every position, for the prefix cache. Gemma 3 270M
+# keeps ~36 KiB a position with every one: 8k positions are ~290 MiB, past the prefix cache's
+# default budget, so longer prompts could only ever be cached in part.
+DEFAULT_WINDOWED_PREFILL_TOKENS = 8192
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -254,8 +281,14 @@ class TorchSampler(offload.ParksInSlot):
         device, dtype: where and in what the model computes (dtype: `models.pick_dtype`).
         decode_batch_rows: at most this many samples decode together; a request
             with more samples moves them into rows as rows free up.
-        prefill_chunk_tokens: a prompt is prefilled this many tokens at a time,
-            which bounds the prompt-logits memory to (chunk, vocab).
+        prefill_chunk_tokens: a prompt is prefilled at most this many tokens at a
+            time.
+        prefill_budget_bytes: and fewer where a chunk's attention mask (chunk, its
+            end) and its needed logits (chunk, vocab) would hold more than this; so
+            a long prompt's prefill memory stays bounded however long it grows.
+        windowed_prefill_tokens: on a model with sliding-window layers, a longer
+            prompt prefills with those layers keeping only their window, and is not
+            kept in the prefix cache (see the module docstring).
         prefill_tokens_per_step: one step prefills new prompts up to this many
             tokens (always at least one prompt), so that admitting a burst of
             requests does not stall the running rows for long.
@@ -277,11 +310,14 @@ class TorchSampler(offload.ParksInSlot):
         decode_batch_rows: int = 256,
         prefill_chunk_tokens: int = 1024,
         prefill_tokens_per_step: int = 2048,
+        prefill_budget_bytes: int = DEFAULT_PREFILL_BUDGET_BYTES,
+        windowed_prefill_tokens: int = DEFAULT_WINDOWED_PREFILL_TOKENS,
         fused_forward: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> None:
         assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
+        assert prefill_budget_bytes >= 1 and windowed_prefill_tokens >= 1
         self._device = device
         self._model = models.load_causal_lm(model_dir, device, dtype)
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
@@ -293,6 +329,9 @@ class TorchSampler(offload.ParksInSlot):
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
+        self._prefill_budget_bytes = prefill_budget_bytes
+        # A longer prompt prefills windowed; None: this model has nothing to window.
+        self._windowed_prefill_tokens = windowed_prefill_tokens if can_window(self._model.config) else None
         # The fused forward binds to peft's linears (the first adapter swaps them in) and their
         # adapters; peft's expert wrappers (MoE models) get a forward that serves mixed batches.
         self._mixed_experts = False  # whether peft wrapped MoE experts (`moe_lora`)
@@ -664,14 +703,14 @@ class TorchSampler(offload.ParksInSlot):
         work = _PromptWork.of(request, self._device)
         if work is None:
             return []
-        prompt, prompt_len = work.prompt, len(work.prompt)
+        prompt = work.prompt
+        windowed = self._is_windowed(request)
         if request.prefix is not None:
-            cache = cache_holding(self._model.config, request.prefix)
+            cache = cache_holding(self._model.config, request.prefix, windowed=windowed)
             request.prefix = None
         else:
-            cache = prefill_cache(self._model.config)
-        for start in range(request.cache_hit_tokens, prompt_len, self._prefill_chunk_tokens):
-            end = min(start + self._prefill_chunk_tokens, prompt_len)
+            cache = prefill_cache(self._model.config, windowed=windowed)
+        for start, end in self._chunk_spans(request, work):
             lo = max(start, work.first_needed)
             # logits_to_keep=0 would mean "all", so a chunk that needs none still keeps one row.
             keep = end - lo if lo < end else 1
@@ -683,8 +722,27 @@ class TorchSampler(offload.ParksInSlot):
             self._prompt_tokens_prefilled += end - start
             work.take(logits, lo, end)
         layers = cache_tensors(cache)
-        self._keep_prefix(request, request.prompt_ids, layers)
+        if not windowed:  # a windowed cache's sliding layers hold no plain prefix
+            self._keep_prefix(request, request.prompt_ids, layers)
         return self._prefilled_into(request, work, layers)
+
+    def _is_windowed(self, request: _Request) -> bool:
+        """Whether the request's prefill keeps only each sliding layer's window."""
+        limit = self._windowed_prefill_tokens
+        return limit is not None and len(request.job.prompt) > limit
+
+    def _chunk_spans(self, request: _Request, work: _PromptWork) -> list[tuple[int, int]]:
+        """The position spans the prefill computes, each chunk's mask and logits within the budget."""
+        prompt_len = len(work.prompt)
+        element = self._model.get_input_embeddings().weight.element_size()
+        return list(chunk_spans(
+            request.cache_hit_tokens, prompt_len,
+            cap_tokens=self._prefill_chunk_tokens,
+            budget_bytes=self._prefill_budget_bytes,
+            key_bytes=element + 1,  # the bool mask and the additive one in the model's dtype
+            logit_bytes=self._vocab * (element + 4 + 4),  # logits, as fp32, and their log-softmax
+            first_scored=work.first_needed if work.scores else prompt_len,
+        ))
 
     def _prefill_together(self, requests: list[_Request]) -> list[tuple[_Request, torch.Tensor]]:
         """`_prefill` for several requests whose prompts (after their cached prefixes) share one
