@@ -1,134 +1,87 @@
 """Sampling throughput through the API, as ratios to Hugging Face `generate` and to one client.
 
-On the tiny Llama, every sample generates exactly NEW_TOKENS tokens (stop=[], so no EOS
-ends one early) from a PROMPT_TOKENS-token prompt at temperature 1:
+On the tiny Llama and on SmolLM2-135M-Instruct, every sample generates exactly NEW_TOKENS tokens
+(stop=[], so no EOS ends one early) from a 32-token prompt at temperature 1:
 
-- HF: `model.generate(do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)`
-  in this process, batch 1 and batch 8 (the prompt repeated), KV cache on;
-- API: the real SDK against a real daemon on loopback, one `sample` call with
-  num_samples = 1 or 8 (the engine prefills the prompt once and decodes the 8 together);
-- concurrency: 4 SDK clients (threads, one ServiceClient each) each sampling batch 1
-  REPEATS times at once, against 1 client doing the same alone.
+- baseline: `model.generate(do_sample=True, min_new_tokens=max_new_tokens=NEW_TOKENS)` with the KV
+  cache, batch 1 and batch 8 (the prompt repeated), as a researcher runs it: bench/_hf_generate.py
+  in a process of its own that never imports openrld, with transformers' and torch's defaults
+  (the checkpoint's dtype, torch's own threads and wait policy);
+- API: `openrld serve` with its default config, and the real SDK in a process of its own
+  (bench/_sdk_loop.py): one `sample` call with num_samples = 1 or 8 (the engine prefills the
+  prompt once and decodes the 8 together);
+- concurrency: 4 SDK clients (threads of that process, one ServiceClient each) each sampling
+  batch 1 REPEATS times at once, against 1 client doing the same alone.
 
-HF and API blocks alternate, so drift in this shared machine's speed hits both.
-Each figure is a median over ROUNDS rounds. One round's measurement is short
-(a 4-client burst is ~0.2 s) and this 2-core VM's speed swings by up to 2x
-from one burst to the next, so a median of 5 rounds still moved the
-concurrency ratio by +-0.35 between consecutive windows; 15 rounds took that
-to +-0.1-0.2 (40 rounds of 1-vs-4 bursts, medians over sliding windows).
-Printed figures, all measured in this run:
+Rounds alternate: API, then baseline, then the clients; each round's ratios are printed, then
+the medians. One round of the tiny model is short (a 4-client burst is ~0.2 s) and this shared
+machine's speed swings by up to 2x from one burst to the next, hence its 15 rounds. Printed:
 
     batch 1 ratio      = API tokens/s / HF tokens/s at batch 1    (target >= 1.0)
     batch 8 ratio      = API tokens/s / HF tokens/s at batch 8    (target >= 1.5)
     concurrency ratio  = total tokens/s of 4 clients / 1 client   (target >= 2.5)
 
-Run: `.venv/bin/python bench/sample_throughput.py` (about 2 minutes on 2 CPU cores).
+Run: `.venv/bin/python bench/sample_throughput.py` (`--models tiny-llama` for the tiny model alone,
+`--rounds N` for N rounds of each model).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
-
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baseline too
-import tinker
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import match_daemon_threads, tiny_daemon  # noqa: E402
+from _daemon import bench_models, child, daemon, vocab_size  # noqa: E402
+from _workload import PROMPT_TOKENS, prompt  # noqa: E402
 
-from openrld.gpu.models import load_causal_lm  # noqa: E402
-
-PROMPT_TOKENS, NEW_TOKENS = 32, 64
-ROUNDS, REPEATS, CLIENTS = 15, 3, 4
-PROMPT = [(7 * i) % 370 + 5 for i in range(PROMPT_TOKENS)]
-
-
-def hf_tokens_per_s(model: torch.nn.Module, batch: int) -> float:
-    ids = torch.tensor([PROMPT] * batch)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
-        )
-    seconds = time.perf_counter() - start
-    assert out.shape == (batch, PROMPT_TOKENS + NEW_TOKENS)
-    return batch * NEW_TOKENS / seconds
+NEW_TOKENS, REPEATS, CLIENTS = 64, 3, 4
+ROUNDS = {"tiny-llama": 15, "smollm2": 3}
+TARGETS = {"batch 1": 1.0, "batch 8": 1.5, "clients": 2.5}
 
 
-def params() -> tinker.SamplingParams:
-    return tinker.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
+def measure(name: str, model_dir: Path, rounds: int) -> None:
+    vocab = vocab_size(model_dir)
+    ids = prompt(vocab)
+    with daemon({name: model_dir}) as url, child("_sdk_loop.py", url, name, vocab) as sdk, \
+            child("_hf_generate.py", model_dir) as hf:
 
+        def api(batch: int) -> float:
+            return batch * NEW_TOKENS / sdk.call("sample", batch=batch, new_tokens=NEW_TOKENS, lora=False)
 
-def api_tokens_per_s(sampling: tinker.SamplingClient, batch: int) -> float:
-    start = time.perf_counter()
-    result = sampling.sample(tinker.ModelInput.from_ints(PROMPT), batch, params()).result()
-    seconds = time.perf_counter() - start
-    tokens = sum(len(s.tokens) for s in result.sequences)
-    assert tokens == batch * NEW_TOKENS, tokens
-    return tokens / seconds
+        def baseline(batch: int) -> float:
+            return hf.call(prompt=ids, batch=batch, new_tokens=NEW_TOKENS)["tokens_per_s"]
 
-
-def clients_tokens_per_s(url: str, clients: int) -> float:
-    """Total tokens/s of `clients` SDK clients, each with REPEATS batch-1 samples in flight."""
-    services = [tinker.ServiceClient(base_url=url, api_key="tml-bench") for _ in range(clients)]
-    samplers = [s.create_sampling_client(base_model="tiny-llama").result() for s in services]
-    for sampling in samplers:
-        sampling.sample(tinker.ModelInput.from_ints(PROMPT), 1, params()).result()  # connections warm
-    counts = [0] * clients
-    barrier = threading.Barrier(clients + 1)
-
-    def run(index: int) -> None:
-        barrier.wait()
-        futures = [samplers[index].sample(tinker.ModelInput.from_ints(PROMPT), 1, params()) for _ in range(REPEATS)]
-        counts[index] = sum(len(f.result().sequences[0].tokens) for f in futures)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - start
-    for service in services:
-        service.close("success").result()
-    assert sum(counts) == clients * REPEATS * NEW_TOKENS
-    return sum(counts) / seconds
+        api(1), baseline(1)  # warm-up: model load, first connections
+        ratios: dict[str, list[float]] = {key: [] for key in TARGETS}
+        for index in range(rounds):
+            line = []
+            for batch in (1, 8):
+                ours, theirs = api(batch), baseline(batch)
+                ratios[f"batch {batch}"].append(ours / theirs)
+                line.append(f"batch {batch}: API {ours:7.1f} tok/s, HF {theirs:7.1f} tok/s, {ours / theirs:.2f}")
+            one = sdk.call("clients", clients=1, repeats=REPEATS, new_tokens=NEW_TOKENS)
+            many = sdk.call("clients", clients=CLIENTS, repeats=REPEATS, new_tokens=NEW_TOKENS)
+            ratios["clients"].append(many / one)
+            line.append(f"{CLIENTS} clients {many:7.1f} tok/s, 1 client {one:7.1f} tok/s, {many / one:.2f}")
+            print(f"{name:10s} round {index + 1}: " + "; ".join(line), flush=True)
+    for key, target in TARGETS.items():
+        print(f"{name:10s} {key:8s} median ratio {statistics.median(ratios[key]):.2f} (target >= {target}), "
+              f"rounds {min(ratios[key]):.2f} to {max(ratios[key]):.2f}", flush=True)
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    match_daemon_threads()
-    with tiny_daemon() as (url, model_dir):
-        model = load_causal_lm(model_dir, torch.device("cpu"))
-        service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
-        sampling = service.create_sampling_client(base_model="tiny-llama").result()
-        api_tokens_per_s(sampling, 1)  # warm-up: model load, first connections
-        hf_tokens_per_s(model, 1)
-        figures: dict[str, list[float]] = {}
-        for _ in range(ROUNDS):
-            for batch in (1, 8):
-                figures.setdefault(f"hf{batch}", []).append(hf_tokens_per_s(model, batch))
-                figures.setdefault(f"api{batch}", []).append(api_tokens_per_s(sampling, batch))
-            figures.setdefault("one", []).append(clients_tokens_per_s(url, 1))
-            figures.setdefault("many", []).append(clients_tokens_per_s(url, CLIENTS))
-        service.close("success").result()
-    median = {key: statistics.median(values) for key, values in figures.items()}
-    print(f"prompt {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens per sample, medians of {ROUNDS} rounds")
-    for batch, target in ((1, 1.0), (8, 1.5)):
-        api, hf = median[f"api{batch}"], median[f"hf{batch}"]
-        print(f"batch {batch}: API {api:8.1f} tok/s  HF generate {hf:8.1f} tok/s  ratio {api / hf:.2f} (target >= {target})")
-    one, many = median["one"], median["many"]
-    print(
-        f"{CLIENTS} clients x {REPEATS} samples: {many:8.1f} tok/s  1 client: {one:8.1f} tok/s  "
-        f"ratio {many / one:.2f} (target >= 2.5)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(ROUNDS), choices=list(ROUNDS))
+    parser.add_argument("--rounds", type=int, help="rounds of each model (default: 15 tiny-llama, 3 smollm2)")
+    args = parser.parse_args()
+    print(f"prompt {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens per sample; "
+          f"ratios: API/HF generate at batch 1 and 8, {CLIENTS} clients / 1 client", flush=True)
+    with bench_models(args.models) as models:
+        for name, model_dir in models:
+            measure(name, model_dir, args.rounds or ROUNDS[name])
 
 
 if __name__ == "__main__":
