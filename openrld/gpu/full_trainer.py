@@ -39,6 +39,7 @@ import torch
 from openrld.batches import LoraSpec
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import delta, full_io, lora_io, offload, train_steps
+from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.optim import AdamW, Optimizer
 from openrld.gpu.scoring import TrainerConfig
@@ -89,6 +90,8 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         self.device = device
         self.config = config
         self._model = load_causal_lm(model_dir, device, dtype)
+        # Sliding layers attend in O(tokens × window), not over a dense tokens² mask: long datums fit.
+        use_long_attention(self._model)
         # named_parameters() lists a tied weight once: it is one tensor, trained once.
         self._params = dict(self._model.named_parameters())
         self._passes = train_steps.TrainingPasses(self._model, device, config)

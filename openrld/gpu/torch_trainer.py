@@ -46,6 +46,7 @@ import torch
 from openrld.batches import LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io, offload, train_steps
+from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import Optimizer, optimizer_for
 from openrld.gpu.peft_export import save_peft_adapter
@@ -105,6 +106,8 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         # architectures): why, as the 400 that refuses such an adapter at creation.
         self._unembed_refusal = unembed_refusal
         self._model = load_causal_lm(model_dir, device, dtype)  # peft injects its layers into this object
+        # Sliding layers attend in O(tokens × window), not over a dense tokens² mask: long datums fit.
+        use_long_attention(self._model)
         self._peft: peft.PeftModel | None = None  # created with the first adapter
         self._adapters: dict[str, _Adapter] = {}
         self._active: str | None = None
