@@ -176,3 +176,20 @@ def test_parts_that_do_not_assemble_to_their_sha256_fail_the_conversion(tiny_lla
         GgufConverter(board).ensure(entry)
     assert board.get("parted").stage is Stage.FAILED
     assert list((tmp_path / "cache" / "packaged").iterdir()) == []
+
+
+def test_the_file_is_parsed_once_for_tokenizer_config_and_weights(
+    tiny_llama_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from openrld.gpu import gguf_convert
+
+    parsed: list[str] = []
+
+    def counting_reader(path, mode="r"):  # type: ignore[no-untyped-def]
+        parsed.append(str(path))
+        return original(path, mode)
+
+    original = gguf_convert._READER
+    monkeypatch.setattr(gguf_convert, "_READER", counting_reader)
+    GgufConverter(ProgressBoard()).ensure(_entry(tiny_llama_gguf, tmp_path))
+    assert parsed == [str(tiny_llama_gguf)]
