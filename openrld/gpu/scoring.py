@@ -25,6 +25,10 @@ would pass `activation_budget_bytes` recomputes each decoder layer in backward, 
 datum keeps about one layer's activations instead of all of them; short RL micro-batches
 run plain and pay no recompute.
 
+A datum whose step would not fit in the memory the device can give (`gpu/memory_fit.py`'s
+estimate from the same bytes per token, against `TrainerConfig.available_memory_bytes` or what
+the device reports) is refused with a 400 before any compute, not run into an out-of-memory kill.
+
 Guarantees: a request is validated whole before any compute, and under
 `gradients_set_aside` a failed request (bad input or a non-finite loss) leaves the
 trainable tensors' accumulated gradients exactly as they were. Shared prefixes change no
@@ -48,7 +52,7 @@ import torch.utils.checkpoint
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, TrainDatum
 from openrld.errors import BadRequest
-from openrld.gpu import losses, shared_prefix
+from openrld.gpu import losses, memory_fit, shared_prefix
 from openrld.gpu.models import max_context, vocab_size
 from openrld.gpu.shared_prefix import SharedPrefixes
 
@@ -80,12 +84,18 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     # then their suffixes as one batch on the prefix's cache; 0 runs every datum whole. Below
     # ~32 tokens the saving is smaller than the second pass's overhead.
     min_shared_prefix: int = 32
+    # The memory one datum's training step may use, against `memory_fit`'s estimate of it: a
+    # datum over it is refused with a 400, not run into an out-of-memory kill. 0: what the
+    # device can give when the request comes (`memory_fit.available_memory`).
+    available_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
         if self.activation_budget_bytes < 0:
             raise ValueError(f"TrainerConfig.activation_budget_bytes must be >= 0; got {self}")
+        if self.available_memory_bytes < 0:
+            raise ValueError(f"TrainerConfig.available_memory_bytes must be >= 0; got {self}")
         if self.min_shared_prefix < 0:
             raise ValueError(f"TrainerConfig.min_shared_prefix must be >= 0; got {self.min_shared_prefix}")
 
@@ -126,7 +136,7 @@ class BatchScorer:
         budget = config.activation_budget_bytes
         self._activation_budget = budget or default_activation_budget(device)
         # The autograd graph's bytes per token of a forward with grad; measured at the first
-        # micro-batch that would need it (`_checkpoints`), when the trainable tensors exist.
+        # request with grad (`check_fits`, `_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
         self._checkpointed = False  # whether the micro-batch running now is checkpointed (`_checkpointing`)
         # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
@@ -154,6 +164,8 @@ class BatchScorer:
         requests = []
         for batch in batches:
             self.check_model_inputs(batch.data)
+            if not forward_only:  # without a graph to keep, a forward holds about one layer at a time
+                self.check_fits(batch.data)
             requests.append(
                 losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self.vocab_size)
             )
@@ -249,6 +261,34 @@ class BatchScorer:
                     f"expected ids in [0, {self._input_vocab_size})",
                     key="model_input",
                 )
+
+    def check_fits(self, data: Sequence[TrainDatum]) -> None:
+        """Refuse a datum whose training step would not fit in the memory the device can give
+        (`memory_fit`): a 400 that names its tokens, the estimate and the limit.
+
+        Raises:
+            BadRequest: the first datum over the limit.
+        """
+        limit = self.config.available_memory_bytes or memory_fit.available_memory(self.device)
+        for index, datum in enumerate(data):
+            tokens = len(datum.tokens)
+            refusal = memory_fit.fit_refusal(index, tokens, self.step_bytes(tokens), limit)
+            if refusal is not None:
+                raise BadRequest(refusal, key="model_input")
+
+    def step_bytes(self, tokens: int) -> int:
+        """`memory_fit.step_bytes` for one datum of `tokens` tokens on this model; the first call
+        measures the bytes a token keeps (two probe forwards)."""
+        return memory_fit.step_bytes(
+            tokens,
+            self._bytes_per_token(),
+            len(self._checkpointed_layers),
+            self._model.config.get_text_config().hidden_size,
+            self._model.get_input_embeddings().weight.element_size(),
+            # A checkpointed step's logits chunk is a quarter of the budget and lives about four
+            # times over (`_chunk_positions`): the whole budget.
+            self.config.logits_budget_bytes,
+        )
 
     def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
         """lp of one micro-batch in the packed layout of losses.py: (M,) float32, M = Σ targets.size.
@@ -382,11 +422,17 @@ class BatchScorer:
 
     def _checkpoints(self, padded_tokens: int) -> bool:
         """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed."""
-        if not self._checkpointed_layers or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return False
+        # Measured even with checkpointing off: `check_fits` estimates a datum's step from it.
+        per_token = self._bytes_per_token()
+        return bool(self._checkpointed_layers) and padded_tokens * per_token > self._activation_budget
+
+    def _bytes_per_token(self) -> float:
+        """The graph's bytes per token (`_measure_activation_bytes_per_token`), measured at first use."""
         if self._activation_bytes_per_token is None:
             self._activation_bytes_per_token = self._measure_activation_bytes_per_token()
-        return padded_tokens * self._activation_bytes_per_token > self._activation_budget
+        return self._activation_bytes_per_token
 
     @contextlib.contextmanager
     def _checkpointing(self, on: bool) -> Iterator[None]:
