@@ -37,7 +37,7 @@ each round's throughput ratio is printed, then the medians per side. Printed fig
 Each process's peak counts only its own work: the baseline's process runs the bare loop alone.
 
 Run: `.venv/bin/python bench/train_throughput.py` (`--models tiny-llama`, `--shapes 8x128`,
-`--rounds N` for less of it).
+`--rounds N`, `--steps N` for less of it).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def daemon_pid(config_dir: Path) -> int:
     return pids[0]
 
 
-def measure(name: str, model_dir: Path, shapes: tuple[tuple[int, int], ...], rounds: int | None) -> None:
+def measure(name: str, model_dir: Path, shapes: tuple[tuple[int, int], ...], rounds: int | None, steps: int) -> None:
     vocab = vocab_size(model_dir)
     with contextlib.ExitStack() as stack:
         roots = [Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openrld-bench-"))) for _ in range(2)]
@@ -144,8 +144,8 @@ def measure(name: str, model_dir: Path, shapes: tuple[tuple[int, int], ...], rou
                 sides[column](shape, WARMUP)
             for index in range(rounds or ROUNDS.get((name, *shape), 2)):
                 for column in COLUMNS:
-                    times[column] += sides[column](shape, STEPS)
-                b, a = (statistics.median(times[column][-STEPS:]) for column in ("bare", "pipelined"))
+                    times[column] += sides[column](shape, steps)
+                b, a = (statistics.median(times[column][-steps:]) for column in ("bare", "pipelined"))
                 print(f"{name:10s} {shape[0]:>3}x{shape[1]:<5} round {index + 1}: bare {b * 1e3:8.1f} ms  "
                       f"API pipelined {a * 1e3:8.1f} ms  throughput ratio {b / a:.3f}", flush=True)
             medians.append((shape, {column: statistics.median(values) for column, values in times.items()}))
@@ -184,13 +184,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--shapes", nargs="+", type=parse_shape, help="e.g. 8x128 32x256 (default: each model's own)")
     parser.add_argument("--rounds", type=int, help="rounds of each shape (default: ROUNDS)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps a side per round")
     args = parser.parse_args()
     torch.manual_seed(0)
     threads = match_daemon_threads()  # the engine column's, as the daemon's; the baseline keeps torch's own
-    print(f"LoRA rank {RANK}, {STEPS} steps a side per round; engine column: {threads} torch threads", flush=True)
+    print(f"LoRA rank {RANK}, {args.steps} steps a side per round; engine column: {threads} torch threads", flush=True)
     with bench_models(args.models) as models:
         for name, model_dir in models:
-            measure(name, model_dir, tuple(args.shapes or SHAPES[name]), args.rounds)
+            measure(name, model_dir, tuple(args.shapes or SHAPES[name]), args.rounds, args.steps)
 
 
 if __name__ == "__main__":
