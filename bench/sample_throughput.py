@@ -54,7 +54,8 @@ def measure(name: str, model_dir: Path, rounds: int) -> None:
         def baseline(batch: int) -> float:
             return hf.call(prompt=ids, batch=batch, new_tokens=NEW_TOKENS)["tokens_per_s"]
 
-        api(1), baseline(1)  # warm-up: model load, first connections
+        api(1)  # warm-up: model load, first connections
+        baseline(1)
         ratios: dict[str, list[float]] = {key: [] for key in TARGETS}
         for index in range(rounds):
             line = []
