@@ -174,6 +174,10 @@ class Daemon:
         self.url = ""
 
     def start(self) -> "Daemon":
+        return self.launch().ready()
+
+    def launch(self) -> "Daemon":
+        """The process started, not yet listening: several daemons start side by side, then `ready` each."""
         env = loop_watched_env(dict(os.environ, PYTHONUNBUFFERED="1"))
         _watched_logs.add(self.log_path)
         log = open(self.log_path, "a")
@@ -185,6 +189,11 @@ class Daemon:
             text=True,
             env=env,
         )
+        return self
+
+    def ready(self) -> "Daemon":
+        """Wait for the launched daemon's "listening" line; its URL is then known."""
+        assert self.proc is not None, "ready() before launch()"
         deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:

@@ -50,11 +50,22 @@ def cluster_config(name: str, join: list[str], extra: str = "") -> str:
 
 
 def start_cluster(root: Path, models: dict[str, Path], extras: dict[str, str]) -> dict[str, Daemon]:
+    """The first node, then the others side by side, each joining through the first."""
     daemons: dict[str, Daemon] = {}
     for name, extra in extras.items():
         seeds = [next(iter(daemons.values())).url.removeprefix("http://")] if daemons else []
         config = write_config(root / f"{name}.toml", root / name, models, cluster_config(name, seeds, extra))
-        daemons[name] = Daemon(root / name, config, root / f"{name}.log").start()
+        daemons[name] = Daemon(root / name, config, root / f"{name}.log").launch()
+        if not seeds:
+            daemons[name].ready()  # the others need its address
+    try:
+        for daemon in daemons.values():
+            if not daemon.url:
+                daemon.ready()
+    except BaseException:
+        for daemon in daemons.values():
+            daemon.stop()
+        raise
     return daemons
 
 

@@ -41,10 +41,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[
     root = tmp_path_factory.mktemp("cluster")
     daemons: dict[str, Daemon] = {}
     try:
-        for name in ("node-a", "node-b", "node-c"):
+        for name in ("node-a", "node-b", "node-c"):  # node-a first, then the two joining it side by side
             seeds = [daemons["node-a"].url.removeprefix("http://")] if daemons else []
             config = write_config(root / f"{name}.toml", root / name, {"tiny-llama": tiny_llama}, cluster_config(name, seeds))
-            daemons[name] = Daemon(root / name, config, root / f"{name}.log").start()
+            daemons[name] = Daemon(root / name, config, root / f"{name}.log").launch()
+            if not seeds:
+                daemons[name].ready()
+        for daemon in daemons.values():
+            if not daemon.url:
+                daemon.ready()
         yield daemons
     finally:
         for daemon in daemons.values():

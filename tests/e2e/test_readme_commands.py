@@ -128,7 +128,7 @@ def _workload_command(target: str) -> list[str]:
 
 def test_make_sql_sweep_runs_a_job_and_writes_the_leaderboard_and_curves(node: str, tmp_path: Path):
     argv = _workload_command("sql-sweep")
-    small = "--steps 1 --eval-every 1 --jobs 1 --rounds 1 --lr 1e-3 --heldout-fraction 0.05 --questions-per-step 1 --group-size 2"
+    small = "--steps 1 --eval-every 1 --jobs 1 --rounds 1 --lr 1e-3 --heldout-fraction 0.05 --questions-per-step 1 --group-size 2 --max-tokens 16"
     argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'sql_sweep'}"
     out = _run(argv)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -141,7 +141,7 @@ def test_make_agentic_runs_a_step_in_bubblewrap_and_writes_its_records_and_curve
     if not Path("/usr/bin/bwrap").exists():
         pytest.skip("bubblewrap is missing (make install-test installs it)")
     argv = _workload_command("agentic")
-    small = "--steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2"
+    small = "--steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2 --max-generation-tokens 16"
     argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'agentic'}"
     out = _run(argv)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
