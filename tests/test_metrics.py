@@ -13,8 +13,9 @@ from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
 from openrld.loop_watch import LoopWatchStatistics
-from openrld.actors.peer_client import RelayStatistics
-from openrld.api.sdk_versions import SdkVersionStatistics
+from openrld.actors.peer_client import RelayCounters, RelayStatistics
+from openrld.actors.stability import StabilityStatistics
+from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionStatistics
 from openrld.api.metrics import LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RequestMetrics, render_prometheus
 from openrld.store import StoreStatistics
 
@@ -102,6 +103,7 @@ def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
         openrld_sampler_prompt_cache_hit_tokens_total{{{label}}} 0
         openrld_weight_syncs_total{{{label}}} 0
         openrld_weight_sync_bytes_total{{{label}}} 0
+        openrld_weight_sync_changed_fraction{{{label}}} 0
         """
     ).splitlines()
     assert [line for line in text.splitlines() if "base_model=" in line] == expected
@@ -111,7 +113,7 @@ def test_render_reports_futures_and_store():
     samples = {
         line.split(" ")[0]: line.split(" ")[1]
         for line in render_prometheus(_node(RequestMetrics())).splitlines()
-        if not line.startswith("#") and "{" not in line
+        if line.startswith(("openrld_futures_", "openrld_store_"))
     }
     assert samples == {
         "openrld_futures_pending": "3",
@@ -186,8 +188,7 @@ def test_render_reports_gossip_health_only_on_a_clustered_node():
     ]
 
 
-def test_render_reports_relaying_and_placement_only_on_a_clustered_node():
-    assert "openrld_relayed" not in render_prometheus(_node(RequestMetrics()))
+def test_render_reports_relaying_and_placement():
     node = msgspec.structs.replace(_node(RequestMetrics()), relay=RelayStatistics(10, 2, 1, 4, 3))
     names = ("openrld_relayed", "openrld_lost", "openrld_placements")
     lines = [line for line in render_prometheus(node).splitlines() if line.startswith(names)]
@@ -243,3 +244,56 @@ def test_render_counts_requests_by_the_sdk_release_they_name():
         'openrld_sdk_requests_total{sdk_version="0.38.0"} 9',
         'openrld_sdk_requests_total{sdk_version="none"} 2',
     ]
+
+
+def test_a_fresh_node_outside_a_cluster_exports_every_counter_and_its_fixed_labels_at_zero():
+    # As api/openrl.py gathers it on a node that has answered nothing and started no group yet.
+    fresh = NodeStatistics(
+        version="0.1.0",
+        requests=RequestMetrics().statistics(),
+        futures=FutureStatistics(pending=0, completed=0, failed=0, held=0),
+        groups=[],
+        store=StoreStatistics(sessions=0, runs=0, samplers=0, checkpoints=0, checkpoint_bytes=0, pending_requests=0),
+        stability=StabilityStatistics(records=0, recorded_tokens=0, recorded_total=0, expired=0, evicted=0,
+                                      resolved_sequences=0),
+        relay=RelayCounters().statistics(),
+        http=HttpCounters().statistics(),
+        sdk_versions=SdkVersionCounter().statistics(),
+    )
+    samples = [line for line in render_prometheus(fresh).splitlines() if not line.startswith("#")]
+    assert samples == [
+        'openrld_build_info{version="0.1.0"} 1',
+        "openrld_futures_pending 0",
+        "openrld_futures_held 0",
+        "openrld_futures_completed_total 0",
+        "openrld_futures_failed_total 0",
+        "openrld_store_sessions 0",
+        "openrld_store_training_runs 0",
+        "openrld_store_samplers 0",
+        "openrld_store_checkpoints 0",
+        "openrld_store_checkpoint_bytes 0",
+        "openrld_store_pending_requests 0",
+        "openrld_stability_records 0",
+        "openrld_stability_recorded_tokens 0",
+        'openrld_stability_records_dropped_total{reason="expired"} 0',
+        'openrld_stability_records_dropped_total{reason="evicted"} 0',
+        'openrld_relayed_requests_total{outcome="answered"} 0',
+        'openrld_relayed_requests_total{outcome="unreachable"} 0',
+        "openrld_lost_answers_total 0",
+        'openrld_placements_total{outcome="placed"} 0',
+        'openrld_placements_total{outcome="refused"} 0',
+        "openrld_http_connections_open 0",
+        "openrld_http_connections_refused_total 0",
+        'openrld_http_connection_timeouts_total{phase="head"} 0',
+        'openrld_http_connection_timeouts_total{phase="body"} 0',
+        'openrld_http_connection_timeouts_total{phase="keep_alive"} 0',
+        'openrld_http_connection_timeouts_total{phase="discard"} 0',
+        'openrld_http_connection_timeouts_total{phase="write"} 0',
+    ]
+
+
+def test_a_group_reports_a_weight_sync_changed_fraction_of_zero_before_its_first_sync():
+    node = _node(RequestMetrics())
+    assert node.groups[0].sampler.last_sync is None
+    lines = render_prometheus(node).splitlines()
+    assert 'openrld_weight_sync_changed_fraction{base_model="we\\"ird\\\\name"} 0' in lines

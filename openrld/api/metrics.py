@@ -123,7 +123,9 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     store: StoreStatistics
     stability: StabilityStatistics | None = None  # stable_reinforce's sampling records (actors/stability.py)
     membership: MembershipStatistics | None = None  # gossip; None on a node outside any cluster
-    relay: RelayStatistics | None = None  # any-node-answers relaying; None on a node outside any cluster
+    # Any-node-answers relaying. Zero on a node outside any cluster (it relays and places nothing), and
+    # rendered there too, so that a dashboard's lost-answers panel reads 0, not "No data".
+    relay: RelayStatistics = RelayStatistics(relayed=0, unreachable=0, lost=0, placed=0, refused=0)
     http: HttpStatistics | None = None  # the HTTP server's connections; None when no server counts them
     loop: LoopWatchStatistics | None = None  # slow event-loop steps; None unless loop_watch_ms is set
     sdk_versions: SdkVersionStatistics | None = None  # requests per tinker SDK release (api/sdk_versions.py)
@@ -239,9 +241,9 @@ def _group_lines(groups: list[GroupStatistics]) -> list[str]:
                  "Bytes those syncs moved: changed elements and their indices (delta) or whole tensors (full).",
                  per_group(lambda g: g.sampler.sync_bytes)),
         *_family("openrld_weight_sync_changed_fraction", "gauge",
-                 "Fraction of the weights' elements the last sync changed.",
-                 [((("base_model", g.base_model),), g.sampler.last_sync.changed_fraction)
-                  for g in groups if g.sampler.last_sync is not None]),
+                 "Fraction of the weights' elements the last sync changed (0 before the first).",
+                 # At 0 before the first sync, like the counters beside it: a group's panel has a series at once.
+                 per_group(lambda g: g.sampler.last_sync.changed_fraction if g.sampler.last_sync is not None else 0)),
         *_family("openrld_device_parks_total", "counter",
                  "Times the time-slicer parked each worker to give its device to another.",
                  [((("base_model", g.base_model), ("worker", role), ("device", lease_of.device)), lease_of.lease.parks)
@@ -273,7 +275,7 @@ def render_prometheus(stats: NodeStatistics) -> str:
                  [((), store.pending_requests)]),
         *(_stability_lines(stats.stability) if stats.stability is not None else []),
         *(_gossip_lines(stats.membership) if stats.membership is not None else []),
-        *(_relay_lines(stats.relay) if stats.relay is not None else []),
+        *_relay_lines(stats.relay),
         *(_http_lines(stats.http) if stats.http is not None else []),
         *(_loop_lines(stats.loop) if stats.loop is not None else []),
         *(_sdk_lines(stats.sdk_versions) if stats.sdk_versions is not None else []),

@@ -136,3 +136,18 @@ def test_metrics_reports_the_trainer_queue_of_a_started_group(shared_daemon):
     assert samples['openrld_trainer_queue_depth{base_model="tiny-qwen3"}'] == 0
     assert samples['openrld_sampler_queue_depth{base_model="tiny-qwen3"}'] == 0
     assert samples["openrld_store_sessions"] >= 1
+
+
+def test_metrics_reports_relaying_at_zero_on_a_node_outside_a_cluster(shared_daemon):
+    # The series exist before anything is counted (a dashboard panel reads 0, not "No data"); a node
+    # outside a cluster never relays, so they stay 0 whatever the other tests did to it.
+    samples = _metrics(shared_daemon.url)
+    relay = {name: value for name, value in samples.items()
+             if name.startswith(("openrld_relayed_", "openrld_lost_", "openrld_placements_"))}
+    assert relay == {
+        'openrld_relayed_requests_total{outcome="answered"}': 0,
+        'openrld_relayed_requests_total{outcome="unreachable"}': 0,
+        "openrld_lost_answers_total": 0,
+        'openrld_placements_total{outcome="placed"}': 0,
+        'openrld_placements_total{outcome="refused"}': 0,
+    }
