@@ -31,7 +31,7 @@ from openrld.actors.jobs import JobTable
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.membership.node import MembershipNode
-from openrld.actors.peer_client import PeerClient, relay_key
+from openrld.actors.peer_client import PeerClient, RelayCounters, relay_key
 from openrld.actors.placement import ClusterPlacer
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
@@ -45,7 +45,6 @@ from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionWatch
 from openrld.api.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
-from openrld.actors.peer_client import RelayCounters
 from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 
