@@ -158,7 +158,7 @@ _FIELDS = {field.name: field for field in msgspec.structs.fields(NodeConfig)}
 
 # The fields an environment variable can set: the scalars. `models` and `http` are
 # tables and `devices` a list; they belong in the file (or a ConfigMap mounted as the file).
-_ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices", "http", "workers"))
+ENV_FIELDS = tuple(name for name in _FIELDS if name not in ("models", "devices", "http", "workers"))
 
 
 def default_data_dir(env: Mapping[str, str]) -> Path:
@@ -211,7 +211,7 @@ def _file_values(path: Path) -> dict[str, object]:
 
 def _env_values(env: Mapping[str, str]) -> dict[str, object]:
     values: dict[str, object] = {}
-    for name in _ENV_FIELDS:
+    for name in ENV_FIELDS:
         var = ENV_PREFIX + name.upper()
         if var in env:
             text = env[var]

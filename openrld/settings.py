@@ -2,7 +2,7 @@
 
 This module owns `JobSettings`, the single msgspec definition from which
 validation, the JSON Schema published by `/openrl/v1/info`, and the stored
-form of a run's settings are all derived (DESIGN.md, "Job settings"). It
+form of a run's settings are all derived (docs/settings.md is printed from it). It
 guarantees that a parsed `JobSettings` has every value in range and passes
 the cross-field rules, and that every refusal is a `BadRequest` (or
 `NotSupportedYet`) whose message and `key` name the offending setting. It
