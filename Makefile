@@ -142,6 +142,9 @@ bench: install-test
 	$(PY) bench/worker_launchers.py
 	$(PY) bench/automodel_step.py
 	$(PY) bench/long_context.py
+	$(PY) bench/long_attention.py
+	$(PY) bench/long_prompt_sampling.py
+	$(PY) bench/rl_throughput.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
