@@ -185,11 +185,28 @@ def test_the_file_is_parsed_once_for_tokenizer_config_and_weights(
 
     parsed: list[str] = []
 
-    def counting_reader(path, mode="r"):  # type: ignore[no-untyped-def]
-        parsed.append(str(path))
-        return original(path, mode)
+    class CountingReader(gguf_convert._PlainReader):
+        def __init__(self, path, mode="r"):  # type: ignore[no-untyped-def]
+            parsed.append(str(path))
+            super().__init__(path, mode)
 
-    original = gguf_convert._READER
-    monkeypatch.setattr(gguf_convert, "_READER", counting_reader)
+    def other_reader(path, mode="r"):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"a second parse of {path}")
+
+    monkeypatch.setattr(gguf_convert, "_PlainReader", CountingReader)
+    monkeypatch.setattr(gguf_convert, "_READER", other_reader)
     GgufConverter(ProgressBoard()).ensure(_entry(tiny_llama_gguf, tmp_path))
     assert parsed == [str(tiny_llama_gguf)]
+
+
+def test_the_plain_reader_reads_the_same_fields_and_tensors_as_ggufs(tiny_llama_gguf: Path):
+    import gguf
+    import numpy as np
+
+    from openrld.gpu.gguf_convert import _PlainReader
+
+    plain, mapped = _PlainReader(tiny_llama_gguf, "r"), gguf.GGUFReader(tiny_llama_gguf, "r")
+    assert type(plain.data) is np.ndarray
+    assert [f.name for f in plain.fields.values()] == [f.name for f in mapped.fields.values()]
+    assert [f.parts[-1].tobytes() for f in plain.fields.values()] == [f.parts[-1].tobytes() for f in mapped.fields.values()]
+    assert [(t.name, t.data.tobytes()) for t in plain.tensors] == [(t.name, t.data.tobytes()) for t in mapped.tensors]
