@@ -40,7 +40,8 @@ it is used, trio.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,8 @@ class ContextParallelScorer(BatchScorer):
         self._cp_mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.cp_rank = cp_mesh.get_local_rank()
+        # The last micro-batch's CP context (`make_cp_blockdiag_batch_and_ctx`), for its backward.
+        self._context: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
     def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
         """lp of one micro-batch in the packed layout of losses.py, (M,) float32, M = Σ targets.size:
@@ -144,12 +147,20 @@ class ContextParallelScorer(BatchScorer):
 
         lengths = [len(t) for t in tokens]
         train_ctx, chunk, _ = make_cp_blockdiag_batch_and_ctx(self._cp_mesh, None, self._packed(tokens))
+        self._context = train_ctx
         rows = chunk["input_ids"].shape[1]
         with train_ctx():
             logits = self._model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
         counts, positions, chunk_targets = _chunk_targets(lengths, targets, rows, self.cp)
         local = self._chunk_target_logprobs(logits[0], positions[self.cp_rank], chunk_targets[self.cp_rank])
         return self._gathered_logprobs(local, counts)
+
+    def recompute_context(self) -> contextlib.AbstractContextManager[None]:
+        """The CP context of the micro-batch scored last, for its backward: a checkpointed layer
+        recomputes its attention in backward, and outside the context attention is plain sdpa on
+        this rank's chunk (Automodel keeps it over forward and backward alike)."""
+        assert self._context is not None, "recompute_context before any micro-batch was scored"
+        return self._context()
 
     def _packed(self, tokens: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
         """The datums as one sequence (1, P): ids, positions restarting at each datum, document

@@ -33,12 +33,34 @@ computes the same, whole loss and backpropagates 1/C of it (see `_backward`); em
 are whole cp groups running the empty pass; only each cp group's first rank reports
 metrics and log-probabilities (the others hold the same ones).
 
+Activation checkpointing is chosen per round, alike on every rank: a round recomputes each
+decoder layer in backward when its largest micro-batch (padded tokens per rank, `round_tokens`)
+would keep more than `activation_budget_bytes` of activations (× the bytes a token keeps,
+`_activation_cost`); the ranks running the empty pass in that round checkpoint too.
+- Why per round, not per micro-batch as `BatchScorer` chooses: a round's ranks score
+  different micro-batches, so each rank's own choice would hang on which datums it drew.
+  As read in torch 2.13, FSDP2 gathers no weight again when a checkpointed layer recomputes
+  (its pre-backward hook has gathered them; the recompute's own hooks return early), and a
+  cp group's ranks share their micro-batch, so differing choices would not unbalance the
+  collectives today; one choice per round keeps every rank's sequence of collectives the
+  same whatever a recompute does, and the round waits for its slowest rank anyway.
+- Why not one setting for the job (Automodel's own `activation_checkpointing`, which wraps
+  layers before sharding): an RL step's short micro-batches would pay the recompute (about
+  a third more compute) that only a long one needs.
+- No message per round: the plan is the same on every rank, so every rank knows the round's
+  micro-batches. The two figures a rank finds itself (bytes per token, measured; the budget,
+  by default a quarter of its own device) are agreed once: the largest and the smallest.
+- With cp > 1 the bytes per token are a plain forward's (the K/V each layer gathers from the
+  whole pack are not counted), and a scored round's backward runs under its micro-batch's CP
+  context, where a recomputed attention exchanges K/V as its forward did.
+
 What it does not do: ordering, trio.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -55,7 +77,30 @@ from openrld.gpu.automodel_cp import ContextParallelScorer, plan_packed_micro_ba
 from openrld.gpu.automodel_shards import gather_bytes
 from openrld.gpu.scoring import BatchScorer, TrainerConfig, gradients_set_aside, plan_micro_batches
 
-__all__ = ["ShardedPasses"]
+__all__ = ["ShardedPasses", "round_tokens", "rounds_over_budget"]
+
+logger = logging.getLogger(__name__)
+
+
+def round_tokens(plan: Sequence[Sequence[int]], lengths: Sequence[int], dp_size: int, cp: int) -> list[int]:
+    """The padded tokens per rank of each round's largest micro-batch: round k runs micro-batches
+    k·dp_size .. k·dp_size + dp_size - 1 of `plan` (datum indices into `lengths`), one per dp rank.
+
+    A right-padded micro-batch (cp = 1) is rows × its longest datum; a packed one (cp > 1) is its
+    datums' total length split over the cp ranks, rounded up. A round's ranks with no micro-batch
+    left run the one-token empty pass, never the largest.
+    """
+    if cp == 1:
+        sizes = [len(group) * max(lengths[i] for i in group) for group in plan]
+    else:
+        sizes = [-(-sum(lengths[i] for i in group) // cp) for group in plan]
+    return [max(sizes[start : start + dp_size]) for start in range(0, len(sizes), dp_size)]
+
+
+def rounds_over_budget(sizes: Sequence[int], bytes_per_token: float, budget_bytes: int) -> list[bool]:
+    """Which rounds checkpoint: those whose largest micro-batch (`round_tokens`) would keep more
+    than `budget_bytes` of activations."""
+    return [size * bytes_per_token > budget_bytes for size in sizes]
 
 
 class _PeerFailed(Exception):
@@ -85,10 +130,12 @@ class ShardedPasses:
         cp_mesh: DeviceMesh | None = None,
     ) -> None:
         assert not config.chunked_head, "a sharded model's output layer runs inside its root forward only"
+        self._cp_scorer: ContextParallelScorer | None = None
         if cp_mesh is None:
             self.scorer = BatchScorer(model, device, config)
         else:
-            self.scorer = ContextParallelScorer(model, device, config, cp_mesh)
+            self._cp_scorer = ContextParallelScorer(model, device, config, cp_mesh)
+            self.scorer = self._cp_scorer
         self._cp = 1 if cp_mesh is None else cp_mesh.size()
         self._reports = cp_mesh is None or cp_mesh.get_local_rank() == 0  # metrics and lp, once per cp group
         self._model = model
@@ -97,6 +144,11 @@ class ShardedPasses:
         self._dp_size = dp_size
         self.calls = 0  # requests run (forward_backward_calls)
         self.tokens = 0  # their model-input tokens
+        self.backward_rounds = 0  # rounds run with a backward
+        self.checkpointed_rounds = 0  # those of them whose layers were checkpointed
+        # (bytes a token keeps, budget), agreed over the ranks at the first pass with grad
+        # (`_activation_cost`); None before, and always when the layers cannot be checkpointed.
+        self._cost: tuple[float, int] | None = None
 
     def run(
         self, batches: Sequence[ForwardBackwardBatch], trainable: Iterable[torch.nn.Parameter]
@@ -142,29 +194,90 @@ class ShardedPasses:
             plan = plan_packed_micro_batches(lengths, self.scorer.config.max_batch_tokens, self._cp)
         logprobs: list[list[np.ndarray | None]] = [[None] * len(batch.data) for batch in batches]
         metrics = [dict.fromkeys(request.spec.metric_keys, 0.0) for request in requests]
-        rounds = -(-len(plan) // self._dp_size)
-        for round_index in range(rounds):
+        checkpointed = self._checkpointed_rounds(round_tokens(plan, lengths, self._dp_size, self._cp))
+        for round_index, is_checkpointed in enumerate(checkpointed):
             slot = round_index * self._dp_size + self._dp_rank
-            if slot < len(plan):
-                members = sorted(entries[k] for k in plan[slot])  # by request, then datum
-                total, error = self._score(batches, requests, members, logprobs, metrics)
-            else:
-                total, error = self._empty_pass(), None
-            self._agree(error)
-            if torch.is_grad_enabled():
-                self._backward(total)
+            # Backward runs inside too: it recomputes the checkpointed layers.
+            with self.scorer.checkpointing(is_checkpointed):
+                if slot < len(plan):
+                    members = sorted(entries[k] for k in plan[slot])  # by request, then datum
+                    total, error = self._score(batches, requests, members, logprobs, metrics)
+                else:
+                    total, error = self._empty_pass(), None
+                self._agree(error)
+                if torch.is_grad_enabled():
+                    self._backward(total, is_scored=slot < len(plan))
+                    self.backward_rounds += 1
+                    self.checkpointed_rounds += int(is_checkpointed)
         return logprobs, metrics
 
-    def _backward(self, total: torch.Tensor) -> None:
+    @property
+    def activation_bytes_per_token(self) -> float:
+        """The bytes a padded token keeps, agreed over the ranks; 0.0 until the first pass with grad."""
+        return self._cost[0] if self._cost is not None else 0.0
+
+    def _checkpointed_rounds(self, tokens: list[int]) -> list[bool]:
+        """Whether each round, of `tokens` padded tokens per rank at most, checkpoints its layers:
+        the same answer on every rank (module docstring). Without grad no round does."""
+        if not (torch.is_grad_enabled() and self.scorer.can_checkpoint):
+            return [False] * len(tokens)
+        return rounds_over_budget(tokens, *self._activation_cost())
+
+    def _activation_cost(self) -> tuple[float, int]:
+        """(bytes a token keeps, budget), agreed over the ranks, measured at the first call: every
+        rank calls it in the same pass (its probes are FSDP collectives)."""
+        if self._cost is None:
+            mine = torch.tensor([self._measure_bytes_per_token(), -self.scorer.activation_budget], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the largest bytes a token, and (negated) the smallest budget
+            self._cost = (float(mine[0]), int(-mine[1]))
+            logger.info(
+                "activations kept for backward: %.1f KiB a token; rounds over %d bytes are checkpointed",
+                self._cost[0] / 1024, self._cost[1],
+            )
+        return self._cost
+
+    def _measure_bytes_per_token(self) -> float:
+        """The bytes the autograd graph keeps per token of the whole model's forward (logits
+        included, as the passes run it), as `BatchScorer` measures its decoder's: two empty passes,
+        of 32 and 64 tokens, each storage the graph saved counted once, then the difference per token.
+
+        Storages are counted after the forward, not as they are saved: FSDP frees each unit's
+        gathered weights after its forward (the graph's copies of them are then empty), and a
+        later allocation may take a freed address, which would merge two storages' counts. What
+        is still alive at the end has one address each. Each probe backpropagates its zero loss,
+        so FSDP's units end it as they end any pass."""
+        sizes = []
+        for length in (32, 64):
+            kept: list[torch.Tensor] = []
+
+            def keep(tensor: torch.Tensor) -> torch.Tensor:
+                kept.append(tensor)
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                total = self._empty_pass(length)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+            sizes.append(sum(storages.values()))  # freed storages count 0 bytes
+            total.backward()
+            del kept
+        return max(0.0, (sizes[1] - sizes[0]) / 32)
+
+    def _backward(self, total: torch.Tensor, is_scored: bool) -> None:
         """Backpropagate one round's loss. With cp = C > 1, every rank of a cp group holds the
         same loss, computed from the lp of every chunk (all-gathered); all_gather's backward sums
         the C ranks' gradients for each chunk's lp, so each rank backpropagates total / C and
         its chunk's lp receives exactly the loss's gradient. FSDP's sum over the dp × cp ranks
         (divide factor 1) then gives the one-process gradient. The loss and metrics reported
-        stay unscaled."""
-        if self._cp > 1:
-            total = total / self._cp
-        total.backward()
+        stay unscaled.
+
+        A scored cp round backpropagates under its micro-batch's CP context: a checkpointed
+        layer recomputes its attention there, exchanging K/V as its forward did."""
+        if self._cp_scorer is None:
+            total.backward()
+            return
+        context = self._cp_scorer.recompute_context() if is_scored else contextlib.nullcontext()
+        with context:
+            (total / self._cp).backward()
 
     def _score(
         self,
@@ -190,9 +303,9 @@ class ShardedPasses:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _empty_pass(self) -> torch.Tensor:
-        """A forward (and, with grad, a zero backward) through every FSDP unit: one token, loss 0."""
-        ids = torch.zeros((1, 1), dtype=torch.int64, device=self._device)
+    def _empty_pass(self, length: int = 1) -> torch.Tensor:
+        """A forward (and, with grad, a zero backward) through every FSDP unit: `length` tokens, loss 0."""
+        ids = torch.zeros((1, length), dtype=torch.int64, device=self._device)
         logits = self._model(input_ids=ids, use_cache=False).logits
         return logits.sum() * 0.0
 

@@ -50,6 +50,10 @@ full fine-tuning (as `full_trainer`); a cp that does not divide the group's size
 a new job or a load while parked, a second park and a resume when not parked
 (`automodel_park.StorageSlot`).
 
+Activation checkpointing: a round of the passes whose largest micro-batch would keep more
+activations than `activation_budget_bytes` (per rank) recomputes each decoder layer in
+backward, on every rank of the group alike (`automodel_passes` says why per round).
+
 Time-slicing: `park` empties every rank's device storages (shards, gradients, buffers,
 optimizer state, the delta sync's shadow) to host memory and `resume` refills them bit
 for bit (`automodel_park`), on every device type alike.
@@ -103,6 +107,9 @@ class AutomodelOptions(msgspec.Struct, frozen=True):
     cp: int = 1  # context-parallel degree (openrl.trainer_cp); divides the group's size
     weight_sync: str = "delta"  # full fine-tuning: "delta" or "full" (openrl.weight_sync)
     max_batch_tokens: int = 8192  # padded tokens per micro-batch, as the single-device trainers'; per rank with cp
+    # Activations a round's largest micro-batch may keep (per rank) before every rank checkpoints its
+    # layers in that round (the node's activation_budget_bytes): 0, the device's default; 1, always.
+    activation_budget_bytes: int = 0
     # Set when the job's sampler cannot serve a LoRA on lm_head (vLLM, for some architectures):
     # why, as the 400 that refuses such an adapter (the lora_trainer's option of the same name).
     unembed_refusal: str | None = None
@@ -119,6 +126,9 @@ class AutomodelStatistics(msgspec.Struct, frozen=True):
     optim_steps: int
     forward_backward_calls: int
     tokens: int  # model-input tokens run through forward_backward
+    backward_rounds: int  # rounds of the passes run with a backward (this rank's count; every rank runs each round)
+    checkpointed_rounds: int  # those whose layers were checkpointed: the same on every rank
+    activation_bytes_per_token: float  # what a round's padded token keeps, agreed over the ranks (0.0: not measured yet)
     last_sync: SyncStats | None
     # The files of the last full fine-tuning save, streamed, as this rank saw them (rank 0 writes):
     # peak_held 1 means no more than one whole tensor was held at a time.
@@ -153,11 +163,10 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self.dp = self.world_size // options.cp
         self._dtype = dtype or pick_dtype(device)
         self._model_dir = str(model_dir)
-        # No activation checkpointing chosen per micro-batch here: ranks score different
-        # micro-batches, and one rank recomputing a layer (FSDP all-gathers its weights again)
-        # while another does not would leave their collectives unmatched.
+        # Activation checkpointing is chosen per round, alike on every rank (`automodel_passes`).
         self._config = TrainerConfig(
-            max_batch_tokens=options.max_batch_tokens, chunked_head=False, activation_checkpointing=False
+            max_batch_tokens=options.max_batch_tokens, chunked_head=False,
+            activation_budget_bytes=options.activation_budget_bytes,
         )
         parts = gather_bytes(str(device).encode())
         self.rank_devices = [part.decode() for part in parts] if parts is not None else []
@@ -448,6 +457,9 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             optim_steps=self._optimizer.steps_done if self._optimizer is not None else 0,
             forward_backward_calls=passes.calls if passes is not None else 0,
             tokens=passes.tokens if passes is not None else 0,
+            backward_rounds=passes.backward_rounds if passes is not None else 0,
+            checkpointed_rounds=passes.checkpointed_rounds if passes is not None else 0,
+            activation_bytes_per_token=passes.activation_bytes_per_token if passes is not None else 0.0,
             last_sync=self._last_sync,
             last_save=list(self._last_save),
         )
@@ -542,6 +554,10 @@ def _check_options(options: AutomodelOptions) -> None:
         raise BadRequest(f"weight_sync: expected 'full' or 'delta', got {options.weight_sync!r}", key="weight_sync")
     if options.cp < 1:
         raise BadRequest(f"trainer_cp must be >= 1; got {options.cp}", key="trainer_cp")
+    if options.activation_budget_bytes < 0:
+        raise BadRequest(
+            f"activation_budget_bytes must be >= 0; got {options.activation_budget_bytes}", key="activation_budget_bytes"
+        )
 
 
 def _check_family(optimizer: str, fine_tuning: str) -> None:

@@ -23,7 +23,8 @@ Activation checkpointing is chosen per micro-batch by its size: one whose kept a
 (the model's bytes per token, measured once on two probe forwards, times its padded tokens)
 would pass `activation_budget_bytes` recomputes each decoder layer in backward, so a long
 datum keeps about one layer's activations instead of all of them; short RL micro-batches
-run plain and pay no recompute.
+run plain and pay no recompute. The Automodel trainer's passes choose per round of their ranks
+instead, one answer for all of them (`automodel_passes`), and apply it with `checkpointing`.
 
 A datum whose step would not fit in the memory the device can give (`gpu/memory_fit.py`'s
 estimate from the same bytes per token, against `TrainerConfig.available_memory_bytes` or what
@@ -138,7 +139,7 @@ class BatchScorer:
         # The autograd graph's bytes per token of a forward with grad; measured at the first
         # request with grad (`check_fits`, `_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
-        self._checkpointed = False  # whether the micro-batch running now is checkpointed (`_checkpointing`)
+        self._checkpointed = False  # whether the micro-batch running now is checkpointed (`checkpointing`)
         # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
         # that a caller that never plans shared groups, such as the Automodel trainer's passes,
         # runs nothing extra).
@@ -191,7 +192,7 @@ class BatchScorer:
         for micro in self._plan(tokens):
             # entries are in (request, datum) order, so ascending indices keep each request contiguous
             members = [entries[k] for k in micro.indices]
-            with self._checkpointing(micro.shared is None and self._checkpoints(micro_tokens(micro, tokens))):
+            with self.checkpointing(micro.shared is None and self._checkpoints(micro_tokens(micro, tokens))):
                 total = self.score_micro_batch(batches, requests, members, logprobs, metrics, shared=micro.shared)
                 if torch.is_grad_enabled():
                     total.backward()
@@ -434,8 +435,18 @@ class BatchScorer:
             self._activation_bytes_per_token = self._measure_activation_bytes_per_token()
         return self._activation_bytes_per_token
 
+    @property
+    def can_checkpoint(self) -> bool:
+        """Whether `checkpointing(True)` checkpoints anything: the config asks for it and the model supports it."""
+        return bool(self._checkpointed_layers)
+
+    @property
+    def activation_budget(self) -> int:
+        """The activations a micro-batch may keep before its layers are checkpointed, in bytes."""
+        return self._activation_budget
+
     @contextlib.contextmanager
-    def _checkpointing(self, on: bool) -> Iterator[None]:
+    def checkpointing(self, on: bool) -> Iterator[None]:
         """Layers checkpointed within, when `on`: transformers checkpoints a layer only while its
         own `training` flag is set; only the flag is set, not `.train()`, so dropout below it stays
         off (eval mode). Backward must run within too: it recomputes the checkpointed layers."""
