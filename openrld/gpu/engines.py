@@ -116,8 +116,9 @@ class TorchEngineFactory:
         """NeMo Automodel's FSDP2 trainer for one job (gpu/automodel_trainer.py): a torchrun group in the
         Automodel environment, one rank per device of `devices` (labels of the node's inventory, in rank
         order), context parallel over `cp` of them; `fine_tuning` is "lora" or "full"."""
+        # The node's trainer options (max_batch_tokens, activation_budget_bytes), as the LoRA trainer's.
         options: dict[str, Scalar] = {
-            "max_batch_tokens": self.max_batch_tokens, "fine_tuning": fine_tuning, "cp": cp, "weight_sync": weight_sync,
+            **self.trainer_options, "fine_tuning": fine_tuning, "cp": cp, "weight_sync": weight_sync,
         }
 
         def build() -> TrainerEngine:

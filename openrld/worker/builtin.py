@@ -72,11 +72,12 @@ def _trainer_config(options: dict) -> Any:
 
 
 def _automodel_options(options: dict) -> Any:
-    """The Automodel trainer's options: fine_tuning, cp, weight_sync, max_batch_tokens; others refused."""
+    """The Automodel trainer's options: fine_tuning, cp, weight_sync, max_batch_tokens,
+    activation_budget_bytes, unembed_refusal; others refused."""
     from openrld.errors import BadRequest
     from openrld.gpu.automodel_trainer import AutomodelOptions
 
-    known = ("fine_tuning", "cp", "weight_sync", "max_batch_tokens", "unembed_refusal")
+    known = ("fine_tuning", "cp", "weight_sync", "max_batch_tokens", "activation_budget_bytes", "unembed_refusal")
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise BadRequest(f"automodel_trainer has no option {unknown[0]!r}; it takes {', '.join(known)}")
@@ -86,6 +87,7 @@ def _automodel_options(options: dict) -> Any:
         cp=int(options.get("cp", 1)),
         weight_sync=str(options.get("weight_sync", "delta")),
         max_batch_tokens=int(options.get("max_batch_tokens", 8192)),
+        activation_budget_bytes=int(options.get("activation_budget_bytes", 0)),
         unembed_refusal=None if refusal is None else str(refusal),
     )
 

@@ -1,6 +1,7 @@
 """The pure parts of the Automodel trainer, which run without its environment: which rows of a
-sharded tensor each rank holds, and the options a `Start` of kind "automodel_trainer" takes.
-The trainer itself is tested in its environment, in test_automodel_trainer.py."""
+sharded tensor each rank holds, the options a `Start` of kind "automodel_trainer" takes, and
+the node settings the engine factory puts in it. The trainer itself is tested in its
+environment, in test_automodel_trainer.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 from openrld.errors import BadRequest
 from openrld.gpu.automodel_shards import local_rows
 from openrld.gpu.automodel_trainer import AutomodelOptions
+from openrld.gpu.engines import TorchEngineFactory
+from openrld.model_catalog import ModelEntry
 from openrld.worker.builtin import _automodel_options
+from openrld.worker.hosting import WorkerHosting
 
 
 @pytest.mark.parametrize(
@@ -31,11 +35,32 @@ def test_each_rank_holds_the_rows_torch_chunk_gives_it(rows, world, expected):
 
 
 def test_a_starts_options_become_the_trainers():
-    options = {"fine_tuning": "full", "cp": 2, "weight_sync": "full", "max_batch_tokens": 4096}
-    assert _automodel_options(options) == AutomodelOptions("full", 2, "full", 4096)
+    options = {"fine_tuning": "full", "cp": 2, "weight_sync": "full", "max_batch_tokens": 4096, "activation_budget_bytes": 1}
+    assert _automodel_options(options) == AutomodelOptions("full", 2, "full", 4096, activation_budget_bytes=1)
     assert _automodel_options({}) == AutomodelOptions()
 
 
 def test_an_unknown_option_is_refused_naming_it():
     with pytest.raises(BadRequest, match=r"^automodel_trainer has no option 'gpus'; it takes fine_tuning, cp, "):
         _automodel_options({"gpus": 2})
+
+
+class StartRecorder(WorkerHosting):
+    """Keeps the options a worker would be started with, and starts none (launching is the edge)."""
+
+    def __init__(self) -> None:
+        super().__init__(automodel_python="python")
+        self.options: dict | None = None
+
+    def start(self, launcher, **start):
+        self.options = start["options"]
+
+
+def test_the_nodes_trainer_settings_reach_the_automodel_trainers_start():
+    hosting = StartRecorder()
+    factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, activation_budget_bytes=12345, hosting=hosting)
+    model = ModelEntry(name="tiny-llama", directory="/models/tiny-llama", arch="llama", max_context=1024)
+    factory.automodel_trainer(model, devices=("cpu:0", "cpu:1"), fine_tuning="lora", weight_sync="delta", cp=1)()
+    assert hosting.options == {
+        "max_batch_tokens": 64, "activation_budget_bytes": 12345, "fine_tuning": "lora", "cp": 1, "weight_sync": "delta",
+    }
