@@ -1,7 +1,8 @@
 """The Automodel trainer for a test that reads what its saves did: each rank serves the built-in
-engine (`worker/builtin.py`), whose `save_state` and `sampler_checkpoint` here also leave rank 0's
-`statistics()` as JSON beside the directory they wrote (`<directory>.statistics.json`), since
-the worker protocol carries no statistics. Everything else is the engine's own."""
+engine (`worker/builtin.py`), whose `save_state` and `sampler_checkpoint` here also leave every
+rank's `statistics()` as JSON beside the directory they wrote (`<directory>.rank<r>.statistics.json`),
+since the worker protocol carries no statistics and returns rank 0's results only. Everything
+else is the engine's own."""
 
 from pathlib import Path
 
@@ -30,9 +31,8 @@ class SaveReporting:
         return size
 
     def _report(self, directory: Path) -> None:
-        if dist.get_rank() == 0:
-            report = directory.with_name(f"{directory.name}.statistics.json")
-            report.write_bytes(msgspec.json.encode(self.engine.statistics()))
+        report = directory.with_name(f"{directory.name}.rank{dist.get_rank()}.statistics.json")
+        report.write_bytes(msgspec.json.encode(self.engine.statistics()))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from safetensors import safe_open
 
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
+from openrld.gpu.automodel_passes import round_tokens, rounds_over_budget
+from openrld.gpu.scoring import plan_micro_batches
 from openrld.worker.client import RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
@@ -58,6 +60,10 @@ ATOL = 1e-5  # fp32 over 5 AdamW steps; the ranks only change the order of the g
 ADAM = AdamParams(learning_rate=5e-3, grad_clip_norm=5.0)
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 SPEC = LoraSpec(rank=4, seed=7)
+# Activations a round may keep before its layers are checkpointed: the tiny Llama keeps 8,372 bytes
+# a padded token here (measured: statistics().activation_bytes_per_token), so rounds of 21 tokens
+# and more checkpoint and rounds of 20 and fewer run plain (8,372 x 20.5 = 171,626).
+CHECKPOINT_BUDGET = 171_626
 
 
 def step_batches(step: int) -> list[ForwardBackwardBatch]:
@@ -267,17 +273,56 @@ def test_dimuon_over_whole_matrices_steps_two_ranks_as_one_process(lora_run, soc
     assert difference <= ATOL
 
 
-def test_a_state_loaded_into_a_fresh_group_resumes_the_run(lora_run, sockets, tiny_llama):
-    trainer, root, ours, (_, _, weights), _, _ = lora_run
+@pytest.fixture(scope="module")
+def checkpointed_resume(lora_run, sockets, tiny_llama):
+    """A fresh group whose rounds over CHECKPOINT_BUDGET checkpoint their layers, resuming the
+    LoRA group's run (which checkpointed none) from its step-3 state: its results, its weights,
+    and each rank's statistics after (the reporting worker writes them beside a save)."""
+    trainer, root = lora_run[0], lora_run[1]
     trainer.close()  # two groups do not fit two cores at once
-    fresh = group(sockets, tiny_llama, "lora")
+    options = {
+        "fine_tuning": "lora", "max_batch_tokens": MAX_BATCH_TOKENS, "weight_sync": "delta",
+        "activation_budget_bytes": CHECKPOINT_BUDGET,
+    }
+    engine_start = Start("automodel_trainer", str(tiny_llama), "cpu", threads=1, options=options)
+    spec = WorkerSpec(name="automodel_trainer", role="trainer", start=engine_start)
+    launcher = TorchrunLauncher(str(AUTOMODEL_PYTHON), 2, (str(SAVE_REPORTING_WORKER),))
+    fresh = RemoteTrainer(start_worker(launcher, spec, sockets, timeouts=TIMEOUTS)[0])
     try:
         fresh.load_state("job", root / "step3", SPEC, True, "adamw")
         resumed = train(fresh, range(SAVE_AT, STEPS))
-        assert_runs_agree(resumed, ours[SAVE_AT:])
-        assert max_weight_difference(fresh.adapter_tensors("job"), weights) <= 1e-6
+        weights = local_payload(fresh.adapter_tensors("job"))
+        (root / "resumed").mkdir()
+        fresh.save_state("job", root / "resumed", False)
     finally:
         fresh.close()
+    statistics = [json.loads((root / f"resumed.rank{rank}.statistics.json").read_text()) for rank in range(2)]
+    return resumed, weights, statistics
+
+
+def test_a_state_loaded_into_a_fresh_group_resumes_the_run_its_layers_checkpointed_or_not(lora_run, checkpointed_resume):
+    ours, weights = lora_run[2], lora_run[3][2]
+    resumed, resumed_weights, _ = checkpointed_resume
+    worst = assert_runs_agree(resumed, ours[SAVE_AT:])
+    difference = max_weight_difference(resumed_weights, weights)
+    print(f"resumed, checkpointed: largest differences: {worst}, weights {difference:.2e}")
+    assert difference <= 1e-6
+
+
+def test_both_ranks_checkpoint_the_rounds_whose_largest_micro_batch_passes_the_budget(checkpointed_resume):
+    statistics = checkpointed_resume[2]
+    per_token = statistics[0]["activation_bytes_per_token"]
+    # Every rank plans the same micro-batches (longest first) and runs them two a round.
+    sizes = [
+        round_tokens(plan_micro_batches(lengths, MAX_BATCH_TOKENS), lengths, dp_size=2, cp=1)
+        for lengths in ([len(d.tokens) for batch in step_batches(step) for d in batch.data] for step in range(SAVE_AT, STEPS))
+    ]
+    expected = sum(sum(rounds_over_budget(step_sizes, per_token, CHECKPOINT_BUDGET)) for step_sizes in sizes)
+    rounds = sum(len(step_sizes) for step_sizes in sizes)
+    print(f"activations: {per_token:.0f} bytes a token; {expected} of {rounds} rounds over {CHECKPOINT_BUDGET} bytes")
+    assert 0 < expected < rounds, "the budget should split the rounds, so that some ranks run under it in a checkpointed round"
+    assert [(s["backward_rounds"], s["checkpointed_rounds"]) for s in statistics] == [(rounds, expected)] * 2
+    assert statistics[1]["activation_bytes_per_token"] == per_token
 
 
 def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_resume(sockets, tiny_llama, tmp_path):
@@ -322,7 +367,7 @@ def test_full_state_is_streamed_from_the_shards_as_one_process_writes_it(sockets
     """The one-process FullTrainer's state (after a step: weights and AdamW moments), loaded into
     the group and saved again there, is the same files byte for byte: a load keeps each rank's
     rows exactly and the gathers put them back together, so any difference would be the streamed
-    writer's. The worker (automodel_save_worker.py) leaves rank 0's statistics beside each save."""
+    writer's. The worker (automodel_save_worker.py) leaves each rank's statistics beside each save."""
     reference = single(sockets, tiny_llama, "full_trainer")
     reference.add_adapter("job", None, "adamw")
     train(reference, range(1))
@@ -353,7 +398,7 @@ def test_full_state_is_streamed_from_the_shards_as_one_process_writes_it(sockets
         for name in files:
             assert (ours / name).read_bytes() == (theirs / name).read_bytes(), f"{kind}: {name} differs"
         assert sizes[kind] == sum((ours / name).stat().st_size for name in files)
-        saved = json.loads((tmp_path / f"streamed-{kind}.statistics.json").read_text())["last_save"]
+        saved = json.loads((tmp_path / f"streamed-{kind}.rank0.statistics.json").read_text())["last_save"]
         streamed = [name for name in files if name.endswith(".safetensors")]
         assert [file["file"] for file in saved] == streamed
         for file in saved:
