@@ -10,7 +10,9 @@ What is checked, against a one-process run of the single-device trainers from th
 - a datum longer than max_batch_tokens but within it per rank (40 tokens, budget 24 per rank)
   trains in one pack split over the two ranks, with the one-process values;
 - dp = 2 × cp = 2 on 4 ranks: 2 LoRA steps as one process (the cp groups take turns by
-  micro-batch; one runs the empty pass while the other scores);
+  micro-batch; one runs the empty pass while the other scores), with every round's layers
+  checkpointed (a budget of 1 byte), so each backward recomputes attention under its pack's
+  CP context;
 - full fine-tuning parity over 3 steps (FullTrainer);
 - the planner: the budget bounds each rank's part of a pack;
 - a cp that does not divide the group is refused naming trainer_cp.
@@ -59,9 +61,14 @@ FULL_STEPS = 3
 LONG = 40  # tokens: over MAX_BATCH_TOKENS (24) on one rank, within it per rank with cp = 2
 
 
-def cp_group(directory: Path, model: Path, fine_tuning: str, cp: int = CP, ranks: int = 2) -> tuple[RemoteTrainer, dict]:
+def cp_group(
+    directory: Path, model: Path, fine_tuning: str, cp: int = CP, ranks: int = 2, activation_budget_bytes: int = 0
+) -> tuple[RemoteTrainer, dict]:
     """A group of `ranks` with openrl.trainer_cp = `cp`, and the facts its Ready reported."""
-    options = {"fine_tuning": fine_tuning, "max_batch_tokens": MAX_BATCH_TOKENS, "weight_sync": "delta", "cp": cp}
+    options = {
+        "fine_tuning": fine_tuning, "max_batch_tokens": MAX_BATCH_TOKENS, "weight_sync": "delta", "cp": cp,
+        "activation_budget_bytes": activation_budget_bytes,
+    }
     engine_start = Start("automodel_trainer", str(model), "cpu", threads=1, options=options)
     spec = WorkerSpec(name=engine_start.kind, role="trainer", start=engine_start)
     connection, ready = start_worker(TorchrunLauncher(str(AUTOMODEL_PYTHON), ranks), spec, directory, timeouts=TIMEOUTS)
@@ -160,11 +167,12 @@ def test_a_datum_over_one_ranks_budget_trains_split_over_the_cp_group(lora_cp_ru
 
 
 @needs_automodel
-def test_two_cp_groups_of_two_train_lora_as_one_process_does(lora_cp_run, sockets, tiny_llama):
+def test_two_cp_groups_of_two_train_lora_as_one_process_does_their_layers_checkpointed(lora_cp_run, sockets, tiny_llama):
     """dp = 2 × cp = 2 on 4 ranks: the cp groups take turns by micro-batch, and in a round where
-    one has none left its two ranks run the empty pass together."""
+    one has none left its two ranks run the empty pass together. A budget of 1 byte checkpoints
+    every round: each layer's attention recomputes in backward, exchanging K/V over its cp group."""
     root, theirs, _, _ = lora_cp_run
-    trainer, info = cp_group(sockets, tiny_llama, "lora", ranks=4)
+    trainer, info = cp_group(sockets, tiny_llama, "lora", ranks=4, activation_budget_bytes=1)
     try:
         trainer.load_state("job", root, SPEC, False, "adamw")
         ours = train(trainer, range(EARLY_STEPS))
