@@ -185,3 +185,13 @@ def daemon(models: dict[str, Path], extra_config: str = "", root: Path | None = 
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+def tiny_llama_32k(root: Path) -> Path:
+    """The tiny Llama with 32,768 positions (its rope needs no scaling: positions are just longer)."""
+    directory = build_tiny_model(root / "tiny-llama-32k", "llama", seed=0)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 32768
+    config_path.write_text(json.dumps(config, indent=2))
+    return directory

@@ -33,22 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, gemma3_dir, smollm2_dir  # noqa: E402
+from _daemon import daemon, gemma3_dir, smollm2_dir, tiny_llama_32k  # noqa: E402
 
-from openrld.gpu.tiny_models import build_tiny_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LENGTHS = (1024, 4096, 8192, 16384, 32768)
-
-
-def tiny_llama_32k(root: Path) -> Path:
-    """The tiny Llama with 32,768 positions (its rope needs no scaling: positions are just longer)."""
-    directory = build_tiny_model(root / "tiny-llama-32k", "llama", seed=0)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_position_embeddings"] = 32768
-    config_path.write_text(json.dumps(config, indent=2))
-    return directory
 
 
 def daemon_pid() -> int:

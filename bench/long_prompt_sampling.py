@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _daemon import tiny_llama_32k
+
 HERE = Path(__file__).resolve().parent
 LENGTHS = (1024, 8192, 16384, 32760)  # 32,760: the longest prompt that leaves 8 new tokens in 32,768
 NEW_TOKENS = 8
@@ -40,18 +42,6 @@ def vm_hwm_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def tiny_llama_32k(root: Path) -> Path:
-    """The tiny Llama with 32,768 positions (its rope needs no scaling: positions are just longer)."""
-    from openrld.gpu.tiny_models import build_tiny_model
-
-    directory = build_tiny_model(root / "tiny-llama-32k", "llama", seed=0)
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_position_embeddings"] = 32768
-    config_path.write_text(json.dumps(config, indent=2))
-    return directory
 
 
 def prompt_of(length: int) -> list[int]:
