@@ -8,7 +8,10 @@ LoRA, FullTrainer for full fine-tuning) in the same environment, from the same s
   (7 requests, 3 datums each, micro-batches small enough that both ranks score datums),
   the losses, metrics, log-probabilities and final weights agree within 1e-5;
 - resume: a state saved at step 3 (with optimizer) and loaded into a fresh group continues
-  to the same weights as the uninterrupted group;
+  to the same weights as the uninterrupted group, though the fresh group checkpoints the
+  layers of its rounds over its activation budget (6 of 10) and the first group none;
+- activation checkpointing is chosen per round: both ranks checkpoint the same rounds, those
+  whose largest micro-batch passes the budget, even where a rank's own one does not;
 - sampling: the exported adapter loads in peft, whose log-probabilities match the group's
   forward; full fine-tuning's deltas, loaded by openrld's full sampler (which checks their
   digest), give it the group's weights bit for bit;
