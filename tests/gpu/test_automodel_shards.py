@@ -40,6 +40,14 @@ def test_a_starts_options_become_the_trainers():
     assert _automodel_options({}) == AutomodelOptions()
 
 
+def test_a_negative_activation_budget_is_refused_naming_it():
+    from openrld.gpu.automodel_trainer import _check_options
+
+    with pytest.raises(BadRequest, match=r"^activation_budget_bytes must be >= 0; got -1$") as refused:
+        _check_options(AutomodelOptions(activation_budget_bytes=-1))
+    assert refused.value.key == "activation_budget_bytes"
+
+
 def test_an_unknown_option_is_refused_naming_it():
     with pytest.raises(BadRequest, match=r"^automodel_trainer has no option 'gpus'; it takes fine_tuning, cp, "):
         _automodel_options({"gpus": 2})
