@@ -1,7 +1,8 @@
 """How the Automodel trainer's passes size a round and choose whether it checkpoints
 (gpu/automodel_passes.py `round_tokens`, `rounds_over_budget`): every rank computes the same
-answer from the same plan, so all of a round's ranks checkpoint their layers or none do. The groups that run it are in test_automodel_trainer.py and
-test_automodel_cp.py; this is the arithmetic alone, with no group.
+answer from the same plan, so all of a round's ranks checkpoint their layers or none do. The
+groups that run it are in test_automodel_trainer.py and test_automodel_cp.py; this is the
+arithmetic alone, with no group.
 """
 
 from __future__ import annotations
