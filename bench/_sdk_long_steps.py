@@ -1,10 +1,10 @@
 """The client of bench/long_context.py: the real tinker SDK in a process of its own.
 
-`python bench/_sdk_long_steps.py URL MODEL DAEMON_PID VOCAB TOKENS...` creates one LoRA training
-client (rank 8) and, for each length, resets the daemon's peak RSS (/proc/PID/clear_refs),
-runs two SFT steps of one datum of that many tokens (forward_backward with cross_entropy,
-then optim_step), and prints one JSON line: the second step's seconds and the daemon's
-peak RSS since the reset (VmHWM). It never imports openrld.
+`python bench/_sdk_long_steps.py URL MODEL DAEMON_PID VOCAB STEPS TOKENS...` creates one LoRA
+training client (rank 8) and, for each length, resets the daemon's peak RSS
+(/proc/PID/clear_refs), runs STEPS SFT steps of one datum of that many tokens (forward_backward
+with cross_entropy, then optim_step), and prints one JSON line: the last step's seconds and the
+daemon's peak RSS since the reset (VmHWM). It never imports openrld.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def peak_rss(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
-def main(url: str, model: str, pid: int, vocab: int, lengths: list[int]) -> None:
+def main(url: str, model: str, pid: int, vocab: int, steps: int, lengths: list[int]) -> None:
     service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
     training = service.create_lora_training_client(base_model=model, rank=8)
     for tokens in lengths:
@@ -35,7 +35,7 @@ def main(url: str, model: str, pid: int, vocab: int, lengths: list[int]) -> None
         )
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # 5: reset the peak RSS
         seconds = []
-        for _ in range(2):
+        for _ in range(steps):
             start = time.perf_counter()
             training.forward_backward([datum], "cross_entropy").result()
             training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
@@ -44,4 +44,4 @@ def main(url: str, model: str, pid: int, vocab: int, lengths: list[int]) -> None
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), [int(n) for n in sys.argv[5:]])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), [int(n) for n in sys.argv[6:]])

@@ -9,9 +9,10 @@ two ways, in processes of their own:
 - bare: the loop a researcher writes with transformers and peft, torch's defaults, one
   fresh process a length (bench/_bare_long_step.py): full logits, no checkpointing. It
   runs only up to --bare-max-tokens, past which it does not fit this machine.
-Each is the second of two steps. Printed: seconds a step and per 1k tokens, peak RSS,
-and the openrld step's time per token relative to its own at 4k (target: at most 2x at
-the longest length), and bare / openrld step time where both ran.
+Each is the second of two steps (openrld's first with `--steps 1`, for a length too slow
+for two). Printed: seconds a step and per 1k tokens, peak RSS, and the openrld step's time
+per token relative to its own at 4k (target: at most 2x at the longest length), and
+bare / openrld step time where both ran.
 
 Models: the tiny Llama rebuilt with 32,768 positions (1k to 32k), SmolLM2-135M-Instruct
 (1k to its 8,192; target: within 4 GB of daemon RSS at 8,192), and with --gemma3 the
@@ -56,10 +57,10 @@ def daemon_pid() -> int:
     raise RuntimeError("no daemon child found")
 
 
-def run_openrld(name: str, directory: Path, vocab: int, lengths: list[int]) -> dict[int, dict]:
+def run_openrld(name: str, directory: Path, vocab: int, lengths: list[int], steps: int) -> dict[int, dict]:
     results = {}
     with daemon({name: directory}) as url:
-        client = [sys.executable, str(HERE / "_sdk_long_steps.py"), url, name, str(daemon_pid()), str(vocab)]
+        client = [sys.executable, str(HERE / "_sdk_long_steps.py"), url, name, str(daemon_pid()), str(vocab), str(steps)]
         process = subprocess.run(client + [str(n) for n in lengths], capture_output=True, text=True, check=False)
         for line in process.stdout.splitlines():
             row = json.loads(line)
@@ -79,13 +80,13 @@ def run_bare(directory: Path, tokens: int) -> dict | None:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def report(name: str, directory: Path, lengths: list[int], bare_max: int) -> None:
+def report(name: str, directory: Path, lengths: list[int], bare_max: int, steps: int) -> None:
     config = json.loads((directory / "config.json").read_text())
     context = config.get("max_position_embeddings", 2048)
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     lengths = [n for n in lengths if n <= context]
     print(f"\n{name} (context {context}, vocab {vocab})")
-    ours = run_openrld(name, directory, vocab, lengths)
+    ours = run_openrld(name, directory, vocab, lengths, steps)
     print(f"{'tokens':>7} {'openrld s':>10} {'s/1k tok':>9} {'vs 4k':>6} {'peak GB':>8} {'bare s':>8} {'bare GB':>8} {'bare/ours':>9}")
     at_4k = ours.get(4096, {}).get("step_s")
     for tokens in lengths:
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--gemma3", action="store_true", help="also the Gemma 3 270M checkpoint")
     parser.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     parser.add_argument("--bare-max-tokens", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=2, help="openrld steps a length; the last is timed")
     args = parser.parse_args()
     models = list(args.models) + (["gemma3"] if args.gemma3 and "gemma3" not in args.models else [])
     with tempfile.TemporaryDirectory(prefix="openrld-long-") as tmp:
@@ -118,7 +120,7 @@ def main() -> None:
                 if directory is None:
                     print(f"\n{model}: not installed; skipped")
                     continue
-            report(model, directory, args.lengths, args.bare_max_tokens)
+            report(model, directory, args.lengths, args.bare_max_tokens, args.steps)
 
 
 if __name__ == "__main__":
