@@ -63,9 +63,10 @@ window 512), so at 32k positions keeping every one of them holds ~30x what
 the window does, for blocks the prefix cache (256 MiB by default) could keep
 only the head of anyway.
 
-Context: a request whose prompt plus max_tokens passes the model's context is
-refused (BadRequest naming the limit); with max_tokens None a sample ends with
-"length" at the context.
+Context: a prompt as long as the model's context is refused (BadRequest naming
+the limit); a max_tokens (or None) that would pass the context is cut to it, and
+the sample ends with "length" there, as vLLM's mapping does
+(`vllm_mapping.generation_limit`), so that both backends agree.
 
 `prompt_cache_hit_tokens`: the prompt positions taken from the prefix cache;
 and since a request's n samples all start from its one prefilled KV cache,
