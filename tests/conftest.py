@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -149,6 +150,19 @@ def seed_smollm2(data_dir: Path, conversion: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.symlink_to(conversion, target_is_directory=True)
     return target
+
+
+def ready_all(daemons: Iterable[Daemon]) -> None:
+    """Wait for each launched daemon (`Daemon.launch`) to listen; if one does not, stop them all."""
+    daemons = list(daemons)
+    try:
+        for daemon in daemons:
+            if not daemon.url:
+                daemon.ready()
+    except BaseException:
+        for daemon in daemons:
+            daemon.stop()
+        raise
 
 
 class Daemon:

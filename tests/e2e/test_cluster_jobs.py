@@ -22,7 +22,7 @@ import pytest
 import tinker
 from tinker import types
 
-from conftest import Daemon, write_config
+from conftest import Daemon, ready_all, write_config
 from openrld.actors.membership.codec import decode_push_pull, encode_push_pull, secret_key
 from openrld.actors.membership.config import MembershipConfig, detection_bound
 from openrld.actors.membership.messages import PushPull
@@ -58,14 +58,7 @@ def start_cluster(root: Path, models: dict[str, Path], extras: dict[str, str]) -
         daemons[name] = Daemon(root / name, config, root / f"{name}.log").launch()
         if not seeds:
             daemons[name].ready()  # the others need its address
-    try:
-        for daemon in daemons.values():
-            if not daemon.url:
-                daemon.ready()
-    except BaseException:
-        for daemon in daemons.values():
-            daemon.stop()
-        raise
+    ready_all(daemons.values())
     return daemons
 
 

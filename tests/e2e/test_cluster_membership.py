@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import Daemon, write_config  # the suite's real-daemon helpers
+from conftest import Daemon, ready_all, write_config  # the suite's real-daemon helpers
 from openrld.actors.membership.codec import encode_push_pull
 from openrld.actors.membership.config import MembershipConfig, detection_bound
 from openrld.actors.membership.messages import PushPull
@@ -47,9 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[
             daemons[name] = Daemon(root / name, config, root / f"{name}.log").launch()
             if not seeds:
                 daemons[name].ready()
-        for daemon in daemons.values():
-            if not daemon.url:
-                daemon.ready()
+        ready_all(daemons.values())
         yield daemons
     finally:
         for daemon in daemons.values():
