@@ -78,6 +78,7 @@ class _PlainReader(gguf.GGUFReader):
     def data(self, mapped: np.ndarray) -> None:
         self._plain = mapped.view(np.ndarray)  # the view keeps the mapping alive through .base
 
+
 _SHARED_READERS: dict[str, gguf.GGUFReader] = {}  # GGUF path -> its one parse, while a conversion reads it
 _SHARED_LOCK = threading.Lock()
 
@@ -94,9 +95,10 @@ def _parsed_once(source: Path) -> Iterator[None]:
 
     transformers imports the reader class from `gguf` at each load, so the stand-in is set on the
     module; it stays set, answering for files nobody converts exactly as the class does."""
+    parsed = _PlainReader(source, "r")  # seconds of parsing: outside the lock other conversions take
     with _SHARED_LOCK:
         gguf.GGUFReader = _shared_reader  # type: ignore[misc]
-        _SHARED_READERS[os.path.realpath(source)] = _PlainReader(source, "r")
+        _SHARED_READERS[os.path.realpath(source)] = parsed
     try:
         yield
     finally:
