@@ -73,3 +73,33 @@ async def test_a_snapshot_mirrored_on_another_node_keeps_owner_tags_and_metadata
 
 def test_an_unknown_session_has_no_snapshot(sessions):
     assert sessions.snapshot("s-none") is None
+
+
+async def test_a_session_id_is_s_then_the_nodes_tag_then_random_hex(store):
+    session_id = await create(SessionTable(store=store, id_tag="0a1b2c3d"))
+    assert (session_id[:10], len(session_id)) == ("s-0a1b2c3d", 2 + 8 + 16)
+
+
+async def test_another_users_heartbeat_is_404(sessions):
+    session_id = await create(sessions)
+    with pytest.raises(NotFound) as caught:
+        sessions.heartbeat("bob", session_id)
+    assert caught.value.detail == f"no session {session_id!r}"
+
+
+async def test_a_session_keeps_the_first_finish_reason_given(sessions, store):
+    session_id = await create(sessions)
+    sessions.finish("alice", session_id, "user_requested", "done")
+    sessions.finish("alice", session_id, "timeout", None)
+    row = store.sessions.get(session_id)
+    assert (row.finish_reason, row.finish_detail) == ("user_requested", "done")
+
+
+async def test_mirroring_a_session_already_known_here_leaves_it_as_it_is(sessions):
+    session_id = await create(sessions, tags=["openrl.exclusive=true"])
+    sessions.mirror(SessionSnapshot(session_id, "mallory", [], {}, "0.16.0", None, None))
+    assert sessions.owned("alice", session_id).tags == ("openrl.exclusive=true",)
+
+
+def test_an_unknown_session_is_neither_finished_nor_home_here(sessions):
+    assert (sessions.is_finished("s-none"), sessions.is_home_to("s-none")) == (False, False)
