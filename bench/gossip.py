@@ -29,11 +29,11 @@ import time
 import trio
 import trio.testing
 
-from openrld.actors.membership.codec import HEADER_BYTES, encode_messages
-from openrld.actors.membership.config import MembershipConfig, detection_bound
-from openrld.actors.membership.fake_network import FakeNetwork
-from openrld.actors.membership.messages import Ack, Ping
-from openrld.actors.membership.simulation import SimulatedCluster
+from openrld.cluster.membership.codec import HEADER_BYTES, encode_messages
+from openrld.cluster.membership.config import MembershipConfig, detection_bound
+from openrld.cluster.membership.fake_network import FakeNetwork
+from openrld.cluster.membership.messages import Ack, Ping
+from openrld.cluster.membership.simulation import SimulatedCluster
 
 JOINS_PER_S = 40.0
 

@@ -39,8 +39,10 @@ from openrld.actors.run_history import (
     MAX_POINTS_PER_RUN, MAX_SAMPLING_BUCKETS, SAMPLING_BUCKET_S, HistoryRecorder,
 )
 from openrld.actors.usage import UsageMeter
-from openrld.actors.membership.messages import DeviceSlot
-from openrld.actors.membership.service import ClusterMembership, ClusterSettings, node_payload
+from openrld.cluster.membership.messages import DeviceSlot
+from openrld.cluster.membership.service import ClusterMembership, ClusterSettings, node_payload
+from openrld.cluster.node import ClusterNode
+from openrld.cluster.peer_client import RelayCounters
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
 from openrld.api.http1 import Server
@@ -79,7 +81,7 @@ def _vllm_config(config: NodeConfig) -> VllmSamplerConfig | None:
 
 def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
     """Where engines run, as `[workers]` says: inproc, processes, the vLLM environment, images."""
-    from openrld.actors.membership.service import node_name_or_host_name
+    from openrld.cluster.membership.service import node_name_or_host_name
     from openrld.worker.launchers.process import ProcessLauncher
 
     workers = config.workers
@@ -242,21 +244,26 @@ async def serve(
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))
             # Configured GGUF models convert in the background; progress is in /openrl/v1/info.
             await nursery.start(prepare_models, catalog, converter.ensure)
-            # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon (relay.py).
-            peers = (
-                httpx.AsyncClient(
+            auth = Authenticator(keys, jwt_signer=signer if config.jwt_auth else None)
+            relays = RelayCounters()
+            peers = cluster = None
+            if membership is not None:
+                # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon.
+                peers = httpx.AsyncClient(
                     limits=httpx.Limits(max_keepalive_connections=64), trust_env=False, verify=verify_peers
                 )
-                if membership is not None else None
-            )
+                cluster = ClusterNode(
+                    membership.node, client=peers, config=config, jobs=jobs, sampling=sampling, sessions=sessions,
+                    resolve_model=lambda name: catalog.resolve(name).name, user_for=auth.user_for, counters=relays,
+                )
             services = Services(
                 records=Records(store, usage),  # the rows the routes read
-                config=config, auth=Authenticator(keys, jwt_signer=signer if config.jwt_auth else None),
+                config=config, auth=auth,
                 catalog=catalog, futures=futures, jobs=jobs, sessions=sessions, sampling=sampling,
                 groups=groups, usage=usage, signer=signer,
                 devices=tuple(DeviceSummary(name=d.name, kind=d.kind, memory_bytes=d.memory_bytes) for d in device_records),
-                cluster=membership.node if membership is not None else None,
-                peers=peers,
+                cluster=cluster,
+                relays=relays,
                 console=ConsoleViews(
                     store=store, jobs=jobs, history=history,
                     node=membership.node.name if membership is not None else config.node_name,

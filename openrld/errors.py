@@ -93,7 +93,7 @@ class ServiceUnavailable(ServerError):
 class NoCapacity(BadRequest):
     """This node has no device for the job (openrl.exclusive and none free); another node may.
 
-    A placer that offered the job here tries the next node (`actors/placement/offers.py`);
+    A placer that offered the job here tries the next node (`cluster/placement/offers.py`);
     on a node alone it is the caller's 400, naming the key.
     """
 

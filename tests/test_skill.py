@@ -30,10 +30,11 @@ import yaml
 
 from openrld import cli, config, doctor, settings
 from openrld.api import capabilities
-from openrld.actors.membership.messages import MemberState
+from openrld.cluster.membership.messages import MemberState
 from openrld.actors.model_status import JobState, ModelStatus
 from openrld.actors.timeslicer import LeaseState
-from openrld.api import peer, wire
+from openrld.api import wire
+from openrld.cluster.view import ClusterView
 from openrld.errors import UserError
 from openrld.model_catalog import PACKAGED_GGUF, ModelSource
 
@@ -122,7 +123,7 @@ SDK_TEXT = "\n".join(p.read_text() for p in sorted(Path(tinker.__file__).parent.
 # Every name a backticked snake_case identifier in the skill may be.
 KNOWN_NAMES = (
     set(CONFIG_FIELDS) | set(HTTP_FIELDS) | set(settings.SETTING_KEYS) | set(LOSSES) | METRICS
-    | _struct_fields(capabilities.ServerInfo) | _struct_fields(ModelStatus) | _struct_fields(peer.ClusterView)
+    | _struct_fields(capabilities.ServerInfo) | _struct_fields(ModelStatus) | _struct_fields(ClusterView)
     | {s.value for s in JobState} | {s.value for s in ModelSource} | {s.value for s in LeaseState}
     | SDK_METHODS | SDK_PARAMETERS
     | {f for name, s in vars(wire).items() if isinstance(s, type) and issubclass(s, msgspec.Struct)

@@ -18,7 +18,7 @@ import enum
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.actors.membership.messages import JobNote
+from openrld.cluster.membership.messages import JobNote
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, TrainerStatistics

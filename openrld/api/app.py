@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import httpx
 import msgspec
 from quart import Response, g, request
 from quart_trio import QuartTrio
@@ -23,21 +22,18 @@ from quart_trio import QuartTrio
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.console_views import ConsoleViews
 from openrld.actors.device_pool import NodeDevices
-from openrld.actors.directory import Directory
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.records import Records
 from openrld.actors.jobs import JobTable
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
-from openrld.actors.membership.node import MembershipNode
-from openrld.actors.peer_client import PeerClient, RelayCounters, relay_key
-from openrld.actors.placement import ClusterPlacer
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator
-from openrld.api.relay import Relay
 from openrld.api.signing import Signer
+from openrld.cluster.node import ClusterNode
+from openrld.cluster.peer_client import RelayCounters
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
 from openrld.api.gate import Gate
@@ -51,7 +47,6 @@ from openrld.model_catalog import ModelCatalog
 logger = logging.getLogger(__name__)
 
 _json_encoder = msgspec.json.Encoder()
-RELAY_MARGIN_S = 30.0  # what a relayed call may take beyond the home node's long-poll
 
 
 @dataclass(frozen=True)
@@ -72,8 +67,7 @@ class Services:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     usage: UsageMeter = field(default_factory=UsageMeter)  # token counts per session, for billing usage
     signer: Signer = field(default_factory=Signer)  # signed download URLs and JWTs
-    cluster: MembershipNode | None = None  # gossip membership; None when the node has no cluster_secret
-    peers: httpx.AsyncClient | None = None  # relays requests to other members; the daemon closes it
+    cluster: ClusterNode | None = None  # membership, directory, relay; None when the node has no cluster_secret
     relays: RelayCounters = field(default_factory=RelayCounters)  # what the relay did, for /metrics
     http: HttpCounters = field(default_factory=HttpCounters)  # the HTTP server's connections, for /metrics
     console: ConsoleViews | None = None  # the console's reads; None: the node serves no console routes
@@ -178,30 +172,7 @@ def build_app(services: Services) -> Gate:
         app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics,
         longpolls=tinker.LONGPOLL_ROUTES,
     )
-    gate = partial(
-        Gate, auth=services.auth, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
-    )
-    if services.cluster is None or services.peers is None:
-        return SdkVersionWatch(gate(front), services.sdk_versions)
-    directory = Directory(services.cluster, services.jobs, services.sampling)
-    key = relay_key(services.config.cluster_secret)
-    peers = PeerClient(
-        services.peers, local_name=directory.local_name, key=key, tls=services.config.is_tls, counters=services.relays,
-        # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
-        relay_timeout_s=services.config.longpoll_s + RELAY_MARGIN_S,
-    )
-    return SdkVersionWatch(gate(Relay(
-        front,
-        directory=directory,
-        peers=peers,
-        placement=ClusterPlacer(directory, services.relays, services.config.accept_jobs),
-        key=key,
-        counters=services.relays,
-        user_for=services.auth.user_for,
-        session_snapshot=services.sessions.snapshot,
-        mirror_session=services.sessions.mirror,
-        resolve_model=lambda name: services.catalog.resolve(name).name,
-        accept_jobs=services.config.accept_jobs,
-        max_body_bytes=services.config.max_body_bytes,
-        longpolls=tinker.LONGPOLL_ROUTES,
-    )), services.sdk_versions)
+    if services.cluster is not None:
+        front = services.cluster.relay(front, longpolls=tinker.LONGPOLL_ROUTES)
+    gate = Gate(front, auth=services.auth, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics)
+    return SdkVersionWatch(gate, services.sdk_versions)

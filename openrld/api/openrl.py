@@ -86,7 +86,7 @@ async def metrics(services: Services) -> Response:
         groups=services.groups.statistics(),
         store=services.records.statistics(),
         stability=services.groups.stability.statistics(),
-        membership=services.cluster.statistics() if services.cluster is not None else None,
+        membership=services.cluster.membership.statistics() if services.cluster is not None else None,
         relay=services.relays.statistics(),  # zero outside a cluster, still rendered: see NodeStatistics.relay
         http=services.http.statistics(),
         loop=services.loop_watch.statistics() if services.loop_watch is not None else None,

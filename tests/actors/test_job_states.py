@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.actors.membership.messages import JobNote
+from openrld.cluster.membership.messages import JobNote
 from openrld.actors.model_status import GroupView, JobFacts, JobState, build_status, lost_status
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics

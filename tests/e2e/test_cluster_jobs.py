@@ -23,12 +23,12 @@ import tinker
 from tinker import types
 
 from conftest import Daemon, ready_all, write_config
-from openrld.actors.membership.codec import decode_push_pull, encode_push_pull, secret_key
-from openrld.actors.membership.config import MembershipConfig, detection_bound
-from openrld.actors.membership.messages import PushPull
-from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
+from openrld.cluster.membership.codec import decode_push_pull, encode_push_pull, secret_key
+from openrld.cluster.membership.config import MembershipConfig, detection_bound
+from openrld.cluster.membership.messages import PushPull
+from openrld.cluster.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
 from openrld.actors.sessions import SessionSnapshot
-from openrld.api.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
+from openrld.cluster.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
 from openrld.sdk_support import OLDEST_SERVED
 from sdk_venvs import run_loop
 from tests.waits import wait_for

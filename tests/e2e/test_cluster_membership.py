@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from conftest import Daemon, ready_all, write_config  # the suite's real-daemon helpers
-from openrld.actors.membership.codec import encode_push_pull
-from openrld.actors.membership.config import MembershipConfig, detection_bound
-from openrld.actors.membership.messages import PushPull
-from openrld.actors.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
+from openrld.cluster.membership.codec import encode_push_pull
+from openrld.cluster.membership.config import MembershipConfig, detection_bound
+from openrld.cluster.membership.messages import PushPull
+from openrld.cluster.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
 from tests.waits import wait_for
 
 SECRET = "test-cluster-secret"

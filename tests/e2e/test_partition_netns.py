@@ -37,7 +37,7 @@ import msgspec
 import pytest
 
 from conftest import Daemon, write_config, write_api_keys  # the suite's real-daemon helpers
-from openrld.actors.membership.config import (
+from openrld.cluster.membership.config import (
     MembershipConfig,
     detection_bound,
     expected_confirmations,

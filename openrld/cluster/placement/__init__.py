@@ -1,0 +1,35 @@
+"""Which node a new job goes to, across the cluster.
+
+`ranking` orders the nodes for a job by the rules of DESIGN.md and counts the
+placer's own recent placements (pure); `offers` offers the job to them in
+turn until one takes it (`OfferRound` is the pure state, `ClusterPlacer` the
+async shell). Neither books a device: the chosen node's device pool does.
+"""
+
+from openrld.cluster.placement.offers import ClusterPlacer, OfferRound, Reply, needs_of_note, needs_of_settings
+from openrld.cluster.placement.ranking import (
+    GROUP_ROOM,
+    Booking,
+    Candidate,
+    JobNeeds,
+    Placer,
+    candidate,
+    rank,
+    too_large,
+)
+
+__all__ = [
+    "GROUP_ROOM",
+    "Booking",
+    "Candidate",
+    "ClusterPlacer",
+    "JobNeeds",
+    "OfferRound",
+    "Placer",
+    "Reply",
+    "candidate",
+    "needs_of_note",
+    "needs_of_settings",
+    "rank",
+    "too_large",
+]

@@ -1,0 +1,574 @@
+"""Any node answers: an ASGI layer that sends each request to the node its job lives on.
+
+A clustered node puts this in front of its app. For every request it finds
+the id the route is about (a model id in the body, a request id, a sampling
+session, a run id in the path), asks the job directory where that lives, and:
+
+- here: the request goes on to this node's app untouched;
+- another live node: the raw request is relayed to that node's API with the
+  caller's own headers (so the home node enforces the same auth), marked as
+  relayed so it is never relayed twice, and its answer is passed back;
+- a dead node: it is tried once with a short connect timeout (a loaded node
+  can be declared dead and still be there); if it does not answer, the
+  answer is a 410 naming the node and the last checkpoint to restore from
+  (or, for the model status route, the job's `lost` status), never a hang;
+- nowhere known: the other members are asked (`POST /openrl/peer/v1/locate`),
+  and the id is answered here if none has it.
+
+Ids come from the path, or from the body: a JSON body is decoded into `_Ids`
+alone (msgspec skips every other field without building it), and a
+forward_backward protobuf body is read only as far as its model_id
+(`proto.forward_backward_model_id`), so the body is decoded once, by the
+route of the node that serves it.
+
+What is not relaying lives elsewhere in `cluster/`: which node a new job is
+offered to, and the offers, in `placement/`; calls to other members in
+`peer_client.py`; the list routes' merge in `list_fanout.py`; the signed
+session a creating request carries in `relayed_session.py`.
+This module holds no state of its own; the directory and the placer own it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import urllib.parse
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import msgspec
+import trio
+
+from openrld import ids, settings as job_settings
+from openrld.cluster.directory import Directory, Home, Where
+from openrld.cluster.membership.messages import MemberState
+from openrld.cluster.membership.table import Member
+from openrld.actors.model_status import lost_status
+from openrld.cluster.peer_client import (
+    CONNECT_S,
+    DEAD_CONNECT_S,
+    LOCATE_PATH as LOCATE_PATH,
+    LOCATE_TAG_HEADER as LOCATE_TAG_HEADER,
+    RELAY_FAILED,
+    RELAYED_HEADER as RELAYED_HEADER,
+    Answer,
+    LocateQuery,
+    PeerClient,
+    answer_locate,
+    detail_answer,
+    json_answer,
+)
+from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
+from openrld.cluster.relayed_session import SESSION_HEADER as SESSION_HEADER  # noqa: F401  (tests read them here)
+from openrld.cluster.relayed_session import SESSION_TAG_HEADER as SESSION_TAG_HEADER  # noqa: F401
+from openrld.cluster.relayed_session import session_headers, session_of
+from openrld.api import wire
+from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
+from openrld.cluster.list_fanout import FANOUT_LISTS, fan_out
+from openrld.api import media
+from openrld.api.proto import forward_backward_model_id
+from openrld.errors import BadRequest, OpenrldError, UserError
+from openrld.cluster.peer_client import RelayCounters
+
+if TYPE_CHECKING:
+    from openrld.cluster.relayed_session import SessionSnapshot
+
+logger = logging.getLogger(__name__)
+
+_MODEL_BODY_ROUTES = {
+    "/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step", "/api/v1/save_weights",
+    "/api/v1/save_weights_for_sampler", "/api/v1/save_weights_external", "/api/v1/get_info", "/api/v1/load_weights",
+}
+# Requests that create a job or a sampling session under the caller's session (which the home may lack).
+_CREATING_ROUTES = {"/api/v1/create_model", "/api/v1/load_weights", "/api/v1/create_sampling_session"}
+# Bodies naming a request id or a session id: their home is the node that minted the id.
+_MINTED_ID_ROUTES = {"/api/v1/retrieve_future", "/api/v1/cancel_future", "/api/v1/session_heartbeat"}
+_RUN_PATH = re.compile(r"^/api/v1/training_runs/([^/]+)(/.*)?$")
+_STATUS_PATH = re.compile(r"^/openrl/v1/models/([^/]+)/status$")
+_CONSOLE_RUN_PATH = re.compile(r"^/openrl/v1/runs/([^/]+)(/curves)?$")
+NODE_PATH = "/openrl/v1/node"  # ?node=<name>: that member's own device view
+_SAMPLER_PATH = re.compile(r"^/api/v1/samplers/(.+)$")
+_SESSION_PATH = re.compile(r"^/api/v1/sessions/(s-[^/]+)(/finish|/project|/trace_export)?$")
+
+
+class _Ids(msgspec.Struct):
+    """The ids a body may name; everything else in it is the home node's to decode."""
+
+    model_id: str | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+    sampling_session_id: str | None = None
+    sampling_session_seq_id: int | None = None
+    model_seq_id: int | None = None
+    model_path: str | None = None
+    path: str | None = None
+    tinker_path: str | None = None
+    base_model: str | None = None
+
+
+class _Unread(enum.Enum):
+    """Why a body was not read whole."""
+
+    TOO_LARGE = "too large"
+    DISCONNECTED = "disconnected"
+
+
+_TOO_LARGE = _Unread.TOO_LARGE
+_DISCONNECTED = _Unread.DISCONNECTED
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request as the relay passes it on."""
+
+    scope: dict  # the ASGI scope
+    headers: dict[bytes, bytes]  # the request's headers, by lower-case name
+    body: bytes
+    session_id: str | None = None  # a creating request's session: sent along, signed, when it is relayed
+
+
+class Relay:
+    """ASGI: routes each request to its home node; see the module docstring."""
+
+    def __init__(
+        self,
+        inner: Callable[..., Awaitable[None]],
+        *,
+        directory: Directory,
+        peers: PeerClient,
+        placement: ClusterPlacer[Answer],
+        key: bytes,
+        counters: RelayCounters,
+        user_for: Callable[[str | None], str],
+        session_snapshot: Callable[[str], SessionSnapshot | None],
+        mirror_session: Callable[[SessionSnapshot], None],
+        resolve_model: Callable[[str], str],
+        accept_jobs: bool,
+        max_body_bytes: int,
+        longpolls: frozenset[str] = frozenset(),
+    ) -> None:
+        self._inner = inner
+        self._directory = directory
+        self._peers = peers  # every call to another member
+        self._placement = placement  # offers job-creating requests to the ranked nodes
+        self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries, signs sessions
+        self._counters = counters  # the relay's own: ids lost with their node
+        self._user_for = user_for
+        self._session_snapshot = session_snapshot
+        self._mirror_session = mirror_session
+        self._resolve_model = resolve_model
+        self._accept_jobs = accept_jobs
+        self._max_body_bytes = max_body_bytes
+        self._longpolls = longpolls  # relayed waits that end when their client goes away
+
+    # ------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self._inner(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if RELAYED_HEADER.encode() in headers:
+            snapshot = session_of(headers, self._key)
+            if snapshot is not None:
+                self._mirror_session(snapshot)
+            await self._inner(scope, receive, send)
+            return
+        if scope["path"] == LOCATE_PATH:
+            body = await self._read(receive)
+            tag = _header(headers, LOCATE_TAG_HEADER.encode()) or ""
+            readable = body if isinstance(body, bytes) else None
+            await self._send(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
+            return
+        body = await self._read(receive)
+        if body is _DISCONNECTED:
+            return  # the client went away mid-body: nothing is relayed, nobody is answered
+        if body is _TOO_LARGE:
+            await self._send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
+            return
+        call = _Call(scope, headers, body)
+        try:
+            if scope["method"] == "GET" and scope["path"] in FANOUT_LISTS:
+                self._user_for(_header(headers, b"x-api-key"))  # a bad key is refused here, once, not by every member
+                ask = self._asker(replace(call, body=b""), scope["path"])
+                answer = await fan_out(scope, self._directory.members(), ask)
+            elif scope["path"] in self._longpolls:
+                routed = await until_disconnect(receive, self._route_boxed, call)
+                if routed is None:
+                    return  # the client went away while its poll waited at the home node
+                answer = routed[0]
+            else:
+                answer = await self._route(call)
+        except OpenrldError as error:
+            answer = Answer(
+                error.status, [(b"content-type", b"application/json"), *error_headers(error)],
+                msgspec.json.encode(wire.ErrorResponse(detail=error.detail)),
+            )
+        except Exception as error:  # one request's failure is its own; the daemon keeps serving
+            logger.exception("unhandled error in the relay path=%s", scope["path"])
+            answer = detail_answer(500, f"internal error: {type(error).__name__}")
+        if answer is None:
+            await self._inner(scope, _replay(body, then=receive), send)
+        else:
+            await self._send(send, answer)
+
+    async def _route_boxed(self, call: _Call) -> tuple[Answer | None]:
+        """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
+        return (await self._route(call),)
+
+    async def _route(self, call: _Call) -> Answer | None:
+        """The answer from another node, or None: this node answers."""
+        method, path = call.scope["method"], call.scope["path"]
+        if method == "POST" and path == "/api/v1/create_model":
+            return await self._place(call)
+        if method == "POST" and path in _MODEL_BODY_ROUTES:
+            ref = self._ids(call)
+            if ref is None:
+                return None
+            if path in _CREATING_ROUTES:
+                call = replace(call, session_id=ref.session_id)
+            if ref.model_id is None and path == "/api/v1/load_weights" and ref.path:
+                return await self._restore(call, ref)
+            if ref.model_id is None:
+                return None
+            answer = await self._to_model(call, ref.model_id)
+            if answer is not None and path == "/api/v1/save_weights_for_sampler" and answer.status == 200:
+                if ref.sampling_session_seq_id is not None:
+                    sampler_id = ids.sampling_session_id(ref.model_id.split(":", 1)[0], ref.sampling_session_seq_id)
+                    self._directory.record(sampler_id, self._home_name(ref.model_id))
+            return answer
+        if method == "POST" and path in _MINTED_ID_ROUTES:
+            ref = self._ids(call)
+            minted = ref.request_id or ref.session_id if ref is not None else None
+            return await self._to(call, self._directory.tagged(minted), minted) if minted else None
+        if method == "POST" and path == "/api/v1/asample":
+            ref = self._ids(call)
+            sampler_id = ref.sampling_session_id if ref is not None else None
+            return await self._to_sampler(call, sampler_id) if sampler_id else None
+        if method == "POST" and path == "/api/v1/create_sampling_session":
+            ref = self._ids(call)
+            if ref is None or ref.session_id is None or ref.sampling_session_seq_id is None:
+                return None
+            call = replace(call, session_id=ref.session_id)
+            sampler_id = ids.sampling_session_id(ref.session_id, ref.sampling_session_seq_id)
+            if ref.model_path is None:
+                return await self._base_model_sampler(call, ref, sampler_id)
+            answer = await self._to_run_of(call, ref.model_path, lost_here=True)
+            if answer is not None and answer.status == 200:
+                self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
+            return answer
+        if method == "POST" and path == "/api/v1/weights_info":
+            ref = self._ids(call)
+            tinker_path = ref.tinker_path if ref is not None else None
+            return await self._to_run_of(call, tinker_path, lost_here=True) if tinker_path else None
+        if (match := _SESSION_PATH.match(path)) is not None:
+            if method == "POST" and match[2] == "/finish":
+                return await self._finish_everywhere(call, match[1])
+            return await self._to(call, self._directory.tagged(match[1]), match[1])
+        if (match := _SAMPLER_PATH.match(path)) is not None:
+            return await self._to_sampler(call, match[1])
+        if (match := _STATUS_PATH.match(path)) is not None:
+            home = await self._model_home(match[1])
+            if home.where is Where.LOST:
+                answer = await self._if_it_answers(call, home, match[1])
+                return answer if answer is not None else self._lost_status(call.headers, match[1], home)
+            return await self._to(call, home, match[1])
+        if (match := _RUN_PATH.match(path)) is not None:
+            home = await self._model_home(match[1])
+            return None if home.where is Where.LOST else await self._to(call, home, match[1])
+        if (match := _CONSOLE_RUN_PATH.match(path)) is not None:
+            return await self._to_model(call, match[1])
+        if method == "GET" and path == NODE_PATH:
+            return await self._to_member(call)
+        return None
+
+    def _ids(self, call: _Call) -> _Ids | None:
+        """The ids a request body names; None if it does not decode (the home app explains why).
+
+        A protobuf forward_backward body is read only as far as its model_id: the node that serves it decodes it
+        whole. A JSON body is decompressed first if its Content-Encoding says so; a body in another type is left
+        to the route that reads it.
+        """
+        form = media.form_of_or_none(_header(call.headers, b"content-type"))
+        encoding = _header(call.headers, b"content-encoding")
+        if call.scope["path"] == "/api/v1/forward_backward" and form is media.Form.PROTOBUF:
+            model_id = forward_backward_model_id(call.body, encoding, max_body_bytes=self._max_body_bytes)
+            return _Ids(model_id=model_id) if model_id is not None else None
+        if form is not media.Form.JSON:
+            return None
+        try:
+            raw = media.decompress(call.body, encoding, max_body_bytes=self._max_body_bytes, where="body")
+            return msgspec.json.decode(raw, type=_Ids)
+        except (BadRequest, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def _to_member(self, call: _Call) -> Answer | None:
+        """`/openrl/v1/node?node=<name>` goes to that member; without a name, or this node's, it is answered here."""
+        name = urllib.parse.parse_qs(call.scope.get("query_string", b"").decode()).get("node", [""])[0]
+        if name in ("", self._directory.local_name):
+            return None
+        self._user_for(_header(call.headers, b"x-api-key"))  # a bad key is refused here, not relayed
+        member = next((m for m in self._directory.members() if m.name == name), None)
+        if member is None:
+            return detail_answer(404, f"no cluster member {name!r}")
+        if not member.is_alive:
+            return detail_answer(410, f"node {name} is {member.state.name.lower()}")
+        return await self._forward(call, member, name)
+
+    async def _finish_everywhere(self, call: _Call, session_id: str) -> Answer:
+        """A session finishes at its home, and then on every member that holds jobs of it (placed there),
+        so that their own groups end and free their devices too."""
+        home = self._directory.tagged(session_id)
+        answer = await self._to(call, home, session_id)
+        if answer is None:
+            answer = await self._local(call.scope, call.body)
+        if answer.status != 200:
+            return answer
+        home_name = home.member.name if home.member is not None else self._directory.local_name
+        ask = self._asker(call, session_id)
+
+        async with trio.open_nursery() as nursery:
+            for member in self._directory.members():
+                if member.is_alive and member.name != home_name:
+                    nursery.start_soon(ask, member, call.scope)  # a member without the session answers 404
+        return answer
+
+    # ------------------------------------------------------------ homes
+
+    async def _model_home(self, model_id: str) -> Home:
+        return await self._home("model", model_id, self._directory.model)
+
+    async def _home(self, kind: str, some_id: str, lookup: Callable[[str], Home]) -> Home:
+        """The directory's answer, or, for an id it does not know, the member that says it has it."""
+        home = lookup(some_id)
+        if home.where is Where.UNKNOWN:
+            name = await self._peers.locate(self._directory.members(), kind, some_id)
+            if name is not None:
+                self._directory.record(some_id, name)
+                home = lookup(some_id)
+        return home
+
+    def _home_name(self, model_id: str) -> str:
+        home = self._directory.model(model_id)
+        return home.member.name if home.member is not None else self._directory.local_name
+
+    async def _to_model(self, call: _Call, model_id: str) -> Answer | None:
+        return await self._to(call, await self._model_home(model_id), model_id)
+
+    async def _to_run_of(self, call: _Call, path: str, *, lost_here: bool) -> Answer | None:
+        """A request about a checkpoint goes to its run's home; a lost home's checkpoints may be read here
+        (a shared checkpoint root), so with `lost_here` this node answers."""
+        run_id = _run_of(path)
+        if run_id is None:
+            return None
+        home = await self._model_home(run_id)
+        if home.where is Where.LOST and lost_here:
+            return None
+        return await self._to(call, home, run_id)
+
+    async def _to_sampler(self, call: _Call, sampler_id: str) -> Answer | None:
+        home = await self._home("sampler", sampler_id, self._directory.sampler)
+        return await self._to(call, home, sampler_id)
+
+    async def _to(self, call: _Call, home: Home, what: str) -> Answer | None:
+        if home.where in (Where.LOCAL, Where.UNKNOWN):
+            return None
+        assert home.member is not None
+        if home.where is Where.LOST:
+            answer = await self._if_it_answers(call, home, what)
+            if answer is not None:
+                return answer
+            self._counters.lost += 1
+            return detail_answer(410, _lost_detail(what, home))
+        return await self._forward(call, home.member, what)
+
+    async def _if_it_answers(self, call: _Call, home: Home, what: str) -> Answer | None:
+        """A node declared dead may have been only slow (a loaded machine, a short partition): if it still
+        answers at once, its answer stands and the job is not lost. A node that left is gone for good."""
+        assert home.member is not None
+        if home.member.state is not MemberState.DEAD:
+            return None
+        answer = await self._forward(call, home.member, what, connect_timeout_s=DEAD_CONNECT_S)
+        return None if answer.status == 503 and RELAY_FAILED in answer.body.decode(errors="replace") else answer
+
+    # ------------------------------------------------------------ creating requests: placed (placement/)
+
+    async def _place(self, call: _Call) -> Answer | None:
+        """create_model: offer the job to the ranked nodes until one takes it."""
+        try:
+            req = msgspec.json.decode(call.body, type=wire.CreateModelRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None  # this node's app says what is wrong with it
+        call = replace(call, session_id=req.session_id)
+        session = self._session_snapshot(req.session_id)
+        if session is None:
+            return await self._to(call, self._directory.tagged(req.session_id), req.session_id)
+        try:
+            settings, _ = job_settings.parse_settings(
+                session.tags, session.user_metadata, {str(k): str(v) for k, v in (req.user_metadata or {}).items()}
+            )
+            base_model = self._resolve_model(req.base_model)
+        except UserError:
+            return None  # this node's app refuses it with the same message, before placing anything
+        needs = needs_of_settings(settings, base_model)
+        refusal = self._placement.too_large(needs)
+        if refusal is not None:
+            return detail_answer(400, refusal)
+        return await self._offer(call, needs, ids.model_id(req.session_id, req.model_seq_id))
+
+    async def _base_model_sampler(self, call: _Call, ref: _Ids, sampler_id: str) -> Answer | None:
+        """A sampling session of a base model: here, unless this node takes no jobs; then placed like a LoRA job."""
+        if self._accept_jobs or ref.base_model is None:
+            return None
+        try:
+            base_model = self._resolve_model(ref.base_model)
+        except UserError:
+            return None
+        return await self._offer(call, JobNeeds(base_model=base_model, own_group=False, is_exclusive=False), sampler_id)
+
+    async def _restore(self, call: _Call, ref: _Ids) -> Answer | None:
+        """create_training_client_from_state: where the checkpoint's run lives; if that node is lost,
+        placed anew like create_model (the node that takes it reads the checkpoint from the shared root)."""
+        run_id = _run_of(ref.path or "")
+        if run_id is None or ref.session_id is None or ref.model_seq_id is None:
+            return None
+        home = await self._model_home(run_id)
+        if home.where is not Where.LOST:
+            return await self._to(call, home, run_id)
+        if self._session_snapshot(ref.session_id) is None:
+            return await self._to(call, self._directory.tagged(ref.session_id), ref.session_id)
+        return await self._offer(call, needs_of_note(home.note), ids.model_id(ref.session_id, ref.model_seq_id))
+
+    async def _offer(self, call: _Call, needs: JobNeeds, created_id: str) -> Answer | None:
+        """Offer a job-creating request to the ranked nodes in turn; the first that has room answers."""
+
+        async def ask(member: Member) -> tuple[Reply, Answer]:
+            if member.name == self._directory.local_name:
+                answer = await self._local(call.scope, call.body)
+            else:
+                answer = await self._forward(call, member, created_id)
+            if any(k == NO_CAPACITY_HEADER for k, _ in answer.headers):
+                return Reply.NO_ROOM, answer
+            return (Reply.TAKEN if answer.status == 200 else Reply.FAILED), answer
+
+        answer = await self._placement.offer(needs, created_id, ask)
+        if answer is not None or self._accept_jobs:
+            return answer
+        return detail_answer(
+            503, f"no node of the cluster can take {created_id} ({needs.base_model}) now: none has a free or shareable device"
+        )
+
+    # ------------------------------------------------------------ answering
+
+    async def _forward(self, call: _Call, member: Member, what: str, connect_timeout_s: float = CONNECT_S) -> Answer:
+        """`call` relayed to `member`; a creating request carries its caller's session, signed."""
+        snapshot = self._session_snapshot(call.session_id) if call.session_id else None
+        extra = session_headers(snapshot, self._key) if snapshot is not None else []
+        return await self._peers.relay(
+            member, call.scope, call.body, what, extra_headers=extra, connect_timeout_s=connect_timeout_s
+        )
+
+    def _asker(self, call: _Call, what: str) -> Callable[[Member, dict], Awaitable[Answer]]:
+        """Asks one member, this node included, `call` under another scope (a list's page, a finish)."""
+
+        async def ask(member: Member, scope: dict) -> Answer:
+            if member.name == self._directory.local_name:
+                return await self._local(scope, call.body)
+            return await self._forward(replace(call, scope=scope), member, what)
+
+        return ask
+
+    async def _local(self, scope: dict, body: bytes) -> Answer:
+        """Run a request through this node's own app and keep its answer."""
+        answer: dict[str, Any] = {"headers": [], "body": b""}
+
+        async def capture(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+                answer["headers"] = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", [])]
+            elif message["type"] == "http.response.body":
+                answer["body"] += message.get("body", b"")
+
+        await self._inner(scope, _replay(body), capture)
+        headers = [(k, v) for k, v in answer["headers"] if k != b"content-length"]
+        return Answer(answer.get("status", 500), headers, answer["body"])
+
+    def _lost_status(self, headers: dict[bytes, bytes], model_id: str, home: Home) -> Answer:
+        user = self._user_for(_header(headers, b"x-api-key"))
+        note = home.note
+        if note is None or note.owner != user:
+            return detail_answer(404, f"no model {model_id!r}")
+        return json_answer(200, lost_status(model_id, note))
+
+    def _is_here(self, query: LocateQuery) -> bool:
+        """Whether this node is home to the id a member asks about (`PeerClient.locate`)."""
+        home = self._directory.model(query.id) if query.kind == "model" else self._directory.sampler(query.id)
+        return home.where is Where.LOCAL
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _read(self, receive: Callable) -> bytes | _Unread:
+        """The whole body; _TOO_LARGE past max_body_bytes (no more is read), _DISCONNECTED if the client left mid-body."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _DISCONNECTED
+            body += message.get("body", b"")
+            if len(body) > self._max_body_bytes:
+                return _TOO_LARGE
+            if not message.get("more_body", False):
+                return bytes(body)
+
+    @staticmethod
+    async def _send(send: Callable, answer: Answer) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": answer.status,
+                "headers": [*answer.headers, (b"content-length", str(len(answer.body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer.body})
+
+
+def _replay(body: bytes, then: Callable[[], Awaitable[dict]] | None = None) -> Callable[[], Awaitable[dict]]:
+    """An ASGI receive that hands over `body` once, then passes on the connection's own
+    messages (`then`: its disconnect), or waits like a connection that stays open."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if then is not None:
+            return await then()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
+
+
+def _run_of(path: str) -> str | None:
+    try:
+        return ids.parse_tinker_path(path).run_id
+    except UserError:
+        return None
+
+
+def _lost_detail(what: str, home: Home) -> str:
+    assert home.member is not None
+    state = home.member.state.name.lower()
+    restore = home.note.last_checkpoint if home.note is not None else ""
+    hint = (
+        f"its last checkpoint is {restore}: resume with create_training_client_from_state"
+        if restore else "it saved no checkpoint this cluster knows of"
+    )
+    return f"{what} was lost with node {home.member.name} ({state}); {hint}"
