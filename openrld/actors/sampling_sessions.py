@@ -99,6 +99,7 @@ class SamplingSessions:
         self._usage = usage
         self._id_tag = id_tag  # a clustered node's tag, at the front of the ids it mints (ids.node_tag)
         self._samplers: dict[str, SamplingSession] = {}
+        self._awaiting_group: set[str] = set()  # samples queued behind their group's start; a cancel drops them here
 
     def is_home_to(self, sampler_id: str) -> bool:
         return sampler_id in self._samplers or self._store.samplers.get(sampler_id) is not None
@@ -229,6 +230,7 @@ class SamplingSessions:
         group = self._groups.get_nowait(session.model, session.group_job)
         try:
             if group is None:
+                self._awaiting_group.add(request_id)
                 self._nursery.start_soon(self._start_and_sample, session.model, op, session.group_job)
             else:
                 group.sampler.submit_nowait(op)
@@ -245,9 +247,12 @@ class SamplingSessions:
     async def _start_and_sample(self, model: ModelEntry, op: Sample, group_job: str | None = None) -> None:
         try:
             group = await self._groups.get(model, group_job)
-            group.sampler.submit_nowait(op)
+            if op.request_id in self._awaiting_group:  # else it was cancelled while the group started
+                group.sampler.submit_nowait(op)
         except OpenrldError as error:
             self._futures.fail(op.request_id, error)
+        finally:
+            self._awaiting_group.discard(op.request_id)
 
     def cancel(self, owner: str, request_id: str) -> None:
         """cancel_future: free an abandoned sample's queued or running work, and fail its future.
@@ -258,7 +263,7 @@ class SamplingSessions:
             raise NotFound(f"no request {request_id!r}")
         if self._futures.kind_of(request_id) != "sample":
             raise BadRequest(f"request {request_id} is not a sample; only samples can be cancelled")
-        for group in self._groups.all_groups():
-            if group.sampler.cancel(request_id):
-                self._futures.fail(request_id, BadRequest("sample cancelled by the client (cancel_future)"))
-                return
+        waits_for_group = request_id in self._awaiting_group
+        self._awaiting_group.discard(request_id)
+        if waits_for_group or any(group.sampler.cancel(request_id) for group in self._groups.all_groups()):
+            self._futures.fail(request_id, BadRequest("sample cancelled by the client (cancel_future)"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import trio.testing
 
 from openrld.actors.futures import Completed, Failed
 from openrld.actors.job_registry import session_of
@@ -300,3 +301,14 @@ async def test_a_samples_prompt_tokens_are_counted_when_it_is_queued_and_once_pe
     node.sampling.sample(OWNER, sampler_id, 0, sample_job([5, 6, 7]))
     node.sampling.sample(OWNER, sampler_id, 0, sample_job([5, 6, 7]))
     assert node.usage_rows() == [(session_of(sampler_id), "sampling_prefill", 3)]
+
+
+async def test_cancelling_a_sample_that_waits_for_its_group_to_start_fails_it_and_runs_nothing(node: Node, tmp_path):
+    sampler_id = await base_session(node)
+    restarted = await open_node(node.store, node.nursery, tmp_path / "models")  # the sample starts the group
+    request_id, _ = restarted.sampling.sample(OWNER, sampler_id, 0, sample_job([5]))
+    restarted.sampling.cancel(OWNER, request_id)
+    assert await restarted.failed(request_id) == Failed("sample cancelled by the client (cancel_future)", "user")
+    await wait_until(lambda: restarted.groups.all_groups() != [], within_s=SETTLE_S, poll_s=0.01)
+    await trio.testing.wait_all_tasks_blocked()
+    assert restarted.engines.samplers[0].added == []
