@@ -310,9 +310,11 @@ class JobTable:
     async def _open_and_submit(self, job: Job, first_op: TrainOp) -> None:
         try:
             await self._commits.durable()  # the run's row, before its first op can answer
+            self._job(job.owner, job.model_id)  # Gone if its session finished meanwhile: start no group for it
             group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
             # Before the job's first op, so that its sampler replicas serve once create_model answers.
             await group.sampler.ensure_replicas(job.sampler_replicas)
+            self._job(job.owner, job.model_id)  # again: it may have ended while the replicas started
             group.trainer.open_job(job.model_id, next_seq=0)
             group.trainer.submit_nowait(first_op)
         except OpenrldError as error:

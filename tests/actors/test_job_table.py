@@ -128,6 +128,31 @@ async def test_a_base_model_the_node_does_not_serve_is_400_and_no_run_is_recorde
     assert node.store.runs.get(ids.model_id(session_id, 0)) is None
 
 
+async def test_automodel_on_a_node_without_its_environment_is_400_naming_the_key(node: Node):
+    session_id = await node.session()
+    with pytest.raises(BadRequest) as caught:
+        node.create_model(session_id, user_metadata={"openrl.trainer_backend": "automodel"})
+    assert caught.value.key == "openrl.trainer_backend"
+    assert node.store.runs.get(ids.model_id(session_id, 0)) is None
+
+
+async def test_an_architecture_no_engine_of_the_job_holds_is_400_before_any_group_is_built(node: Node, tmp_path):
+    directory = tmp_path / "t5"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"architectures": ["T5ForConditionalGeneration"]}')
+    session_id = await node.session()
+    with pytest.raises(BadRequest) as caught:
+        node.jobs.create_model(
+            OWNER, session_id=session_id, model_seq_id=0, base_model=str(directory), lora=SPEC, user_metadata={},
+            optimizer_config={},
+        )
+    # The wording is model_families' (tests/test_model_families.py); here: refused by key, nothing built.
+    assert (caught.value.key, caught.value.detail.split(":")[0]) == (
+        "base_model", f"base_model {str(directory)!r} (T5ForConditionalGeneration, T5ForConditionalGeneration)"
+    )
+    assert (node.engines.trainers, node.store.runs.get(ids.model_id(session_id, 0))) == ([], None)
+
+
 async def test_a_full_fine_tuning_job_gets_a_trainer_and_sampler_of_its_own_with_no_adapter(node: Node):
     lora_job = await node.new_model()
     full_job = await node.new_model(user_metadata=FULL)
@@ -348,6 +373,19 @@ async def test_a_finished_sessions_full_job_fails_the_ops_it_still_held(node: No
     assert await node.failed(waiting) == Failed(
         f"model {model_id} has stopped: its session {session_id} has finished (user_requested)", "user"
     )
+
+
+async def test_a_full_job_whose_session_finishes_while_it_is_created_fails_its_create_and_starts_no_group(
+    node: Node,
+):
+    session_id = await node.session()
+    request_id, model_id = node.create_model(session_id, user_metadata=FULL)
+    node.jobs.finish_session(OWNER, session_id, "user_requested", None)  # before its group has started
+    assert await node.failed(request_id) == Failed(
+        f"model {model_id} has stopped: its session {session_id} has finished", "user"
+    )
+    await trio.testing.wait_all_tasks_blocked()
+    assert (node.groups.all_groups(), node.engines.trainers) == ([], [])
 
 
 async def test_finishing_another_users_session_is_404(node: Node):

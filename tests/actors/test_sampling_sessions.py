@@ -312,3 +312,26 @@ async def test_cancelling_a_sample_that_waits_for_its_group_to_start_fails_it_an
     await wait_until(lambda: restarted.groups.all_groups() != [], within_s=SETTLE_S, poll_s=0.01)
     await trio.testing.wait_all_tasks_blocked()
     assert restarted.engines.samplers[0].added == []
+
+
+async def test_an_inflight_session_samples_its_models_newest_published_weights(node: Node):
+    model_id = await node.new_model()
+
+    async def publish(seq_id: int) -> str:
+        saved = await node.completed(
+            node.jobs.save_weights_for_sampler(
+                OWNER, model_id, seq_id, name=None, sampling_session_seq_id=0, kind="inflight", ttl_seconds=None,
+                user_metadata={},
+            )
+        )
+        return saved.sampling_session_id
+
+    sampler_id = await publish(1)
+    first, _ = node.sampling.sample(OWNER, sampler_id, 0, sample_job([5]))
+    await node.completed(first)
+    assert await publish(2) == sampler_id  # the same session, new weights
+    second, _ = node.sampling.sample(OWNER, sampler_id, 1, sample_job([5]))
+    await node.completed(second)
+    assert node.engines.sampler_of(f"{MODEL} sampler").added == [
+        (first, f"{model_id}/inflight/1"), (second, f"{model_id}/inflight/2"),
+    ]
