@@ -98,6 +98,7 @@ class StandInTrainer(StandInEngine):
         self.adapters: dict[str, LoraSpec | None] = {}
         self.calls: list[tuple[Any, ...]] = []
         self.passes: list[list[int]] = []
+        self.batches: list[ForwardBackwardBatch] = []  # every batch it ran, as it reached the engine
 
     def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None:
         self.calls.append(("add_adapter", name, spec, optimizer))
@@ -117,6 +118,7 @@ class StandInTrainer(StandInEngine):
         if batch.loss_fn == LOST_LOSS:
             raise EngineLost(LOST_DETAIL)
         self.passes.append(marks(batch))
+        self.batches.append(batch)
         # One logprob per model-input token, -1.0 each; the loss is the sum of the batch's marks.
         return ForwardBackwardResult(
             logprobs=[np.full(len(datum.tokens), -1.0, np.float32) for datum in batch.data],

@@ -7,6 +7,7 @@ stand-ins (tests/actors/stand_in_node.py) that note what ran, in which order.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -17,7 +18,7 @@ from openrld.actors.futures import Failed
 from openrld.actors.job_registry import session_of
 from openrld.actors.jobs import HomeJob, JobInfo
 from openrld.actors.trainer import Created, Loaded, Saved
-from openrld.batches import AdamParams, LoraSpec
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, ProvenanceSpan, TrainDatum
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet
 from tests.actors.stand_in_node import (
     BROKEN_LOSS,
@@ -33,6 +34,7 @@ from tests.actors.stand_in_node import (
     batch,
     open_node,
     running_node,
+    sample_job,
 )
 from tests.waits import wait_until
 
@@ -293,6 +295,58 @@ async def test_a_stable_reinforce_batch_without_provenance_fails_its_future_not_
         "user",
     )
     await node.completed(after)
+
+
+def rl_datum(sequence_id: str, prompt: list[int], sampled: list[int], advantage: float) -> TrainDatum:
+    """The cookbook's RL datum over one recorded sequence, with its provenance (sampling.md §5)."""
+    p, s = len(prompt), len(sampled)
+    tokens = prompt + sampled
+    return TrainDatum(
+        tokens=np.array(tokens[:-1], np.int64),
+        inputs={
+            "target_tokens": np.array([0] * (p - 1) + sampled, np.int64),
+            "advantages": np.array([0.0] * (p - 1) + [advantage] * s, np.float32),
+        },
+        model_input_spans=(ProvenanceSpan(sequence_id, 0, p, False), ProvenanceSpan(sequence_id, 0, s - 1, True)),
+        loss_fn_input_spans=(ProvenanceSpan(sequence_id, 1, p - 1, False), ProvenanceSpan(sequence_id, 0, s, True)),
+    )
+
+
+async def recorded_sequence(node: Node, session_id: str, prompt: list[int]) -> str:
+    """A sequence sampled in `session_id` with record_stability_info; its id."""
+    sampler_id = node.sampling.create(
+        OWNER, session_id=session_id, sampling_session_seq_id=0, base_model=MODEL, model_path=None
+    )
+    request_id, (sequence_id,) = node.sampling.sample(
+        OWNER, sampler_id, 0, sample_job(prompt), record_stability_info=True
+    )
+    await node.completed(request_id)
+    return sequence_id
+
+
+async def test_stable_reinforce_gets_the_samplers_recorded_logprobs_at_sampled_targets(node: Node):
+    model_id = await node.new_model()
+    sequence_id = await recorded_sequence(node, session_of(model_id), [5, 9])  # the stand-in samples [9, 0]
+    data = [rl_datum(sequence_id, [5, 9], [9, 0], advantage=1.0)]
+    stable = ForwardBackwardBatch(data=data, loss_fn="stable_reinforce", loss_config={}, forward_only=False)
+    await node.completed(node.jobs.forward_backward(OWNER, model_id, 1, stable))
+    (datum,) = node.engines.trainer_of(f"{MODEL} trainer").batches[-1].data
+    # Targets [0, 9, 0]: the first is the prompt's (NaN), the next two the sampled tokens' logprobs.
+    np.testing.assert_array_equal(datum.recorded_logprobs, np.array([np.nan, -0.5, -0.5], np.float32))
+
+
+async def test_stable_reinforce_refuses_a_sequence_recorded_in_another_session(node: Node):
+    model_id = await node.new_model()
+    sequence_id = await recorded_sequence(node, await node.session(), [5, 9])
+    data = [rl_datum(sequence_id, [5, 9], [9, 0], advantage=1.0)]
+    stable = ForwardBackwardBatch(data=data, loss_fn="stable_reinforce", loss_config={}, forward_only=False)
+    failed = await node.failed(node.jobs.forward_backward(OWNER, model_id, 1, stable))
+    assert failed == Failed(
+        f"datum 0: model_input_spans names sequence_id {sequence_id!r}, which this session has no stability record "
+        "of: it was not sampled with record_stability_info=True in this session, or its record expired (one day "
+        "after its last use)",
+        "user",
+    )
 
 
 # ---------------------------------------------------------------- lookups
