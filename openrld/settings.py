@@ -110,6 +110,21 @@ class JobSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "or a container image reference (contains '/').",
         ),
     ] = "node"
+    autosave_steps: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None,
+        msgspec.Meta(
+            description="optim_steps between auto-saves of the job's training state to the node's shared "
+            "checkpoint root (none without one; never listed as checkpoints); 0: none. Unset: every step for "
+            "LoRA (adapter and optimizer state, small), none for full fine-tuning (every weight, large)."
+        ),
+    ] = None
+
+    @property
+    def autosave_interval(self) -> int:
+        """optim_steps between auto-saves (0: none): `autosave_steps`, or the default of the job's type."""
+        if self.autosave_steps is not None:
+            return self.autosave_steps
+        return 1 if self.fine_tuning_type is FineTuningType.LORA else 0
 
     @property
     def trainer_image(self) -> str | None:
@@ -181,6 +196,7 @@ _PARSERS: dict[str, tuple[str, Callable[[str], SettingValue | None]]] = {
         "'node' or a container image reference containing '/'",
         lambda text: _parse_backend(text, _SAMPLER_PATTERN),
     ),
+    "autosave_steps": _int_parser(0, 1_000_000),
 }
 assert set(_PARSERS) == set(SETTING_KEYS), "every JobSettings field needs a parser"
 
@@ -320,6 +336,7 @@ _IS_BUILT: dict[str, Callable[[SettingValue], bool]] = {
     "trainer_cp": lambda value: True,
     "sampler_replicas": lambda value: True,  # 1-8, checked by the schema; actors/sampler.py runs them
     "sampler_backend": lambda value: True,  # the node's, or an image the node's allow-list decides on
+    "autosave_steps": lambda value: True,  # actors/autosaves.py, where the node has a shared checkpoint root
 }
 assert set(_IS_BUILT) == set(SETTING_KEYS), "every setting needs a row in _IS_BUILT"
 

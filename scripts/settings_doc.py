@@ -127,6 +127,9 @@ def job_settings_section(schema: dict) -> list[str]:
 
 
 def _schema_values(prop: dict, definitions: dict) -> str:
+    if "anyOf" in prop:  # a setting that may be left unset: its description says what unset means
+        given = [_schema_values(option, definitions) for option in prop["anyOf"] if option.get("type") != "null"]
+        return " or ".join(given) + ", or unset"
     if "$ref" in prop:
         return " or ".join(f"`{value}`" for value in definitions[prop["$ref"].rsplit("/", 1)[1]]["enum"])
     if prop["type"] == "boolean":
@@ -138,6 +141,8 @@ def _schema_values(prop: dict, definitions: dict) -> str:
 
 def _setting_text(value: object) -> str:
     """A default as a client writes it in `openrl.<key>=<value>` (JSON's false is 'false')."""
+    if value is None:
+        return "unset"
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 

@@ -25,6 +25,7 @@ ALL_KEYS = (
     "trainer_cp",
     "sampler_replicas",
     "sampler_backend",
+    "autosave_steps",
 )
 
 
@@ -39,6 +40,7 @@ def test_no_settings_gives_the_defaults() -> None:
         trainer_cp=1,
         sampler_replicas=1,
         sampler_backend="node",
+        autosave_steps=None,
     )
     assert own == {}
 
@@ -165,7 +167,7 @@ def test_unknown_openrl_key_is_400_naming_the_key(
     assert excinfo.value.detail == (
         f"{full_key}: unknown setting; known settings are openrl.fine_tuning_type, openrl.weight_sync, "
         "openrl.exclusive, openrl.trainer_backend, openrl.trainer_gpus, openrl.trainer_cp, openrl.sampler_replicas, "
-        "openrl.sampler_backend"
+        "openrl.sampler_backend, openrl.autosave_steps"
     )
     assert excinfo.value.key == full_key
 
@@ -302,6 +304,7 @@ def test_schema_states_defaults_ranges_and_choices() -> None:
         "trainer_cp": 1,
         "sampler_replicas": 1,
         "sampler_backend": "node",
+        "autosave_steps": None,
     }
     assert (properties["trainer_gpus"]["minimum"], properties["trainer_gpus"]["maximum"]) == (1, 8)
     assert sorted(defs["FineTuningType"]["enum"]) == ["full", "lora"]
@@ -321,8 +324,31 @@ def test_stored_form_round_trips() -> None:
         "trainer_cp": 1,
         "sampler_replicas": 1,
         "sampler_backend": "node",
+        "autosave_steps": None,
     }
     assert settings_from_dict(stored) == settings
+
+
+@pytest.mark.parametrize(
+    ("given", "interval"),
+    [
+        ({}, 1),
+        ({"openrl.fine_tuning_type": "full"}, 0),
+        ({"openrl.fine_tuning_type": "full", "openrl.autosave_steps": "50"}, 50),
+        ({"openrl.autosave_steps": "0"}, 0),
+    ],
+    ids=["lora-every-step", "full-none", "full-every-50", "lora-off"],
+)
+def test_autosave_interval_is_the_setting_or_the_default_of_the_job_type(given: dict[str, str], interval: int) -> None:
+    assert parse_settings([], {}, given)[0].autosave_interval == interval
+
+
+def test_negative_autosave_steps_is_400_naming_the_key() -> None:
+    with pytest.raises(BadRequest) as excinfo:
+        parse_settings([], {}, {"openrl.autosave_steps": "-1"})
+    assert (excinfo.value.key, excinfo.value.detail) == (
+        "openrl.autosave_steps", "openrl.autosave_steps: expected an integer from 0 to 1000000, got '-1'"
+    )
 
 
 def test_stored_form_missing_keys_take_defaults() -> None:

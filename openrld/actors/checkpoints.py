@@ -32,6 +32,7 @@ from pathlib import Path
 
 import trio
 
+from openrld.actors.autosaves import AutosaveStore
 from openrld.actors.durable_commits import DurableCommits
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.errors import BadRequest, Conflict, NotFound
@@ -64,6 +65,8 @@ class CheckpointWriter:
         self._adoption = store.adoption
         self._audit_log = store.audit
         self._file_threads = trio.CapacityLimiter(FILE_THREADS)
+        # Jobs' auto-saves (actors/autosaves.py): written only to a checkpoint root shared by the cluster.
+        self.autosaves = AutosaveStore(store) if store.files.is_shared else None
 
     async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
         """(staging, final) for a new checkpoint; refuses a bad name or an existing one up front.

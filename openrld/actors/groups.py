@@ -362,6 +362,7 @@ class GroupTable:
                 lease_from=trainer_seat.lease_from,
                 futures=self._futures,
                 checkpoints=self._checkpoints,
+                autosaves=self._checkpoints.autosaves,
                 sampler=sampler,
                 on_engine_lost=_detail_to(own.on_lost) if own is not None and own.on_lost is not None else None,
             ).run

@@ -52,11 +52,13 @@ from typing import Any, Callable, Protocol, TypeVar
 import msgspec
 import trio
 
+from openrld.actors.autosaves import Autosaver, AutosaveStore, write_state
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.mailbox import Mailbox
 from openrld.actors.group_lease import GroupLease
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
+from openrld.autosave import MAX_SAMPLER_NAMES
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.engine_types import TrainerEngine, WeightPayload
@@ -312,7 +314,10 @@ class CheckpointSink(Protocol):
     `describe` and `record` touch the database and run on the event loop;
     `prepare` checks the row there and makes the staging dir in a thread;
     `commit` writes the manifest, fsyncs and renames, in a thread.
+    `autosaves`: the node's auto-saves to a shared checkpoint root; None without one.
     """
+
+    autosaves: AutosaveStore | None
 
     async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]: ...
     def describe(
@@ -372,6 +377,7 @@ class TrainerActor:
         max_combined_tokens: int = MAX_COMBINED_TOKENS,
         lease_from: Callable[[Parkable], DeviceLease | GroupLease] | None = None,
         on_engine_lost: Callable[[EngineLost], None] | None = None,
+        autosaves: AutosaveStore | None = None,
     ) -> None:
         self.name = name
         self._on_engine_lost = on_engine_lost  # set: one job's own group, ended (not rebuilt) when its engine is lost
@@ -399,6 +405,11 @@ class TrainerActor:
         self._running_job: str | None = None  # whose ops run (or wait for the device) now
         self._in_hand: list[TrainOp] = []  # the run of ops taken from the queues, until it is done
         self._lost: dict[str, EngineLost] = {}  # model_id -> the loss of the engine that held its adapter
+        # Auto-saves to a shared checkpoint root (actors/autosaves.py); None: the node has none.
+        self._autosaver = Autosaver(autosaves) if autosaves is not None else None
+        self._autosave_every: dict[str, int] = {}  # model_id -> optim_steps between its auto-saves; 0: none
+        # model_id -> the names it last published sampler weights under: (tinker:// paths, sampling session ids)
+        self._published: dict[str, tuple[deque[str], deque[str]]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
@@ -410,6 +421,8 @@ class TrainerActor:
                 self._engine = await self._in_thread(self._build_engine)
             logger.info("trainer ready group=%s", self.name)
             async with trio.open_nursery() as nursery:
+                if self._autosaver is not None:
+                    await nursery.start(self._autosaver.run)
                 nursery.start_soon(self._input_loop)
                 task_status.started(TrainerHandle(self))
                 await self._step_loop()
@@ -461,35 +474,89 @@ class TrainerActor:
 
         Queueing stops when the device's turn is due (the queued runs finish first) and after an
         engine is lost (every run queued on it fails with the loss, and the engine is replaced).
+
+        An optim_step whose auto-save is due has the write queued right behind its run, as an
+        entry of its own (no ops, the step beside it), settled in its turn: once the step's own
+        future has resolved, and before the device's turn ends.
         """
         assert self._engine is not None and self._thread is not None
-        engine, thread, lost = self._engine, self._thread, None
-        queued: deque[tuple[list[TrainOp], Pending[tuple[list[Any], bool]]]] = deque()
+        engine, thread, lost, stepped = self._engine, self._thread, None, False
+        queued: deque[tuple[list[TrainOp], Pending[Any], OptimStep | None]] = deque()
         async with self._limiter:  # the device's turn, for every call queued below
             while run or queued:
                 if run:
-                    queued.append((run, thread.submit(run_engine_ops, engine, run, on_done=self._poke)))
-                    self._in_hand = [op for ops, _ in queued for op in ops]
+                    queued.append((run, thread.submit(run_engine_ops, engine, run, on_done=self._poke), None))
+                    if (step := self._autosave_due(run, queued)) is not None:
+                        assert self._autosaver is not None, "due only with an autosaver"
+                        write = thread.submit(
+                            write_state, engine, step.model_id, self._autosaver.store.staging, on_done=self._poke
+                        )
+                        queued.append(([], write, step))
+                    self._in_hand = [op for ops, *_ in queued for op in ops]
                     run = []
                 if lost is None and len(queued) < PIPELINE_DEPTH and not self._lease.is_due():
                     run = self.queues.pop_ready(self._max_combined_tokens, accept=self._is_engine_op)
                     if run:
                         continue
-                ops, pending = queued[0]
+                ops, pending, step = queued[0]
                 if not pending.done:  # wait for it, or for an op that could be queued behind it
                     self._wake = trio.Event()
                     await self._wake.wait()
                     continue
                 queued.popleft()
+                if step is not None:  # the auto-save written behind the run just settled
+                    lost = await self._settle_autosave(step, pending, stepped) or lost
+                    continue
                 outcomes, combined = await pending.wait()
                 lost = self._settle_run(ops, outcomes, combined) or lost
-                self._in_hand = [op for ops, _ in queued for op in ops]
+                stepped = isinstance(ops[-1], OptimStep) and not isinstance(outcomes[-1], Exception)
+                self._in_hand = [op for ops, *_ in queued for op in ops]
                 self._running_job = self._in_hand[0].model_id if self._in_hand else None
         if lost is not None:
             await self._replace_engine(lost)
 
     def _poke(self) -> None:
         self._wake.set()
+
+    def _autosave_due(self, run: list[TrainOp], queued: deque[tuple[list[TrainOp], Any, Any]]) -> OptimStep | None:
+        """The run's optim_step if its job's auto-save falls due with it; `queued` holds the run already."""
+        step = run[-1]
+        if not isinstance(step, OptimStep):
+            return None
+        every = self._autosave_every.get(step.model_id, 0)
+        if every == 0:
+            return None
+        progress = self._progress.get(step.model_id)
+        # The job's step count once every step queued so far has run; a failed one makes it one less,
+        # so that a save lands one step off its interval, and is named for the count it really has.
+        unsettled = sum(1 for ops, *_ in queued for op in ops if isinstance(op, OptimStep) and op.model_id == step.model_id)
+        count = (progress.optim_steps if progress is not None else 0) + unsettled
+        return step if count % every == 0 else None
+
+    async def _settle_autosave(self, step: OptimStep, write: Pending[Path], stepped: bool) -> EngineLost | None:
+        """Hand the state written behind `step` to the autosaver, named for the job's step count;
+        dropped if the step failed (the state is the previous step's). The engine's loss, if it was lost."""
+        assert self._autosaver is not None, "a write is queued only with an autosaver"
+        try:
+            staging = await write.wait()
+        except Exception as error:
+            self._autosaver.failed(step.model_id, error)
+            return error if isinstance(error, EngineLost) else None
+        if not stepped:
+            self._autosaver.discard(staging)
+            return None
+        paths, sessions = self._published.get(step.model_id, ((), ()))
+        try:
+            manifest = self._autosaver.store.describe(
+                step.model_id, step=self._progress[step.model_id].optim_steps, seq_id=step.seq_id,
+                sampler_paths=list(paths), sampling_sessions=list(sessions),
+            )
+        except OpenrldError as error:  # its run's row is gone: the job was deleted meanwhile
+            self._autosaver.failed(step.model_id, error)
+            self._autosaver.discard(staging)
+            return None
+        self._autosaver.written(staging, manifest)
+        return None
 
     def _settle_run(self, run: list[TrainOp], outcomes: list[Any], combined: bool) -> EngineLost | None:
         """Resolve each op of an engine run with its value or its error; the engine's loss, if it was lost."""
@@ -577,9 +644,20 @@ class TrainerActor:
             steps += 1
         elif error is None and isinstance(op, SaveForSampler):
             version = op.sampling_session_id
+            self._published_of(op.model_id)[1].append(version)
         elif error is None and isinstance(op, SaveState) and op.kind == "sampler_weights":
             version = value.path
+            self._published_of(op.model_id)[0].append(version)
         self._progress[op.model_id] = JobProgress(op.model_id, steps, version, error or old.last_error)
+
+    def _published_of(self, model_id: str) -> tuple[deque[str], deque[str]]:
+        if model_id not in self._published:
+            self._published[model_id] = (deque(maxlen=MAX_SAMPLER_NAMES), deque(maxlen=MAX_SAMPLER_NAMES))
+        return self._published[model_id]
+
+    def _open_autosaves(self, model_id: str) -> None:
+        """A job opened here (created or loaded): how often its state is auto-saved, from its run's settings."""
+        self._autosave_every[model_id] = self._autosaver.store.interval(model_id) if self._autosaver is not None else 0
 
     async def _in_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the engine thread, in the device's turn."""
@@ -599,6 +677,7 @@ class TrainerActor:
                 await self._in_thread(engine.add_adapter, op.model_id, op.spec, op.optimizer)
                 self._specs[op.model_id] = op.spec
                 self._lost.pop(op.model_id, None)
+                self._open_autosaves(op.model_id)
                 return Created(model_id=op.model_id)
             case LoadState():
                 await self._in_thread(
@@ -606,6 +685,7 @@ class TrainerActor:
                 )
                 self._specs[op.model_id] = op.spec
                 self._lost.pop(op.model_id, None)
+                self._open_autosaves(op.model_id)
                 return Loaded(model_id=op.model_id, path=op.source_uri)
             case SaveState():
                 return await self._save_state(op)

@@ -36,6 +36,8 @@ DEVICE = "cpu:0"
 class NoCheckpoints:
     """No test here saves a checkpoint."""
 
+    autosaves = None  # no shared checkpoint root
+
     async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
         raise AssertionError("unexpected checkpoint")
 

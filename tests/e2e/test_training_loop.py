@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -41,6 +42,20 @@ def test_sft_halves_the_loss_within_a_few_dozen_steps(service, tiny_llama):
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(fb.metrics["loss:sum"])
     assert losses[-1] <= losses[0] / 2, losses
+
+
+def test_a_node_without_a_shared_root_writes_no_auto_save(service, shared_daemon):
+    """Auto-saves (issue 41) go to a checkpoint root shared by the cluster; a node alone writes none."""
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
+    datum = _datum(list(range(5, 25)))
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    training.save_state("after-two-steps").result()  # runs after both steps, so any write of theirs came first
+    checkpoints = shared_daemon.data_dir / "checkpoints"
+    assert not (checkpoints / ".autosave").exists()
+    assert sorted(os.listdir(checkpoints / training.model_id)) == ["weights"]
+    assert os.listdir(shared_daemon.data_dir / "tmp") == []
 
 
 def test_sampler_logprobs_agree_with_forward_at_temperature_one(service):

@@ -1,0 +1,167 @@
+"""The trainer actor's auto-saves (issue 41): which steps are due, where the write runs, which land.
+
+The engine is a stand-in that records its calls and writes a file for `save_state`; the
+node's side (`AutosaveStore`) is a stand-in that records commits. tests/e2e/test_autosave.py
+drives the real engine and the real files under the real SDK.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+
+from openrld.actors.autosaves import AutosaveSlots, _Write
+from openrld.actors.futures import Completed, FutureTable
+from openrld.actors.trainer import CreateAdapter, ForwardBackward, OptimStep, TrainerActor
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
+from tests.actors.test_sampler_replicas import MemoryLog
+from tests.waits import wait_until
+
+BATCH = ForwardBackwardBatch(data=[], loss_fn="cross_entropy", loss_config={}, forward_only=False)
+
+
+class RecordingEngine:
+    def __init__(self, failing_steps: set[int] = frozenset()) -> None:
+        self.calls: list[str] = []
+        self.threads: set[int] = set()
+        self._failing = failing_steps  # optim_step calls (0-based) that raise
+        self._optim_calls = 0
+
+    def add_adapter(self, name: str, spec: LoraSpec, optimizer: str) -> None:
+        self.calls.append("add_adapter")
+
+    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> str:
+        self.calls.append("forward_backward")
+        return "pass"
+
+    def optim_step(self, name: str, params: Any) -> str:
+        n, self._optim_calls = self._optim_calls, self._optim_calls + 1
+        self.calls.append("optim_step")
+        if n in self._failing:
+            raise ValueError(f"optim_step {n} failed")
+        return "stepped"
+
+    def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int:
+        self.threads.add(threading.get_ident())
+        self.calls.append("save_state")
+        (directory / "state.json").write_text(str(self._optim_calls))
+        return 1
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+
+class RecordingStore:
+    """The node's side of auto-saves: staging dirs under `tmp`, and the commits and discards made."""
+
+    def __init__(self, tmp: Path, interval: int) -> None:
+        self._tmp = tmp
+        self._interval = interval
+        self._made = 0
+        self.committed: list[tuple[int, int]] = []  # (step, seq_id)
+        self.discarded: list[str] = []  # what the discarded write held: the engine's optim_step count
+
+    def interval(self, model_id: str) -> int:
+        return self._interval
+
+    def staging(self) -> Path:
+        self._made += 1
+        directory = self._tmp / f"staging-{self._made}"
+        directory.mkdir()
+        return directory
+
+    def describe(self, model_id: str, *, step: int, seq_id: int, sampler_paths: list[str], sampling_sessions: list[str]):
+        return SimpleNamespace(model_id=model_id, step=step, seq_id=seq_id)
+
+    async def commit(self, staging: Path, manifest: Any) -> Path:
+        self.committed.append((manifest.step, manifest.seq_id))
+        return staging
+
+    async def discard(self, staging: Path) -> None:
+        self.discarded.append((staging / "state.json").read_text())
+
+
+async def _train(tmp_path: Path, engine: RecordingEngine, interval: int, steps: int) -> RecordingStore:
+    """`steps` SFT steps (forward_backward, optim_step: seq_ids 2k+1, 2k+2), each awaited, and every commit."""
+    store = RecordingStore(tmp_path, interval)
+    futures = FutureTable(MemoryLog())
+    actor = TrainerActor(
+        name="t", build_engine=lambda: engine, limiter=trio.CapacityLimiter(1), futures=futures,
+        checkpoints=None, sampler=None, max_combined_tokens=0, autosaves=store,  # type: ignore[arg-type]
+    )
+    async with trio.open_nursery() as nursery:
+        handle = await nursery.start(actor.run)
+        handle.open_job("m")
+
+        async def op(make: Any, seq: int) -> Any:
+            request_id = f"r{seq}"
+            futures.create(request_id, model_id="m", kind="op", owner="u")
+            handle.submit_nowait(make(request_id, seq))
+            done = await futures.wait(request_id, owner="u", hold_s=10)
+            return done.value if isinstance(done, Completed) else done
+
+        await op(lambda r, s: CreateAdapter("m", r, LoraSpec(rank=2), seq_id=s), 0)
+        for k in range(steps):
+            await op(lambda r, s: ForwardBackward("m", s, r, BATCH), 2 * k + 1)
+            await op(lambda r, s: OptimStep("m", s, r, AdamParams()), 2 * k + 2)
+        await wait_until(lambda: len(store.committed) + len(store.discarded) == engine.calls.count("save_state"), within_s=10)
+        nursery.cancel_scope.cancel()
+    return store
+
+
+async def test_a_lora_job_is_saved_after_every_step_with_the_steps_seq_id(tmp_path: Path):
+    engine = RecordingEngine()
+    store = await _train(tmp_path, engine, interval=1, steps=3)
+    assert store.committed == [(1, 2), (2, 4), (3, 6)]
+
+
+async def test_the_write_runs_on_the_engine_thread_right_behind_its_step(tmp_path: Path):
+    engine = RecordingEngine()
+    await _train(tmp_path, engine, interval=1, steps=2)
+    assert engine.calls == [
+        "add_adapter", "forward_backward", "optim_step", "save_state", "forward_backward", "optim_step", "save_state",
+        "close",
+    ]
+    assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+
+
+async def test_an_interval_of_2_saves_at_steps_2_and_4(tmp_path: Path):
+    engine = RecordingEngine()
+    store = await _train(tmp_path, engine, interval=2, steps=5)
+    assert store.committed == [(2, 4), (4, 8)]
+    assert engine.calls.count("save_state") == 2
+
+
+async def test_an_interval_of_0_saves_nothing(tmp_path: Path):
+    engine = RecordingEngine()
+    store = await _train(tmp_path, engine, interval=0, steps=2)
+    assert (store.committed, engine.calls.count("save_state")) == ([], 0)
+
+
+async def test_a_failed_step_is_not_saved_and_the_next_is_named_for_the_steps_taken(tmp_path: Path):
+    engine = RecordingEngine(failing_steps={1})  # the second optim_step (seq_id 4) fails
+    store = await _train(tmp_path, engine, interval=1, steps=3)
+    # The write behind the failed step held the first step's state; the third optim_step is the job's second.
+    assert (store.committed, store.discarded) == ([(1, 2), (2, 6)], ["2"])
+
+
+def _write(model_id: str, step: int) -> _Write:
+    return _Write(Path(f"/staging/{model_id}-{step}"), SimpleNamespace(model_id=model_id, step=step))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("other_job_first", [False, True], ids=["alone", "beside-another-job"])
+def test_a_newer_write_replaces_the_one_waiting_for_its_jobs_commit(other_job_first: bool):
+    slots = AutosaveSlots()
+    if other_job_first:
+        assert slots.offer(_write("n", 1)) == (_write("n", 1), None)
+    assert slots.offer(_write("m", 1)) == (_write("m", 1), None)  # committed at once
+    assert slots.offer(_write("m", 2)) == (None, None)  # waits for step 1's commit
+    assert slots.offer(_write("m", 3)) == (None, _write("m", 2))  # replaces step 2, which is dropped
+    assert slots.done("m") == _write("m", 3)
+    assert slots.done("m") is None
+    assert slots.offer(_write("m", 4)) == (_write("m", 4), None)  # the job was idle again
