@@ -63,7 +63,7 @@ from openrld.actors.trainer import (
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
 from openrld.model_catalog import ModelCatalog, ModelEntry
-from openrld.store import Store
+from openrld.store import SessionRow, Store
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ class JobTable:
         first = self._first_create(model_id)
         if first is not None:
             return first, model_id
+        _refuse_finished(session)
         if self._store.runs.get(model_id) is not None:
             raise Conflict(f"model {model_id} already exists")
         job_settings_value, client_metadata = job_settings.parse_settings(
@@ -217,11 +218,12 @@ class JobTable:
         optimizer_config: dict[str, Any] | None,
     ) -> tuple[str, str]:
         """create_training_client_from_state[_with_optimizer]: a new job named as the SDK expects."""
-        self._sessions.owned(owner, session_id)
+        session = self._sessions.owned(owner, session_id)
         model_id = ids.model_id(session_id, model_seq_id)
         first = self._first_create(model_id)
         if first is not None:
             return first, model_id
+        _refuse_finished(session)
         tinker_path, source_dir, source_run = readable_checkpoint(self._store, owner, path)
         if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
@@ -529,3 +531,10 @@ class JobTable:
         request_id = ids.new_request_id(self._id_tag)
         self._futures.create(request_id, model_id=model_id, kind=kind, owner=owner)
         return request_id
+
+
+def _refuse_finished(session: SessionRow) -> None:
+    """A job is made only in a live session: a finished one's jobs' own groups ended with it, and
+    a job made now would hold its devices with nothing left to end it. Raises Gone."""
+    if session.is_finished:
+        raise Gone(f"session {session.session_id} has finished")

@@ -122,11 +122,12 @@ async def test_an_unknown_openrl_key_in_the_models_metadata_is_400_naming_it(nod
 
 async def test_a_base_model_the_node_does_not_serve_is_400_and_no_run_is_recorded(node: Node):
     session_id = await node.session()
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest) as caught:
         node.jobs.create_model(
             OWNER, session_id=session_id, model_seq_id=0, base_model="no-such-model", lora=SPEC, user_metadata={},
             optimizer_config={},
         )
+    assert caught.value.detail.startswith(f"base_model 'no-such-model' is not served by this node: it is not in the node's [models] table ({MODEL}),")
     assert node.store.runs.get(ids.model_id(session_id, 0)) is None
 
 
@@ -442,6 +443,29 @@ async def test_a_full_job_whose_session_finishes_while_it_is_created_fails_its_c
     assert (node.groups.all_groups(), node.engines.trainers) == ([], [])
 
 
+async def test_a_model_in_a_finished_session_is_410_and_no_group_starts_for_it(node: Node):
+    session_id = await node.session()
+    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
+    with pytest.raises(Gone) as caught:
+        node.create_model(session_id, user_metadata=FULL)
+    assert caught.value.detail == f"session {session_id} has finished"
+    with pytest.raises(Gone, match=f"^session {session_id} has finished$"):
+        node.jobs.load_into_new_model(
+            OWNER, session_id=session_id, model_seq_id=1, path="tinker://s-x:train:0/weights/a", with_optimizer=False,
+            optimizer_config=None,
+        )
+    await trio.testing.wait_all_tasks_blocked()
+    assert (node.groups.all_groups(), node.store.runs.get(ids.model_id(session_id, 0))) == ([], None)
+
+
+async def test_a_create_model_retried_after_its_session_finished_answers_with_the_first_request(node: Node):
+    session_id = await node.session()
+    first = node.create_model(session_id)
+    await node.completed(first[0])
+    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
+    assert node.create_model(session_id) == first
+
+
 async def test_finishing_another_users_session_is_404(node: Node):
     session_id = await node.session()
     with pytest.raises(NotFound):
@@ -498,8 +522,9 @@ async def test_save_weights_answers_with_the_checkpoints_tinker_path(node: Node)
 
 async def test_a_checkpoint_name_that_could_leave_the_data_dir_is_400(node: Node):
     model_id = await node.new_model()
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest) as caught:
         node.jobs.save_weights(OWNER, model_id, 1, name="../x", overwrite=False, ttl_seconds=None, user_metadata={})
+    assert caught.value.detail == "checkpoint name: must not contain '/' or '\\', got '../x'"
 
 
 async def test_a_ttl_under_the_minimum_is_400_before_anything_is_written(node: Node):
@@ -602,13 +627,15 @@ async def test_save_weights_for_sampler_refuses_with_400(node: Node, kwargs, det
 
 async def test_a_full_job_refuses_inflight_sampler_weights_and_external_weights_as_not_supported_yet(node: Node):
     model_id = await node.new_model(user_metadata=FULL)
-    with pytest.raises(NotSupportedYet):
+    with pytest.raises(NotSupportedYet) as inflight:
         node.jobs.save_weights_for_sampler(
             OWNER, model_id, 1, name=None, sampling_session_seq_id=0, kind="inflight", ttl_seconds=None,
             user_metadata={},
         )
-    with pytest.raises(NotSupportedYet):
+    assert inflight.value.detail == "save_weights_for_sampler kind='inflight' is not supported yet for full fine-tuning"
+    with pytest.raises(NotSupportedYet) as external:
         node.jobs.save_weights_external(OWNER, model_id, 1, name="peft", ttl_seconds=None)
+    assert external.value.detail.startswith("save_weights_external is not supported yet for full fine-tuning; ")
 
 
 async def test_external_weights_are_written_under_their_own_kind(node: Node):

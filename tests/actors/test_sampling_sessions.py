@@ -183,14 +183,15 @@ async def test_a_prompt_as_long_as_the_context_is_400_naming_both_lengths(node: 
     assert caught.value.detail == f"prompt has {MAX_CONTEXT} tokens; the model's context is {MAX_CONTEXT}"
 
 
-async def test_a_sample_past_the_sampler_queue_limit_is_429_and_its_future_fails(tmp_path):
+async def test_a_sample_past_the_sampler_queue_limit_is_429_and_its_seq_id_can_be_sent_again(tmp_path):
     async with running_node(tmp_path, sample_queue_limit=1) as node:
         sampler_id = await base_session(node)
         await wait_until(lambda: node.groups.all_groups() != [], within_s=SETTLE_S, poll_s=0.01)
         gate = node.engines.samplers[0].gate = threading.Event()  # the first sample holds the engine
         first, _ = node.sampling.sample(OWNER, sampler_id, 0, sample_job([5]))
-        with pytest.raises(TooManyRequests):
+        with pytest.raises(TooManyRequests) as caught:
             node.sampling.sample(OWNER, sampler_id, 1, sample_job([6]))
+        assert caught.value.detail == "sampler queue is full (1 requests); retry shortly"
         gate.set()
         await node.completed(first)
         # The refused seq_id was not remembered: sent again once there is room, it runs.
