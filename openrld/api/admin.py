@@ -20,11 +20,10 @@ from datetime import UTC, date, datetime, timedelta
 from functools import partial
 
 from quart import Response, request
-from quart_trio import QuartTrio
 
 from openrld.actors import usage
 from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, caller, json_response
 from openrld.api.signing import user_urn
 from openrld.actors.records import Records
 from openrld.errors import BadRequest, NotFound
@@ -46,14 +45,6 @@ _TOKEN_EVENTS = {
 }
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    route("GET", "/api/v1/audit", audit_log)
-    route("GET", "/api/v1/billing/usage/events", billing_usage)
-    route("GET", "/api/v1/billing/usage/checkpoints/current", checkpoint_storage)
-    route("POST", "/api/v1/auth/token", auth_token)
-    route("GET", "/api/v1/auth/apikey/me", apikey_me)
-    route("DELETE", "/api/v1/auth/apikey/me", apikey_revoke)
 
 
 # ---------------------------------------------------------------- admin routes

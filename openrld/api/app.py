@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from quart import Response, g, request
@@ -32,7 +32,6 @@ from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator
 from openrld.api.signing import Signer
-from openrld.cluster.node import ClusterNode
 from openrld.cluster.peer_client import RelayCounters
 from openrld.config import NodeConfig
 from openrld.api.fastpath import FastPath, error_headers
@@ -43,6 +42,9 @@ from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
 from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
+
+if TYPE_CHECKING:
+    from openrld.cluster.node import ClusterNode
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +115,11 @@ def add_route(app: QuartTrio, services: Services, method: str, rule: str, handle
     app.add_url_rule(rule, handler.__name__, partial(handler, services), methods=[method])
 
 
-def build_app(services: Services) -> Gate:
-    from openrld.api import admin, console, lifecycle, openrl, peer, rest, tinker
+def build_app(services: Services) -> SdkVersionWatch:
+    """The node's ASGI app: the gate, the relay on a clustered node, the fast path, then quart, all bound
+    from the one route table (`routes.py`)."""
+    from openrld.api import console
+    from openrld.api.routes import TABLE
 
     app = QuartTrio("openrld")
     app.config["MAX_CONTENT_LENGTH"] = services.config.max_body_bytes
@@ -160,19 +165,20 @@ def build_app(services: Services) -> Gate:
         services.metrics.observe(endpoint, request.method, response.status_code, seconds)
         return response
 
-    tinker.register(app, services)
-    rest.register(app, services)
-    lifecycle.register(app, services)
-    admin.register(app, services)
-    openrl.register(app, services)
-    peer.register(app, services)
-    if services.console is not None:
-        console.register(app, services)
+    has_console = services.console is not None
+    if has_console:
+        console.load_assets()  # the page's files, read now rather than on the event loop at its first request
+    for route in TABLE.routes:
+        if route.handler is not None and not route.is_hot and (has_console or not route.is_console):
+            add_route(app, services, route.method, route.path, route.handler)
+    hot = {route.path: partial(route.handler, services) for route in TABLE.routes if route.is_hot}
+    longpolls = frozenset(route.path for route in TABLE.routes if route.is_longpoll)
     front = FastPath(
-        app, tinker.hot_routes(services), max_body_bytes=services.config.max_body_bytes, metrics=services.metrics,
-        longpolls=tinker.LONGPOLL_ROUTES,
+        app, hot, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics, longpolls=longpolls
     )
     if services.cluster is not None:
-        front = services.cluster.relay(front, longpolls=tinker.LONGPOLL_ROUTES)
-    gate = Gate(front, auth=services.auth, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics)
+        front = services.cluster.relay(front, routes=TABLE)
+    gate = Gate(
+        front, auth=services.auth, routes=TABLE, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics
+    )
     return SdkVersionWatch(gate, services.sdk_versions)

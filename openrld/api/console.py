@@ -22,14 +22,13 @@ These routes decode, authenticate and route; they change nothing.
 
 from __future__ import annotations
 
-from functools import partial
+import functools
 from importlib import resources
 
 from quart import Response, request
-from quart_trio import QuartTrio
 
 from openrld.actors.console_views import ConsoleViews, node_view
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, caller, json_response
 from openrld.api.rest import int_arg
 from openrld.errors import NotFound
 
@@ -53,40 +52,28 @@ _SECURITY_HEADERS = {
 }
 
 
+@functools.cache
 def load_assets() -> dict[str, bytes]:
-    """The page's files, read from the package once."""
+    """The page's files, read from the package once (`app.build_app` reads them as it binds the routes)."""
     folder = resources.files("openrld.api").joinpath(ASSETS)
     return {name: folder.joinpath(name).read_bytes() for name in _FILES}
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    # The page's files are read here, once; its two handlers take them in place of services
-    # (the page needs no key and no state).
-    assets = load_assets()
-    for rule, handler in (("/console", console_page), ("/console/<name>", console_file)):
-        app.add_url_rule(rule, handler.__name__, partial(handler, assets), methods=["GET"])
-    route = partial(add_route, app, services)
-    route("GET", "/openrl/v1/runs", console_runs)
-    route("GET", "/openrl/v1/runs/<run_id>", console_run)
-    route("GET", "/openrl/v1/runs/<run_id>/curves", console_curves)
-    route("GET", "/openrl/v1/node", console_node)
+# ---------------------------------------------------------------- the page (it needs no key and no state)
 
 
-# ---------------------------------------------------------------- the page
+async def console_page(services: Services) -> Response:
+    return _asset("index.html")
 
 
-async def console_page(assets: dict[str, bytes]) -> Response:
-    return _asset(assets, "index.html")
-
-
-async def console_file(assets: dict[str, bytes], name: str) -> Response:
+async def console_file(services: Services, name: str) -> Response:
     if name not in _FILES or name == "index.html":
         return Response(b"not found", status=404, content_type="text/plain", headers=_SECURITY_HEADERS)
-    return _asset(assets, name)
+    return _asset(name)
 
 
-def _asset(assets: dict[str, bytes], name: str) -> Response:
-    return Response(assets[name], status=200, content_type=_FILES[name], headers=_SECURITY_HEADERS)
+def _asset(name: str) -> Response:
+    return Response(load_assets()[name], status=200, content_type=_FILES[name], headers=_SECURITY_HEADERS)
 
 
 # ---------------------------------------------------------------- the routes it polls
@@ -131,6 +118,6 @@ async def console_node(services: Services) -> Response:
 
 
 def _views(services: Services) -> ConsoleViews:
-    # register() is called only on a node that has console views (app.build_app).
+    # Its routes are bound only on a node that has console views (routes.py: is_console).
     assert services.console is not None
     return services.console

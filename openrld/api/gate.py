@@ -8,9 +8,10 @@ The outermost ASGI layer of the daemon's app. Two refusals need nothing but the 
 So a client without a key cannot make the node read, buffer or relay a
 body, and the HTTP server only drops what is already on its way (up to
 its unread-body limit, within `discard_timeout`). Paths that carry their
-own proof instead of a key pass through: health and metrics, the peer API
-(cluster-secret HMAC) and signed download URLs; and the console's static
-page, which holds nothing and asks for the key it then sends with each call.
+own proof instead of a key pass through (`routes.py` marks them `is_keyless`):
+health and metrics, the peer API (cluster-secret HMAC) and signed download
+URLs; and the console's static page, which holds nothing and asks for the key
+it then sends with each call.
 
 This module decodes and refuses only; who a key belongs to is the
 Authenticator's to say.
@@ -19,7 +20,7 @@ Authenticator's to say.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
@@ -30,17 +31,21 @@ from openrld.api.http1 import ASGIApp
 from openrld.errors import OpenrldError
 from openrld.api.metrics import RequestMetrics
 
-KEYLESS_PATHS = frozenset({"/api/v1/healthz", "/metrics", "/console"})
-KEYLESS_PREFIXES = ("/openrl/peer/", "/api/v1/download/", "/api/v1/trace/", "/console/")
+if TYPE_CHECKING:
+    from openrld.api.routes import RouteTable
+
 REFUSED_ENDPOINT = "refused_from_head"  # the metrics label of what the gate answers
 
 
 class Gate:
     """ASGI: refuses from the head what must not get as far as reading a body; passes the rest on."""
 
-    def __init__(self, inner: ASGIApp, *, auth: Authenticator, max_body_bytes: int, metrics: RequestMetrics) -> None:
+    def __init__(
+        self, inner: ASGIApp, *, auth: Authenticator, routes: RouteTable, max_body_bytes: int, metrics: RequestMetrics
+    ) -> None:
         self._inner = inner
         self._auth = auth
+        self._routes = routes  # which paths need no key
         self._max_body_bytes = max_body_bytes
         self._metrics = metrics
 
@@ -80,7 +85,7 @@ class Gate:
         if length is not None and int(length) > self._max_body_bytes:
             return 413, f"request body over {self._max_body_bytes} bytes", ()
         path = scope["path"]
-        if self._auth.is_open or path in KEYLESS_PATHS or path.startswith(KEYLESS_PREFIXES):
+        if self._auth.is_open or self._routes.is_keyless(path):
             return None
         try:
             self._auth.user_for(key.decode("latin-1") if key is not None else None)

@@ -25,17 +25,15 @@ from typing import Any
 
 import msgspec
 from quart import Response, request
-from quart_trio import QuartTrio
 
 from openrld import ids
 from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response, request_body
+from openrld.api.app import Services, caller, json_response, request_body
 from openrld.errors import BadRequest, NotFound
 from openrld.store import SessionRow
 
 DOWNLOAD_URL_TTL_S = 3600  # the SDK re-signs within 5 minutes of expiry; an hour as Tinker does
 TRACE_FILE = "trace.json"
-_CHECKPOINT = "/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>"
 CHECKPOINT_ARCHIVE_REFUSAL = (
     "checkpoint archives (RestClient.get_checkpoint_archive_url) are not served by openrld; it serves a "
     "checkpoint's files as signed URLs: TrainingClient.save_weights_external, then "
@@ -43,19 +41,6 @@ CHECKPOINT_ARCHIVE_REFUSAL = (
 )
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    route("POST", f"{_CHECKPOINT}/publish", publish)
-    route("DELETE", f"{_CHECKPOINT}/publish", unpublish)
-    route("PUT", f"{_CHECKPOINT}/ttl", set_ttl)
-    route("POST", "/api/v1/copy_weights", copy_weights)
-    route("GET", f"{_CHECKPOINT}/external_weights_urls", external_weights_urls)
-    route("GET", f"{_CHECKPOINT}/archive", checkpoint_archive)
-    route("GET", "/api/v1/download/<run_id>/<kind>/<name>/<filename>", download)
-    route("PUT", "/api/v1/sessions/<session_id>/project", assign_project)
-    route("POST", "/api/v1/sessions/search", search_sessions)
-    route("GET", "/api/v1/sessions/<session_id>/trace_export", trace_export)
-    route("GET", "/api/v1/trace/<session_id>/<filename>", trace)
 
 
 # ---------------------------------------------------------------- publish, unpublish, TTL

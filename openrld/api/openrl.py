@@ -20,13 +20,11 @@ These routes only read statistics; they change nothing.
 
 from __future__ import annotations
 
-from functools import partial
 
 from quart import Response
-from quart_trio import QuartTrio
 
 from openrld import __version__
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, caller, json_response
 from openrld.api.capabilities import Limits, ModelSummary, server_info
 from openrld.api.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
 
@@ -54,11 +52,6 @@ def served_models(services: Services) -> tuple[ModelSummary, ...]:
     )
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    route("GET", "/openrl/v1/info", info)
-    route("GET", "/openrl/v1/models/<model_id>/status", model_status)
-    route("GET", "/metrics", metrics)
 
 
 async def info(services: Services) -> Response:

@@ -14,12 +14,10 @@ route; the membership actor owns the state.
 
 from __future__ import annotations
 
-from functools import partial
 
 from quart import Response, request
-from quart_trio import QuartTrio
 
-from openrld.api.app import Services, add_route, caller, json_response
+from openrld.api.app import Services, caller, json_response
 from openrld.cluster.membership.codec import MAX_PUSH_PULL_BYTES, BadFrame, DropReason
 from openrld.cluster.membership.node import NotRunning
 from openrld.cluster.membership.peer_client import CONTENT_TYPE, PUSH_PULL_PATH, TAG_HEADER
@@ -27,10 +25,6 @@ from openrld.cluster.view import cluster_view
 from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized, UnsupportedMediaType
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    route("POST", PUSH_PULL_PATH, push_pull)
-    route("GET", "/openrl/v1/cluster", cluster)
 
 
 async def push_pull(services: Services) -> Response:

@@ -9,29 +9,17 @@ fields at their default left out, never null.
 
 from __future__ import annotations
 
-from functools import partial
 
 from quart import Response, request
-from quart_trio import QuartTrio
 
 from openrld import ids
 from openrld.api import wire
-from openrld.api.app import Services, add_route, caller, json_response, request_body
+from openrld.api.app import Services, caller, json_response, request_body
 from openrld.errors import BadRequest, NotFound
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.store import CheckpointRow, RunRow
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    route("GET", "/api/v1/training_runs", list_training_runs)
-    route("GET", "/api/v1/training_runs/<run_id>", get_training_run)
-    route("GET", "/api/v1/training_runs/<run_id>/checkpoints", list_checkpoints)
-    route("DELETE", "/api/v1/training_runs/<run_id>/checkpoints/<kind>/<name>", delete_checkpoint)
-    route("GET", "/api/v1/checkpoints", list_user_checkpoints)
-    route("POST", "/api/v1/weights_info", weights_info)
-    route("GET", "/api/v1/sessions", list_sessions)
-    route("GET", "/api/v1/sessions/<session_id>", get_session)
 
 
 # ---------------------------------------------------------------- routes

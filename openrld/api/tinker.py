@@ -10,25 +10,23 @@ SDKs before 0.25), JSON for the rest. Every JSON reply is a
 `wire` Struct, so it goes out as `wire.py`'s tests check it: fields at their
 default left out, never null.
 
-The quart routes are bound by `register`; the loop's hot POSTs (`hot_routes`)
-are served by `fastpath` without quart, under the same decoding and auth rules.
+`routes.py` declares each of them; the loop's hot POSTs are served by
+`fastpath` without quart, under the same decoding and auth rules.
 """
 
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import msgspec
 from quart import Response
-from quart_trio import QuartTrio
 
 from openrld import __version__, sdk_support
 from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import forward_json, media, result_json, wire
-from openrld.api.app import Services, add_route, caller, json_response, request_body
-from openrld.api.fastpath import Call, Handler, Reply, json_reply
+from openrld.api.app import Services, caller, json_response, request_body
+from openrld.api.fastpath import Call, Reply, json_reply
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
 from openrld.errors import BadRequest, NotSupportedYet, UnsupportedMediaType, UserError
 
@@ -42,44 +40,8 @@ SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
     "client-side in two cross_entropy passes, with the same gradient"
 )
 
-# Routes that hold a request open while they wait: they stop waiting when the client goes away.
-LONGPOLL_ROUTES = frozenset({"/api/v1/retrieve_future"})
 
 
-def register(app: QuartTrio, services: Services) -> None:
-    route = partial(add_route, app, services)
-    # bootstrap
-    route("POST", "/api/v1/client/config", client_config)
-    route("POST", "/api/v1/client/dynamic_config", dynamic_config)
-    route("POST", "/api/v1/create_session", create_session)
-    route("POST", "/api/v1/session_heartbeat", session_heartbeat)
-    route("POST", "/api/v1/sessions/<session_id>/finish", finish_session)
-    route("POST", "/api/v1/telemetry", telemetry)
-    route("GET", "/api/v1/healthz", healthz)
-    route("GET", "/api/v1/get_server_capabilities", get_server_capabilities)
-    # training
-    route("POST", "/api/v1/create_model", create_model)
-    route("POST", "/api/v1/get_info", get_info)
-    route("POST", "/api/v1/save_weights", save_weights)
-    route("POST", "/api/v1/save_weights_for_sampler", save_weights_for_sampler)
-    route("POST", "/api/v1/save_weights_external", save_weights_external)
-    route("POST", "/api/v1/load_weights", load_weights)
-    # sampling
-    route("POST", "/api/v1/create_sampling_session", create_sampling_session)
-    route("GET", "/api/v1/samplers/<path:sampler_id>", get_sampler)
-    route("POST", "/api/v1/cancel_future", cancel_future)
-    route("POST", "/api/v1/create_custom_loss", create_custom_loss)
-
-
-def hot_routes(services: Services) -> dict[str, Handler]:
-    """The loop's hot POSTs, served by `fastpath` without quart (same decoding and auth rules)."""
-    return {
-        "/api/v1/forward_backward": partial(forward_backward, services),
-        "/api/v1/forward": partial(forward, services),
-        "/api/v1/optim_step": partial(optim_step, services),
-        "/api/v1/asample": partial(asample, services),
-        "/api/v1/retrieve_future": partial(retrieve_future, services),
-    }
 
 
 # ---------------------------------------------------------------- bootstrap

@@ -23,12 +23,15 @@ import trio
 from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 
-# path -> (the list's key in the page, the field it is ordered by, newest first, its default limit)
-FANOUT_LISTS = {
-    "/api/v1/training_runs": ("training_runs", "last_request_time", 20),
-    "/api/v1/checkpoints": ("checkpoints", "time", 100),
-    "/openrl/v1/runs": ("runs", "created", 20),  # the console's run list
-}
+
+class FanOut(msgspec.Struct, frozen=True):
+    """How one list route's pages merge (declared with the route, in `api/routes.py`)."""
+
+    key: str  # the list's key in the page
+    order_by: str  # the item field it is ordered by, newest first
+    default_limit: int  # the page size when the query names none
+
+
 _OLDEST = datetime.min.replace(tzinfo=timezone.utc)  # where an item without a readable time sorts
 
 
@@ -81,10 +84,11 @@ def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuer
     return json_answer(200, {key: merged[page.offset : page.offset + page.limit], "cursor": cursor})
 
 
-async def fan_out(scope: dict, members: Iterable[Member], ask: Callable[[Member, dict], Awaitable[Answer]]) -> Answer:
-    """The list route `scope` asks for, merged from every live member; `ask(member, scope)` gets one's page."""
-    key, order_by, default_limit = FANOUT_LISTS[scope["path"]]
-    page = page_query(scope.get("query_string", b""), default_limit)
+async def fan_out(
+    scope: dict, spec: FanOut, members: Iterable[Member], ask: Callable[[Member, dict], Awaitable[Answer]]
+) -> Answer:
+    """The list `scope` asks for, merged by `spec` from every live member; `ask(member, scope)` gets one's page."""
+    page = page_query(scope.get("query_string", b""), spec.default_limit)
     if isinstance(page, Answer):
         return page
     member_scope = {**scope, "query_string": page.member_query}
@@ -97,4 +101,4 @@ async def fan_out(scope: dict, members: Iterable[Member], ask: Callable[[Member,
         for member in members:
             if member.is_alive:
                 nursery.start_soon(one, member)
-    return merge_pages(pages, key, order_by, page)
+    return merge_pages(pages, spec.key, spec.order_by, page)

@@ -12,6 +12,7 @@ service and closes the HTTP client it was given.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -25,6 +26,9 @@ from openrld.cluster.peer_client import PeerClient, RelayCounters, relay_key
 from openrld.cluster.placement import ClusterPlacer
 from openrld.cluster.relay import Relay
 from openrld.config import NodeConfig
+
+if TYPE_CHECKING:
+    from openrld.api.routes import RouteTable
 
 RELAY_MARGIN_S = 30.0  # what a relayed call may take beyond the home node's long-poll
 
@@ -64,8 +68,8 @@ class ClusterNode:
     def name(self) -> str:
         return self.membership.name
 
-    def relay(self, inner: ASGIApp, *, longpolls: frozenset[str]) -> Relay:
-        """The relay in front of this node's own app `inner` (`longpolls`: routes whose wait ends with the client)."""
+    def relay(self, inner: ASGIApp, *, routes: RouteTable) -> Relay:
+        """The relay in front of this node's own app `inner`, finding each request's home by its route."""
         return Relay(
             inner,
             directory=self.directory,
@@ -79,5 +83,5 @@ class ClusterNode:
             resolve_model=self._resolve_model,
             accept_jobs=self._config.accept_jobs,
             max_body_bytes=self._config.max_body_bytes,
-            longpolls=longpolls,
+            routes=routes,
         )

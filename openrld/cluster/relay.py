@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 import urllib.parse
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -65,31 +64,41 @@ from openrld.cluster.relayed_session import SESSION_TAG_HEADER as SESSION_TAG_HE
 from openrld.cluster.relayed_session import session_headers, session_of
 from openrld.api import wire
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
-from openrld.cluster.list_fanout import FANOUT_LISTS, fan_out
+from openrld.cluster.list_fanout import fan_out
 from openrld.api import media
 from openrld.api.proto import forward_backward_model_id
 from openrld.errors import BadRequest, OpenrldError, UserError
 from openrld.cluster.peer_client import RelayCounters
 
 if TYPE_CHECKING:
+    from openrld.api.routes import RouteTable
     from openrld.cluster.relayed_session import SessionSnapshot
 
 logger = logging.getLogger(__name__)
 
-_MODEL_BODY_ROUTES = {
-    "/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step", "/api/v1/save_weights",
-    "/api/v1/save_weights_for_sampler", "/api/v1/save_weights_external", "/api/v1/get_info", "/api/v1/load_weights",
-}
-# Requests that create a job or a sampling session under the caller's session (which the home may lack).
-_CREATING_ROUTES = {"/api/v1/create_model", "/api/v1/load_weights", "/api/v1/create_sampling_session"}
-# Bodies naming a request id or a session id: their home is the node that minted the id.
-_MINTED_ID_ROUTES = {"/api/v1/retrieve_future", "/api/v1/cancel_future", "/api/v1/session_heartbeat"}
-_RUN_PATH = re.compile(r"^/api/v1/training_runs/([^/]+)(/.*)?$")
-_STATUS_PATH = re.compile(r"^/openrl/v1/models/([^/]+)/status$")
-_CONSOLE_RUN_PATH = re.compile(r"^/openrl/v1/runs/([^/]+)(/curves)?$")
-NODE_PATH = "/openrl/v1/node"  # ?node=<name>: that member's own device view
-_SAMPLER_PATH = re.compile(r"^/api/v1/samplers/(.+)$")
-_SESSION_PATH = re.compile(r"^/api/v1/sessions/(s-[^/]+)(/finish|/project|/trace_export)?$")
+
+
+class HomeBy(enum.Enum):
+    """Where a route's request is answered, and how its home is found (each route names one: `api/routes.py`)."""
+
+    HERE = "here"  # by the node that got it
+    PLACED = "placed"  # create_model: offered to the ranked nodes until one takes it
+    MODEL_IN_BODY = "model in body"  # the home of the body's model_id
+    LOAD_WEIGHTS = "load weights"  # the body's model_id, or, creating a job, the home of its checkpoint's run
+    SAVE_FOR_SAMPLER = "save for sampler"  # the body's model_id; the sampler it may create is recorded there
+    MINTED_IN_BODY = "minted id in body"  # the node that minted the body's request_id or session_id
+    SAMPLER_IN_BODY = "sampler in body"  # the home of the body's sampling_session_id
+    CREATE_SAMPLER = "create sampler"  # the home of the body's model_path's run; a base model's: here or placed
+    CHECKPOINT_IN_BODY = "checkpoint in body"  # the home of the body's tinker_path's run
+    SESSION_IN_PATH = "session in path"  # the node that minted <session_id>
+    SESSION_FINISH = "session finish"  # <session_id>'s home, then every member that holds jobs of it
+    SAMPLER_IN_PATH = "sampler in path"  # the home of <sampler_id>
+    MODEL_STATUS = "model status"  # the home of <model_id>; a lost one's status is answered here
+    RUN_IN_PATH = "run in path"  # the home of <run_id>; a lost one's rows are read here
+    MODEL_IN_PATH = "model in path"  # the home of <run_id>, a job's model id
+    NODE_QUERY = "node query"  # the member `?node=` names
+    LOCATE = "locate"  # a member asking where an id lives: the relay answers it itself
+
 
 
 class _Ids(msgspec.Struct):
@@ -125,6 +134,7 @@ class _Call:
     scope: dict  # the ASGI scope
     headers: dict[bytes, bytes]  # the request's headers, by lower-case name
     body: bytes
+    params: dict[str, str]  # the route's path parameters (`<run_id>` and the like)
     session_id: str | None = None  # a creating request's session: sent along, signed, when it is relayed
 
 
@@ -146,9 +156,10 @@ class Relay:
         resolve_model: Callable[[str], str],
         accept_jobs: bool,
         max_body_bytes: int,
-        longpolls: frozenset[str] = frozenset(),
+        routes: RouteTable,
     ) -> None:
         self._inner = inner
+        self._routes = routes  # each route's HomeBy, fan-out and long-poll
         self._directory = directory
         self._peers = peers  # every call to another member
         self._placement = placement  # offers job-creating requests to the ranked nodes
@@ -160,7 +171,6 @@ class Relay:
         self._resolve_model = resolve_model
         self._accept_jobs = accept_jobs
         self._max_body_bytes = max_body_bytes
-        self._longpolls = longpolls  # relayed waits that end when their client goes away
 
     # ------------------------------------------------------------ ASGI
 
@@ -175,7 +185,12 @@ class Relay:
                 self._mirror_session(snapshot)
             await self._inner(scope, receive, send)
             return
-        if scope["path"] == LOCATE_PATH:
+        matched = self._routes.match(scope["method"], scope["path"])
+        if matched is None or matched.route.home is HomeBy.HERE and matched.route.fan_out is None:
+            await self._inner(scope, receive, send)  # nothing to find: no body is read or buffered here
+            return
+        route, params = matched
+        if route.home is HomeBy.LOCATE:
             body = await self._read(receive)
             tag = _header(headers, LOCATE_TAG_HEADER.encode()) or ""
             readable = body if isinstance(body, bytes) else None
@@ -187,19 +202,19 @@ class Relay:
         if body is _TOO_LARGE:
             await self._send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
             return
-        call = _Call(scope, headers, body)
+        call = _Call(scope, headers, body, params)
         try:
-            if scope["method"] == "GET" and scope["path"] in FANOUT_LISTS:
+            if route.fan_out is not None:
                 self._user_for(_header(headers, b"x-api-key"))  # a bad key is refused here, once, not by every member
                 ask = self._asker(replace(call, body=b""), scope["path"])
-                answer = await fan_out(scope, self._directory.members(), ask)
-            elif scope["path"] in self._longpolls:
-                routed = await until_disconnect(receive, self._route_boxed, call)
+                answer = await fan_out(scope, route.fan_out, self._directory.members(), ask)
+            elif route.is_longpoll:
+                routed = await until_disconnect(receive, self._route_boxed, route.home, call)
                 if routed is None:
                     return  # the client went away while its poll waited at the home node
                 answer = routed[0]
             else:
-                answer = await self._route(call)
+                answer = await self._route(route.home, call)
         except OpenrldError as error:
             answer = Answer(
                 error.status, [(b"content-type", b"application/json"), *error_headers(error)],
@@ -213,74 +228,95 @@ class Relay:
         else:
             await self._send(send, answer)
 
-    async def _route_boxed(self, call: _Call) -> tuple[Answer | None]:
+    async def _route_boxed(self, home_by: HomeBy, call: _Call) -> tuple[Answer | None]:
         """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
-        return (await self._route(call),)
+        return (await self._route(home_by, call),)
 
-    async def _route(self, call: _Call) -> Answer | None:
+    async def _route(self, home_by: HomeBy, call: _Call) -> Answer | None:
         """The answer from another node, or None: this node answers."""
-        method, path = call.scope["method"], call.scope["path"]
-        if method == "POST" and path == "/api/v1/create_model":
-            return await self._place(call)
-        if method == "POST" and path in _MODEL_BODY_ROUTES:
-            ref = self._ids(call)
-            if ref is None:
-                return None
-            if path in _CREATING_ROUTES:
-                call = replace(call, session_id=ref.session_id)
-            if ref.model_id is None and path == "/api/v1/load_weights" and ref.path:
-                return await self._restore(call, ref)
-            if ref.model_id is None:
-                return None
-            answer = await self._to_model(call, ref.model_id)
-            if answer is not None and path == "/api/v1/save_weights_for_sampler" and answer.status == 200:
-                if ref.sampling_session_seq_id is not None:
-                    sampler_id = ids.sampling_session_id(ref.model_id.split(":", 1)[0], ref.sampling_session_seq_id)
-                    self._directory.record(sampler_id, self._home_name(ref.model_id))
-            return answer
-        if method == "POST" and path in _MINTED_ID_ROUTES:
-            ref = self._ids(call)
-            minted = ref.request_id or ref.session_id if ref is not None else None
-            return await self._to(call, self._directory.tagged(minted), minted) if minted else None
-        if method == "POST" and path == "/api/v1/asample":
-            ref = self._ids(call)
-            sampler_id = ref.sampling_session_id if ref is not None else None
-            return await self._to_sampler(call, sampler_id) if sampler_id else None
-        if method == "POST" and path == "/api/v1/create_sampling_session":
-            ref = self._ids(call)
-            if ref is None or ref.session_id is None or ref.sampling_session_seq_id is None:
-                return None
-            call = replace(call, session_id=ref.session_id)
-            sampler_id = ids.sampling_session_id(ref.session_id, ref.sampling_session_seq_id)
-            if ref.model_path is None:
-                return await self._base_model_sampler(call, ref, sampler_id)
-            answer = await self._to_run_of(call, ref.model_path, lost_here=True)
-            if answer is not None and answer.status == 200:
-                self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
-            return answer
-        if method == "POST" and path == "/api/v1/weights_info":
-            ref = self._ids(call)
-            tinker_path = ref.tinker_path if ref is not None else None
-            return await self._to_run_of(call, tinker_path, lost_here=True) if tinker_path else None
-        if (match := _SESSION_PATH.match(path)) is not None:
-            if method == "POST" and match[2] == "/finish":
-                return await self._finish_everywhere(call, match[1])
-            return await self._to(call, self._directory.tagged(match[1]), match[1])
-        if (match := _SAMPLER_PATH.match(path)) is not None:
-            return await self._to_sampler(call, match[1])
-        if (match := _STATUS_PATH.match(path)) is not None:
-            home = await self._model_home(match[1])
-            if home.where is Where.LOST:
-                answer = await self._if_it_answers(call, home, match[1])
-                return answer if answer is not None else self._lost_status(call.headers, match[1], home)
-            return await self._to(call, home, match[1])
-        if (match := _RUN_PATH.match(path)) is not None:
-            home = await self._model_home(match[1])
-            return None if home.where is Where.LOST else await self._to(call, home, match[1])
-        if (match := _CONSOLE_RUN_PATH.match(path)) is not None:
-            return await self._to_model(call, match[1])
-        if method == "GET" and path == NODE_PATH:
-            return await self._to_member(call)
+        return await self._routers[home_by](self, call)
+
+    async def _to_body_model(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        return await self._to_model(call, ref.model_id) if ref is not None and ref.model_id is not None else None
+
+    async def _load_weights(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        if ref is None:
+            return None
+        call = replace(call, session_id=ref.session_id)  # it may create a job under the caller's session
+        if ref.model_id is None and ref.path:
+            return await self._restore(call, ref)
+        return await self._to_model(call, ref.model_id) if ref.model_id is not None else None
+
+    async def _save_for_sampler(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        if ref is None or ref.model_id is None:
+            return None
+        answer = await self._to_model(call, ref.model_id)
+        if answer is not None and answer.status == 200 and ref.sampling_session_seq_id is not None:
+            sampler_id = ids.sampling_session_id(ref.model_id.split(":", 1)[0], ref.sampling_session_seq_id)
+            self._directory.record(sampler_id, self._home_name(ref.model_id))
+        return answer
+
+    async def _to_minter(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        minted = ref.request_id or ref.session_id if ref is not None else None
+        return await self._to(call, self._directory.tagged(minted), minted) if minted else None
+
+    async def _to_body_sampler(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        sampler_id = ref.sampling_session_id if ref is not None else None
+        return await self._to_sampler(call, sampler_id) if sampler_id else None
+
+    async def _create_sampler(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        if ref is None or ref.session_id is None or ref.sampling_session_seq_id is None:
+            return None
+        call = replace(call, session_id=ref.session_id)
+        sampler_id = ids.sampling_session_id(ref.session_id, ref.sampling_session_seq_id)
+        if ref.model_path is None:
+            return await self._base_model_sampler(call, ref, sampler_id)
+        answer = await self._to_run_of(call, ref.model_path, lost_here=True)
+        if answer is not None and answer.status == 200:
+            self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
+        return answer
+
+    async def _to_body_checkpoint(self, call: _Call) -> Answer | None:
+        ref = self._ids(call)
+        tinker_path = ref.tinker_path if ref is not None else None
+        return await self._to_run_of(call, tinker_path, lost_here=True) if tinker_path else None
+
+    async def _to_session(self, call: _Call) -> Answer | None:
+        session_id = call.params["session_id"]
+        if not session_id.startswith("s-"):
+            return None  # not a session id this cluster minted: this node says what is wrong with it
+        return await self._to(call, self._directory.tagged(session_id), session_id)
+
+    async def _finish_session(self, call: _Call) -> Answer | None:
+        session_id = call.params["session_id"]
+        return await self._finish_everywhere(call, session_id) if session_id.startswith("s-") else None
+
+    async def _to_path_sampler(self, call: _Call) -> Answer | None:
+        return await self._to_sampler(call, call.params["sampler_id"])
+
+    async def _model_status(self, call: _Call) -> Answer | None:
+        model_id = call.params["model_id"]
+        home = await self._model_home(model_id)
+        if home.where is Where.LOST:
+            answer = await self._if_it_answers(call, home, model_id)
+            return answer if answer is not None else self._lost_status(call.headers, model_id, home)
+        return await self._to(call, home, model_id)
+
+    async def _to_path_run(self, call: _Call) -> Answer | None:
+        run_id = call.params["run_id"]
+        home = await self._model_home(run_id)
+        return None if home.where is Where.LOST else await self._to(call, home, run_id)
+
+    async def _to_path_model(self, call: _Call) -> Answer | None:
+        return await self._to_model(call, call.params["run_id"])
+
+    async def _here(self, call: _Call) -> None:
         return None
 
     def _ids(self, call: _Call) -> _Ids | None:
@@ -500,6 +536,26 @@ class Relay:
         if note is None or note.owner != user:
             return detail_answer(404, f"no model {model_id!r}")
         return json_answer(200, lost_status(model_id, note))
+
+    _routers: dict[HomeBy, Callable[[Relay, _Call], Awaitable[Answer | None]]] = {
+        HomeBy.HERE: _here,
+        HomeBy.LOCATE: _here,  # answered before a route is looked for (see __call__)
+        HomeBy.PLACED: _place,
+        HomeBy.MODEL_IN_BODY: _to_body_model,
+        HomeBy.LOAD_WEIGHTS: _load_weights,
+        HomeBy.SAVE_FOR_SAMPLER: _save_for_sampler,
+        HomeBy.MINTED_IN_BODY: _to_minter,
+        HomeBy.SAMPLER_IN_BODY: _to_body_sampler,
+        HomeBy.CREATE_SAMPLER: _create_sampler,
+        HomeBy.CHECKPOINT_IN_BODY: _to_body_checkpoint,
+        HomeBy.SESSION_IN_PATH: _to_session,
+        HomeBy.SESSION_FINISH: _finish_session,
+        HomeBy.SAMPLER_IN_PATH: _to_path_sampler,
+        HomeBy.MODEL_STATUS: _model_status,
+        HomeBy.RUN_IN_PATH: _to_path_run,
+        HomeBy.MODEL_IN_PATH: _to_path_model,
+        HomeBy.NODE_QUERY: _to_member,
+    }
 
     def _is_here(self, query: LocateQuery) -> bool:
         """Whether this node is home to the id a member asks about (`PeerClient.locate`)."""

@@ -12,6 +12,7 @@ import httpx
 import msgspec
 import trio
 
+from openrld.api.routes import TABLE
 from openrld.cluster.membership.messages import MemberState, NodePayload
 from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import PeerClient
@@ -37,8 +38,7 @@ def relay(inner: Inner) -> Relay:
     return Relay(
         inner, directory=None, peers=peers, placement=None, key=b"k", counters=counters,  # type: ignore[arg-type]
         user_for=lambda key: "alice", session_snapshot=lambda session: None, mirror_session=lambda snapshot: None,
-        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY,
-        longpolls=frozenset({"/api/v1/retrieve_future"}),
+        resolve_model=lambda name: name, accept_jobs=True, max_body_bytes=MAX_BODY, routes=TABLE,
     )
 
 
@@ -99,7 +99,7 @@ async def test_a_relayed_long_poll_ends_when_its_client_goes_away() -> None:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    async def held_at_home(call):
+    async def held_at_home(home_by, call):
         waiting_at_home.set()
         await trio.sleep_forever()  # the home node holds the poll for up to longpoll_s
 
