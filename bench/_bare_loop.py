@@ -30,8 +30,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lines import serve  # noqa: E402
-from _workload import ADAM_BETAS, ADAM_EPS, LR, PROMPT_TOKENS, RANK, batch_tokens, prompt  # noqa: E402
+from _lines import serve
+from _workload import ADAM_BETAS, ADAM_EPS, LR, PROMPT_TOKENS, RANK, batch_tokens, prompt
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 SAMPLES, NEW_TOKENS = 8, 32  # rl_throughput.py's sample

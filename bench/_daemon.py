@@ -168,7 +168,7 @@ def daemon(models: dict[str, Path], extra_config: str = "", root: Path | None = 
         config = root / "openrld.toml"
         table = "".join(f'"{name}" = "{directory}"\n' for name, directory in models.items())
         config.write_text(f'data_dir = "{root / "data"}"\ndevice = "cpu"\n{extra_config}\n[models]\n{table}')
-        log = open(root / "daemon.log", "w")
+        log = stack.enter_context(open(root / "daemon.log", "w"))
         proc = subprocess.Popen(
             [sys.executable, "-m", "openrld.cli", "serve", "--port", "0", "--config", str(config)],
             stdout=subprocess.PIPE, stderr=log, text=True, env=dict(clean_env(os.environ), PYTHONUNBUFFERED="1"),

@@ -35,8 +35,8 @@ from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lines import serve  # noqa: E402
-from _workload import LR, PROMPT_TOKENS, RANK, batch_tokens, prompt  # noqa: E402
+from _lines import serve
+from _workload import LR, PROMPT_TOKENS, RANK, batch_tokens, prompt
 
 API_KEY = "tml-bench"
 RL_SAMPLES, RL_NEW_TOKENS = 8, 32  # as _bare_loop.py's sample

@@ -14,13 +14,15 @@ Run: `.venv/bin/python bench/combined_forward_backward.py`.
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
+
+# isort: split
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum

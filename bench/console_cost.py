@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, smollm2_dir, tiny_daemon  # noqa: E402
+from _daemon import daemon, smollm2_dir, tiny_daemon
 
 MODES = {"none": (0, 0.0), "1 console @ 2 s": (1, 2.0), "10 consoles @ 1 s": (10, 1.0)}
 ROUNDS = 3  # blocks per mode, alternating

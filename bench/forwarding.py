@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import tiny_daemon  # noqa: E402
-from future_latency import Lean, lean_model  # noqa: E402
+from _daemon import tiny_daemon
+from future_latency import Lean, lean_model
 
 SECRET = "bench-cluster-secret"
 

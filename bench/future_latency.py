@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import tiny_daemon  # noqa: E402
+from _daemon import tiny_daemon
 
 ROUNDS, WARMUP = 1000, 100
 HEADERS = {"X-API-Key": "tml-bench", "Content-Type": "application/json"}

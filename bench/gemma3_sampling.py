@@ -41,7 +41,7 @@ import tinker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, gemma3_dir  # noqa: E402
+from _daemon import daemon, gemma3_dir
 
 NEW_TOKENS, ROUNDS = 64, 3
 SHAPES = ((32, 1), (32, 8), (600, 1))  # (prompt tokens, batch)

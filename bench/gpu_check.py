@@ -77,6 +77,7 @@ import torch
 import transformers
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, SampleJob, SamplingSpec, TrainDatum
+from openrld.errors import BadRequest
 from openrld.gpu import offload
 from openrld.gpu.tiny_models import build_tiny_model, build_tokenizer
 from openrld.gpu.torch_sampler import TorchSampler
@@ -213,11 +214,10 @@ def check_training_across_park(model_dir: Path, device: torch.device) -> str:
     require(losses_a == losses_b, f"losses differ: parked {losses_a} vs {losses_b}")
     a, b = trainer.adapter_tensors("a"), trainer.adapter_tensors("b")
     require(all(bit_equal(a[k], b[k]) for k in a), "adapter weights differ after training across a park")
-    return f"4 steps, losses {['%.6f' % x for x in losses_a]} identical with and without a park"
+    return f"4 steps, losses {[f'{x:.6f}' for x in losses_a]} identical with and without a park"
 
 
 def check_trainer_process(model_dir: Path, device: torch.device) -> str:
-    from functools import partial
 
     from openrld.worker.client import RemoteTrainer
     from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
@@ -256,7 +256,7 @@ def check_trainer_process(model_dir: Path, device: torch.device) -> str:
                 f"the worker's park freed {parked.device_bytes_freed} device bytes of {parked.bytes_moved} moved")
         after, _ = remote.forward_backward_then_step("a", [batch], None)
         return (
-            f"started in {started:.1f} s, losses {['%.6f' % x for x in losses[0]]} as in process, "
+            f"started in {started:.1f} s, losses {[f'{x:.6f}' for x in losses[0]]} as in process, "
             f"parked {gb(parked.bytes_moved)} from {parked.device} (freed {gb(parked.device_bytes_freed)}), "
             f"loss after resume {after[0].metrics['loss:sum']:.6f}"
         )
@@ -412,7 +412,7 @@ def check_full_trainer_worker(model_dir: Path, device: torch.device) -> str:
         require(parked.bytes_moved > 0 and parked.device_bytes_freed > 0,
                 f"the worker's park moved {parked.bytes_moved} bytes and freed {parked.device_bytes_freed} device bytes")
         return (
-            f"3 steps bit-identical to in process ({['%.6f' % x for x in got]}), parked {gb(parked.bytes_moved)} "
+            f"3 steps bit-identical to in process ({[f'{x:.6f}' for x in got]}), parked {gb(parked.bytes_moved)} "
             f"from {parked.device} (freed {gb(parked.device_bytes_freed)})"
         )
     finally:
@@ -420,7 +420,6 @@ def check_full_trainer_worker(model_dir: Path, device: torch.device) -> str:
 
 
 def check_delta_sync(model_dir: Path, device: torch.device) -> str:
-    from openrld.gpu import delta
     from openrld.gpu.full_sampler import FullSampler
     from openrld.gpu.full_trainer import FullTrainer
 
@@ -509,7 +508,7 @@ def check_timeslicer_two_jobs(root: Path, device: torch.device) -> str:
 
     async def job(name: str, lease, engine, out: list[float]) -> None:
         for done in range(1, steps + 1):
-            async with lease.hold(has_more=lambda: done < steps):
+            async with lease.hold(has_more=lambda done=done: done < steps):
                 turns.append((name, tensor_bytes(device) - baseline - kept * len(threads)))
                 results, _ = await trio.to_thread.run_sync(
                     on_thread, engine.forward_backward_then_step, "job", [batch], AdamParams(learning_rate=1e-4),
@@ -668,7 +667,6 @@ def check_vllm_temperature(setup: VllmSetup) -> str:
 
 def refusal(setup: VllmSetup, request_id: str, job: SampleJob) -> BadRequest:
     """The BadRequest `add` raises for `job`; the engine must hold no work after it."""
-    from openrld.errors import BadRequest
 
     try:
         setup.engine.add(request_id, None, job)

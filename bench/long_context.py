@@ -34,8 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, gemma3_dir, smollm2_dir, tiny_llama_32k  # noqa: E402
-
+from _daemon import daemon, gemma3_dir, smollm2_dir, tiny_llama_32k
 
 HERE = Path(__file__).resolve().parent
 LENGTHS = (1024, 4096, 8192, 16384, 32768)

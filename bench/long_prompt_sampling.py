@@ -85,7 +85,7 @@ def child(model_dir: str, length: int, options: dict[str, int], prompt_logprobs:
 def run_child(args: list[str]) -> dict:
     out = subprocess.run(args, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        return {"error": (out.stderr.strip().splitlines() or ["exit %d" % out.returncode])[-1]}
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

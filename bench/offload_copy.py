@@ -15,22 +15,24 @@ shared and noisy.
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
+
+# isort: split
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import build_wide_model  # noqa: E402  (a sibling script, not a package)
+from gpu_check import build_wide_model
 
-from openrld.batches import LoraSpec  # noqa: E402
-from openrld.gpu import offload  # noqa: E402
-from openrld.gpu.torch_trainer import TorchTrainer  # noqa: E402
+from openrld.batches import LoraSpec
+from openrld.gpu import offload
+from openrld.gpu.torch_trainer import TorchTrainer
 
 ROUNDS = 7
 

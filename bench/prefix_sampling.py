@@ -43,6 +43,9 @@ engineer's bench had loaded the machine minutes before, so take +-30%):
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baseline too
+
+# isort: split
 import argparse
 import statistics
 import sys
@@ -50,19 +53,18 @@ import threading
 import time
 from pathlib import Path
 
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baseline too
 import numpy as np
 import tinker
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import daemon, match_daemon_threads, smollm2_dir  # noqa: E402
+from _daemon import daemon, match_daemon_threads, smollm2_dir
 
-from openrld.batches import SampleJob, SamplingSpec  # noqa: E402
-from openrld.gpu.models import load_causal_lm  # noqa: E402
-from openrld.gpu.tiny_models import build_tiny_model  # noqa: E402
-from openrld.gpu.torch_sampler import TorchSampler  # noqa: E402
+from openrld.batches import SampleJob, SamplingSpec
+from openrld.gpu.models import load_causal_lm
+from openrld.gpu.tiny_models import build_tiny_model
+from openrld.gpu.torch_sampler import TorchSampler
 
 CLIENTS, SAMPLES, NEW_TOKENS = 8, 8, 64
 PROMPT_TOKENS, SHARED_TOKENS = 256, 200

@@ -47,9 +47,9 @@ from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import SMOLLM2, daemon, smollm2_dir  # noqa: E402
+from _daemon import SMOLLM2, daemon, smollm2_dir
 
-from openrld.gpu.tiny_models import build_tiny_model  # noqa: E402
+from openrld.gpu.tiny_models import build_tiny_model
 
 POLICIES = ("least_loaded", "prefix")
 FAMILIES, GROUP, PASSES, THREADS = 16, 4, 2, 4

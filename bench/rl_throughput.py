@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import bench_models, child, daemon, vocab_size  # noqa: E402
+from _daemon import bench_models, child, daemon, vocab_size
 
-from openrld.actors.sampler import MAX_LOADED_VERSIONS  # noqa: E402
+from openrld.actors.sampler import MAX_LOADED_VERSIONS
 
 SFT_ROWS, SFT_TOKENS = 8, 128
 SAMPLES, NEW_TOKENS = 8, 32  # _bare_loop.py's and _sdk_loop.py's sample

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import bench_models, child, daemon, vocab_size  # noqa: E402
-from _workload import PROMPT_TOKENS, prompt  # noqa: E402
+from _daemon import bench_models, child, daemon, vocab_size
+from _workload import PROMPT_TOKENS, prompt
 
 NEW_TOKENS, REPEATS, CLIENTS = 64, 3, 4
 ROUNDS = {"tiny-llama": 15, "smollm2": 3}

@@ -21,6 +21,9 @@ request on the tiny model only (about 3 minutes).
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy holds for both sides
+
+# isort: split
 import argparse
 import statistics
 import sys
@@ -29,17 +32,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy holds for both sides
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import smollm2_dir  # noqa: E402
+from _daemon import smollm2_dir
 
-from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum  # noqa: E402
-from openrld.gpu.scoring import TrainerConfig  # noqa: E402
-from openrld.gpu.tiny_models import build_tiny_model  # noqa: E402
-from openrld.gpu.torch_trainer import TorchTrainer  # noqa: E402
+from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.gpu.scoring import TrainerConfig
+from openrld.gpu.tiny_models import build_tiny_model
+from openrld.gpu.torch_trainer import TorchTrainer
 
 GROUPS, GROUP_SIZE = 4, 8
 PROMPT_TOKENS = 150

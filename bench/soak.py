@@ -144,13 +144,13 @@ def probe(pipe, url: str) -> None:
         bare: list[float] = []
         done = threading.Event()
 
-        def bare_loop() -> None:
+        def bare_loop(done: threading.Event, bare: list[float]) -> None:
             while not done.is_set():
                 start = time.perf_counter()
                 bare_call("GET", "/api/v1/healthz")
                 paced(bare, start)
 
-        thread = threading.Thread(target=bare_loop)
+        thread = threading.Thread(target=bare_loop, args=(done, bare))
         thread.start()
         end = time.monotonic() + amount if kind != "rounds" else math.inf
         if kind == "bare":
@@ -272,7 +272,7 @@ class RetryCounter(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         template = str(record.msg)
-        if template.startswith("Retrying request to") or template.startswith("Retrying in"):
+        if template.startswith(("Retrying request to", "Retrying in")):
             self.retries += 1
         elif record.levelno >= logging.WARNING:
             self.messages.append(f"{record.name}: {record.getMessage()}")
@@ -304,7 +304,7 @@ class Client(threading.Thread):
             params = types.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0, stop=[])
             adam = types.AdamParams(learning_rate=1e-4)
             sampler = None
-        except Exception as error:  # noqa: BLE001  # the bench counts it and goes on
+        except Exception as error:  # the bench counts it and goes on
             self.failures.append(f"setup: {type(error).__name__}: {error}")
             self.ready.set()
             return
@@ -321,7 +321,7 @@ class Client(threading.Thread):
                 result = sampler.sample(prompt, 1, params).result()
                 assert len(result.sequences[0].tokens) == SAMPLE_TOKENS
                 self.counts["samples"] += 1
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 self.failures.append(f"{type(error).__name__}: {error}")
             step += 1
             if not self.ready.is_set():
@@ -331,7 +331,7 @@ class Client(threading.Thread):
     def close(self) -> None:
         try:
             self.service.close("success").result()
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             self.failures.append(f"close: {type(error).__name__}: {error}")
 
 
@@ -343,7 +343,7 @@ class Attacker:
 
     def __init__(self, url: str) -> None:
         parsed = urlparse(url)
-        self.stderr = tempfile.TemporaryFile("w+")
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115  # the child writes it; read at the end
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "_stall.py"), parsed.hostname, str(parsed.port), KEY,
              json.dumps(STALLED), str(SPREAD_S)],
@@ -537,7 +537,7 @@ def run(url: str, pid: int, retries: RetryCounter) -> dict:
 
 def report(r: dict, retries: RetryCounter, log: str) -> bool:
     """Print the figures and the checks; True when every check passed."""
-    idle_future, idle_bare = r["idle"]
+    idle_future, _idle_bare = r["idle"]
     clients: list[Client] = r["clients"]
     counts = sum((c.counts for c in clients), Counter())
     failures = [f"client {c.index}: {f}" for c in clients for f in c.failures]

@@ -47,9 +47,8 @@ async def _bare(limiter: trio.CapacityLimiter) -> float:
 
 async def _leased(lease, limiter: trio.CapacityLimiter, calls: int) -> None:
     for done in range(1, calls + 1):
-        async with lease.hold(has_more=lambda: done < calls):
-            async with limiter:
-                await trio.lowlevel.checkpoint()
+        async with lease.hold(has_more=lambda done=done: done < calls), limiter:
+            await trio.lowlevel.checkpoint()
 
 
 async def _run_alone(slicer: TimeSlicer, limiter: trio.CapacityLimiter) -> float:

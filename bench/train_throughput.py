@@ -55,11 +55,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _daemon import bench_models, child, daemon, match_daemon_threads, peak_rss_bytes, vocab_size  # noqa: E402
-from _workload import ADAM_BETAS, ADAM_EPS, LR, RANK, batch_tokens  # noqa: E402
+from _daemon import bench_models, child, daemon, match_daemon_threads, peak_rss_bytes, vocab_size
+from _workload import ADAM_BETAS, ADAM_EPS, LR, RANK, batch_tokens
 
-from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum  # noqa: E402
-from openrld.gpu.torch_trainer import TorchTrainer  # noqa: E402
+from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.gpu.torch_trainer import TorchTrainer
 
 SHAPES = {"tiny-llama": ((8, 128), (32, 256), (4, 1024)), "smollm2": ((8, 128),)}  # (sequences, tokens each)
 WARMUP, STEPS = 1, 4

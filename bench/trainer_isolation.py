@@ -30,6 +30,9 @@ Run: `.venv/bin/python bench/trainer_isolation.py` (about a minute on 2 CPU core
 
 from __future__ import annotations
 
+import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
+
+# isort: split
 import statistics
 import subprocess
 import sys
@@ -37,16 +40,15 @@ import threading
 import time
 from pathlib import Path
 
-import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
 import tinker
 from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bare_loop import BareLoop  # noqa: E402
-from _daemon import match_daemon_threads, tiny_daemon, vocab_size  # noqa: E402
-from _workload import RANK, batch_tokens  # noqa: E402
-from train_throughput import EngineLoop  # noqa: E402
+from _bare_loop import BareLoop
+from _daemon import match_daemon_threads, tiny_daemon, vocab_size
+from _workload import RANK, batch_tokens
+from train_throughput import EngineLoop
 
 SHAPE = (8, 128)
 ROUNDS, STEPS = 4, 6

@@ -20,18 +20,17 @@ from typing import Any
 
 import chz
 import msgspec
-
-# Resolved here, at import, in the main thread: transformers resolves its names lazily, and a
-# sweep's job threads reaching `transformers.AutoTokenizer` first at once failed with an
-# AttributeError in all but one of them.
-from transformers import AutoTokenizer  # noqa: F401
 from tinker_cookbook import tokenizer_utils
 from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
 
-from recipes.quickstart.train import load_tokenizer
+# Resolved here, at import, in the main thread: transformers resolves its names lazily, and a
+# sweep's job threads reaching `transformers.AutoTokenizer` first at once failed with an
+# AttributeError in all but one of them.
+from transformers import AutoTokenizer  # noqa: F401
 
+from recipes.quickstart.train import load_tokenizer
 
 # A sweep's jobs start in threads at once; loading a GGUF tokenizer imports transformers' gguf
 # module, and two first imports at once left one thread a half-made module (an ImportError). So

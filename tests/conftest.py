@@ -187,14 +187,14 @@ class Daemon:
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
 
-    def start(self) -> "Daemon":
+    def start(self) -> Daemon:
         return self.launch().ready()
 
-    def launch(self) -> "Daemon":
+    def launch(self) -> Daemon:
         """The process started, not yet listening: several daemons start side by side, then `ready` each."""
         env = loop_watched_env(dict(os.environ, PYTHONUNBUFFERED="1"))
         _watched_logs.add(self.log_path)
-        log = open(self.log_path, "a")
+        log = open(self.log_path, "a")  # noqa: SIM115  # the daemon writes it for its whole life
         self.proc = subprocess.Popen(
             [*self.command_prefix, sys.executable, *self.entry, "serve", "--port", str(self.port),
              "--config", str(self.config_path)],
@@ -205,7 +205,7 @@ class Daemon:
         )
         return self
 
-    def ready(self) -> "Daemon":
+    def ready(self) -> Daemon:
         """Wait for the launched daemon's "listening" line; its URL is then known."""
         assert self.proc is not None, "ready() before launch()"
         deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
@@ -275,7 +275,7 @@ class ServeCommand:
     def start(self) -> str:
         _watched_logs.add(self.log_path)
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True, env=self.env, cwd=self.cwd,
+            self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True,  # noqa: SIM115  # the child writes it, env=self.env, cwd=self.cwd,
             start_new_session=True,
         )
         assert self.proc.stdout is not None
@@ -322,9 +322,9 @@ def engine_processes(parent: int, role: str | None = None) -> list[int]:
             environment = (entry / "environ").read_bytes().split(b"\0") if ppid == parent else []
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"openrld.worker" in command:
-            if role is None or f"OPENRLD_WORKER_ROLE={role}".encode() in environment:
-                found.append(int(entry.name))
+        is_worker = ppid == parent and b"openrld.worker" in command
+        if is_worker and (role is None or f"OPENRLD_WORKER_ROLE={role}".encode() in environment):
+            found.append(int(entry.name))
     return found
 
 

@@ -57,5 +57,5 @@ def test_a_header_without_context_length_is_refused(tmp_path: Path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(GgufFormatError, match="no llama.context_length key"):
+    with pytest.raises(GgufFormatError, match=r"no llama\.context_length key"):
         read_gguf_header(path)

@@ -14,10 +14,10 @@ from openrld.ids import (
     new_request_id,
     new_session_id,
     node_tag,
-    tag_of,
     parse_checkpoint_id,
     parse_tinker_path,
     sampling_session_id,
+    tag_of,
     validate_name,
 )
 
@@ -141,7 +141,10 @@ def test_parse_tinker_path_refuses_malformed(given: object, detail: str) -> None
         ("a#old", "checkpoint name: may contain only letters, digits and '.', '_', ':', '-'; got 'a#old'"),
         (7, "checkpoint name: expected a string, got 7"),
     ],
-    ids=["empty", "too-long", "nul", "slash", "absolute", "backslash", "dot", "dotdot", "leading-dot", "space", "non-ascii", "hash", "not-a-string"],
+    ids=[
+        "empty", "too-long", "nul", "slash", "absolute", "backslash", "dot", "dotdot", "leading-dot", "space", "non-ascii",
+        "hash", "not-a-string",
+    ],
 )
 def test_validate_name_refuses_unsafe_names(name: object, detail: str) -> None:
     with pytest.raises(BadRequest) as excinfo:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from openrld.errors import BadRequest
-from openrld.model_families import Engine
 from openrld.model_catalog import (
     ModelCatalog,
     ModelEntry,
@@ -22,6 +21,7 @@ from openrld.model_catalog import (
     gguf_cache_dir,
     is_converted,
 )
+from openrld.model_families import Engine
 
 SMOLLM2_NAMES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
 requires_smollm2 = pytest.mark.skipif(

@@ -20,7 +20,7 @@ from openrld.checkpoint_manifest import MANIFEST_FORMAT, MANIFEST_NAME, Checkpoi
 from openrld.errors import ServerError
 from openrld.ids import TinkerPath
 from openrld.store import CheckpointRow, RunRow, Store
-from tests.test_store import RUN, T0, W, Clock, add_run
+from tests.test_store import RUN, T0, Clock, W, add_run
 
 OTHER_RUN = "s-fedcba9876543210:train:3"
 

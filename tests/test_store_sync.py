@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from openrld.store import Store
-from openrld.store import database
+from openrld.store import Store, database
 
 
 def wal_frames(store: Store) -> int:
     """The pages the WAL holds now (a checkpoint reports them; this one runs after the assertion's writes)."""
-    busy, frames, checkpointed = store.database.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    _busy, frames, _checkpointed = store.database.conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     return int(frames)
 
 

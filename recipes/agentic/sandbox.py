@@ -82,8 +82,8 @@ def bwrap_works() -> bool:
     if path is None:
         return False
     probe = subprocess.run(
-        [*(DROP_ROOT if os.geteuid() == 0 else []), path, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-         "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"],
+        [*(DROP_ROOT if os.geteuid() == 0 else []), path, "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr",
+         "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"],
         capture_output=True, timeout=10,
     )
     return probe.returncode == 0

@@ -40,11 +40,11 @@ from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_group_rollout
 
 from recipes.agentic import judge
-from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 from recipes.agentic.backends import pick_backend
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset, ToolCallPrefill
 from recipes.agentic.sandbox import SandboxLimits
 from recipes.agentic.tasks import Family, Split, Task, make_tasks
+from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ per reply being scored), and at most `size` queries run at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -84,10 +85,8 @@ class _Worker:
 
     def close(self) -> None:
         """Ask the worker to exit (stdin closed), and kill it if it does not."""
-        try:
+        with contextlib.suppress(BrokenPipeError):
             self.process.stdin.close()
-        except BrokenPipeError:
-            pass
         try:
             self.process.wait(timeout=2.0)
         except subprocess.TimeoutExpired:

@@ -20,8 +20,8 @@ from openrld.actors.run_history import (
     combine_metrics,
 )
 from openrld.batches import ForwardBackwardResult, OptimResult, SampledSequence, SampleResult
-from openrld.store.history_table import SamplingBucket, TrainPoint
 from openrld.store import Store
+from openrld.store.history_table import SamplingBucket, TrainPoint
 
 RUN = "s-0123456789abcdef:train:0"
 SAMPLER = "s-0123456789abcdef:sample:0"
@@ -151,7 +151,7 @@ def _sample(*lengths: int) -> Completed:
 
 
 async def test_recorder_takes_what_settles_and_answers_from_the_store_once_evicted(tmp_path: Path, monkeypatch):
-    store, table, recorder = _recorder(tmp_path)
+    store, _table, recorder = _recorder(tmp_path)
     recorder.observe(RUN, "forward_backward", _fb(4.0))
     recorder.observe(RUN, "forward", _fb(99.0))  # an eval pass is no training step
     recorder.observe(RUN, "forward_backward", Failed("boom", "server"))
@@ -174,7 +174,7 @@ async def test_samples_of_a_session_on_no_run_of_the_users_are_not_recorded(tmp_
         asked.append(sampler_id)
         return None
 
-    store, table, recorder = _recorder(tmp_path, sampler_run)
+    store, _table, recorder = _recorder(tmp_path, sampler_run)
     recorder.observe(SAMPLER, "sample", _sample(5))
     recorder.observe(SAMPLER, "sample", _sample(5))
     assert asked == [SAMPLER]  # looked up once per sampling session

@@ -37,9 +37,13 @@ def sampled(offset: int, length: int, sequence_id: str = SEQ) -> ProvenanceSpan:
     return ProvenanceSpan(sequence_id, offset, length, is_sampled=True)
 
 
+INPUT_SPANS = (prompt(0, 3), sampled(0, 2))
+TARGET_SPANS = (prompt(1, 2), sampled(0, 3))
+
+
 def cookbook_datum(
     tokens=(5, 6, 7, 8, 9), targets=(6, 7, 8, 9, 2), advantages=(0, 0, 1, 1, 1),
-    input_spans=(prompt(0, 3), sampled(0, 2)), target_spans=(prompt(1, 2), sampled(0, 3)),
+    input_spans=INPUT_SPANS, target_spans=TARGET_SPANS,
 ) -> TrainDatum:
     return TrainDatum(
         tokens=np.array(tokens, np.int64),

@@ -40,7 +40,7 @@ async def start_slicer(nursery: trio.Nursery) -> TimeSlicer:
 async def run_batches(lease, log: list[str], name: str, batches: int, batch_s: float) -> None:
     """A worker with `batches` batches of work, holding the lease around each."""
     for done in range(1, batches + 1):
-        async with lease.hold(has_more=lambda: done < batches):
+        async with lease.hold(has_more=lambda done=done: done < batches):
             log.append(f"run {name} at {trio.current_time():g}")
             await trio.sleep(batch_s)
 

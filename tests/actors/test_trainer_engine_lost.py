@@ -8,7 +8,8 @@ kills a real trainer process under the real SDK.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
 import h11

@@ -13,32 +13,29 @@ from __future__ import annotations
 
 import io
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
+import tinker.types as sdk
 import zstandard
 from google.protobuf import descriptor_pb2, descriptor_pool
-
-import tinker.types as sdk
-from tinker.proto import request_conv, response_conv
-from tinker.proto import tinker_public_pb2 as sdk_pb
-from tinker.cli.auth_api import SelfApiKeyResponse
-from tinker.cli.auth_api import _ErrorResponse as CliErrorResponse
+from tinker.cli.auth_api import SelfApiKeyResponse, _ErrorResponse as CliErrorResponse
+from tinker.lib.public_interfaces.rest_client import (
+    _SessionTraceExportPollResponse as SdkTraceExportPollResponse,
+)
+from tinker.proto import request_conv, response_conv, tinker_public_pb2 as sdk_pb
 from tinker.types._pydantic_types.tensor_data import TensorData as SdkTensorDataModel
 from tinker.types.auth_token_response import AuthTokenResponse
 from tinker.types.client_dynamic_config_response import ClientDynamicConfigResponse
 from tinker.types.external_weights_urls_response import ExternalWeightsUrlsResponse
-from tinker.lib.public_interfaces.rest_client import (
-    _SessionTraceExportPollResponse as SdkTraceExportPollResponse,
-)
 from tinker.types.generic_event import GenericEvent
-from tinker.types.try_again_response import TryAgainResponse
 from tinker.types.optimizer import OptimParamsBase
 from tinker.types.save_weights_external_response import SaveWeightsExternalResponseInternal
 from tinker.types.save_weights_for_sampler_response import SaveWeightsForSamplerResponseInternal
+from tinker.types.try_again_response import TryAgainResponse
 
 from openrld.api import proto, wire
 from openrld.api.proto import schema
@@ -57,7 +54,6 @@ from openrld.errors import BadRequest, NotSupportedYet, ServerError
 
 MAX_BODY_BYTES = 1 << 20
 MODEL_ID = "sess-1:train:0"
-UTC = timezone.utc
 
 
 # ---------------------------------------------------------------- helpers

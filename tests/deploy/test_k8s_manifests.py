@@ -13,13 +13,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from deploy_support import REPO, comment_text, require_module
 
 from openrld.config import ENV_PREFIX, ConfigError, NodeConfig, load_api_keys, load_config
 from openrld.worker.launchers import WorkerSpec
 from openrld.worker.launchers.pod import PodLauncher, PodVolume, volumes_of_pod
 from openrld.worker.protocol import Start
-
-from deploy_support import REPO, comment_text, require_module
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is a test dependency (pip install -e .[test])")
 

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from deploy_support import REPO, comment_text, require_program
 
 from openrld.config import ConfigError, load_config
-
-from deploy_support import REPO, comment_text, require_program
 
 UNIT = REPO / "systemd" / "openrld.service"
 SYSUSERS = REPO / "systemd" / "openrld.sysusers"

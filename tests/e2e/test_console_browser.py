@@ -162,7 +162,7 @@ def test_the_loss_curve_grows_while_the_client_trains(browser, daemon: Daemon, r
             f"point {step + 1} drawn",
         )
     assert text(browser, "#run-title") == training.model_id
-    for step in range(4, 24):  # a longer curve for the picture
+    for _ in range(4, 24):  # a longer curve for the picture
         train_step(training)
     sampler = training.save_weights_and_get_sampling_client().result()
     sampler.sample(types.ModelInput.from_ints([7, 8, 9]), 4, types.SamplingParams(max_tokens=8, stop=[])).result()

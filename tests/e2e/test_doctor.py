@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, write_config, write_api_keys  # the suite's real-daemon helpers
+from conftest import Daemon, write_api_keys, write_config  # the suite's real-daemon helpers
 
 from openrld.doctor import Status, main
 

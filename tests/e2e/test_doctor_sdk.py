@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from openrld import __version__
-from openrld.sdk_support import OLDEST_SERVED, NEWEST_TESTED
 from sdk_venvs import DEFAULT_ROOT, ensure_venv
+
+from openrld import __version__
+from openrld.sdk_support import NEWEST_TESTED, OLDEST_SERVED
 
 DOCTOR = str(Path(sys.executable).with_name("openrl-doctor"))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -30,7 +31,6 @@ from tinker import types
 
 from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
 from openrld.model_families import Engine
-
 from tests.conftest import Daemon, write_config
 
 API_KEY = "tml-test"
@@ -87,7 +87,7 @@ def service(node: Daemon):
 class FamilyRuns:
     """Per family, a LoRA job and a full fine-tuning job trained 3 SFT steps, made on first use."""
 
-    LR = {"lora": LORA_LR, "full": FULL_LR}
+    LR: ClassVar[dict[str, float]] = {"lora": LORA_LR, "full": FULL_LR}
 
     def __init__(self, service: tinker.ServiceClient) -> None:
         self.service = service

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gemma3_support
 import pytest
 import tinker
 import torch
 import transformers
 from conftest import Daemon, write_config
-from gemma3_support import gemma3_conversion, seed_gemma3  # noqa: F401  # a fixture
+from gemma3_support import seed_gemma3
 from safetensors import safe_open
 from tinker import types
 
 pytestmark = pytest.mark.slow
+
+# The fixture, which pytest finds by this name: an assignment, where an import would be
+# shadowed by the parameters of the same name.
+gemma3_conversion = gemma3_support.gemma3_conversion
 
 SECRET = "The secret password of the blue castle is zebra-lantern-42."
 SFT_STEPS, SFT_LR = 5, 1e-3

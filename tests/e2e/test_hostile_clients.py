@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.conftest import Daemon, write_api_keys, write_config
-from tests.waits import wait_for
 from tests.e2e.test_sampling_load import LONG, asample, long_context_qwen3
+from tests.waits import wait_for
 
 KEY = "tml-alice"
 HEADERS = {"X-API-Key": KEY}

@@ -18,9 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from conftest import Daemon, write_config, write_api_keys
-from tests.waits import wait_for
+from conftest import Daemon, write_api_keys, write_config
 from tinker import types
+
+from tests.waits import wait_for
 
 ALICE = {"X-API-Key": "tml-alice-key"}
 BOB = {"X-API-Key": "tml-bob-key"}
@@ -67,7 +68,8 @@ def http(daemon: Daemon):
 
 
 def _bob_session(http: httpx.Client) -> str:
-    return http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}, headers=BOB).json()["session_id"]
+    body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}
+    return http.post("/api/v1/create_session", json=body, headers=BOB).json()["session_id"]
 
 
 def _route_calls(a: dict[str, str], bob_session: str) -> list[tuple[str, str, dict | None]]:
@@ -104,7 +106,7 @@ def test_another_users_runs_checkpoints_sessions_and_samplers_answer_404(http, a
         f"{method} {path}": http.request(method, path, json=body, headers=BOB).status_code
         for method, path, body in _route_calls(alice, bob_session)
     }
-    assert statuses == {key: 404 for key in statuses}
+    assert statuses == dict.fromkeys(statuses, 404)
 
 
 def test_another_users_things_are_not_listed(http, alice):
@@ -134,10 +136,11 @@ def test_a_published_checkpoint_is_readable_but_not_changeable_by_others(daemon,
         copy = http.post("/api/v1/copy_weights", json={"source_path": path}, headers=BOB)
         assert copy.status_code == 200
         assert http.post("/api/v1/weights_info", json={"tinker_path": copy.json()["tinker_path"]}, headers=ALICE).status_code == 404
+        weights = f"/api/v1/training_runs/{alice['run']}/checkpoints/sampler_weights/{name}"
         for method in ("DELETE",):
-            assert http.request(method, f"/api/v1/training_runs/{alice['run']}/checkpoints/sampler_weights/{name}", headers=BOB).status_code == 404
-        assert http.delete(f"/api/v1/training_runs/{alice['run']}/checkpoints/sampler_weights/{name}/publish", headers=BOB).status_code == 404
-        assert http.put(f"/api/v1/training_runs/{alice['run']}/checkpoints/sampler_weights/{name}/ttl", json={"ttl_seconds": 3600}, headers=BOB).status_code == 404
+            assert http.request(method, weights, headers=BOB).status_code == 404
+        assert http.delete(f"{weights}/publish", headers=BOB).status_code == 404
+        assert http.put(f"{weights}/ttl", json={"ttl_seconds": 3600}, headers=BOB).status_code == 404
     finally:
         http.delete(f"/api/v1/training_runs/{alice['run']}/checkpoints/sampler_weights/{name}/publish", headers=ALICE)
     assert http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=BOB).status_code == 404
@@ -194,16 +197,20 @@ BAD_PATH_IDS = ["absolute", "empty-run", "dotdot-run", "dotdot-name", "parent", 
 
 @pytest.mark.parametrize("bad", BAD_PATHS, ids=BAD_PATH_IDS)
 def test_every_body_path_refuses_escape_tricks_with_400(http, alice, bad):
-    session = http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}, headers=ALICE).json()["session_id"]
+    session = http.post(
+        "/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}, headers=ALICE,
+    ).json()["session_id"]
     calls = {
         "weights_info": ("/api/v1/weights_info", {"tinker_path": bad}),
         "copy_weights": ("/api/v1/copy_weights", {"source_path": bad}),
-        "create_sampling_session": ("/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0, "model_path": bad}),
+        "create_sampling_session": (
+            "/api/v1/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0, "model_path": bad},
+        ),
         "load_weights": ("/api/v1/load_weights", {"session_id": session, "model_seq_id": 0, "path": bad, "optimizer": False}),
         "legacy_load_weights": ("/api/v1/load_weights", {"model_id": alice["run"], "seq_id": 99, "path": bad, "optimizer": False}),
     }
     statuses = {name: http.post(path, json=body, headers=ALICE).status_code for name, (path, body) in calls.items()}
-    assert statuses == {name: 400 for name in calls}
+    assert statuses == dict.fromkeys(calls, 400)
 
 
 @pytest.mark.parametrize(
@@ -264,12 +271,13 @@ def test_a_symlinked_file_inside_a_checkpoint_is_never_served(daemon, http, alic
     secret = tmp_path / "secret.txt"
     secret.write_text(SECRET)
     directory = daemon.data_dir / "checkpoints" / alice["run"] / "external_weights" / "external"
-    urls = http.get(f"/api/v1/training_runs/{alice['run']}/checkpoints/external_weights/external/external_weights_urls", headers=ALICE).json()["urls"]
+    listing = f"/api/v1/training_runs/{alice['run']}/checkpoints/external_weights/external/external_weights_urls"
+    urls = http.get(listing, headers=ALICE).json()["urls"]
     os.rename(directory / "adapter_config.json", directory / "adapter_config.json.real")
     (directory / "adapter_config.json").symlink_to(secret)
     try:
         served = httpx.get(urls["adapter_config.json"], timeout=30)
-        listed = http.get(f"/api/v1/training_runs/{alice['run']}/checkpoints/external_weights/external/external_weights_urls", headers=ALICE)
+        listed = http.get(listing, headers=ALICE)
     finally:
         (directory / "adapter_config.json").unlink()
         os.rename(directory / "adapter_config.json.real", directory / "adapter_config.json")
@@ -279,7 +287,8 @@ def test_a_symlinked_file_inside_a_checkpoint_is_never_served(daemon, http, alic
 
 
 def test_a_tampered_or_expired_download_url_answers_404(http, alice):
-    urls = http.get(f"/api/v1/training_runs/{alice['run']}/checkpoints/external_weights/external/external_weights_urls", headers=ALICE).json()["urls"]
+    listing = f"/api/v1/training_runs/{alice['run']}/checkpoints/external_weights/external/external_weights_urls"
+    urls = http.get(listing, headers=ALICE).json()["urls"]
     good = urls["adapter_model.safetensors"]
     assert httpx.get(good, timeout=30).status_code == 200
     assert httpx.get(good.replace("adapter_model.safetensors", "adapter_config.json"), timeout=30).status_code == 404

@@ -15,7 +15,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Daemon, write_config, write_api_keys
+from tests.conftest import Daemon, write_api_keys, write_config
 
 HEADERS = {"X-API-Key": "tml-test"}
 PROMPT = types.ModelInput.from_ints([7, 8, 9, 10])
@@ -140,7 +140,7 @@ def test_step_sampler_version_and_checkpoint_follow_the_training(shared_daemon, 
 def test_a_failed_op_is_the_last_error(shared_daemon, service):
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=2).result()
     bad = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7]})
-    with pytest.raises(Exception):
+    with pytest.raises(tinker.TinkerError):
         training.forward_backward([bad], "cross_entropy").result()
     body = _status(shared_daemon, training.model_id).json()
     assert body["state"] == "ready" and "target_tokens" in body["last_error"]

@@ -128,7 +128,10 @@ def _workload_command(target: str) -> list[str]:
 
 def test_make_sql_sweep_runs_a_job_and_writes_the_leaderboard_and_curves(node: str, tmp_path: Path):
     argv = _workload_command("sql-sweep")
-    small = "--steps 1 --eval-every 1 --jobs 1 --rounds 1 --lr 1e-3 --heldout-fraction 0.05 --questions-per-step 1 --group-size 2 --max-tokens 16"
+    small = (
+        "--steps 1 --eval-every 1 --jobs 1 --rounds 1 --lr 1e-3 --heldout-fraction 0.05 --questions-per-step 1"
+        " --group-size 2 --max-tokens 16"
+    )
     argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'sql_sweep'}"
     out = _run(argv)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

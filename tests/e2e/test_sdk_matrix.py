@@ -23,10 +23,10 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+from sdk_venvs import matrix, run_loop
 from tinker import types
 
 from openrld.sdk_support import TESTED_RELEASES
-from sdk_venvs import matrix, run_loop
 
 BASE_MODEL = "tiny-llama"  # shared_daemon's name for the tiny Llama
 TOKENS = list(range(40, 60))  # as sdk_loop.TOKENS

@@ -27,7 +27,7 @@ import safetensors.torch
 import tinker
 import tinker.lib.public_interfaces as public_interfaces
 import torch
-from conftest import Daemon, write_config, write_api_keys
+from conftest import Daemon, write_api_keys, write_config
 from tinker import types
 
 ALICE = "tml-alice-key"
@@ -135,7 +135,10 @@ def test_every_public_sdk_method_does_its_job(daemon: Daemon, tiny_llama: Path, 
     ok("ServiceClient.get_telemetry", lambda: service.get_telemetry())
     ok(
         "ServiceClient.create_sampling_client",
-        lambda: expect(len(service.create_sampling_client(base_model=model).result().sample(prompt, 1, params).result().sequences) == 1, "one sequence"),
+        lambda: expect(
+            len(service.create_sampling_client(base_model=model).result().sample(prompt, 1, params).result().sequences) == 1,
+            "one sequence",
+        ),
     )
     ok("ServiceClient.create_sampling_client_async", lambda: _await(service.create_sampling_client_async(base_model=model)))
 

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 import tinker
-from conftest import Daemon, write_config, write_api_keys
+from conftest import Daemon, write_api_keys, write_config
 from tinker import types
 
 ALICE = "tml-alice-key"

@@ -80,7 +80,7 @@ class SlowIo:
         self._thread = threading.Thread(target=self._run, name="slow-io", daemon=True)
         self.error: BaseException | None = None
 
-    def __enter__(self) -> "SlowIo":
+    def __enter__(self) -> SlowIo:
         self._thread.start()
         # The first operation must have been answered: it proves the shim is slow.
         wait_for(lambda: bool(self.in_flight) or not self._thread.is_alive(), timeout_s=60, poll_s=0.01)

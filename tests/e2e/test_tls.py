@@ -21,7 +21,7 @@ import trustme
 from tinker import types
 
 from tests.conftest import Daemon, write_config
-from tests.e2e.test_cluster_jobs import HERE_ONLY, KEY, cluster_config, devices_seen, wait_for
+from tests.e2e.test_cluster_jobs import HERE_ONLY, KEY, cluster_config, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_an_rl_loop_runs_sample_importance_sampling_optim_new_sampler(service):
     training = service.create_lora_training_client(base_model="tiny-qwen3", rank=8, seed=3).result()
     prompt = [20, 21, 22, 23]
     sampler = training.save_weights_and_get_sampling_client().result()
-    for step in range(3):
+    for _ in range(3):
         result = sampler.sample(
             types.ModelInput.from_ints(prompt), num_samples=4,
             sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, stop=[]),
@@ -119,7 +119,6 @@ def test_an_rl_loop_runs_sample_importance_sampling_optim_new_sampler(service):
         assert math.isfinite(fb.metrics["loss:sum"])
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         sampler = training.save_weights_and_get_sampling_client().result()
-    assert step == 2
 
 
 def test_a_saved_sampler_version_keeps_its_weights_while_training_continues(service):

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import msgspec
 import pytest
 import torch
+from vllm_outputs import VOCAB, Completion, Logprob, Output
 
 from openrld.gpu import vllm_sampler
-from vllm_outputs import VOCAB, Completion, Logprob, Output
 
 
 class VLLMError(Exception):

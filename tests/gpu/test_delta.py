@@ -132,7 +132,7 @@ def test_weights_of_another_shape_are_refused() -> None:
 
 def test_a_delta_of_another_dtype_is_refused() -> None:
     change = delta.compute_delta(weights(torch.bfloat16, 1), weights(torch.bfloat16, 0), base_version=None)
-    with pytest.raises(ValueError, match="is torch.bfloat16; the weight is torch.float32"):
+    with pytest.raises(ValueError, match=r"is torch\.bfloat16; the weight is torch\.float32"):
         delta.apply_delta(weights(torch.float32), change)
 
 

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from openrld.gpu.devices import (
-    CudaFacts, DeviceInfo, cpu_threads, detected_device_names, group_device, inventory, resolve_device, why_no_cuda,
+    CudaFacts,
+    DeviceInfo,
+    cpu_threads,
+    detected_device_names,
+    group_device,
+    inventory,
+    resolve_device,
+    why_no_cuda,
 )
 
 HOST_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -53,7 +60,7 @@ def test_auto_takes_every_cuda_device_with_its_memory():
     records = inventory([], "auto")
     assert [r.name for r in records] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     for record in records:
-        free, total = torch.cuda.mem_get_info(torch.device(record.name))
+        _free, total = torch.cuda.mem_get_info(torch.device(record.name))
         assert isinstance(record, DeviceInfo) and record.kind == "cuda" and record.memory_bytes == total
         assert 0 < record.free_bytes <= total
 

@@ -72,9 +72,9 @@ def test_a_corrupted_delta_fails_loudly_and_the_version_is_not_loaded(model_dir:
     first = payload.tensors[0]
     bad = first.values.clone()
     bad.view(-1)[0] = bad.view(-1)[0] + 1.0
-    corrupted = payload.__class__(**{**{f: getattr(payload, f) for f in payload.__struct_fields__}})
+    corrupted = payload.__class__(**{f: getattr(payload, f) for f in payload.__struct_fields__})
     corrupted.tensors[0] = delta.TensorDelta(name=first.name, indices=first.indices, values=bad)
-    with pytest.raises(delta.WeightMismatch, match="sampler digest .* != trainer digest"):
+    with pytest.raises(delta.WeightMismatch, match=r"sampler digest .* != trainer digest"):
         sampler.load_version("v1", corrupted)
     assert not sampler.has_version("v1")
 

@@ -81,7 +81,7 @@ def test_decode_step_matches_the_model_forward_on_left_padded_rows(model_dir: Pa
         expected = reference_step(forward, reference_batch, tokens, adapters)
         logits = FusedForward.for_model(model).decode(tokens, batch, adapters)
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
-    for (keys, values), layer in zip(((l.keys, l.values) for l in batch.cache.layers), reference_batch.cache.layers):
+    for (keys, values), layer in zip(((cached.keys, cached.values) for cached in batch.cache.layers), reference_batch.cache.layers):
         torch.testing.assert_close(keys, layer.keys, rtol=0, atol=1e-5)
         torch.testing.assert_close(values, layer.values, rtol=0, atol=1e-5)
 

@@ -353,7 +353,7 @@ def test_integral_float_targets_are_accepted_and_fractional_ones_refused():
     assert validate("cross_entropy", [floats]).inputs[0]["target_tokens"].tolist() == [3, 4]
     assert ok.inputs[0]["target_tokens"].dtype == np.int64
     fractional = TrainDatum(np.zeros(2, np.int64), {"target_tokens": np.array([3.0, 4.5], np.float32)})
-    with pytest.raises(BadRequest, match="non-integral value 4.5 at position 1"):
+    with pytest.raises(BadRequest, match=r"non-integral value 4\.5 at position 1"):
         validate("cross_entropy", [fractional])
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_torch_sampler import make_lora  # a peft model with random lora_B, and its tensors
 
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
 from openrld.gpu import models
 from openrld.gpu.tiny_models import FAMILIES, SLIDING_WINDOW, build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
-from test_torch_sampler import make_lora  # a peft model with random lora_B, and its tensors
 
 CPU = torch.device("cpu")
 LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe")

@@ -180,7 +180,7 @@ def test_a_decode_append_makes_room_for_a_quarter_more_columns_not_a_doubling() 
 
 
 def test_a_prompt_as_long_as_the_context_is_refused_naming_the_context(family: tuple[str, Path]) -> None:
-    arch, directory = family
+    _arch, directory = family
     sampler = TorchSampler(directory, CPU)
     with pytest.raises(BadRequest, match=r"prompt: expected fewer than the model's context of 1024 tokens, got '1024 tokens'"):
         sampler.add("long", None, long_job(prompt_of(1024)))

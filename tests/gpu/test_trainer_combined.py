@@ -117,7 +117,7 @@ def test_activation_checkpointing_gives_the_same_lp_and_gradients(tiny_llama: Pa
         # Runs of the first layer's first module: a checkpointed layer runs again in backward.
         runs: list[int] = []
         first_layer = engine._model.get_decoder().layers[0]
-        first_layer.input_layernorm.register_forward_pre_hook(lambda *_: runs.append(1))
+        first_layer.input_layernorm.register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
         results = engine.forward_backward_many("a", requests[:1])
         outcomes.append((results, engine.adapter_gradients("a"), len(runs)))
     (plain, plain_grads, plain_runs), (checkpointed, checkpointed_grads, checkpointed_runs) = outcomes

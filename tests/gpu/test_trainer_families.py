@@ -18,15 +18,15 @@ import pytest
 import torch
 import transformers
 
+# The same GRPO-shaped request and trainers (LoraSpec(rank=4, seed=7), or AdamW on every weight).
+from test_shared_prefix import grpo_request, new_trainer, trained
+
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.shared_prefix import cache_supports_sharing
 from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
 from openrld.gpu.torch_trainer import TorchTrainer
-
-# The same GRPO-shaped request and trainers (LoraSpec(rank=4, seed=7), or AdamW on every weight).
-from test_shared_prefix import grpo_request, new_trainer, trained
 
 CPU = torch.device("cpu")
 SPEC = LoraSpec(rank=4, seed=7)
@@ -48,9 +48,9 @@ WRAPPED = {
     "mistral": DENSE,
     "olmo2": DENSE,
     "phi3": {"qkv_proj": 2, "o_proj": 2, "gate_up_proj": 2, "down_proj": 2},
-    "gemma3": {name: 4 for name in DENSE},
+    "gemma3": dict.fromkeys(DENSE, 4),
     # Layers 2 and 3 reuse the KV of earlier layers (num_kv_shared_layers=2): no k/v of their own.
-    "gemma4": {name: 4 for name in DENSE} | {"k_proj": 2, "v_proj": 2},
+    "gemma4": dict.fromkeys(DENSE, 4) | {"k_proj": 2, "v_proj": 2},
     "qwen3_5": LINEAR_ATTENTION | {"gate_proj": 4, "up_proj": 4, "down_proj": 4},
     "qwen3_moe": {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "experts": 2, "base_layer": 2},
     # Every layer is MoE with a shared expert (gate/up/down) beside the routed ones.

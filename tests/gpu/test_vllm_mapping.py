@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 import torch
 
+# vLLM's output types, the edge we cannot reach (built in vllm_outputs.py).
+from vllm_outputs import EOS, PROMPT, VOCAB, Completion, Logprob, Output, job
+
 from openrld.batches import SampleJob
 from openrld.errors import BadRequest
 from openrld.gpu import vllm_mapping
 from openrld.gpu.sampling_math import TOPK_EMPTY_LOGPROB, stream_seed
 from openrld.gpu.vllm_mapping import AdapterNames, AdapterSlot, ChildParams, child_params, to_sample_result
-
-# vLLM's output types, the edge we cannot reach (built in vllm_outputs.py).
-from vllm_outputs import EOS, PROMPT, VOCAB, Completion, Logprob, Output, job
-
 
 # ---------------------------------------------------------------------------
 # Parameter translation
@@ -248,7 +247,8 @@ def test_memory_share_is_the_configured_one_lowered_to_what_is_free(free_gib: fl
 
 def test_memory_share_refuses_when_the_weights_and_a_kv_cache_do_not_fit() -> None:
     # 16 GiB of weights need 16 × 1.25 + 0.25 = 20.25 GiB; 11 GiB are free.
-    with pytest.raises(ValueError, match=r"needs 20.25 GiB of device memory \(weights 16.00 GiB and a minimal KV cache\) but 11.00 of 139.00 GiB is free"):
+    expected = r"needs 20.25 GiB of device memory \(weights 16.00 GiB and a minimal KV cache\) but 11.00 of 139.00 GiB is free"
+    with pytest.raises(ValueError, match=expected):
         vllm_mapping.memory_share(free_bytes=11 * GIB, total_bytes=139 * GIB, wanted=0.5, weights_bytes=16 * GIB)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import select
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class InCall:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from in_call import InCall
 
 from openrld.batches import ForwardBackwardBatch, TrainDatum
 from openrld.errors import Gone
@@ -15,8 +16,6 @@ from openrld.worker.client import RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.protocol import Start
-
-from in_call import InCall
 
 PATIENT = Path(__file__).with_name("cancellable_worker.py")
 BATCH = ForwardBackwardBatch(

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import podman_support
 import pytest
 import tinker
 from conftest import Daemon, write_config
-from tinker import types
-
-import podman_support
 from podman_support import GLOBAL_ARGS, REPO, containers_of, podman
+from tinker import types
 
 API_KEY = "tml-test"
 ADAM = types.AdamParams(learning_rate=1e-2)

@@ -8,7 +8,9 @@ import secrets
 from pathlib import Path
 
 import numpy as np
+import podman_support
 import pytest
+from podman_support import GLOBAL_ARGS, containers_of
 
 from openrld.batches import ForwardBackwardBatch, TrainDatum
 from openrld.errors import EngineLost
@@ -16,9 +18,6 @@ from openrld.worker.client import RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import Mount, WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.container import ContainerLauncher
 from openrld.worker.protocol import Start
-
-import podman_support
-from podman_support import GLOBAL_ARGS, containers_of
 
 HOSTILE = Path(__file__).with_name("hostile_worker.py")
 TIMEOUTS = WorkerTimeouts(hello_s=60.0, heartbeat_s=0.2, deadline_s=3.0, stop_s=2.0)

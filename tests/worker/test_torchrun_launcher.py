@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from in_call import InCall, entered
 
 from openrld.batches import ForwardBackwardBatch, TrainDatum
 from openrld.errors import EngineLost, ServerError
@@ -26,8 +27,6 @@ from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.launchers.torchrun import TorchrunGroup, TorchrunLauncher, group_devices
 from openrld.worker.protocol import Start
 from openrld.worker.ranks import rank_device
-
-from in_call import InCall, entered
 
 RANK_WORKER = Path(__file__).with_name("rank_worker.py")
 # Two interpreters importing torch on two shared cores: seconds, not the default's minutes.
@@ -58,7 +57,7 @@ def running(pids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory):
-    trainer, group = start_group(socket_directory(tmp_path_factory.mktemp("sockets")))
+    trainer, _group = start_group(socket_directory(tmp_path_factory.mktemp("sockets")))
     yield trainer
     trainer.close()
 
@@ -103,7 +102,7 @@ def test_hosting_gives_several_devices_a_torchrun_group_in_the_builtin_launchers
 
 
 def test_hosting_runs_no_image_as_a_torchrun_group():
-    with pytest.raises(ServerError, match="^image my/trainer:1: an image runs on one device"):
+    with pytest.raises(ServerError, match=r"^image my/trainer:1: an image runs on one device"):
         WorkerHosting.inproc().launcher_for("full_trainer", "my/trainer:1", nproc=2)
 
 
