@@ -272,7 +272,8 @@ def check_smoke(client: httpx.Client, options: DoctorOptions, found: _Findings) 
             training = service.create_lora_training_client(base_model=model, rank=rank, seed=0).result(SMOKE_TIMEOUT_S)
             datum = tinker.types.Datum(
                 model_input=tinker.types.ModelInput.from_ints(SMOKE_TOKENS[:-1]),
-                loss_fn_inputs={"target_tokens": SMOKE_TOKENS[1:]},
+                # The SDK converts a list (Datum.__post_init__) though its annotation names only TensorData.
+                loss_fn_inputs={"target_tokens": SMOKE_TOKENS[1:]},  # type: ignore[dict-item]
             )
             step = "forward_backward"
             fb = training.forward_backward([datum], "cross_entropy").result(SMOKE_TIMEOUT_S)

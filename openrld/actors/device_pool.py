@@ -180,7 +180,7 @@ class NodeDevices:
         # One worker thread per device: engine calls on one device never overlap (STYLE.md §3).
         self.limiters = {name: trio.CapacityLimiter(1) for name in devices}
 
-    async def run(self, *, task_status: trio.TaskStatus["NodeDevices"] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[NodeDevices] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every device's time-slicer until cancelled."""
         async with trio.open_nursery() as nursery:
             for slicer in self.slicers.values():

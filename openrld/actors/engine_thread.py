@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import outcome
 import trio

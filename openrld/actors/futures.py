@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Callable, Protocol
+from typing import Protocol
 
 import msgspec
 import trio

@@ -70,5 +70,4 @@ async def run_maintenance(
             await checkpoints.durable()
             await trio.sleep(interval_s)
     finally:
-        with trio.move_on_after(5, shield=True):
-            usage.flush(store)
+        usage.flush(store)

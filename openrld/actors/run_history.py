@@ -56,7 +56,7 @@ FLUSH_INTERVAL_S = 2.0  # how stale the stored curve may be; the live curve is r
 FINAL_FLUSH_S = 5.0  # at shutdown, the last write gets this long
 MAX_SAMPLERS_REMEMBERED = 4096  # sampling session -> run, looked up once per session
 
-_REDUCTIONS = {
+_REDUCTIONS: dict[str, Callable[[list[float]], float]] = {
     "sum": lambda values: sum(values),
     "mean": lambda values: sum(values) / len(values),
     "max": max,

@@ -73,8 +73,9 @@ import enum
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import trio
@@ -295,7 +296,7 @@ class HostVersions:
 
 
 class SamplerHandle:
-    def __init__(self, actor: "SamplerActor") -> None:
+    def __init__(self, actor: SamplerActor) -> None:
         self._actor = actor
 
     def submit_nowait(self, op: Sample) -> None:

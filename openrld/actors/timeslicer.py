@@ -238,9 +238,10 @@ class DeviceTurns:
         due = self._turn_due()
         if self._reserved_for is not None and self._other_party_waits() and now >= due:
             self._reserved_for = None  # its party's turn is over: it waits in line like anyone
-        if self._reserved_for in self._queue:
-            self._queue.remove(self._reserved_for)
-            return self._grant(self._workers[self._reserved_for], now)
+        reserved = self._reserved_for
+        if reserved is not None and reserved in self._queue:
+            self._queue.remove(reserved)
+            return self._grant(self._workers[reserved], now)
         if not self._queue:
             return Idle(math.inf)
         head = self._workers[self._queue[0]]
@@ -365,7 +366,7 @@ class DeviceLease(TakesTurns):
     first to acquire takes the device, the last to release gives it back.
     """
 
-    def __init__(self, slicer: "TimeSlicer", worker: str) -> None:
+    def __init__(self, slicer: TimeSlicer, worker: str) -> None:
         self._slicer = slicer
         self.worker = worker
         self.device = slicer.device
@@ -472,12 +473,11 @@ class TimeSlicer:
             await granted.wait()
         except BaseException:
             # Cancelled while waiting: give the place up, or the turn if it came at the same moment.
-            with trio.CancelScope(shield=True):
-                if self.turns.holder == worker:
-                    self.release(worker, has_more=False)
-                else:
-                    self.turns.withdraw(worker)
-                    self._wake.set()
+            if self.turns.holder == worker:
+                self.release(worker, has_more=False)
+            else:
+                self.turns.withdraw(worker)
+                self._wake.set()
             raise
         finally:
             self._granted.pop(worker, None)
@@ -487,7 +487,7 @@ class TimeSlicer:
         if self.turns.queue_depth():  # with nobody waiting there is nothing for the actor to decide
             self._wake.set()
 
-    async def run(self, *, task_status: trio.TaskStatus["TimeSlicer"] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[TimeSlicer] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         while True:
             action = self.turns.next_action(trio.current_time())

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import IO
 
 from openrld.errors import ServerError
-from openrld.store.history_table import HistoryTable
 from openrld.ids import CheckpointKind
 from openrld.store.adoption import Adoption
 from openrld.store.audit import AuditLog, UsageLedger
 from openrld.store.checkpoint_files import CheckpointFiles
 from openrld.store.checkpoint_rows import CheckpointRepository
 from openrld.store.database import Database
+from openrld.store.history_table import HistoryTable
 from openrld.store.requests import REQUEST_LOG_KEEP, RequestLog
 from openrld.store.rows import StoreStatistics, utc_now
 from openrld.store.runs import RunRepository

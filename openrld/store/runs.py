@@ -8,6 +8,7 @@ It never touches checkpoint files.
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 
 from openrld.checkpoint_manifest import CheckpointManifest
@@ -107,14 +108,14 @@ class RunRepository:
         if updated == 0:
             raise NotFound(f"training run {run_id!r} not found")
 
-    def of_session(self, session_id: str) -> list[str]:
+    def of_session(self, session_id: str) -> builtins.list[str]:  # `list` in this class is the method above
         """The session's run ids, in creation order."""
         rows = self._db.conn.execute(
             "SELECT run_id FROM runs WHERE session_id = ? ORDER BY created_us, rowid", (session_id,)
         )
         return [row[0] for row in rows]
 
-    def base_models(self) -> list[str]:
+    def base_models(self) -> builtins.list[str]:
         """Every base model name a run or a sampling session here was created on, sorted, each once."""
         rows = self._db.conn.execute("SELECT base_model FROM runs UNION SELECT base_model FROM samplers ORDER BY 1")
         return [row[0] for row in rows]

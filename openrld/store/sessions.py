@@ -7,6 +7,7 @@ session is the caller's check on `owner`. It never touches checkpoint files.
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 
 from openrld.errors import Conflict, Gone, NotFound
@@ -59,7 +60,7 @@ class SessionRepository:
         )
         return [_session_row(row) for row in rows]
 
-    def all(self, owner: str) -> list[SessionRow]:
+    def all(self, owner: str) -> builtins.list[SessionRow]:  # `list` in this class is the method above
         """Every session of `owner`, newest first (for search, which filters in Python)."""
         rows = self._db.conn.execute(
             "SELECT * FROM sessions WHERE owner = ? ORDER BY created_us DESC, session_id DESC", (owner,)
