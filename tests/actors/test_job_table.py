@@ -401,6 +401,14 @@ async def test_a_resident_jobs_status_counts_its_steps(node: Node):
     assert node.jobs.model_status("bob", model_id, sees_all=True).model_id == model_id
 
 
+async def test_a_job_gone_with_a_restart_is_lost_and_its_status_names_its_last_checkpoint(node: Node, tmp_path):
+    model_id = await node.new_model()
+    path = await save(node, model_id, 1, "step-1")
+    restarted = await open_node(node.store, node.nursery, tmp_path / "models")
+    status = restarted.jobs.model_status(OWNER, model_id)
+    assert (status.state.value, status.last_checkpoint, status.workers) == ("lost", path, [])
+
+
 # ---------------------------------------------------------------- sessions ending, lost engines
 
 
@@ -592,6 +600,18 @@ async def test_load_weights_of_another_lora_shape_is_400_naming_both(node: Node)
         node.jobs.load_weights(OWNER, model_id, 1, path=path, with_optimizer=False)
     assert caught.value.detail == (
         f"{path}: its LoRA config {LoraSpec(rank=4)} differs from model {model_id}'s LoRA config {SPEC}"
+    )
+
+
+async def test_load_weights_with_optimizer_state_of_another_family_is_400_naming_optimizer(node: Node):
+    path = await save(node, await node.new_model(optimizer_config={"type": "dimuon"}), 1, "dimuon")
+    model_id = await node.new_model()
+    with pytest.raises(BadRequest) as caught:
+        node.jobs.load_weights(OWNER, model_id, 1, path=path, with_optimizer=True)
+    assert (caught.value.key, caught.value.detail) == (
+        "optimizer",
+        f"{path}: its optimizer state is 'dimuon'; model {model_id} uses 'adamw' (load it with optimizer=false, "
+        "or into a new model)",
     )
 
 

@@ -336,3 +336,16 @@ async def test_an_inflight_session_samples_its_models_newest_published_weights(n
     assert node.engines.sampler_of(f"{MODEL} sampler").added == [
         (first, f"{model_id}/inflight/1"), (second, f"{model_id}/inflight/2"),
     ]
+
+
+async def test_a_full_runs_checkpoint_session_samples_on_that_runs_own_sampler_after_a_restart(node: Node, tmp_path):
+    model_id, saved = await saved_for_sampler(node, name="full", user_metadata={"openrl.fine_tuning_type": "full"})
+    session_id = await node.session()
+    sampler_id = node.sampling.create(
+        OWNER, session_id=session_id, sampling_session_seq_id=0, base_model=None, model_path=saved.path
+    )
+    restarted = await open_node(node.store, node.nursery, tmp_path / "models")
+    request_id, _ = restarted.sampling.sample(OWNER, sampler_id, 0, sample_job([5]))
+    await restarted.completed(request_id)
+    sampler = restarted.engines.sampler_of(f"{MODEL}/{model_id} full sampler")
+    assert (sampler.added, sampler.versions) == ([(request_id, saved.path)], {saved.path: f"{model_id} for sampling"})
