@@ -1,9 +1,11 @@
-"""The HTTP front: a quart-trio app with one error handler and the route modules.
+"""The HTTP front: a quart-trio app with one error handler, bound from the route table (`routes.py`).
 
 Everything here decodes, authenticates and routes; state lives in the actors.
-Every error becomes `{"detail": ...}` with its status here and nowhere else,
-and an unexpected exception answers 500 for that request while the daemon
-keeps serving everyone else.
+Every error of a quart route becomes `wire.ErrorResponse` (`{"detail": ...}`)
+with its status here; the layers in front of quart answer in the same form
+(`fastpath.error_reply` for the hot routes, the gate's refusals, the relay's
+own answers), and an unexpected exception answers 500 for that request while
+the daemon keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
-from openrld.api.auth import Authenticator
+from openrld.api.auth import Authenticator, user_in
 from openrld.api.signing import Signer
 from openrld.cluster.peer_client import RelayCounters
 from openrld.config import NodeConfig
@@ -91,7 +93,7 @@ def error_response(status: int, detail: str, headers: dict[str, str] | None = No
 
 
 def caller(services: Services) -> str:
-    return services.auth.user_for(request.headers.get("X-API-Key"))
+    return user_in(request.scope, request.headers.get("X-API-Key"), services.auth.user_for)
 
 
 async def request_body(services: Services, type_: type[wire.T]) -> wire.T:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hmac
 
+from collections.abc import Callable
+
 from openrld.api.signing import Signer
 from openrld.errors import Unauthorized
 
@@ -25,6 +27,8 @@ OPEN_MODE_USER = "local"
 # A key file names users; giving a key to this one makes its holder the operator. A name and
 # not a config setting: the key file is already the one place that says who is who.
 ADMIN_USER = "admin"
+# The ASGI scope's entry for the user the gate found, so that no later layer asks for it again.
+SCOPE_USER = "openrld.user"
 
 
 class Authenticator:
@@ -70,3 +74,14 @@ class Authenticator:
             if hmac.compare_digest(known.encode(), api_key.encode()):
                 return user
         raise Unauthorized("unknown API key")
+
+
+def user_in(scope: dict, api_key: str | None, user_for: Callable[[str | None], str]) -> str:
+    """The caller's user: the one the gate left in `scope`, or `user_for(api_key)` where it left none
+    (open mode, a keyless path, a layer driven without the gate).
+
+    Raises:
+        Unauthorized: as `Authenticator.user_for`.
+    """
+    user = scope.get(SCOPE_USER)
+    return user if user is not None else user_for(api_key)

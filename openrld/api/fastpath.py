@@ -18,6 +18,8 @@ import msgspec
 import trio
 
 from openrld.api import wire
+from openrld.api.asgi import Unread, read_body, send_reply
+from openrld.api.auth import SCOPE_USER
 from openrld.api.http1 import ASGIApp
 from openrld.errors import InvalidToken, OpenrldError
 from openrld.api.metrics import RequestMetrics
@@ -33,6 +35,7 @@ class Call(msgspec.Struct, frozen=True):
 
     body: bytes
     api_key: str | None
+    user: str | None  # the user the gate found for api_key; None where it looked for none (api/auth.py user_in)
     content_encoding: str | None
     content_type: str | None = None  # None: read as JSON (api/media.py)
     accept: str | None = None  # picks the form of a result that has two (api/media.py)
@@ -84,34 +87,19 @@ class FastPath:
             return  # the client went away: nobody to answer
         if self._metrics is not None:
             self._metrics.observe(scope["path"], "POST", reply.status, time.perf_counter() - arrived_s)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": reply.status,
-                "headers": [
-                    (b"content-type", reply.content_type.encode()),
-                    (b"content-length", str(len(reply.body)).encode()),
-                    *reply.headers,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": reply.body})
+        await send_reply(send, reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
 
     async def _serve(self, handler: Handler, scope: dict, receive: Callable) -> Reply | None:
         headers = {name.lower(): value for name, value in scope["headers"]}
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None  # mid-body: a truncated body is never handled
-            body += message.get("body", b"")
-            if len(body) > self._max_body_bytes:
-                return json_reply(wire.ErrorResponse(detail=f"request body over {self._max_body_bytes} bytes"), 413)
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive, self._max_body_bytes)
+        if body is Unread.DISCONNECTED:
+            return None  # mid-body: a truncated body is never handled
+        if body is Unread.TOO_LARGE:
+            return json_reply(wire.ErrorResponse(detail=f"request body over {self._max_body_bytes} bytes"), 413)
         call = Call(
-            body=bytes(body),
+            body=body,
             api_key=_text(headers.get(b"x-api-key")),
+            user=scope.get(SCOPE_USER),
             content_encoding=_text(headers.get(b"content-encoding")),
             content_type=_text(headers.get(b"content-type")),
             accept=_text(headers.get(b"accept")),

@@ -14,7 +14,8 @@ URLs; and the console's static page, which holds nothing and asks for the key
 it then sends with each call.
 
 This module decodes and refuses only; who a key belongs to is the
-Authenticator's to say.
+Authenticator's to say. The user it finds is left in the scope
+(`auth.SCOPE_USER`), so the key is looked up once per request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING, Callable
 import msgspec
 
 from openrld.api import wire
-from openrld.api.auth import Authenticator
+from openrld.api.asgi import send_reply
+from openrld.api.auth import SCOPE_USER, Authenticator
 from openrld.api.fastpath import error_headers
 from openrld.api.http1 import ASGIApp
 from openrld.errors import OpenrldError
@@ -61,18 +63,7 @@ class Gate:
         status, detail, headers = refusal
         body = msgspec.json.encode(wire.ErrorResponse(detail=detail))
         self._metrics.observe(REFUSED_ENDPOINT, scope["method"], status, time.perf_counter() - arrived_s)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    *headers,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_reply(send, status, [(b"content-type", b"application/json"), *headers], body)
 
     def _refusal(self, scope: dict) -> tuple[int, str, tuple[tuple[bytes, bytes], ...]] | None:
         length = key = None
@@ -88,7 +79,7 @@ class Gate:
         if self._auth.is_open or self._routes.is_keyless(path):
             return None
         try:
-            self._auth.user_for(key.decode("latin-1") if key is not None else None)
+            scope[SCOPE_USER] = self._auth.user_for(key.decode("latin-1") if key is not None else None)
         except OpenrldError as error:
             return error.status, error.detail, error_headers(error)
         return None

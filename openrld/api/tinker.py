@@ -254,7 +254,7 @@ async def forward(services: Services, call: Call) -> Reply:
 
 
 def _forward_backward(services: Services, call: Call, *, forward_only: bool) -> Reply:
-    user = services.auth.user_for(call.api_key)
+    user = _user(services, call)
     jobs = services.jobs
     route = "forward" if forward_only else "forward_backward"
     max_body_bytes = services.config.max_body_bytes
@@ -285,7 +285,7 @@ def _forward_backward(services: Services, call: Call, *, forward_only: bool) -> 
 
 
 async def optim_step(services: Services, call: Call) -> Reply:
-    user = services.auth.user_for(call.api_key)
+    user = _user(services, call)
     jobs = services.jobs
     req = _call_body(services, call, wire.OptimStepRequest)
     seq_id = _seq_id(req.seq_id)
@@ -297,7 +297,7 @@ async def optim_step(services: Services, call: Call) -> Reply:
 
 
 async def asample(services: Services, call: Call) -> Reply:
-    user = services.auth.user_for(call.api_key)
+    user = _user(services, call)
     req = _call_body(services, call, wire.SampleRequest)
     if req.sampling_session_id is None:
         raise BadRequest("asample needs sampling_session_id")
@@ -312,7 +312,7 @@ async def asample(services: Services, call: Call) -> Reply:
 
 
 async def retrieve_future(services: Services, call: Call) -> Reply:
-    user = services.auth.user_for(call.api_key)
+    user = _user(services, call)
     req = _call_body(services, call, wire.FutureRetrieveRequest)
     futures = services.futures
     outcome = await futures.wait(req.request_id, owner=user, hold_s=services.config.longpoll_s)
@@ -365,6 +365,10 @@ def _outcome_reply(
 
 
 # ---------------------------------------------------------------- request fields
+
+
+def _user(services: Services, call: Call) -> str:
+    return call.user if call.user is not None else services.auth.user_for(call.api_key)
 
 
 def _call_body(services: Services, call: Call, type_: type[wire.T]) -> wire.T:

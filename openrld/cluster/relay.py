@@ -63,6 +63,8 @@ from openrld.cluster.relayed_session import SESSION_HEADER as SESSION_HEADER  # 
 from openrld.cluster.relayed_session import SESSION_TAG_HEADER as SESSION_TAG_HEADER  # noqa: F401
 from openrld.cluster.relayed_session import session_headers, session_of
 from openrld.api import wire
+from openrld.api.asgi import Unread, read_body, replay, send_reply
+from openrld.api.auth import user_in
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
 from openrld.cluster.list_fanout import fan_out
 from openrld.api import media
@@ -114,17 +116,6 @@ class _Ids(msgspec.Struct):
     path: str | None = None
     tinker_path: str | None = None
     base_model: str | None = None
-
-
-class _Unread(enum.Enum):
-    """Why a body was not read whole."""
-
-    TOO_LARGE = "too large"
-    DISCONNECTED = "disconnected"
-
-
-_TOO_LARGE = _Unread.TOO_LARGE
-_DISCONNECTED = _Unread.DISCONNECTED
 
 
 @dataclass(frozen=True)
@@ -191,21 +182,21 @@ class Relay:
             return
         route, params = matched
         if route.home is HomeBy.LOCATE:
-            body = await self._read(receive)
+            body = await read_body(receive, self._max_body_bytes)
             tag = _header(headers, LOCATE_TAG_HEADER.encode()) or ""
             readable = body if isinstance(body, bytes) else None
-            await self._send(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
+            await _send(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
             return
-        body = await self._read(receive)
-        if body is _DISCONNECTED:
+        body = await read_body(receive, self._max_body_bytes)
+        if body is Unread.DISCONNECTED:
             return  # the client went away mid-body: nothing is relayed, nobody is answered
-        if body is _TOO_LARGE:
-            await self._send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
+        if body is Unread.TOO_LARGE:
+            await _send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
             return
         call = _Call(scope, headers, body, params)
         try:
             if route.fan_out is not None:
-                self._user_for(_header(headers, b"x-api-key"))  # a bad key is refused here, once, not by every member
+                user_in(scope, _header(headers, b"x-api-key"), self._user_for)  # a bad key is refused here, once, not by every member
                 ask = self._asker(replace(call, body=b""), scope["path"])
                 answer = await fan_out(scope, route.fan_out, self._directory.members(), ask)
             elif route.is_longpoll:
@@ -224,9 +215,9 @@ class Relay:
             logger.exception("unhandled error in the relay path=%s", scope["path"])
             answer = detail_answer(500, f"internal error: {type(error).__name__}")
         if answer is None:
-            await self._inner(scope, _replay(body, then=receive), send)
+            await self._inner(scope, replay(body, then=receive), send)
         else:
-            await self._send(send, answer)
+            await _send(send, answer)
 
     async def _route_boxed(self, home_by: HomeBy, call: _Call) -> tuple[Answer | None]:
         """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
@@ -305,7 +296,7 @@ class Relay:
         home = await self._model_home(model_id)
         if home.where is Where.LOST:
             answer = await self._if_it_answers(call, home, model_id)
-            return answer if answer is not None else self._lost_status(call.headers, model_id, home)
+            return answer if answer is not None else self._lost_status(call, model_id, home)
         return await self._to(call, home, model_id)
 
     async def _to_path_run(self, call: _Call) -> Answer | None:
@@ -344,7 +335,7 @@ class Relay:
         name = urllib.parse.parse_qs(call.scope.get("query_string", b"").decode()).get("node", [""])[0]
         if name in ("", self._directory.local_name):
             return None
-        self._user_for(_header(call.headers, b"x-api-key"))  # a bad key is refused here, not relayed
+        user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)  # a bad key is refused here
         member = next((m for m in self._directory.members() if m.name == name), None)
         if member is None:
             return detail_answer(404, f"no cluster member {name!r}")
@@ -526,12 +517,12 @@ class Relay:
             elif message["type"] == "http.response.body":
                 answer["body"] += message.get("body", b"")
 
-        await self._inner(scope, _replay(body), capture)
+        await self._inner(scope, replay(body), capture)
         headers = [(k, v) for k, v in answer["headers"] if k != b"content-length"]
         return Answer(answer.get("status", 500), headers, answer["body"])
 
-    def _lost_status(self, headers: dict[bytes, bytes], model_id: str, home: Home) -> Answer:
-        user = self._user_for(_header(headers, b"x-api-key"))
+    def _lost_status(self, call: _Call, model_id: str, home: Home) -> Answer:
+        user = user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)
         note = home.note
         if note is None or note.owner != user:
             return detail_answer(404, f"no model {model_id!r}")
@@ -564,47 +555,9 @@ class Relay:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _read(self, receive: Callable) -> bytes | _Unread:
-        """The whole body; _TOO_LARGE past max_body_bytes (no more is read), _DISCONNECTED if the client left mid-body."""
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return _DISCONNECTED
-            body += message.get("body", b"")
-            if len(body) > self._max_body_bytes:
-                return _TOO_LARGE
-            if not message.get("more_body", False):
-                return bytes(body)
 
-    @staticmethod
-    async def _send(send: Callable, answer: Answer) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": answer.status,
-                "headers": [*answer.headers, (b"content-length", str(len(answer.body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer.body})
-
-
-def _replay(body: bytes, then: Callable[[], Awaitable[dict]] | None = None) -> Callable[[], Awaitable[dict]]:
-    """An ASGI receive that hands over `body` once, then passes on the connection's own
-    messages (`then`: its disconnect), or waits like a connection that stays open."""
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        if then is not None:
-            return await then()
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-    return receive
+async def _send(send: Callable, answer: Answer) -> None:
+    await send_reply(send, answer.status, answer.headers, answer.body)
 
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import trio
+
 from openrld.api import rest, tinker
+from openrld.api.asgi import replay
+from openrld.api.auth import SCOPE_USER, Authenticator
+from openrld.api.fastpath import Call, FastPath, Reply
+from openrld.api.gate import Gate
+from openrld.api.metrics import RequestMetrics
 from openrld.api.routes import ROUTES, TABLE
 from openrld.cluster.relay import HomeBy
 
@@ -48,3 +55,45 @@ def test_each_method_and_path_is_declared_once_and_every_hot_route_is_a_post() -
     assert len({(r.method, r.path) for r in ROUTES}) == len(ROUTES)
     assert {r.method for r in ROUTES if r.is_hot} == {"POST"}
     assert [r.path for r in ROUTES if r.is_longpoll] == ["/api/v1/retrieve_future"]
+
+
+async def scope_past_the_gate(path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """The scope the gate hands its inner app for a request with `headers`, on a node with one key."""
+    seen: list[dict] = []
+
+    async def inner(scope: dict, receive, send) -> None:
+        seen.append(scope)
+
+    gate = Gate(
+        inner, auth=Authenticator({"tml-a": "alice"}), routes=TABLE, max_body_bytes=100, metrics=RequestMetrics()
+    )
+    await gate({"type": "http", "method": "POST", "path": path, "headers": headers}, trio.sleep_forever, trio.sleep_forever)
+    return seen[0]
+
+
+async def test_the_gate_leaves_the_user_it_found_in_the_scope() -> None:
+    scope = await scope_past_the_gate("/api/v1/optim_step", [(b"x-api-key", b"tml-a")])
+    assert scope[SCOPE_USER] == "alice"
+
+
+async def test_the_gate_looks_for_no_user_on_a_keyless_path() -> None:
+    assert SCOPE_USER not in await scope_past_the_gate("/api/v1/healthz", [])
+
+
+async def test_the_fast_path_hands_its_handler_the_user_the_gate_found() -> None:
+    calls: list[Call] = []
+
+    async def handler(call: Call) -> Reply:
+        calls.append(call)
+        return Reply(b"{}")
+
+    async def send(message: dict) -> None:
+        pass
+
+    front = FastPath(None, {"/api/v1/optim_step": handler}, max_body_bytes=100)  # type: ignore[arg-type]
+    scope = {
+        "type": "http", "method": "POST", "path": "/api/v1/optim_step",
+        "headers": [(b"x-api-key", b"tml-a")], SCOPE_USER: "alice",
+    }
+    await front(scope, replay(b"{}"), send)
+    assert (calls[0].user, calls[0].api_key, calls[0].body) == ("alice", "tml-a", b"{}")
