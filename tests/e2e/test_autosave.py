@@ -141,6 +141,20 @@ def test_the_reader_skips_a_half_written_auto_save(lora_job, shared: Path):
         half.rmdir()
 
 
+def test_the_auto_save_names_the_sampler_weights_the_job_published(node: Daemon, shared: Path):
+    training = _job(node)
+    _steps(training, 1)
+    named = training.save_weights_for_sampler("published").result().path
+    sampling = training.save_weights_and_get_sampling_client().result()
+    _steps(training, 1)
+    _wait_for_step(shared, training.model_id, 2)
+    latest = latest_autosave(shared, training.model_id)
+    assert latest is not None
+    assert (latest.manifest.sampler_paths, latest.manifest.sampling_sessions) == (
+        [named], [sampling._sampling_session_id]
+    )
+
+
 def test_full_fine_tuning_job_saves_at_its_interval(node: Daemon, shared: Path):
     """Which steps are due is pinned in tests/actors/test_trainer_autosave.py; here, the full state lands."""
     training = _job(node, **{"openrl.fine_tuning_type": "full", "openrl.autosave_steps": "2"})
