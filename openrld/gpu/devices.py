@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from openrld.gpu import call_threads
+
 
 class DeviceInfo(msgspec.Struct, frozen=True):
     name: str  # "cpu", "cpu:1" or "cuda:0": the label placement and the status API use
@@ -168,7 +170,8 @@ def cpu_threads(configured: int, devices: Sequence[DeviceInfo], cores: int | Non
     """Torch's intra-op threads for this node's CPU work; None leaves torch's default (no CPU device).
 
     `configured` > 0 is taken as it is. Otherwise each CPU device gets an equal
-    share of the cores, all of it for whichever engine holds the device's turn:
+    share of the cores, as the ceiling of whichever engine holds the device's turn
+    (each call takes as many of them as its size repays, `call_threads`):
     the engines of one device (its trainers, samplers and replicas) take turns
     under one limiter (actors/device_pool.py), so a synchronous RL loop's
     trainer and sampler each compute with every core while the other waits.
@@ -184,6 +187,9 @@ def cpu_threads(configured: int, devices: Sequence[DeviceInfo], cores: int | Non
 
 
 def apply_cpu_threads(threads: int | None) -> None:
-    """Set torch's intra-op thread count for the whole process (its worker threads take it too)."""
+    """Set torch's intra-op thread count for the whole process (its worker threads take it too),
+    and the most that one engine call takes (`call_threads`: fewer for small work). None
+    changes nothing: an inproc engine's build passes None and keeps the daemon's."""
     if threads is not None:
         torch.set_num_threads(threads)
+        call_threads.set_ceiling(threads)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from openrld.gpu import call_threads
 from openrld.gpu.kv_batch import KvBatch, KvLayers
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class FusedForward:
         rope_type = getattr(self._decoder.rotary_emb, "rope_type", "default")
         self._fixed_rope = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) by position
+        self._weights = call_threads.weights(model)  # a forward's size, for its CPU threads
         self.bind()
 
     def bind(self) -> None:
@@ -249,6 +251,7 @@ class FusedForward:
         self, tokens, positions, end: int, attend, append: Append, rows: AdapterRows, keep: int
     ) -> torch.Tensor:
         """`end`: one past the largest position in `positions` (known without reading them)."""
+        call_threads.compute_on(self._weights, tokens.numel())
         hidden = F.embedding(tokens, self._embed)  # (B, T, E)
         # Additive once here: attention would turn a bool mask into one in every layer.
         attend = torch.zeros(attend.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~attend, -math.inf)

@@ -53,7 +53,7 @@ import torch.utils.checkpoint
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, TrainDatum
 from openrld.errors import BadRequest
-from openrld.gpu import losses, memory_fit, shared_prefix
+from openrld.gpu import call_threads, losses, memory_fit, shared_prefix
 from openrld.gpu.models import max_context, vocab_size
 from openrld.gpu.shared_prefix import SharedPrefixes
 
@@ -128,6 +128,7 @@ class BatchScorer:
         self._model = model
         self.device = device
         self.config = config
+        self._weights = call_threads.weights(model)  # a pass's size, for its CPU threads
         self.vocab_size = vocab_size(model)
         self._input_vocab_size = int(model.get_input_embeddings().num_embeddings)
         self._max_tokens = max_context(model)
@@ -170,6 +171,7 @@ class BatchScorer:
             requests.append(
                 losses.validate_request(batch.loss_fn, batch.data, batch.loss_config, vocab_size=self.vocab_size)
             )
+        call_threads.compute_on(self._weights, sum(len(datum.tokens) for batch in batches for datum in batch.data))
         if forward_only:
             guard: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         else:

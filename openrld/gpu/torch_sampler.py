@@ -99,7 +99,7 @@ from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import lora_io, models, moe_lora, offload
+from openrld.gpu import call_threads, lora_io, models, moe_lora, offload
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import (
@@ -327,6 +327,7 @@ class TorchSampler(offload.ParksInSlot):
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
         # peft injects its adapters into this same model, so the fused forward sees every version.
         self._fused = FusedForward.for_model(self._model) if fused_forward else None
+        self._weights = call_threads.weights(self._model)  # a forward's size, for its CPU threads
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
         self._prefill_tokens_per_step = prefill_tokens_per_step
@@ -646,6 +647,7 @@ class TorchSampler(offload.ParksInSlot):
     def _forward(
         self, input_ids: torch.Tensor, cache: transformers.DynamicCache, adapters: list[str], **kwargs: object
     ):
+        call_threads.compute_on(self._weights, input_ids.numel())
         if self._versions.peft is None:
             return self._model(input_ids=input_ids, cache=cache, use_cache=True, **kwargs)
         if self._mixed_experts and input_ids.shape[1] > 1:
