@@ -20,7 +20,7 @@ from quart import Response, request
 from openrld.api.app import Services, caller, json_response
 from openrld.cluster.membership.codec import MAX_PUSH_PULL_BYTES, BadFrame, DropReason
 from openrld.cluster.membership.node import NotRunning
-from openrld.cluster.membership.peer_client import CONTENT_TYPE, PUSH_PULL_PATH, TAG_HEADER
+from openrld.cluster.membership.peer_client import CONTENT_TYPE, TAG_HEADER
 from openrld.cluster.view import cluster_view
 from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized, UnsupportedMediaType
 

@@ -15,13 +15,13 @@ session, a run id in the path), asks the job directory where that lives, and:
 - nowhere known: the other members are asked (`POST /openrl/peer/v1/locate`),
   and the id is answered here if none has it.
 
-Ids come from the path, or from the body: a JSON body is decoded into `_Ids`
-alone (msgspec skips every other field without building it), and a
-forward_backward protobuf body is read only as far as its model_id
-(`proto.forward_backward_model_id`), so the body is decoded once, by the
-route of the node that serves it.
+Each route says how its home is found (`HomeBy`, named per route in
+`api/routes.py`). Ids come from the path, or from the body, read only as far
+as its ids (`body_ids.py`), so the body is decoded once, by the route of the
+node that serves it.
 
-What is not relaying lives elsewhere in `cluster/`: which node a new job is
+What is not finding homes lives elsewhere in `cluster/`: going to a home and
+back, and the 410 of a lost one, in `reach.py`; which node a new job is
 offered to, and the offers, in `placement/`; calls to other members in
 `peer_client.py`; the list routes' merge in `list_fanout.py`; the signed
 session a creating request carries in `relayed_session.py`.
@@ -33,23 +33,19 @@ from __future__ import annotations
 import enum
 import logging
 import urllib.parse
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import msgspec
 import trio
 
 from openrld import ids, settings as job_settings
 from openrld.cluster.directory import Directory, Home, Where
-from openrld.cluster.membership.messages import MemberState
 from openrld.cluster.membership.table import Member
 from openrld.actors.model_status import lost_status
 from openrld.cluster.peer_client import (
-    CONNECT_S,
-    DEAD_CONNECT_S,
     LOCATE_PATH as LOCATE_PATH,
     LOCATE_TAG_HEADER as LOCATE_TAG_HEADER,
-    RELAY_FAILED,
     RELAYED_HEADER as RELAYED_HEADER,
     Answer,
     LocateQuery,
@@ -61,15 +57,15 @@ from openrld.cluster.peer_client import (
 from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
 from openrld.cluster.relayed_session import SESSION_HEADER as SESSION_HEADER  # noqa: F401  (tests read them here)
 from openrld.cluster.relayed_session import SESSION_TAG_HEADER as SESSION_TAG_HEADER  # noqa: F401
-from openrld.cluster.relayed_session import session_headers, session_of
+from openrld.cluster.relayed_session import session_of
 from openrld.api import wire
 from openrld.api.asgi import Unread, read_body, replay, send_reply
+from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
+from openrld.cluster.reach import Reach
 from openrld.api.auth import user_in
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
 from openrld.cluster.list_fanout import fan_out
-from openrld.api import media
-from openrld.api.proto import forward_backward_model_id
-from openrld.errors import BadRequest, OpenrldError, UserError
+from openrld.errors import OpenrldError, UserError
 from openrld.cluster.peer_client import RelayCounters
 
 if TYPE_CHECKING:
@@ -103,32 +99,6 @@ class HomeBy(enum.Enum):
 
 
 
-class _Ids(msgspec.Struct):
-    """The ids a body may name; everything else in it is the home node's to decode."""
-
-    model_id: str | None = None
-    request_id: str | None = None
-    session_id: str | None = None
-    sampling_session_id: str | None = None
-    sampling_session_seq_id: int | None = None
-    model_seq_id: int | None = None
-    model_path: str | None = None
-    path: str | None = None
-    tinker_path: str | None = None
-    base_model: str | None = None
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One request as the relay passes it on."""
-
-    scope: dict  # the ASGI scope
-    headers: dict[bytes, bytes]  # the request's headers, by lower-case name
-    body: bytes
-    params: dict[str, str]  # the route's path parameters (`<run_id>` and the like)
-    session_id: str | None = None  # a creating request's session: sent along, signed, when it is relayed
-
-
 class Relay:
     """ASGI: routes each request to its home node; see the module docstring."""
 
@@ -152,10 +122,12 @@ class Relay:
         self._inner = inner
         self._routes = routes  # each route's HomeBy, fan-out and long-poll
         self._directory = directory
-        self._peers = peers  # every call to another member
+        self._peers = peers  # locate queries to other members
+        self._reach = Reach(
+            inner, directory=directory, peers=peers, key=key, counters=counters, session_snapshot=session_snapshot
+        )  # to a home and back
         self._placement = placement  # offers job-creating requests to the ranked nodes
-        self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries, signs sessions
-        self._counters = counters  # the relay's own: ids lost with their node
+        self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries
         self._user_for = user_for
         self._session_snapshot = session_snapshot
         self._mirror_session = mirror_session
@@ -193,11 +165,11 @@ class Relay:
         if body is Unread.TOO_LARGE:
             await _send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
             return
-        call = _Call(scope, headers, body, params)
+        call = Call(scope, headers, body, params)
         try:
             if route.fan_out is not None:
                 user_in(scope, _header(headers, b"x-api-key"), self._user_for)  # a bad key is refused here, once, not by every member
-                ask = self._asker(replace(call, body=b""), scope["path"])
+                ask = self._reach.asker(replace(call, body=b""), scope["path"])
                 answer = await fan_out(scope, route.fan_out, self._directory.members(), ask)
             elif route.is_longpoll:
                 routed = await until_disconnect(receive, self._route_boxed, route.home, call)
@@ -219,20 +191,20 @@ class Relay:
         else:
             await _send(send, answer)
 
-    async def _route_boxed(self, home_by: HomeBy, call: _Call) -> tuple[Answer | None]:
+    async def _route_boxed(self, home_by: HomeBy, call: Call) -> tuple[Answer | None]:
         """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
         return (await self._route(home_by, call),)
 
-    async def _route(self, home_by: HomeBy, call: _Call) -> Answer | None:
+    async def _route(self, home_by: HomeBy, call: Call) -> Answer | None:
         """The answer from another node, or None: this node answers."""
         return await self._routers[home_by](self, call)
 
-    async def _to_body_model(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _to_body_model(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         return await self._to_model(call, ref.model_id) if ref is not None and ref.model_id is not None else None
 
-    async def _load_weights(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _load_weights(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         if ref is None:
             return None
         call = replace(call, session_id=ref.session_id)  # it may create a job under the caller's session
@@ -240,8 +212,8 @@ class Relay:
             return await self._restore(call, ref)
         return await self._to_model(call, ref.model_id) if ref.model_id is not None else None
 
-    async def _save_for_sampler(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _save_for_sampler(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         if ref is None or ref.model_id is None:
             return None
         answer = await self._to_model(call, ref.model_id)
@@ -250,18 +222,18 @@ class Relay:
             self._directory.record(sampler_id, self._home_name(ref.model_id))
         return answer
 
-    async def _to_minter(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _to_minter(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         minted = ref.request_id or ref.session_id if ref is not None else None
-        return await self._to(call, self._directory.tagged(minted), minted) if minted else None
+        return await self._reach.to(call, self._directory.tagged(minted), minted) if minted else None
 
-    async def _to_body_sampler(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _to_body_sampler(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         sampler_id = ref.sampling_session_id if ref is not None else None
         return await self._to_sampler(call, sampler_id) if sampler_id else None
 
-    async def _create_sampler(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _create_sampler(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         if ref is None or ref.session_id is None or ref.sampling_session_seq_id is None:
             return None
         call = replace(call, session_id=ref.session_id)
@@ -273,64 +245,44 @@ class Relay:
             self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
         return answer
 
-    async def _to_body_checkpoint(self, call: _Call) -> Answer | None:
-        ref = self._ids(call)
+    async def _to_body_checkpoint(self, call: Call) -> Answer | None:
+        ref = body_ids(call, self._max_body_bytes)
         tinker_path = ref.tinker_path if ref is not None else None
         return await self._to_run_of(call, tinker_path, lost_here=True) if tinker_path else None
 
-    async def _to_session(self, call: _Call) -> Answer | None:
+    async def _to_session(self, call: Call) -> Answer | None:
         session_id = call.params["session_id"]
         if not session_id.startswith("s-"):
             return None  # not a session id this cluster minted: this node says what is wrong with it
-        return await self._to(call, self._directory.tagged(session_id), session_id)
+        return await self._reach.to(call, self._directory.tagged(session_id), session_id)
 
-    async def _finish_session(self, call: _Call) -> Answer | None:
+    async def _finish_session(self, call: Call) -> Answer | None:
         session_id = call.params["session_id"]
         return await self._finish_everywhere(call, session_id) if session_id.startswith("s-") else None
 
-    async def _to_path_sampler(self, call: _Call) -> Answer | None:
+    async def _to_path_sampler(self, call: Call) -> Answer | None:
         return await self._to_sampler(call, call.params["sampler_id"])
 
-    async def _model_status(self, call: _Call) -> Answer | None:
+    async def _model_status(self, call: Call) -> Answer | None:
         model_id = call.params["model_id"]
         home = await self._model_home(model_id)
         if home.where is Where.LOST:
-            answer = await self._if_it_answers(call, home, model_id)
+            answer = await self._reach.if_it_answers(call, home, model_id)
             return answer if answer is not None else self._lost_status(call, model_id, home)
-        return await self._to(call, home, model_id)
+        return await self._reach.to(call, home, model_id)
 
-    async def _to_path_run(self, call: _Call) -> Answer | None:
+    async def _to_path_run(self, call: Call) -> Answer | None:
         run_id = call.params["run_id"]
         home = await self._model_home(run_id)
-        return None if home.where is Where.LOST else await self._to(call, home, run_id)
+        return None if home.where is Where.LOST else await self._reach.to(call, home, run_id)
 
-    async def _to_path_model(self, call: _Call) -> Answer | None:
+    async def _to_path_model(self, call: Call) -> Answer | None:
         return await self._to_model(call, call.params["run_id"])
 
-    async def _here(self, call: _Call) -> None:
+    async def _here(self, call: Call) -> None:
         return None
 
-    def _ids(self, call: _Call) -> _Ids | None:
-        """The ids a request body names; None if it does not decode (the home app explains why).
-
-        A protobuf forward_backward body is read only as far as its model_id: the node that serves it decodes it
-        whole. A JSON body is decompressed first if its Content-Encoding says so; a body in another type is left
-        to the route that reads it.
-        """
-        form = media.form_of_or_none(_header(call.headers, b"content-type"))
-        encoding = _header(call.headers, b"content-encoding")
-        if call.scope["path"] == "/api/v1/forward_backward" and form is media.Form.PROTOBUF:
-            model_id = forward_backward_model_id(call.body, encoding, max_body_bytes=self._max_body_bytes)
-            return _Ids(model_id=model_id) if model_id is not None else None
-        if form is not media.Form.JSON:
-            return None
-        try:
-            raw = media.decompress(call.body, encoding, max_body_bytes=self._max_body_bytes, where="body")
-            return msgspec.json.decode(raw, type=_Ids)
-        except (BadRequest, msgspec.DecodeError, msgspec.ValidationError):
-            return None
-
-    async def _to_member(self, call: _Call) -> Answer | None:
+    async def _to_member(self, call: Call) -> Answer | None:
         """`/openrl/v1/node?node=<name>` goes to that member; without a name, or this node's, it is answered here."""
         name = urllib.parse.parse_qs(call.scope.get("query_string", b"").decode()).get("node", [""])[0]
         if name in ("", self._directory.local_name):
@@ -341,19 +293,19 @@ class Relay:
             return detail_answer(404, f"no cluster member {name!r}")
         if not member.is_alive:
             return detail_answer(410, f"node {name} is {member.state.name.lower()}")
-        return await self._forward(call, member, name)
+        return await self._reach.forward(call, member, name)
 
-    async def _finish_everywhere(self, call: _Call, session_id: str) -> Answer:
+    async def _finish_everywhere(self, call: Call, session_id: str) -> Answer:
         """A session finishes at its home, and then on every member that holds jobs of it (placed there),
         so that their own groups end and free their devices too."""
         home = self._directory.tagged(session_id)
-        answer = await self._to(call, home, session_id)
+        answer = await self._reach.to(call, home, session_id)
         if answer is None:
-            answer = await self._local(call.scope, call.body)
+            answer = await self._reach.local(call.scope, call.body)
         if answer.status != 200:
             return answer
         home_name = home.member.name if home.member is not None else self._directory.local_name
-        ask = self._asker(call, session_id)
+        ask = self._reach.asker(call, session_id)
 
         async with trio.open_nursery() as nursery:
             for member in self._directory.members():
@@ -380,10 +332,10 @@ class Relay:
         home = self._directory.model(model_id)
         return home.member.name if home.member is not None else self._directory.local_name
 
-    async def _to_model(self, call: _Call, model_id: str) -> Answer | None:
-        return await self._to(call, await self._model_home(model_id), model_id)
+    async def _to_model(self, call: Call, model_id: str) -> Answer | None:
+        return await self._reach.to(call, await self._model_home(model_id), model_id)
 
-    async def _to_run_of(self, call: _Call, path: str, *, lost_here: bool) -> Answer | None:
+    async def _to_run_of(self, call: Call, path: str, *, lost_here: bool) -> Answer | None:
         """A request about a checkpoint goes to its run's home; a lost home's checkpoints may be read here
         (a shared checkpoint root), so with `lost_here` this node answers."""
         run_id = _run_of(path)
@@ -392,36 +344,15 @@ class Relay:
         home = await self._model_home(run_id)
         if home.where is Where.LOST and lost_here:
             return None
-        return await self._to(call, home, run_id)
+        return await self._reach.to(call, home, run_id)
 
-    async def _to_sampler(self, call: _Call, sampler_id: str) -> Answer | None:
+    async def _to_sampler(self, call: Call, sampler_id: str) -> Answer | None:
         home = await self._home("sampler", sampler_id, self._directory.sampler)
-        return await self._to(call, home, sampler_id)
-
-    async def _to(self, call: _Call, home: Home, what: str) -> Answer | None:
-        if home.where in (Where.LOCAL, Where.UNKNOWN):
-            return None
-        assert home.member is not None
-        if home.where is Where.LOST:
-            answer = await self._if_it_answers(call, home, what)
-            if answer is not None:
-                return answer
-            self._counters.lost += 1
-            return detail_answer(410, _lost_detail(what, home))
-        return await self._forward(call, home.member, what)
-
-    async def _if_it_answers(self, call: _Call, home: Home, what: str) -> Answer | None:
-        """A node declared dead may have been only slow (a loaded machine, a short partition): if it still
-        answers at once, its answer stands and the job is not lost. A node that left is gone for good."""
-        assert home.member is not None
-        if home.member.state is not MemberState.DEAD:
-            return None
-        answer = await self._forward(call, home.member, what, connect_timeout_s=DEAD_CONNECT_S)
-        return None if answer.status == 503 and RELAY_FAILED in answer.body.decode(errors="replace") else answer
+        return await self._reach.to(call, home, sampler_id)
 
     # ------------------------------------------------------------ creating requests: placed (placement/)
 
-    async def _place(self, call: _Call) -> Answer | None:
+    async def _place(self, call: Call) -> Answer | None:
         """create_model: offer the job to the ranked nodes until one takes it."""
         try:
             req = msgspec.json.decode(call.body, type=wire.CreateModelRequest)
@@ -430,7 +361,7 @@ class Relay:
         call = replace(call, session_id=req.session_id)
         session = self._session_snapshot(req.session_id)
         if session is None:
-            return await self._to(call, self._directory.tagged(req.session_id), req.session_id)
+            return await self._reach.to(call, self._directory.tagged(req.session_id), req.session_id)
         try:
             settings, _ = job_settings.parse_settings(
                 session.tags, session.user_metadata, {str(k): str(v) for k, v in (req.user_metadata or {}).items()}
@@ -444,7 +375,7 @@ class Relay:
             return detail_answer(400, refusal)
         return await self._offer(call, needs, ids.model_id(req.session_id, req.model_seq_id))
 
-    async def _base_model_sampler(self, call: _Call, ref: _Ids, sampler_id: str) -> Answer | None:
+    async def _base_model_sampler(self, call: Call, ref: Ids, sampler_id: str) -> Answer | None:
         """A sampling session of a base model: here, unless this node takes no jobs; then placed like a LoRA job."""
         if self._accept_jobs or ref.base_model is None:
             return None
@@ -454,7 +385,7 @@ class Relay:
             return None
         return await self._offer(call, JobNeeds(base_model=base_model, own_group=False, is_exclusive=False), sampler_id)
 
-    async def _restore(self, call: _Call, ref: _Ids) -> Answer | None:
+    async def _restore(self, call: Call, ref: Ids) -> Answer | None:
         """create_training_client_from_state: where the checkpoint's run lives; if that node is lost,
         placed anew like create_model (the node that takes it reads the checkpoint from the shared root)."""
         run_id = _run_of(ref.path or "")
@@ -462,19 +393,19 @@ class Relay:
             return None
         home = await self._model_home(run_id)
         if home.where is not Where.LOST:
-            return await self._to(call, home, run_id)
+            return await self._reach.to(call, home, run_id)
         if self._session_snapshot(ref.session_id) is None:
-            return await self._to(call, self._directory.tagged(ref.session_id), ref.session_id)
+            return await self._reach.to(call, self._directory.tagged(ref.session_id), ref.session_id)
         return await self._offer(call, needs_of_note(home.note), ids.model_id(ref.session_id, ref.model_seq_id))
 
-    async def _offer(self, call: _Call, needs: JobNeeds, created_id: str) -> Answer | None:
+    async def _offer(self, call: Call, needs: JobNeeds, created_id: str) -> Answer | None:
         """Offer a job-creating request to the ranked nodes in turn; the first that has room answers."""
 
         async def ask(member: Member) -> tuple[Reply, Answer]:
             if member.name == self._directory.local_name:
-                answer = await self._local(call.scope, call.body)
+                answer = await self._reach.local(call.scope, call.body)
             else:
-                answer = await self._forward(call, member, created_id)
+                answer = await self._reach.forward(call, member, created_id)
             if any(k == NO_CAPACITY_HEADER for k, _ in answer.headers):
                 return Reply.NO_ROOM, answer
             return (Reply.TAKEN if answer.status == 200 else Reply.FAILED), answer
@@ -486,49 +417,14 @@ class Relay:
             503, f"no node of the cluster can take {created_id} ({needs.base_model}) now: none has a free or shareable device"
         )
 
-    # ------------------------------------------------------------ answering
-
-    async def _forward(self, call: _Call, member: Member, what: str, connect_timeout_s: float = CONNECT_S) -> Answer:
-        """`call` relayed to `member`; a creating request carries its caller's session, signed."""
-        snapshot = self._session_snapshot(call.session_id) if call.session_id else None
-        extra = session_headers(snapshot, self._key) if snapshot is not None else []
-        return await self._peers.relay(
-            member, call.scope, call.body, what, extra_headers=extra, connect_timeout_s=connect_timeout_s
-        )
-
-    def _asker(self, call: _Call, what: str) -> Callable[[Member, dict], Awaitable[Answer]]:
-        """Asks one member, this node included, `call` under another scope (a list's page, a finish)."""
-
-        async def ask(member: Member, scope: dict) -> Answer:
-            if member.name == self._directory.local_name:
-                return await self._local(scope, call.body)
-            return await self._forward(replace(call, scope=scope), member, what)
-
-        return ask
-
-    async def _local(self, scope: dict, body: bytes) -> Answer:
-        """Run a request through this node's own app and keep its answer."""
-        answer: dict[str, Any] = {"headers": [], "body": b""}
-
-        async def capture(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                answer["status"] = message["status"]
-                answer["headers"] = [(bytes(k).lower(), bytes(v)) for k, v in message.get("headers", [])]
-            elif message["type"] == "http.response.body":
-                answer["body"] += message.get("body", b"")
-
-        await self._inner(scope, replay(body), capture)
-        headers = [(k, v) for k, v in answer["headers"] if k != b"content-length"]
-        return Answer(answer.get("status", 500), headers, answer["body"])
-
-    def _lost_status(self, call: _Call, model_id: str, home: Home) -> Answer:
+    def _lost_status(self, call: Call, model_id: str, home: Home) -> Answer:
         user = user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)
         note = home.note
         if note is None or note.owner != user:
             return detail_answer(404, f"no model {model_id!r}")
         return json_answer(200, lost_status(model_id, note))
 
-    _routers: dict[HomeBy, Callable[[Relay, _Call], Awaitable[Answer | None]]] = {
+    _routers: dict[HomeBy, Callable[[Relay, Call], Awaitable[Answer | None]]] = {
         HomeBy.HERE: _here,
         HomeBy.LOCATE: _here,  # answered before a route is looked for (see __call__)
         HomeBy.PLACED: _place,
@@ -560,24 +456,8 @@ async def _send(send: Callable, answer: Answer) -> None:
     await send_reply(send, answer.status, answer.headers, answer.body)
 
 
-def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
-    value = headers.get(name)
-    return None if value is None else value.decode("latin-1")
-
-
 def _run_of(path: str) -> str | None:
     try:
         return ids.parse_tinker_path(path).run_id
     except UserError:
         return None
-
-
-def _lost_detail(what: str, home: Home) -> str:
-    assert home.member is not None
-    state = home.member.state.name.lower()
-    restore = home.note.last_checkpoint if home.note is not None else ""
-    hint = (
-        f"its last checkpoint is {restore}: resume with create_training_client_from_state"
-        if restore else "it saved no checkpoint this cluster knows of"
-    )
-    return f"{what} was lost with node {home.member.name} ({state}); {hint}"
