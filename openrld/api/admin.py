@@ -22,10 +22,10 @@ from functools import partial
 from quart import Response, request
 
 from openrld.actors import usage
+from openrld.actors.records import Records
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response
 from openrld.api.signing import user_urn
-from openrld.actors.records import Records
 from openrld.errors import BadRequest, NotFound
 
 ORG_ID = "openrld"

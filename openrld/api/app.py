@@ -26,23 +26,23 @@ from openrld.actors.console_views import ConsoleViews
 from openrld.actors.device_pool import NodeDevices
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
-from openrld.actors.records import Records
 from openrld.actors.jobs import JobTable
+from openrld.actors.records import Records
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator, user_in
+from openrld.api.capabilities import DeviceSummary
+from openrld.api.fastpath import FastPath, error_headers
+from openrld.api.gate import Gate
+from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
+from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionWatch
 from openrld.api.signing import Signer
 from openrld.cluster.peer_client import RelayCounters
 from openrld.config import NodeConfig
-from openrld.api.fastpath import FastPath, error_headers
-from openrld.api.gate import Gate
-from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionWatch
-from openrld.api.capabilities import DeviceSummary
 from openrld.errors import OpenrldError
 from openrld.loop_watch import LoopWatch
-from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
 from openrld.model_catalog import ModelCatalog
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ sees all, since all there is is theirs.
 from __future__ import annotations
 
 import hmac
-
 from collections.abc import Callable
 
 from openrld.api.signing import Signer

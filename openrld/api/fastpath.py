@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -21,8 +22,8 @@ from openrld.api import wire
 from openrld.api.asgi import Unread, read_body, send_reply
 from openrld.api.auth import SCOPE_USER
 from openrld.api.http1 import ASGIApp
-from openrld.errors import InvalidToken, OpenrldError
 from openrld.api.metrics import RequestMetrics
+from openrld.errors import InvalidToken, OpenrldError
 
 logger = logging.getLogger(__name__)
 

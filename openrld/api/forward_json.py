@@ -32,7 +32,7 @@ _INDEX_DTYPE = np.dtype("<i8")  # CSR indices on the protobuf side
 
 class DatumJson(RequestBody):
     model_input: ModelInput
-    loss_fn_inputs: dict[str, TensorDataJson] = {}
+    loss_fn_inputs: dict[str, TensorDataJson] = {}  # noqa: RUF012  (msgspec copies a mutable default per instance)
 
 
 class ForwardBackwardInputJson(RequestBody):

@@ -21,7 +21,8 @@ Authenticator's to say. The user it finds is left in the scope
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -30,8 +31,8 @@ from openrld.api.asgi import send_reply
 from openrld.api.auth import SCOPE_USER, Authenticator
 from openrld.api.fastpath import error_headers
 from openrld.api.http1 import ASGIApp
-from openrld.errors import OpenrldError
 from openrld.api.metrics import RequestMetrics
+from openrld.errors import OpenrldError
 
 if TYPE_CHECKING:
     from openrld.api.routes import RouteTable

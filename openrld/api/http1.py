@@ -42,17 +42,17 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+from collections.abc import Awaitable, Callable
 from functools import partial
 from http import HTTPStatus
-from typing import Awaitable, Callable
 from urllib.parse import unquote_to_bytes
 
 import h11
 import msgspec
 import trio
 
-from openrld.config import HttpLimits
 from openrld.api.metrics import HttpCounters
+from openrld.config import HttpLimits
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Server:
                 served += 1
                 is_last = served >= self._limits.keep_alive_max_requests
                 scope = _scope(request, client, local, self._lifespan_state, "https" if stream is not raw else "http")
-                exchange = _Exchange(connection, stream, self._limits, counters, lambda: self._draining or is_last)
+                exchange = _Exchange(connection, stream, self._limits, counters, lambda is_last=is_last: self._draining or is_last)
                 self._in_flight += 1
                 try:
                     await exchange.run(self._app, scope)

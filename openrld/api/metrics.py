@@ -20,11 +20,11 @@ import msgspec
 
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.stability import StabilityStatistics
+from openrld.api.sdk_versions import SdkVersionStatistics
 from openrld.cluster.membership.codec import DropReason
 from openrld.cluster.membership.node import MembershipStatistics
 from openrld.cluster.peer_client import RelayStatistics
-from openrld.actors.stability import StabilityStatistics
-from openrld.api.sdk_versions import SdkVersionStatistics
 from openrld.loop_watch import LoopWatchStatistics
 from openrld.store import StoreStatistics
 

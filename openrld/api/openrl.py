@@ -20,7 +20,6 @@ These routes only read statistics; they change nothing.
 
 from __future__ import annotations
 
-
 from quart import Response
 
 from openrld import __version__

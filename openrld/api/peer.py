@@ -14,7 +14,6 @@ route; the membership actor owns the state.
 
 from __future__ import annotations
 
-
 from quart import Response, request
 
 from openrld.api.app import Services, caller, json_response
@@ -23,8 +22,6 @@ from openrld.cluster.membership.node import NotRunning
 from openrld.cluster.membership.peer_client import CONTENT_TYPE, TAG_HEADER
 from openrld.cluster.view import cluster_view
 from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized, UnsupportedMediaType
-
-
 
 
 async def push_pull(services: Services) -> Response:

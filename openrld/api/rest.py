@@ -9,18 +9,14 @@ fields at their default left out, never null.
 
 from __future__ import annotations
 
-
 from quart import Response, request
 
 from openrld import ids
+from openrld.actors.checkpoints import CheckpointWriter
 from openrld.api import wire
 from openrld.api.app import Services, caller, json_response, request_body
 from openrld.errors import BadRequest, NotFound
-from openrld.actors.checkpoints import CheckpointWriter
 from openrld.store import CheckpointRow, RunRow
-
-
-
 
 # ---------------------------------------------------------------- routes
 

@@ -18,7 +18,7 @@ import math
 import msgspec
 import numpy as np
 
-from openrld.api.proto.codec import OUTPUT_TYPE, LOGPROBS_FIELD
+from openrld.api.proto.codec import LOGPROBS_FIELD, OUTPUT_TYPE
 from openrld.api.wire import ResponseBody
 from openrld.batches import ForwardBackwardResult, SampleResult, TopK
 from openrld.errors import ServerError

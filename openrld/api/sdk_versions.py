@@ -12,7 +12,8 @@ it is seen, with where it stands against the range the node serves.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -70,7 +71,7 @@ class SdkVersionCounter:
 class SdkVersionWatch:
     """ASGI: counts each HTTP request under the SDK release it names, then passes it on."""
 
-    def __init__(self, inner: "ASGIApp", counter: SdkVersionCounter) -> None:
+    def __init__(self, inner: ASGIApp, counter: SdkVersionCounter) -> None:
         self._inner = inner
         self._counter = counter
 

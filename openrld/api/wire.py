@@ -38,10 +38,12 @@ import numpy as np
 
 # The protobuf half of the wire, re-exported so routes import one module.
 from openrld.api.media import decode_json as decode_json
-from openrld.api.proto.codec import decode_forward_backward as decode_forward_backward
-from openrld.api.proto.codec import encode_forward_backward_output as encode_forward_backward_output
-from openrld.api.proto.codec import encode_sample_response as encode_sample_response
-from openrld.api.proto.codec import forward_backward_ids as forward_backward_ids
+from openrld.api.proto.codec import (
+    decode_forward_backward as decode_forward_backward,
+    encode_forward_backward_output as encode_forward_backward_output,
+    encode_sample_response as encode_sample_response,
+    forward_backward_ids as forward_backward_ids,
+)
 from openrld.batches import AdamParams, DimuonParams, LoraSpec, SampleJob, SamplingSpec
 from openrld.errors import BadRequest, NotSupportedYet
 

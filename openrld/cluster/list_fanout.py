@@ -14,7 +14,7 @@ a fraction).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -32,7 +32,7 @@ class FanOut(msgspec.Struct, frozen=True):
     default_limit: int  # the page size when the query names none
 
 
-_OLDEST = datetime.min.replace(tzinfo=timezone.utc)  # where an item without a readable time sorts
+_OLDEST = datetime.min.replace(tzinfo=UTC)  # where an item without a readable time sorts
 
 
 class PageQuery(msgspec.Struct, frozen=True):
@@ -63,7 +63,7 @@ def item_time(value: Any) -> datetime:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         return _OLDEST
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuery) -> Answer:

@@ -15,15 +15,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from openrld.actors.sessions import SessionSnapshot
 from openrld.api.asgi import replay
 from openrld.cluster.body_ids import Call
 from openrld.cluster.directory import Directory, Home, Where
 from openrld.cluster.membership.messages import MemberState
 from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import (
-    CONNECT_S, DEAD_CONNECT_S, RELAY_FAILED, Answer, PeerClient, RelayCounters, detail_answer,
+    CONNECT_S,
+    DEAD_CONNECT_S,
+    RELAY_FAILED,
+    Answer,
+    PeerClient,
+    RelayCounters,
+    detail_answer,
 )
-from openrld.actors.sessions import SessionSnapshot
 from openrld.cluster.relayed_session import session_headers
 
 

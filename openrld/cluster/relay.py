@@ -33,16 +33,23 @@ from __future__ import annotations
 import enum
 import logging
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 import trio
 
 from openrld import ids, settings as job_settings
-from openrld.cluster.directory import Directory, Home, Where
-from openrld.cluster.membership.table import Member
 from openrld.actors.model_status import lost_status
+from openrld.api import wire
+from openrld.api.asgi import Unread, read_body, replay, send_reply
+from openrld.api.auth import user_in
+from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
+from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
+from openrld.cluster.directory import Directory, Home, Where
+from openrld.cluster.list_fanout import fan_out
+from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import (
     LOCATE_PATH as LOCATE_PATH,
     LOCATE_TAG_HEADER as LOCATE_TAG_HEADER,
@@ -50,23 +57,19 @@ from openrld.cluster.peer_client import (
     Answer,
     LocateQuery,
     PeerClient,
+    RelayCounters,
     answer_locate,
     detail_answer,
     json_answer,
 )
 from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
-from openrld.cluster.relayed_session import SESSION_HEADER as SESSION_HEADER  # noqa: F401  (tests read them here)
-from openrld.cluster.relayed_session import SESSION_TAG_HEADER as SESSION_TAG_HEADER  # noqa: F401
-from openrld.cluster.relayed_session import session_of
-from openrld.api import wire
-from openrld.api.asgi import Unread, read_body, replay, send_reply
-from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
 from openrld.cluster.reach import Reach
-from openrld.api.auth import user_in
-from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
-from openrld.cluster.list_fanout import fan_out
+from openrld.cluster.relayed_session import (
+    SESSION_HEADER as SESSION_HEADER,
+    SESSION_TAG_HEADER as SESSION_TAG_HEADER,
+    session_of,
+)
 from openrld.errors import OpenrldError, UserError
-from openrld.cluster.peer_client import RelayCounters
 
 if TYPE_CHECKING:
     from openrld.api.routes import RouteTable
@@ -149,7 +152,7 @@ class Relay:
             await self._inner(scope, receive, send)
             return
         matched = self._routes.match(scope["method"], scope["path"])
-        if matched is None or matched.route.home is HomeBy.HERE and matched.route.fan_out is None:
+        if matched is None or (matched.route.home is HomeBy.HERE and matched.route.fan_out is None):
             await self._inner(scope, receive, send)  # nothing to find: no body is read or buffered here
             return
         route, params = matched
@@ -424,7 +427,7 @@ class Relay:
             return detail_answer(404, f"no model {model_id!r}")
         return json_answer(200, lost_status(model_id, note))
 
-    _routers: dict[HomeBy, Callable[[Relay, Call], Awaitable[Answer | None]]] = {
+    _routers: ClassVar[dict[HomeBy, Callable[[Relay, Call], Awaitable[Answer | None]]]] = {
         HomeBy.HERE: _here,
         HomeBy.LOCATE: _here,  # answered before a route is looked for (see __call__)
         HomeBy.PLACED: _place,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import msgspec
 import pytest
 
-from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 from openrld.cluster.list_fanout import PageQuery, item_time, merge_pages, page_query
+from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 
 
 def page(runs: list[dict], total: int | None = None) -> Answer:
@@ -40,11 +40,11 @@ def test_z_and_an_offset_are_the_same_instant_and_an_offset_is_honoured():
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("2026-12-02T05:00:05Z", datetime(2026, 12, 2, 5, 0, 5, tzinfo=timezone.utc)),
-        ("2026-12-02T05:00:05.000250+00:00", datetime(2026, 12, 2, 5, 0, 5, 250, tzinfo=timezone.utc)),
-        ("2026-12-02T05:00:05", datetime(2026, 12, 2, 5, 0, 5, tzinfo=timezone.utc)),  # naive: taken as UTC
-        ("yesterday", datetime.min.replace(tzinfo=timezone.utc)),
-        (None, datetime.min.replace(tzinfo=timezone.utc)),
+        ("2026-12-02T05:00:05Z", datetime(2026, 12, 2, 5, 0, 5, tzinfo=UTC)),
+        ("2026-12-02T05:00:05.000250+00:00", datetime(2026, 12, 2, 5, 0, 5, 250, tzinfo=UTC)),
+        ("2026-12-02T05:00:05", datetime(2026, 12, 2, 5, 0, 5, tzinfo=UTC)),  # naive: taken as UTC
+        ("yesterday", datetime.min.replace(tzinfo=UTC)),
+        (None, datetime.min.replace(tzinfo=UTC)),
     ],
     ids=["z", "offset-with-fraction", "naive", "unreadable", "missing"],
 )

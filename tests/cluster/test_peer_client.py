@@ -9,10 +9,17 @@ import pytest
 from openrld.cluster.membership.messages import MemberState, NodePayload
 from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import (
-    LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, LocateQuery, PeerClient, answer_locate, detail_answer, relay_key,
+    LOCATE_PATH,
+    LOCATE_TAG_HEADER,
+    RELAYED_HEADER,
+    LocateQuery,
+    PeerClient,
+    RelayCounters,
+    answer_locate,
+    detail_answer,
+    relay_key,
     sign,
 )
-from openrld.cluster.peer_client import RelayCounters
 
 KEY = relay_key("cluster-secret")
 

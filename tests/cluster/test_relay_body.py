@@ -15,9 +15,8 @@ import trio
 from openrld.api.routes import TABLE
 from openrld.cluster.membership.messages import MemberState, NodePayload
 from openrld.cluster.membership.table import Member
-from openrld.cluster.peer_client import PeerClient
+from openrld.cluster.peer_client import PeerClient, RelayCounters
 from openrld.cluster.relay import Relay
-from openrld.cluster.peer_client import RelayCounters
 
 MAX_BODY = 1000
 

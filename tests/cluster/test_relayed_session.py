@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from openrld.cluster.peer_client import relay_key, sign
-from openrld.cluster.relayed_session import SESSION_HEADER, SESSION_TAG_HEADER, SessionSnapshot, session_headers, session_of
+from openrld.cluster.relayed_session import (
+    SESSION_HEADER,
+    SESSION_TAG_HEADER,
+    SessionSnapshot,
+    session_headers,
+    session_of,
+)
 
 KEY = relay_key("cluster-secret")
 SNAPSHOT = SessionSnapshot("s-1", "alice", ["openrl.exclusive=true"], {"team": "rl"}, "0.38.0", None, "run")

@@ -61,12 +61,12 @@ class MembershipConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_packet_bytes: int = 1400
 
     @classmethod
-    def lan(cls) -> "MembershipConfig":
+    def lan(cls) -> MembershipConfig:
         """The defaults: a data-centre network."""
         return cls()
 
     @classmethod
-    def local(cls) -> "MembershipConfig":
+    def local(cls) -> MembershipConfig:
         """Loopback and tests: round trips are microseconds, so every timer is 5x shorter."""
         return msgspec.structs.replace(
             cls(),

@@ -12,6 +12,7 @@ tests and benchmarks only; production uses `UdpTransport` and `HttpPushPull`.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import random
 from collections import Counter
@@ -50,13 +51,13 @@ class FakeNetwork:
 
     # --- nodes
 
-    def new_transport(self, name: str) -> "FakeTransport":
+    def new_transport(self, name: str) -> FakeTransport:
         send, receive = trio.open_memory_channel[Packet](INBOX_DATAGRAMS)
         self._inboxes[name] = send
         self._crashed.discard(name)
         return FakeTransport(self, name, receive)
 
-    def push_pull_client(self, name: str) -> "FakePushPull":
+    def push_pull_client(self, name: str) -> FakePushPull:
         return FakePushPull(self, name)
 
     def serve_push_pull(self, name: str, handler: PushPullHandler) -> None:
@@ -122,10 +123,8 @@ class FakeNetwork:
     def _deliver(self, dest: str, packet: Packet) -> None:
         if dest in self._crashed:
             return
-        try:
-            self._inboxes[dest].send_nowait(packet)
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass  # a full or closed inbox loses the datagram
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            self._inboxes[dest].send_nowait(packet)  # a full or closed inbox loses the datagram
 
     async def exchange(self, source: str, peer_url: str, body: bytes, tag_hex: str) -> tuple[bytes, str]:
         dest = peer_url.removeprefix(FAKE_URL_PREFIX)

@@ -61,7 +61,7 @@ class NodePayload(msgspec.Struct, frozen=True, array_like=True):
     groups: tuple[GroupLoad, ...] = ()
     jobs: tuple[str, ...] = ()  # model ids this node is home to
     # What the others need to say of a job if this node dies: keyed by model id.
-    job_notes: dict[str, "JobNote"] = msgspec.field(default_factory=dict)
+    job_notes: dict[str, JobNote] = msgspec.field(default_factory=dict)
 
 
 class Ping(msgspec.Struct, frozen=True, array_like=True, tag=1):

@@ -476,7 +476,7 @@ class MembershipNode:
             targets = self._table.sample_others(
                 self._rng,
                 self.config.gossip_nodes,
-                lambda m: m.is_alive
+                lambda m, now=now: m.is_alive
                 or (m.state is MemberState.DEAD and now - m.state_since_s < self.config.gossip_to_the_dead_s),
             )
             for member in targets:

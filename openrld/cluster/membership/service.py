@@ -135,7 +135,7 @@ class ClusterMembership:
         self._settings = settings
 
     @classmethod
-    async def open(cls, settings: ClusterSettings, *, verify: ssl.SSLContext | bool = True) -> "ClusterMembership":
+    async def open(cls, settings: ClusterSettings, *, verify: ssl.SSLContext | bool = True) -> ClusterMembership:
         """Bind the gossip socket and build the node (not yet running); `verify` checks peers' certificates.
 
         Raises:

@@ -93,7 +93,7 @@ class UdpTransport:
         self._local_addr = format_addr(advertise_host, sock.getsockname()[1])
 
     @classmethod
-    async def open(cls, bind_host: str, port: int, advertise_host: str) -> "UdpTransport":
+    async def open(cls, bind_host: str, port: int, advertise_host: str) -> UdpTransport:
         """Bind `bind_host:port` (0 picks a free port) and advertise `advertise_host` with it.
 
         Raises:

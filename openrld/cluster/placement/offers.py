@@ -23,8 +23,8 @@ from typing import Generic, TypeVar
 from openrld.cluster.directory import Directory
 from openrld.cluster.membership.messages import JobNote
 from openrld.cluster.membership.table import Member
-from openrld.cluster.placement.ranking import Booking, JobNeeds, Placer, too_large
 from openrld.cluster.peer_client import RelayCounters
+from openrld.cluster.placement.ranking import Booking, JobNeeds, Placer, too_large
 from openrld.settings import JobSettings
 
 logger = logging.getLogger(__name__)

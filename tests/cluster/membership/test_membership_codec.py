@@ -13,7 +13,17 @@ from openrld.cluster.membership.codec import (
     open_datagram,
     seal_datagram,
 )
-from openrld.cluster.membership.messages import Ack, Alive, DeviceSlot, GroupLoad, MemberRecord, MemberState, NodePayload, Ping, PushPull
+from openrld.cluster.membership.messages import (
+    Ack,
+    Alive,
+    DeviceSlot,
+    GroupLoad,
+    MemberRecord,
+    MemberState,
+    NodePayload,
+    Ping,
+    PushPull,
+)
 
 KEY = b"secret"
 

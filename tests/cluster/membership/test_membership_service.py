@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from openrld.actors.device_pool import DeviceUse
 from openrld.actors.groups import GroupStatistics
 from openrld.actors.jobs import HomeJob
+from openrld.actors.sampler import SamplerStatistics
+from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.cluster.membership.messages import DeviceSlot, GroupLoad, JobNote, NodePayload
 from openrld.cluster.membership.service import advertised_host, node_payload, seed_urls
 from openrld.cluster.membership.transport import UdpTransport
-from openrld.actors.sampler import SamplerStatistics
-from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.config import ConfigError, load_config
 
 ENV = {"HOME": "/home/alice"}
