@@ -1,11 +1,10 @@
 """The HTTP front: a quart-trio app with one error handler, bound from the route table (`routes.py`).
 
 Everything here decodes, authenticates and routes; state lives in the actors.
-Every error of a quart route becomes `wire.ErrorResponse` (`{"detail": ...}`)
-with its status here; the layers in front of quart answer in the same form
-(`fastpath.error_reply` for the hot routes, the gate's refusals, the relay's
-own answers), and an unexpected exception answers 500 for that request while
-the daemon keeps serving everyone else.
+Every error of a quart route becomes its status and `wire.error_body`
+(`{"detail": ...}`) here; the layers in front of quart (the fast path, the
+gate, the relay) encode theirs with the same function, and an unexpected
+exception answers 500 for that request while the daemon keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def json_response(value: Any, status: int = 200) -> Response:
 
 def error_response(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
     """`wire.ErrorResponse` with `status`: the FastAPI-style body the SDK and the CLI read `detail` from."""
-    response = json_response(wire.ErrorResponse(detail=detail), status)
+    response = Response(wire.error_body(detail), status=status, content_type="application/json")
     for name, value in (headers or {}).items():
         response.headers[name] = value
     return response

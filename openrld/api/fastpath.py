@@ -88,7 +88,7 @@ class FastPath:
             return  # the client went away: nobody to answer
         if self._metrics is not None:
             self._metrics.observe(scope["path"], "POST", reply.status, time.perf_counter() - arrived_s)
-        await send_reply(send, reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
+        await send_whole(send, reply)
 
     async def _serve(self, handler: Handler, scope: dict, receive: Callable) -> Reply | None:
         headers = {name.lower(): value for name, value in scope["headers"]}
@@ -96,7 +96,7 @@ class FastPath:
         if body is Unread.DISCONNECTED:
             return None  # mid-body: a truncated body is never handled
         if body is Unread.TOO_LARGE:
-            return json_reply(wire.ErrorResponse(detail=f"request body over {self._max_body_bytes} bytes"), 413)
+            return detail_reply(413, f"request body over {self._max_body_bytes} bytes")
         call = Call(
             body=body,
             api_key=_text(headers.get(b"x-api-key")),
@@ -113,7 +113,7 @@ class FastPath:
             return error_reply(error)
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error path=%s", scope.get("path"))
-            return json_reply(wire.ErrorResponse(detail=f"internal error: {type(error).__name__}"), 500)
+            return detail_reply(500, f"internal error: {type(error).__name__}")
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
@@ -162,8 +162,17 @@ def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
     return ()
 
 
+def detail_reply(status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Reply:
+    return Reply(wire.error_body(detail), status=status, headers=headers)
+
+
 def error_reply(error: OpenrldError) -> Reply:
-    return Reply(_json.encode(wire.ErrorResponse(detail=error.detail)), status=error.status, headers=error_headers(error))
+    return detail_reply(error.status, error.detail, error_headers(error))
+
+
+async def send_whole(send: Callable, reply: Reply) -> None:
+    """`reply` sent as one ASGI response, its Content-Type first."""
+    await send_reply(send, reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
 
 
 def _text(value: bytes | None) -> str | None:

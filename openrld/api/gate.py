@@ -24,12 +24,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from openrld.api import wire
-from openrld.api.asgi import send_reply
 from openrld.api.auth import SCOPE_USER, Authenticator
-from openrld.api.fastpath import error_headers
+from openrld.api.fastpath import Reply, detail_reply, error_reply, send_whole
 from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import RequestMetrics
 from openrld.errors import OpenrldError
@@ -61,12 +57,10 @@ class Gate:
         if refusal is None:
             await self._inner(scope, receive, send)
             return
-        status, detail, headers = refusal
-        body = msgspec.json.encode(wire.ErrorResponse(detail=detail))
-        self._metrics.observe(REFUSED_ENDPOINT, scope["method"], status, time.perf_counter() - arrived_s)
-        await send_reply(send, status, [(b"content-type", b"application/json"), *headers], body)
+        self._metrics.observe(REFUSED_ENDPOINT, scope["method"], refusal.status, time.perf_counter() - arrived_s)
+        await send_whole(send, refusal)
 
-    def _refusal(self, scope: dict) -> tuple[int, str, tuple[tuple[bytes, bytes], ...]] | None:
+    def _refusal(self, scope: dict) -> Reply | None:
         length = key = None
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -75,12 +69,12 @@ class Gate:
                 key = value
         # h11 has refused a Content-Length that is not a number before the app sees the request.
         if length is not None and int(length) > self._max_body_bytes:
-            return 413, f"request body over {self._max_body_bytes} bytes", ()
+            return detail_reply(413, f"request body over {self._max_body_bytes} bytes")
         path = scope["path"]
         if self._auth.is_open or self._routes.is_keyless(path):
             return None
         try:
             scope[SCOPE_USER] = self._auth.user_for(key.decode("latin-1") if key is not None else None)
         except OpenrldError as error:
-            return error.status, error.detail, error_headers(error)
+            return error_reply(error)
         return None

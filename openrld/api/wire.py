@@ -496,6 +496,14 @@ class ErrorResponse(ResponseBody):
     detail: str
 
 
+_error_encoder = msgspec.json.Encoder()
+
+
+def error_body(detail: str) -> bytes:
+    """Every error reply's body, whichever layer answers it (quart's handlers, the fast path, the gate, the relay)."""
+    return _error_encoder.encode(ErrorResponse(detail=detail))
+
+
 class EmptyResponse(ResponseBody):
     """`{}`: the answer of a route that only acknowledges (delete, publish, TTL, finish, cancel).
 

@@ -24,6 +24,7 @@ import httpx
 import msgspec
 import trio
 
+from openrld.api.wire import error_body
 from openrld.cluster.membership.table import Member
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def json_answer(status: int, value: object, headers: list[tuple[bytes, bytes]] |
 
 
 def detail_answer(status: int, detail: str) -> Answer:
-    return json_answer(status, {"detail": detail})
+    return Answer(status, [(b"content-type", b"application/json")], error_body(detail))
 
 
 def relay_key(secret: str) -> bytes:

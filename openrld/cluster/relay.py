@@ -45,7 +45,7 @@ from openrld.actors.model_status import lost_status
 from openrld.api import wire
 from openrld.api.asgi import Unread, read_body, replay, send_reply
 from openrld.api.auth import user_in
-from openrld.api.fastpath import NO_CAPACITY_HEADER, error_headers, until_disconnect
+from openrld.api.fastpath import NO_CAPACITY_HEADER, error_reply, until_disconnect
 from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
 from openrld.cluster.directory import Directory, Home, Where
 from openrld.cluster.list_fanout import fan_out
@@ -182,10 +182,8 @@ class Relay:
             else:
                 answer = await self._route(route.home, call)
         except OpenrldError as error:
-            answer = Answer(
-                error.status, [(b"content-type", b"application/json"), *error_headers(error)],
-                msgspec.json.encode(wire.ErrorResponse(detail=error.detail)),
-            )
+            reply = error_reply(error)
+            answer = Answer(reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error in the relay path=%s", scope["path"])
             answer = detail_answer(500, f"internal error: {type(error).__name__}")
