@@ -37,7 +37,10 @@ REFUSED_LOSSES: tuple[str, ...] = ("custom",)
 _TRAINER_BACKENDS: tuple[tuple[str, str, str], ...] = (
     ("pytorch", "pytorch", "PyTorch with many LoRA adapters on one resident base model"),
     ("automodel", "automodel", "NeMo Automodel (FSDP2) for multi-GPU trainers"),
-    ("image", "registry.example/trainer:tag", "a custom trainer container image (a reference containing '/'), from the node's [workers] allowed_images"),
+    (
+        "image", "registry.example/trainer:tag",
+        "a custom trainer container image (a reference containing '/'), from the node's [workers] allowed_images",
+    ),
 )
 
 # Sampler engines, chosen per node by `sampler_backend` in the node config (gpu/engines.py).
