@@ -213,18 +213,27 @@ def k8s_objects() -> dict[str, dict[str, dict]]:
 # --------------------------------------------------------------------------- settings
 
 _IMAGE_EXAMPLE = "registry.example/trainer:tag"
+WIDE = 64  # an integer range wider than this is checked at its low end, the value after it and its high end
+
+
+def _integers(low: int, high: int) -> list[str]:
+    if high - low < WIDE:
+        return [str(n) for n in range(low, high + 1)]
+    return [str(low), str(low + 1), str(high)]
 
 
 def _domain(key: str) -> list[str]:
     """Every value `openrl.<key>` takes, as text, from the published JSON Schema."""
     schema = settings.settings_json_schema()
     prop = schema["$defs"]["JobSettings"]["properties"][key]
+    # An optional setting (unset: the job's own default) is published as anyOf [its type, null].
+    prop = next(branch for branch in prop.get("anyOf", [prop]) if branch.get("type") != "null")
     if "$ref" in prop:
         return sorted(schema["$defs"][prop["$ref"].rsplit("/", 1)[1]]["enum"])
     if prop["type"] == "boolean":
         return ["false", "true"]
     if prop["type"] == "integer":
-        return [str(n) for n in range(prop["minimum"], prop["maximum"] + 1)]
+        return _integers(prop["minimum"], prop["maximum"])
     # A pattern of named choices and an image reference.
     assert re.fullmatch(prop["pattern"], _IMAGE_EXAMPLE)
     return [*re.findall(r"(?<=[(|])([a-z]+)(?=\|)", prop["pattern"]), _IMAGE_EXAMPLE]
@@ -263,7 +272,7 @@ def _cell_values(cell: str) -> set[str]:
     """The values a table cell lists: `ticked` ones, ranges such as 1-8, and 'image reference'."""
     values = {v for v in ticked(cell) if not v.startswith("openrl.")}
     for low, high in re.findall(r"(?<![\w`])(\d+)-(\d+)(?![\w`])", cell):
-        values |= {str(n) for n in range(int(low), int(high) + 1)}
+        values |= set(_integers(int(low), int(high)))
     values |= set(re.findall(r"(?<![\w`.-])(\d+)(?![\w`.-])", re.sub(r"\d+-\d+", "", cell)))
     if "image reference" in cell:
         values.add(_IMAGE_EXAMPLE)
