@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 # take the cores the working ones need. Measured here on the tiny Llama's
 # forward+backward, 2 threads, machine under load: 800 ms spinning, 11 ms passive
 # (9 ms on 1 thread). Measured again with a thread count per call (gpu/call_threads.py),
-# an engine-like thread, the machine loaded: the tiny Llama's SFT step of 8 x 128 on two
-# threads took 50-69 ms passive, 222-818 ms under libgomp's default spin and 861-1,108 ms
-# under ACTIVE (whose spinning team slowed even its one-thread step to 224-260 ms from 36).
+# an engine-like thread, load average 5-6, policies alternating: the tiny Llama's SFT step
+# of 8 x 128 on two threads took 47-79 ms passive, 152-201 ms with GOMP_SPINCOUNT=10000 and
+# 2,328-2,368 ms under libgomp's default spin (21-43 ms on one thread under each).
 # A call too small to repay a wake-up runs on one thread and wakes none, so passive
 # waits cost only the large calls, where a wake is small beside the work. It must be set
 # before torch loads OpenMP, which is why it is here, where every openrld process passes
