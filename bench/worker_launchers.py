@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
-from openrld.gpu.engines import build_lora_trainer
 from openrld.gpu.tiny_models import build_tiny_model
 from openrld.worker.client import RemoteTrainer, WorkerTimeouts
+from openrld.worker.engines import build_lora_trainer
 from openrld.worker.launchers import WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.protocol import Start

@@ -163,7 +163,7 @@ async def serve(
 ) -> None:
     """Run one node until `shutdown` is set (or the caller cancels); report the bound URL when ready."""
     from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory, resolve_device
-    from openrld.gpu.engines import TorchEngineFactory
+    from openrld.worker.engines import TorchEngineFactory
     from openrld.gpu.gguf_convert import GgufConverter
 
     try:

@@ -13,18 +13,25 @@ msgspec data that any worker protocol can encode. Tensors never appear in a type
 here: the weights the trainer hands its sampler are a `WeightPayload`, opaque to the
 actors, which only carry it from one engine to the other.
 
-What it does not do: run anything. Engines are synchronous and called one call at a
-time, from the owning actor's worker thread.
+The Protocols are the one declaration of each engine call: a worker carries exactly
+these calls, its method table, its client's methods and its server's dispatch derived from
+their signatures (`worker/methods.py`); a call marked `updates_last_sync` brings the
+engine's `last_sync` back with its result. `StepsAfterPasses` is the one
+`forward_backward_then_step`, which every trainer (the built-in ones, a custom image's)
+shares.
+
+What it does not do: run anything but that composition. Engines are synchronous and called
+one call at a time, from the owning actor's worker thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 
-from openrld.errors import OpenrldError
 from openrld.batches import (
     ForwardBackwardBatch,
     ForwardBackwardResult,
@@ -35,13 +42,32 @@ from openrld.batches import (
     SampleResult,
     SyncStats,
 )
+from openrld.errors import OpenrldError
 
-__all__ = ["DeviceEngine", "Finished", "ParkReport", "ResumeReport", "SamplerEngine", "TrainerEngine", "WeightPayload"]
+__all__ = [
+    "DeviceEngine", "Finished", "ParkReport", "PassAndStep", "ResumeReport", "SamplerEngine", "StepsAfterPasses",
+    "TrainerEngine", "WeightPayload", "updates_last_sync",
+]
 
 # The trainer's sampler payload: a dict of tensors (LoRA adapter tensors, or full-model
 # weights read from a checkpoint) or a weight delta (gpu/delta.py). Opaque to actors: they
 # hold it on the host and hand it to a sampler engine's `load_version`, nothing more.
-WeightPayload = object
+# Annotated, so that the worker's method table tells it from a plain object (it crosses
+# as a `WirePayload`); to a type checker it is any object.
+WeightPayload = Annotated[object, "weight payload"]
+
+# What `forward_backward_then_step` returns: the pass's results, and the step's result, or
+# its exception (the pass stands), or None when no step was asked for.
+PassAndStep = tuple[list[ForwardBackwardResult], OptimResult | Exception | None]
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def updates_last_sync(method: _Call) -> _Call:
+    """Mark an engine call after which `last_sync` may have changed: across a worker, its
+    reply carries the new value, so that reading the property is never a round trip."""
+    method.__updates_last_sync__ = True  # type: ignore[attr-defined]
+    return method
 
 
 class ParkReport(msgspec.Struct, frozen=True):
@@ -115,7 +141,7 @@ class TrainerEngine(DeviceEngine, Protocol):
 
     def forward_backward_then_step(
         self, name: str, batches: list[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
+    ) -> PassAndStep:
         """The pass, then the optim_step unless `params` is None; a failed step is returned, not raised."""
         ...
 
@@ -125,6 +151,7 @@ class TrainerEngine(DeviceEngine, Protocol):
         """The weights as they are now, for an inflight publish to the sampler."""
         ...
 
+    @updates_last_sync
     def sampler_payload(self, name: str, version: str) -> WeightPayload:
         """What takes the sampler to these weights as `version` (full fine-tuning: chains on the previous one)."""
         ...
@@ -144,6 +171,29 @@ class TrainerEngine(DeviceEngine, Protocol):
     ) -> None: ...
 
 
+class StepsAfterPasses:
+    """`forward_backward_then_step` written once: the engine's own `forward_backward_many`,
+    then its `optim_step` unless `params` is None. The trainers of `gpu/` (`train_steps`) and a
+    custom image's (`worker/base.py`) inherit it."""
+
+    def forward_backward_then_step(
+        self: _Trains, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
+    ) -> PassAndStep:
+        """Returns (the pass's results, the step's OptimResult, or its exception, or None): a failed
+        step leaves the pass's results standing. The pass's failure is raised."""
+        results = self.forward_backward_many(name, list(batches))
+        if params is None:
+            return results, None
+        try:
+            return results, self.optim_step(name, params)
+        except Exception as error:  # the pass stands; the step's failure is its own op's
+            return results, error
+
+
+class _Trains(Protocol):
+    def forward_backward_many(self, name: str, batches: list[ForwardBackwardBatch]) -> list[ForwardBackwardResult]: ...
+    def optim_step(self, name: str, params: OptimParams) -> OptimResult: ...
+
 
 class SamplerEngine(DeviceEngine, Protocol):
     """A step-level sampler: immutable weight versions, requests that join and leave between steps.
@@ -152,8 +202,10 @@ class SamplerEngine(DeviceEngine, Protocol):
     `ValueError` from the call that brought it.
     """
 
+    @updates_last_sync
     def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None: ...
 
+    @updates_last_sync
     def load_checkpoint(self, version: str, directory: Path) -> None:
         """Read a sampler checkpoint (`TrainerEngine.sampler_checkpoint`, or a state) and load it as `version`."""
         ...

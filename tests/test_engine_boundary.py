@@ -1,5 +1,7 @@
 """The boundary between actors and engines: actors import nothing of torch or `openrld.gpu`,
 and every engine implements its typed interface (`openrld/engine_types.py`) member for member.
+Between the engines and the worker the import arrow points one way, worker -> gpu: no module
+of `openrld/gpu/` imports `openrld.worker` (an engine takes decoded payloads; the worker decodes).
 
 The import check reads the source (`ast`), so an import inside a function, which runs only
 on some code path, fails it as surely as one at the top. The interface check compares each
@@ -24,19 +26,23 @@ from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.torch_sampler import TorchSampler
 from openrld.gpu.torch_trainer import TorchTrainer
 from openrld.gpu.vllm_sampler import VllmSampler
+from openrld.worker.base import SamplerWorker, TrainerWorker
 from openrld.worker.client import RemoteSampler, RemoteTrainer
 
 ACTORS = Path(__file__).resolve().parents[1] / "openrld" / "actors"
+GPU = ACTORS.parent / "gpu"
 FORBIDDEN = ("torch", "openrld.gpu")
 ENGINES = [
     (engine_types.TrainerEngine, TorchTrainer),
     (engine_types.TrainerEngine, FullTrainer),
     (engine_types.TrainerEngine, RemoteTrainer),
     (engine_types.TrainerEngine, AutomodelTrainer),
+    (engine_types.TrainerEngine, TrainerWorker),
     (engine_types.SamplerEngine, TorchSampler),
     (engine_types.SamplerEngine, FullSampler),
     (engine_types.SamplerEngine, VllmSampler),
     (engine_types.SamplerEngine, RemoteSampler),
+    (engine_types.SamplerEngine, SamplerWorker),
 ]
 
 
@@ -69,8 +75,18 @@ def _is_dynamic_import(func: ast.expr) -> bool:
     return name in ("import_module", "__import__")
 
 
-def is_forbidden(module: str) -> bool:
-    return any(module == root or module.startswith(f"{root}.") for root in FORBIDDEN)
+def is_forbidden(module: str, roots: tuple[str, ...] = FORBIDDEN) -> bool:
+    return any(module == root or module.startswith(f"{root}.") for root in roots)
+
+
+def offences(directory: Path, roots: tuple[str, ...]) -> list[str]:
+    """Every import of `roots` in a module under `directory`, as "path:line imports module"."""
+    return [
+        f"{path.relative_to(ACTORS.parent.parent)}:{line} imports {module}"
+        for path in sorted(directory.rglob("*.py"))
+        for line, module in imported_modules(path.read_text(), package_of(path))
+        if is_forbidden(module, roots)
+    ]
 
 
 def protocol_members(protocol: type) -> dict[str, object]:
@@ -109,13 +125,38 @@ def drift(protocol: type, engine: type) -> list[str]:
 def test_no_actor_module_imports_torch_or_gpu_anywhere_in_it():
     paths = sorted(ACTORS.rglob("*.py"))
     assert len(paths) > 10, f"found only {len(paths)} actor modules under {ACTORS}"
-    offences = [
-        f"{path.relative_to(ACTORS.parent.parent)}:{line} imports {module}"
-        for path in paths
-        for line, module in imported_modules(path.read_text(), package_of(path))
-        if is_forbidden(module)
-    ]
-    assert offences == []
+    assert offences(ACTORS, FORBIDDEN) == []
+
+
+def test_no_gpu_module_imports_the_worker_anywhere_in_it():
+    paths = sorted(GPU.rglob("*.py"))
+    assert len(paths) > 10, f"found only {len(paths)} gpu modules under {GPU}"
+    assert offences(GPU, ("openrld.worker",)) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from openrld.worker.values import local_payload",
+        "def f():\n    from openrld.worker import builtin",
+        "from openrld import worker",
+        "from ..worker import hosting",
+    ],
+    ids=["top-level", "inside-a-function", "from-package", "relative"],
+)
+def test_the_gpu_import_check_catches(source):
+    imports = [module for _, module in imported_modules(source, "openrld.gpu")]
+    assert any(is_forbidden(module, ("openrld.worker",)) for module in imports), imports
+
+
+def test_gpu_modules_import_without_loading_the_worker():
+    code = (
+        "import importlib, pkgutil, sys, openrld.gpu as gpu\n"
+        "for m in pkgutil.walk_packages(gpu.__path__, 'openrld.gpu.'): importlib.import_module(m.name)\n"
+        "print(sorted(k for k in sys.modules if k.startswith('openrld.worker')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(

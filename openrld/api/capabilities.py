@@ -43,7 +43,7 @@ _TRAINER_BACKENDS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
-# Sampler engines, chosen per node by `sampler_backend` in the node config (gpu/engines.py).
+# Sampler engines, chosen per node by `sampler_backend` in the node config (worker/engines.py).
 _SAMPLER_BACKENDS: tuple[tuple[str, bool, str], ...] = (
     ("torch", True, "PyTorch: one prefill per request, batched KV-cached decode"),
     ("vllm", True, "vLLM (sampler_backend = \"vllm\" in the node config; CUDA nodes with the vllm package)"),

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from openrld.batches import LoraSpec
 from openrld.errors import BadRequest, NotSupportedYet
-from openrld.gpu import lora_io
+from openrld.gpu import checkpoint
 from openrld.gpu.automodel_cp import use_cp_attention
 from openrld.gpu.automodel_shards import local_view, shard_of
 from openrld.gpu.automodel_shims import on_device
@@ -166,7 +166,7 @@ def export_peft(model: torch.nn.Module, peft_config: object, directory: Path, ba
         if filename == PEFT_CONFIG:  # the base model as the caller names it, not this node's path
             body = {**json.loads(data), "base_model_name_or_path": base_model}
             data = json.dumps(body, indent=2, sort_keys=True).encode()
-        size += lora_io.write_synced(directory / filename, data)
+        size += checkpoint.write_synced(directory / filename, data)
     shutil.rmtree(staging)
-    lora_io.fsync_directory(directory)
+    checkpoint.fsync_directory(directory)
     return size

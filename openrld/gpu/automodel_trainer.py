@@ -25,9 +25,9 @@ Guarantees:
   the same numbers);
 - files are the single-device trainers' formats, written by rank 0: LoRA state and
   sampler weights in `lora_io` form, with `torch_trainer`'s state.json and optimizer
-  file, and `export_adapter` in HF-PEFT form by Automodel's `Checkpointer` (peft loads it,
-  bit-identical to `adapter_tensors`); full fine-tuning in
-  `full_io` form with `full_trainer`'s state.json. Either trainer loads the other's;
+  file (`checkpoint`), and `export_adapter` in HF-PEFT form by Automodel's `Checkpointer`
+  (peft loads it, bit-identical to `adapter_tensors`); full fine-tuning in `full_io` form with
+  `full_trainer`'s state.json. Either trainer loads the other's;
 - full fine-tuning's files (weights, AdamW state) are streamed (`safetensors_stream`):
   rank 0 writes each header from the tensors' names, dtypes and global shapes, then the
   tensors as every rank gathers them, one at a time; the files are byte for byte what the
@@ -79,19 +79,17 @@ import torch
 import torch.distributed as dist
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
-from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.engine_types import ParkReport, ResumeReport
-from openrld.gpu import delta, full_io, lora_io, train_steps
+from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
+from openrld.gpu import checkpoint, delta, full_io, lora_io, train_steps
 from openrld.gpu.automodel_model import ShardSizes, export_peft, load_sharded
-from openrld.gpu.automodel_park import StorageSlot, fsdp_module_tensors
 from openrld.gpu.automodel_optim import ShardedAdamW, WholeDimuon
+from openrld.gpu.automodel_park import StorageSlot, fsdp_module_tensors
 from openrld.gpu.automodel_passes import ShardedPasses
 from openrld.gpu.automodel_shards import ShardedWeights, gather_bytes, local_view, read_rows, shard_of, whole
-from openrld.gpu.full_trainer import FullTrainerState
 from openrld.gpu.models import pick_dtype
 from openrld.gpu.safetensors_stream import StreamedWrites, StreamStatistics, entries_of
 from openrld.gpu.scoring import TrainerConfig
-from openrld.gpu.torch_trainer import OPTIMIZER_FILE, STATE_FILE, STATE_FORMAT_VERSION, TrainerState
 
 __all__ = ["AutomodelOptions", "AutomodelStatistics", "AutomodelTrainer"]
 
@@ -312,33 +310,24 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         return export_peft(self._model, self._peft_config, directory, base_model, dp_rank=self.rank // self.options.cp)
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
-        """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json` into
-        the existing, empty `directory` (rank 0 writes; every rank gathers). Bytes written."""
+        """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json`
+        (`checkpoint`) into the existing, empty `directory` (rank 0 writes; every rank gathers).
+        Bytes written."""
         self._get(name)
         assert self._optimizer is not None
+        optimizer_state = None
+        state: checkpoint.TrainerState | checkpoint.FullTrainerState
         if self.options.fine_tuning == "full":
-            size = self._save_full(directory, with_optimizer)
+            size = self._save_full(directory, with_optimizer)  # the optimizer's file too, streamed
+            state = checkpoint.full_state(self._optimizer.steps_done, with_optimizer)
         else:
             size = self.sampler_checkpoint(name, directory)
-            optimizer_state = self._optimizer.state_tensors() if with_optimizer else {}
-            if self.rank == 0 and with_optimizer:
-                size += lora_io.write_synced(directory / OPTIMIZER_FILE, lora_io.encode_tensors(optimizer_state))
+            optimizer_state = self._optimizer.state_tensors() if with_optimizer else None  # every rank gathers
+            assert self._spec is not None
+            state = checkpoint.lora_state(self._spec, self._family, self._optimizer.steps_done, with_optimizer)
         if self.rank != 0:
             return 0
-        if self.options.fine_tuning == "lora":
-            assert self._spec is not None
-            state: msgspec.Struct = TrainerState(
-                format_version=STATE_FORMAT_VERSION, lora=self._spec, optimizer=self._family,
-                optimizer_steps=self._optimizer.steps_done, has_optimizer_state=with_optimizer,
-            )
-        else:
-            state = FullTrainerState(
-                format_version=STATE_FORMAT_VERSION, optimizer="adamw",
-                optimizer_steps=self._optimizer.steps_done, has_optimizer_state=with_optimizer,
-            )
-        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
-        lora_io.fsync_directory(directory)
-        return size
+        return size + checkpoint.write_beside(directory, state, optimizer_state)
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
@@ -358,48 +347,24 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         if self._job is not None and self._job != name:
             raise Conflict(f"this automodel trainer already serves model {self._job}; it serves one job")
         if self.options.fine_tuning == "lora":
-            stored = lora_io.read_meta(
-                directory, lora_io.ADAPTER_META, lora_io.AdapterMeta, lora_io.FORMAT_VERSION, kind="adapter",
-                is_not="a LoRA adapter",
-            ).lora
+            stored = lora_io.read_spec(directory)
             spec = spec or stored
-            for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
-                if getattr(stored, field) != getattr(spec, field):
-                    raise BadRequest(
-                        f"checkpoint {directory.name!r} has LoRA {field}={getattr(stored, field)!r}; "
-                        f"the model wants {field}={getattr(spec, field)!r}",
-                        key=field,
-                    )
+            checkpoint.check_lora_spec(directory.name, stored, spec)
             weights_file = directory / lora_io.ADAPTER_WEIGHTS
         else:
-            lora_io.read_meta(
-                directory, full_io.FULL_META, full_io.FullMeta, full_io.FORMAT_VERSION, kind="full-model",
-                is_not="full-model weights",
-            )
+            full_io.check_meta(directory)
             weights_file = directory / full_io.FULL_WEIGHTS
-        optimizer_path = directory / OPTIMIZER_FILE
-        if with_optimizer and not optimizer_path.is_file():
-            raise BadRequest(
-                f"checkpoint has no optimizer state ({directory.name!r} holds weights only)", key="optimizer"
-            )
-        if with_optimizer and _stored_family(directory) != optimizer:
-            raise BadRequest(
-                f"checkpoint {directory.name!r} holds {_stored_family(directory)!r} optimizer state; the model uses "
-                f"{optimizer!r}: cannot override restored optimizer state",
-                key="optimizer",
-            )
+        optimizer_path = checkpoint.optimizer_file(directory, optimizer) if with_optimizer else None
         is_new = self._job is None
         if is_new:
             self.add_adapter(name, spec, optimizer)
-        elif self._family != optimizer:
-            raise BadRequest(
-                f"model {name} uses optimizer {self._family!r}; cannot load it as {optimizer!r}", key="optimizer"
-            )
+        else:
+            checkpoint.check_family(name, self._family, optimizer)
         assert self._optimizer is not None
         try:
             shapes, rows = read_rows(weights_file, self._params.get)  # this rank's rows only
-            _check_same_tensors(directory.name, self._params, shapes)
-            if with_optimizer:
+            checkpoint.check_same_tensors(directory.name, self._params, shapes)
+            if optimizer_path is not None:
                 self._optimizer.load_state_tensors(read_rows(optimizer_path, self._optimizer.param_of)[1])
             else:
                 self._optimizer.reset()
@@ -500,18 +465,18 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
             FileExistsError: `directory` is not empty.  OSError: a write failed.
         """
         writes = StreamedWrites(is_writer=self.rank == 0)
-        writes.precondition(lambda: lora_io.require_empty(directory))
+        writes.precondition(lambda: checkpoint.require_empty(directory))
         weights = entries_of(self._params)  # the DTensors' global shapes: every rank knows them
         writes.write(directory / full_io.FULL_WEIGHTS, weights, self._whole_in_order)
         if with_optimizer:
             assert isinstance(self._optimizer, ShardedAdamW), "full fine-tuning steps with AdamW"
-            writes.write(directory / OPTIMIZER_FILE, self._optimizer.state_layout(), self._optimizer.iter_state)
+            writes.write(directory / checkpoint.OPTIMIZER_FILE, self._optimizer.state_layout(), self._optimizer.iter_state)
         self._last_save = tuple(writes.finish())
         if self.rank != 0:
             return 0
         size = sum(written.bytes for written in self._last_save)
         size += full_io.write_meta(directory, [entry.dtype for entry in weights])
-        lora_io.fsync_directory(directory)
+        checkpoint.fsync_directory(directory)
         logger.info(
             "full fine-tuning files saved directory=%s files=%d bytes=%d peak_tensors_held=%d",
             directory, len(self._last_save), size, max(written.peak_held for written in self._last_save),
@@ -567,32 +532,9 @@ def _check_family(optimizer: str, fine_tuning: str) -> None:
         raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer_config")
 
 
-def _stored_family(directory: Path) -> str:
-    """The optimizer family a state checkpoint's state.json names ("adamw" when it names none)."""
-    path = directory / STATE_FILE
-    if not path.is_file():
-        return "adamw"
-    return str(msgspec.json.decode(path.read_bytes()).get("optimizer", "adamw"))
-
-
 def _ensure_process_group(device: torch.device) -> None:
     """A group of one when no torchrun group made the default process group (one device)."""
     if dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Raise BadRequest unless the checkpoint holds exactly `params`' names, each of its whole shape."""
-    missing = sorted(set(params) - set(shapes))
-    unknown = sorted(set(shapes) - set(params))
-    if missing or unknown:
-        raise BadRequest(
-            f"checkpoint {checkpoint!r} does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
-        )
-    for key, param in params.items():
-        if tuple(shapes[key]) != tuple(param.shape):
-            raise BadRequest(
-                f"checkpoint {checkpoint!r}: {key} has shape {list(shapes[key])}; expected {list(param.shape)}"
-            )

@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from openrld.batches import LoraSpec
-from openrld.gpu import lora_io
+from openrld.gpu import checkpoint, lora_io
 
 FULL_WEIGHTS = "model.safetensors"
 FULL_META = "full_model.json"
@@ -49,11 +49,7 @@ def save_full(directory: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     Raises:
         FileExistsError: `directory` is not empty (a caller bug: saves go to fresh staging dirs).
     """
-    lora_io.require_empty(directory)
-    size = lora_io.write_synced(directory / FULL_WEIGHTS, lora_io.encode_tensors(tensors))
-    size += write_meta(directory, [t.dtype for t in tensors.values()])
-    lora_io.fsync_directory(directory)
-    return size
+    return checkpoint.save_weights(directory, FULL_WEIGHTS, tensors, FULL_META, _meta(t.dtype for t in tensors.values()))
 
 
 def write_meta(directory: Path, dtypes: Iterable[torch.dtype]) -> int:
@@ -61,8 +57,18 @@ def write_meta(directory: Path, dtypes: Iterable[torch.dtype]) -> int:
 
     The Automodel trainer streams its weights file (`safetensors_stream`) and writes this beside it.
     """
-    meta = FullMeta(format_version=FORMAT_VERSION, dtype=",".join(sorted({str(dtype) for dtype in dtypes})))
-    return lora_io.write_synced(directory / FULL_META, msgspec.json.encode(meta))
+    return checkpoint.write_synced(directory / FULL_META, msgspec.json.encode(_meta(dtypes)))
+
+
+def _meta(dtypes: Iterable[torch.dtype]) -> FullMeta:
+    return FullMeta(format_version=FORMAT_VERSION, dtype=",".join(sorted({str(dtype) for dtype in dtypes})))
+
+
+def check_meta(directory: Path) -> FullMeta:
+    """full_model.json of `directory`, checked. Raises BadRequest: not full-model weights."""
+    return checkpoint.read_meta(
+        directory, FULL_META, FullMeta, FORMAT_VERSION, kind="full-model", is_not="full-model weights"
+    )
 
 
 def load_full(directory: Path) -> dict[str, torch.Tensor]:
@@ -71,8 +77,8 @@ def load_full(directory: Path) -> dict[str, torch.Tensor]:
     Raises:
         BadRequest: the directory is not full-model weights, or a file is malformed.
     """
-    lora_io.read_meta(directory, FULL_META, FullMeta, FORMAT_VERSION, kind="full-model", is_not="full-model weights")
-    return lora_io.read_tensors(directory / FULL_WEIGHTS)
+    check_meta(directory)
+    return checkpoint.read_tensors(directory / FULL_WEIGHTS)
 
 
 def load_sampler_weights(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpec | None]:

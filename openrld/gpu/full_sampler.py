@@ -45,11 +45,9 @@ from typing import Protocol
 import msgspec
 import torch
 
-from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampleJob, SampleResult
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
-from openrld.gpu import delta as weight_delta
-from openrld.gpu import full_io
+from openrld.gpu import delta as weight_delta, full_io
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.torch_sampler import TorchSampler, TorchSamplerStatistics
 from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerStatistics
@@ -176,7 +174,7 @@ class FullSampler:
     # -- versions ---------------------------------------------------------
 
     def has_version(self, version: str | None) -> bool:
-        return version is None and self._live is None or version in self._loaded
+        return (version is None and self._live is None) or version in self._loaded
 
     def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None = None) -> None:
         """Load an immutable version: full tensors keyed like `named_parameters()`, or a
@@ -189,7 +187,6 @@ class FullSampler:
         """
         if version in self._loaded:
             raise ValueError(f"weight version {version!r} is already loaded; versions are immutable")
-        payload = local_payload(payload)  # a worker's trainer sends its weights over the protocol
         if isinstance(payload, weight_delta.WeightDelta):
             # Patching waits for the running batch to drain (`step` applies it then); meanwhile the
             # change waits in host memory, whatever device its sender computed it on.

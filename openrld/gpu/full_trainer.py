@@ -38,7 +38,7 @@ import torch
 
 from openrld.batches import LoraSpec
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
-from openrld.gpu import delta, full_io, lora_io, offload, train_steps
+from openrld.gpu import checkpoint, delta, full_io, offload, train_steps
 from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.optim import AdamW, Optimizer
@@ -46,20 +46,7 @@ from openrld.gpu.scoring import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
-STATE_FORMAT_VERSION = 1
 DIMUON_REFUSAL = "dimuon needs a LoRA model: openrl.fine_tuning_type=full trains with AdamW only"
-
-
-class FullTrainerState(msgspec.Struct, frozen=True):
-    """state.json of a full fine-tuning state checkpoint."""
-
-    format_version: int
-    optimizer: str  # "adamw"
-    optimizer_steps: int
-    has_optimizer_state: bool
-    fine_tuning_type: str = "full"
 
 
 class FullTrainerStatistics(msgspec.Struct, frozen=True):
@@ -229,25 +216,15 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json`
-        into the existing, empty `directory`; every file fsynced.
+        (`checkpoint`) into the existing, empty `directory`; every file fsynced.
 
         Returns:
             Total bytes written.
         """
         size = self.sampler_checkpoint(name, directory)
-        if with_optimizer:
-            size += lora_io.write_synced(
-                directory / OPTIMIZER_FILE, lora_io.encode_tensors(self._optimizer.state_tensors())
-            )
-        state = FullTrainerState(
-            format_version=STATE_FORMAT_VERSION,
-            optimizer="adamw",
-            optimizer_steps=self._optimizer.steps_done,
-            has_optimizer_state=with_optimizer,
-        )
-        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
-        lora_io.fsync_directory(directory)
-        return size
+        state = checkpoint.full_state(self._optimizer.steps_done, with_optimizer)
+        optimizer_state = self._optimizer.state_tensors() if with_optimizer else None
+        return size + checkpoint.write_beside(directory, state, optimizer_state)
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
@@ -265,15 +242,10 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         if self._job is not None and self._job != name:
             raise Conflict(f"this full fine-tuning trainer already serves model {self._job}; it serves one job")
         tensors = full_io.load_full(directory)
-        _check_same_tensors(directory.name, self._params, tensors)
-        optimizer_path = directory / OPTIMIZER_FILE
-        if with_optimizer and not optimizer_path.is_file():
-            raise BadRequest(
-                f"checkpoint has no optimizer state ({directory.name!r} holds weights only)", key="optimizer"
-            )
+        checkpoint.check_same_tensors(directory.name, self._params, tensors)
         restored = AdamW(self._params)
-        if with_optimizer:
-            restored.load_state_tensors(lora_io.read_tensors(optimizer_path))  # checked before anything changes
+        if with_optimizer:  # checked before anything changes
+            restored.load_state_tensors(checkpoint.read_tensors(checkpoint.optimizer_file(directory, optimizer)))
         if self._job is None:
             self.add_adapter(name, spec, optimizer)
         with torch.no_grad():
@@ -332,17 +304,3 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
 def _require_adamw(optimizer: str) -> None:
     if optimizer != "adamw":
         raise BadRequest(f"{DIMUON_REFUSAL}; got optimizer {optimizer!r}", key="optimizer_config")
-
-
-def _check_same_tensors(checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(params) - set(tensors))
-    unknown = sorted(set(tensors) - set(params))
-    if missing or unknown:
-        raise BadRequest(
-            f"checkpoint {checkpoint!r} does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}"
-        )
-    for key, param in params.items():
-        if tuple(tensors[key].shape) != tuple(param.shape):
-            raise BadRequest(
-                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
-            )

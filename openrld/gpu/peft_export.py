@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from openrld.batches import LoraSpec
-from openrld.gpu.lora_io import encode_tensors, fsync_directory, write_synced
+from openrld.gpu.checkpoint import encode_tensors, fsync_directory, write_synced
 from openrld.gpu.models import lora_config
 
 PEFT_WEIGHTS = "adapter_model.safetensors"

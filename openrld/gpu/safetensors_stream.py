@@ -18,7 +18,7 @@ dtype): tensors sorted by dtype, widest first in the library's own order of its 
 then by name; a compact JSON header of {"dtype", "shape", "data_offsets"} per tensor in
 that order, padded with spaces to a multiple of 8 bytes after its 8-byte little-endian
 length; then the tensors' bytes end to end, little-endian. No `__metadata__`: the
-existing writers (`lora_io.encode_tensors`) put none, and the library writes several
+existing writers (`checkpoint.encode_tensors`) put none, and the library writes several
 metadata keys in hash order, so no other writer could match its bytes for them.
 
 Guarantees: a file is written under a temporary name in its directory, fsynced, and
@@ -51,7 +51,7 @@ from typing import BinaryIO, NamedTuple
 import msgspec
 import torch
 
-from openrld.gpu import lora_io
+from openrld.gpu import checkpoint
 
 __all__ = [
     "StreamStatistics", "StreamedWrites", "TensorEntry", "TensorSource", "encode_header", "entries_of", "file_order",
@@ -262,7 +262,7 @@ class _PartialFile:
         self._file = None
         os.rename(self._partial, self.path)
         self._partial = None
-        lora_io.fsync_directory(self.path.parent)  # the new name itself is durable, not only the bytes
+        checkpoint.fsync_directory(self.path.parent)  # the new name itself is durable, not only the bytes
 
     def _attempt(self, action: Callable[[], object]) -> None:
         if self.failure is not None:

@@ -95,12 +95,10 @@ import numpy as np
 import torch
 import transformers
 
-from openrld.worker.values import local_payload
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
 from openrld.gpu import call_threads, lora_io, models, moe_lora, offload
-from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import (
     KvBatch,
@@ -115,6 +113,7 @@ from openrld.gpu.kv_batch import (
 from openrld.gpu.lora_versions import LoraVersions
 from openrld.gpu.prefill_chunks import chunk_spans
 from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
+from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.sampling_math import (
     TOPK_EMPTY_LOGPROB,
     TOPK_EMPTY_TOKEN,
@@ -394,7 +393,6 @@ class TorchSampler(offload.ParksInSlot):
                 tensor is missing, unexpected or misshapen, or a base-weight tensor differs
                 from this sampler's base weights.
         """
-        payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if spec is None or not isinstance(payload, dict):
             raise ValueError(f"weight version {version!r} is not a LoRA adapter; this sampler serves LoRA versions")
         self._require_resident("load_version")  # peft would create the new tensors on the host

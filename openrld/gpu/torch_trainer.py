@@ -45,20 +45,16 @@ import torch
 
 from openrld.batches import LoraSpec, SyncStats
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import lora_io, offload, train_steps
+from openrld.gpu import checkpoint, lora_io, offload, train_steps
 from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import Optimizer, optimizer_for
 from openrld.gpu.peft_export import save_peft_adapter
 from openrld.gpu.scoring import TrainerConfig, plan_micro_batches
 
-__all__ = ["TorchTrainer", "TrainerConfig", "TrainerStatistics", "TrainerState", "plan_micro_batches"]
+__all__ = ["TorchTrainer", "TrainerConfig", "TrainerStatistics", "plan_micro_batches"]
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
-STATE_FORMAT_VERSION = 1
 
 
 class TrainerStatistics(msgspec.Struct, frozen=True):
@@ -66,16 +62,6 @@ class TrainerStatistics(msgspec.Struct, frozen=True):
     optim_steps: int  # AdamW steps applied, summed over the resident adapters
     forward_backward_calls: int
     tokens: int  # model-input tokens run through forward_backward
-
-
-class TrainerState(msgspec.Struct, frozen=True):
-    """state.json of a state checkpoint."""
-
-    format_version: int
-    lora: LoraSpec
-    optimizer: str  # "adamw" or "dimuon"
-    optimizer_steps: int
-    has_optimizer_state: bool
 
 
 class _Adapter:
@@ -216,27 +202,16 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the adapter (lora_io format), `optimizer.safetensors` when `with_optimizer`,
-        and `state.json` into the existing, empty `directory`; every file fsynced.
+        and `state.json` (`checkpoint`) into the existing, empty `directory`; every file fsynced.
 
         Returns:
             Total bytes written.
         """
         adapter = self._get(name)
         size = lora_io.save_adapter(directory, self.adapter_tensors(name), adapter.spec)
-        if with_optimizer:
-            size += lora_io.write_synced(
-                directory / OPTIMIZER_FILE, lora_io.encode_tensors(adapter.optimizer.state_tensors())
-            )
-        state = TrainerState(
-            format_version=STATE_FORMAT_VERSION,
-            lora=adapter.spec,
-            optimizer=adapter.family,
-            optimizer_steps=adapter.optimizer.steps_done,
-            has_optimizer_state=with_optimizer,
-        )
-        size += lora_io.write_synced(directory / STATE_FILE, msgspec.json.encode(state))
-        lora_io.fsync_directory(directory)
-        return size
+        state = checkpoint.lora_state(adapter.spec, adapter.family, adapter.optimizer.steps_done, with_optimizer)
+        optimizer_state = adapter.optimizer.state_tensors() if with_optimizer else None
+        return size + checkpoint.write_beside(directory, state, optimizer_state)
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"
@@ -255,38 +230,20 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         self._check_unembed(spec)
         self._require_resident("load_state")
         resident = self._adapters.get(name)
-        if resident is not None and resident.family != optimizer:
-            raise BadRequest(
-                f"model {name} uses optimizer {resident.family!r}; cannot load it as {optimizer!r}", key="optimizer"
-            )
+        if resident is not None:
+            checkpoint.check_family(name, resident.family, optimizer)
         tensors, stored = lora_io.load_adapter(directory)
-        for field in ("rank", "train_attn", "train_mlp", "train_unembed"):
-            if getattr(stored, field) != getattr(spec, field):
-                raise BadRequest(
-                    f"checkpoint {directory.name!r} has LoRA {field}={getattr(stored, field)!r}; "
-                    f"the model wants {field}={getattr(spec, field)!r}",
-                    key=field,
-                )
-        optimizer_path = directory / OPTIMIZER_FILE
-        if with_optimizer and not optimizer_path.is_file():
-            raise BadRequest(
-                f"checkpoint has no optimizer state ({directory.name!r} holds adapter weights only)", key="optimizer"
-            )
-        optimizer_state = lora_io.read_tensors(optimizer_path) if with_optimizer else None
+        checkpoint.check_lora_spec(directory.name, stored, spec)
+        optimizer_state = None
         if with_optimizer:
-            stored_family = _stored_optimizer(directory)
-            if stored_family != optimizer:
-                raise BadRequest(
-                    f"checkpoint {directory.name!r} holds {stored_family!r} optimizer state; the model uses "
-                    f"{optimizer!r}: cannot override restored optimizer state",
-                    key="optimizer",
-                )
+            path = checkpoint.optimizer_file(directory, optimizer, weights="adapter weights")
+            optimizer_state = checkpoint.read_tensors(path)
         is_new = name not in self._adapters
         if is_new:
             self.add_adapter(name, spec, optimizer)
         try:
             adapter = self._adapters[name]
-            _check_same_tensors(directory.name, adapter.params, tensors)
+            checkpoint.check_same_tensors(directory.name, adapter.params, tensors, fits="adapter")
             if optimizer_state is None:
                 adapter.optimizer.reset()
             else:
@@ -369,27 +326,3 @@ def _require_spec(spec: LoraSpec | None) -> LoraSpec:
     if spec is None:
         raise BadRequest("a LoRA trainer needs the adapter's LoraSpec; got none (a full fine-tuning job?)")
     return spec
-
-
-def _stored_optimizer(directory: Path) -> str:
-    """The optimizer family in a state checkpoint's state.json ("adamw" when it has none)."""
-    path = directory / STATE_FILE
-    if not path.is_file():
-        return "adamw"
-    return msgspec.json.decode(path.read_bytes(), type=TrainerState).optimizer
-
-
-def _check_same_tensors(
-    checkpoint: str, params: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]
-) -> None:
-    missing = sorted(set(params) - set(tensors))
-    unknown = sorted(set(tensors) - set(params))
-    if missing or unknown:
-        raise BadRequest(
-            f"checkpoint {checkpoint!r} does not fit this adapter: missing {missing[:3]}, unexpected {unknown[:3]}"
-        )
-    for key, param in params.items():
-        if tuple(tensors[key].shape) != tuple(param.shape):
-            raise BadRequest(
-                f"checkpoint {checkpoint!r}: {key} has shape {list(tensors[key].shape)}; expected {list(param.shape)}"
-            )

@@ -7,9 +7,9 @@ whole model); from there on their calls are one story:
   and keeps the counts both report (`forward_backward_calls`, `tokens`);
 - `TrainsInPasses` is the engine's training calls over it: `forward_backward_many`, and
   `forward_backward` as the pass of one request; `optim_step`, which refuses params of
-  another family than the model's optimizer (the gradient kept) and steps it;
-  `forward_backward_then_step`, the pass and the optim_step after it in one engine
-  call, so that an engine behind a worker protocol makes one round trip a step.
+  another family than the model's optimizer (the gradient kept) and steps it; and
+  `forward_backward_then_step` over these, every trainer's (`engine_types.StepsAfterPasses`),
+  so that an engine behind a worker protocol makes one round trip a step.
 
 What it does not do: choose the trainable tensors or the optimizer, check the engine is
 resident, or own an optimizer's state; the engine names those (`_trainable`, `_stepper`).
@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, OptimParams, OptimResult
+from openrld.engine_types import StepsAfterPasses
 from openrld.errors import BadRequest
 from openrld.gpu.optim import Optimizer, family_of
 from openrld.gpu.scoring import BatchScorer, TrainerConfig
@@ -59,7 +60,7 @@ class TrainingPasses:
         return results
 
 
-class TrainsInPasses:
+class TrainsInPasses(StepsAfterPasses):
     """`forward_backward`, `forward_backward_many`, `forward_backward_then_step` and
     `optim_step` of an engine whose `_passes` (a TrainingPasses) run its passes.
 
@@ -93,21 +94,7 @@ class TrainsInPasses:
         atomic (`TrainingPasses.run`). Raises NotFound for an unknown model."""
         return self._passes.run(batches, self._trainable(name))
 
-    def forward_backward_then_step(
-        self, name: str, batches: Sequence[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        """`forward_backward_many`, then the `optim_step` after it (`params` not None).
-
-        Returns (the pass's results, the step's OptimResult, or its exception, or None): a failed
-        step leaves the pass's results standing. The pass's failure is raised.
-        """
-        results = self.forward_backward_many(name, list(batches))
-        if params is None:
-            return results, None
-        try:
-            return results, self.optim_step(name, params)
-        except Exception as error:
-            return results, error
+    # forward_backward_then_step: engine_types.StepsAfterPasses, over these.
 
     def optim_step(self, name: str, params: OptimParams) -> OptimResult:
         """One step of `name`'s optimizer with its accumulated gradients.

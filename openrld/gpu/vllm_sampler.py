@@ -88,7 +88,6 @@ from openrld.gpu.vllm_mapping import (
     unembed_lora_refusal,
     vllm_max_lora_rank,
 )
-from openrld.worker.values import local_payload
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +273,6 @@ class VllmSampler:
                 message says why).
             BadRequest: the adapter trains lm_head, which vLLM takes no LoRA on for this model.
         """
-        payload = local_payload(payload)  # a worker's trainer sends its tensors over the protocol
         if not self._serves_lora:
             raise ValueError(f"weight version {version!r}: this vLLM engine serves full-weight versions, through FullSampler")
         if spec is None or not isinstance(payload, Mapping):

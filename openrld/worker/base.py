@@ -16,19 +16,31 @@ A custom image runs a program that builds its engine and calls `serve`:
 
     server.serve(MyTrainer, role="trainer", engine="my-trainer:1")
 
-What a subclass must write raises NotSupportedYet here, so a job that calls it
+What a subclass must write raises NotSupportedYet here (every call of the
+`engine_types` Protocol that this module does not write), so a job that calls it
 fails with a clear message and the worker serves on. What has one sensible
-meaning is written here: several passes one after another, a pass then a step,
-parking as "nothing to move" (the worker keeps its device memory), no weight
-sync statistics.
+meaning is written here: several passes one after another, a pass then a step
+(`engine_types.StepsAfterPasses`), parking as "nothing to move" (the worker keeps
+its device memory), no weight sync statistics.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, OptimParams, OptimResult, SampleJob, SyncStats
-from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, SyncStats
+from openrld.engine_types import (
+    Finished,
+    ParkReport,
+    ResumeReport,
+    SamplerEngine,
+    StepsAfterPasses,
+    TrainerEngine,
+    WeightPayload,
+)
 from openrld.errors import NotSupportedYet
 
 
@@ -62,41 +74,14 @@ class _Resident:
         pass
 
 
-class TrainerWorker(_Resident):
-    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None:
-        raise _missing("add_adapter")
-
-    def drop_adapter(self, name: str) -> None:
-        raise _missing("drop_adapter")
-
-    def has_adapter(self, name: str) -> bool:
-        raise _missing("has_adapter")
-
-    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        raise _missing("forward_backward")
-
+class TrainerWorker(StepsAfterPasses, _Resident):
     def forward_backward_many(self, name: str, batches: list[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        return [self.forward_backward(name, batch) for batch in batches]
+        return [self.forward_backward(name, batch) for batch in batches]  # type: ignore[attr-defined]
 
-    def forward_backward_then_step(
-        self, name: str, batches: list[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        results = self.forward_backward_many(name, batches)
-        if params is None:
-            return results, None
-        try:
-            return results, self.optim_step(name, params)
-        except Exception as error:  # the pass stands; the step's failure is its own op's
-            return results, error
-
-    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
-        raise _missing("optim_step")
+    # forward_backward_then_step: engine_types.StepsAfterPasses.
 
     def adapter_tensors(self, name: str) -> WeightPayload:
-        return self.sampler_payload(name, "")
-
-    def sampler_payload(self, name: str, version: str) -> WeightPayload:
-        raise _missing("sampler_payload")
+        return self.sampler_payload(name, "")  # type: ignore[attr-defined]
 
     def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
         raise _missing("export_adapter (save_weights for use outside openrld)")
@@ -104,28 +89,13 @@ class TrainerWorker(_Resident):
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
         raise _missing("sampler_checkpoint (save_weights_for_sampler with a name)")
 
-    def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int:
-        raise _missing("save_state")
-
-    def load_state(self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str) -> None:
-        raise _missing("load_state")
-
 
 class SamplerWorker(_Resident):
-    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
-        raise _missing("load_version")
-
-    def load_checkpoint(self, version: str, directory: Path) -> None:
-        raise _missing("load_checkpoint")
-
     def drop_version(self, version: str) -> None:
         pass
 
     def versions_in_use(self) -> set[str]:
         return set()
-
-    def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
-        raise _missing("add")
 
     def cancel(self, request_id: str) -> bool:
         return False
@@ -135,3 +105,24 @@ class SamplerWorker(_Resident):
 
     def step(self) -> list[Finished]:
         return []
+
+
+def _refuse_the_rest(cls: type, protocol: type) -> None:
+    """Give `cls` every call of `protocol` it does not write, as one that raises NotSupportedYet."""
+    for layer in protocol.__mro__:
+        for name, member in vars(layer).items():
+            if inspect.isfunction(member) and not name.startswith("_") and not hasattr(cls, name):
+                setattr(cls, name, _refusal(name, member))
+
+
+def _refusal(name: str, declared: Callable[..., Any]) -> Callable[..., Any]:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _missing(name)
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__signature__ = inspect.signature(declared)  # type: ignore[attr-defined]
+    return refuse
+
+
+_refuse_the_rest(TrainerWorker, TrainerEngine)
+_refuse_the_rest(SamplerWorker, SamplerEngine)

@@ -3,6 +3,8 @@
 `RemoteTrainer` and `RemoteSampler` implement the engine interfaces of
 `openrld.engine_types`, so an actor drives a worker exactly as it drives an
 engine in its own process: blocking calls from its worker thread, one at a time.
+Their calls are made from the Protocols (`methods.py`), but for what the daemon's
+side does itself: track parking, and hold a sampler's adds and cancels for its next step.
 
 Faults stay with the worker's jobs. A worker that exits, falls silent past its
 heartbeat deadline during a call, or breaks the protocol (a malformed,
@@ -17,25 +19,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from openrld.batches import (
-    ForwardBackwardBatch,
-    ForwardBackwardResult,
-    LoraSpec,
-    OptimParams,
-    OptimResult,
-    SampleJob,
-    SyncStats,
-)
-from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
+from openrld.batches import SampleJob, SyncStats
+from openrld.engine_types import Finished, ParkReport, ResumeReport
 from openrld.errors import BadRequest, EngineLost, OpenrldError, ServerError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, ProtocolError
-from openrld.worker.methods import METHODS, AddRequest, StepCall, split_params
+from openrld.worker.methods import METHODS, SAMPLER_METHODS, TRAINER_METHODS, AddRequest, Method, StepCall
 from openrld.worker.protocol import Bye, Call, Cancel, Failure, Heartbeat, Result
 
 logger = logging.getLogger(__name__)
@@ -184,55 +178,7 @@ class _RemoteEngine:
 
 
 class RemoteTrainer(_RemoteEngine):
-    """A `TrainerEngine` in a worker."""
-
-    def add_adapter(self, name: str, spec: LoraSpec | None, optimizer: str) -> None:
-        self.connection.call("add_adapter", name, spec, optimizer)
-
-    def drop_adapter(self, name: str) -> None:
-        self.connection.call("drop_adapter", name)
-
-    def has_adapter(self, name: str) -> bool:
-        return self.connection.call("has_adapter", name)
-
-    def forward_backward(self, name: str, batch: ForwardBackwardBatch) -> ForwardBackwardResult:
-        return self.connection.call("forward_backward", name, batch)
-
-    def forward_backward_many(self, name: str, batches: list[ForwardBackwardBatch]) -> list[ForwardBackwardResult]:
-        return self.connection.call("forward_backward_many", name, list(batches))
-
-    def forward_backward_then_step(
-        self, name: str, batches: list[ForwardBackwardBatch], params: OptimParams | None
-    ) -> tuple[list[ForwardBackwardResult], OptimResult | Exception | None]:
-        outcome = self.connection.call("forward_backward_then_step", name, list(batches), *split_params(params))
-        if outcome.step_failure is not None:
-            failure = outcome.step_failure
-            return outcome.results, values.error_from(failure.kind, failure.message, failure.key)
-        return outcome.results, outcome.step
-
-    def optim_step(self, name: str, params: OptimParams) -> OptimResult:
-        return self.connection.call("optim_step", name, *split_params(params))
-
-    def adapter_tensors(self, name: str) -> WeightPayload:
-        return self.connection.call("adapter_tensors", name)
-
-    def sampler_payload(self, name: str, version: str) -> WeightPayload:
-        reply = self.connection.call("sampler_payload", name, version)
-        self._last_sync = reply.last_sync
-        return reply.payload
-
-    def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
-        return self.connection.call("export_adapter", name, str(directory), base_model)
-
-    def sampler_checkpoint(self, name: str, directory: Path) -> int:
-        return self.connection.call("sampler_checkpoint", name, str(directory))
-
-    def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int:
-        return self.connection.call("save_state", name, str(directory), with_optimizer)
-
-    def load_state(self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str) -> None:
-        self.connection.call("load_state", name, str(directory), spec, with_optimizer, optimizer)
-
+    """A `TrainerEngine` in a worker: each of its calls is `methods.TRAINER_METHODS`' (`_calls`)."""
 
 
 class RemoteSampler(_RemoteEngine):
@@ -250,14 +196,7 @@ class RemoteSampler(_RemoteEngine):
         self._cancels: list[str] = []
         self._live: dict[str, str | None] = {}  # request id -> its version
 
-    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
-        self._last_sync = self.connection.call("load_version", version, values.payload_of(payload), spec) or self._last_sync
-
-    def load_checkpoint(self, version: str, directory: Path) -> None:
-        self._last_sync = self.connection.call("load_checkpoint", version, str(directory)) or self._last_sync
-
-    def drop_version(self, version: str) -> None:
-        self.connection.call("drop_version", version)
+    # load_version, load_checkpoint, drop_version: methods.SAMPLER_METHODS' (`_calls`).
 
     def versions_in_use(self) -> set[str]:
         return {version for version in self._live.values() if version is not None}
@@ -296,3 +235,28 @@ class RemoteSampler(_RemoteEngine):
                 finished.append(Finished(request_id=failed.request_id, result=None, error=error))
         return finished
 
+
+def _calls(cls: type, methods: dict[str, Method]) -> None:
+    """Give `cls` each call of `methods` that it does not write itself, as the Protocol declares it."""
+    for name, method in methods.items():
+        if not hasattr(cls, name):
+            setattr(cls, name, _remote_call(cls, method))
+
+
+def _remote_call(cls: type, method: Method) -> Callable[..., Any]:
+    name = method.name
+
+    def call(self: _RemoteEngine, *args: Any, **kwargs: Any) -> Any:
+        value, last_sync = method.returned(self.connection.call(name, *method.send(args, kwargs)))
+        if method.syncs:
+            self._last_sync = last_sync
+        return value
+
+    call.__name__, call.__qualname__ = name, f"{cls.__name__}.{name}"
+    call.__doc__ = method.doc
+    call.__signature__ = method.signature  # type: ignore[attr-defined]
+    return call
+
+
+_calls(RemoteTrainer, TRAINER_METHODS)
+_calls(RemoteSampler, SAMPLER_METHODS)

@@ -1,7 +1,7 @@
 """Which launcher hosts each engine, and the one call that starts a worker for it.
 
 The daemon builds one `WorkerHosting` from its `[workers]` config and hands it to
-the engine factory (`gpu/engines.py`). The factory asks it for a trainer or a
+the engine factory (`engines.py`). The factory asks it for a trainer or a
 sampler of a kind; `None` from `launcher_for` means inproc (the engine in the
 daemon's own worker thread), anything else a worker, started here and returned
 as a `RemoteTrainer` or `RemoteSampler`:

@@ -60,7 +60,8 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -78,9 +79,8 @@ from openrld.worker.server import (
     TOKEN_ENV,
     BuildEngine,
     _close,
-    _sampler_handlers,
     _Session,
-    _trainer_handlers,
+    handlers,
 )
 
 logger = logging.getLogger("openrld.worker")
@@ -256,16 +256,12 @@ def _build(build: BuildEngine, start: Start) -> tuple[Any, BaseException | None]
         return None, error
 
 
-def _perform(handlers: dict[str, Callable[..., Any]], role: Role, order: Order, buffers: list[memoryview]) -> tuple[Any, BaseException | None]:
+def _perform(answers: dict[str, Callable[[tuple], Any]], role: Role, order: Order, buffers: list[memoryview]) -> tuple[Any, BaseException | None]:
     try:
         args = values.decode(order.args, METHODS[role][order.method].args, buffers, torch_tensors=True)
-        return handlers[order.method](*args), None
+        return answers[order.method](args), None
     except BaseException as error:  # the engine's error is the call's; the group serves on
         return None, error
-
-
-def _handlers(role: Role, engine: Any) -> dict[str, Callable[..., Any]]:
-    return _trainer_handlers(engine) if role == "trainer" else _sampler_handlers(engine)
 
 
 def _follow(group: RankGroup, build: BuildEngine, role: Role) -> int:
@@ -276,13 +272,13 @@ def _follow(group: RankGroup, build: BuildEngine, role: Role) -> int:
     engine, error = _build(build, _own_start(_start_decoder.decode(shared)))
     if group.agree(error) is not None:
         return 1
-    handlers = _handlers(role, engine)
+    answers = handlers(role, engine)
     while True:
         order, buffers = group.share_order(None)
         if order.method == "":
             _close(engine)
             return 0
-        _, error = _perform(handlers, role, order, buffers)
+        _, error = _perform(answers, role, order, buffers)
         group.agree(error)
 
 
@@ -314,7 +310,7 @@ class _Leader(_Session):
             self.frames.send(failed.failure(0, self.group.world_size, "the worker could not build its engine: "))
             return 1
         self.frames.send(Ready(info=info(engine) if info is not None else {}))
-        handlers = _handlers(self.role, engine)
+        answers = handlers(self.role, engine)
         while True:
             item = self.inbox.get()
             if item is None:  # Bye, or the daemon is gone
@@ -326,17 +322,17 @@ class _Leader(_Session):
                 self.cancelled.discard(call.id)
                 self._send(Failure(call.id, "Gone", f"call {call.id} was cancelled before it ran"))
                 continue
-            self._answer(handlers, call, buffers)
+            self._answer(answers, call, buffers)
 
-    def _answer(self, handlers: dict[str, Callable[..., Any]], call: Call, buffers: list[memoryview]) -> None:
-        if call.method not in METHODS[self.role] or call.method not in handlers:
+    def _answer(self, answers: dict[str, Callable[[tuple], Any]], call: Call, buffers: list[memoryview]) -> None:
+        if call.method not in METHODS[self.role] or call.method not in answers:
             # Every rank has the same handlers: none would run it, so none is told.
             self._send(Failure(call.id, "fault", f"this worker has no method {call.method!r}"))
             return
         self.busy.set()
         try:
             order, buffers = self.group.share_order(Order(call.method, call.args, [b.nbytes for b in buffers]), buffers)
-            value, error = _perform(handlers, self.role, order, buffers)
+            value, error = _perform(answers, self.role, order, buffers)
             encoding, encoded = values.Encoding(), None
             if error is None:
                 try:

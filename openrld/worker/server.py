@@ -16,6 +16,7 @@ tensor needs it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -24,13 +25,13 @@ import socket
 import sys
 import threading
 import traceback
-from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from openrld.errors import OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, Limits, ProtocolError
-from openrld.worker.methods import METHODS, Done, PayloadReply, StepCall, StepOutcome, StepReply, join_params
+from openrld.worker.methods import METHODS, Done, StepCall, StepReply
 from openrld.worker.protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -129,7 +130,7 @@ class _Session:
         if engine is None:
             return 1
         self.frames.send(Ready(info=info(engine) if info is not None else {}))
-        handlers = _trainer_handlers(engine) if self.role == "trainer" else _sampler_handlers(engine)
+        answers = handlers(self.role, engine)
         while True:
             item = self.inbox.get()
             if not isinstance(item, tuple):  # Bye, or the daemon is gone
@@ -140,7 +141,7 @@ class _Session:
                 self.cancelled.discard(call.id)
                 self.frames.send(Failure(call.id, "Gone", f"call {call.id} was cancelled before it ran"))
                 continue
-            self._answer(handlers, call, buffers)
+            self._answer(answers, call, buffers)
 
     def _build(self, build: BuildEngine, start: Start) -> Any:
         self.busy.set()
@@ -153,17 +154,16 @@ class _Session:
         finally:
             self.busy.clear()
 
-    def _answer(self, handlers: dict[str, Callable[..., Any]], call: Call, buffers: list[memoryview]) -> None:
-        method = METHODS[self.role].get(call.method)
-        handler = handlers.get(call.method)
-        if method is None or handler is None:
+    def _answer(self, answers: dict[str, Callable[[tuple], Any]], call: Call, buffers: list[memoryview]) -> None:
+        method, answer = METHODS[self.role].get(call.method), answers.get(call.method)
+        if method is None or answer is None:
             self.frames.send(Failure(call.id, "fault", f"this worker has no method {call.method!r}"))
             return
         self.busy.set()
         self.call_id = call.id
         try:
             args = values.decode(call.args, method.args, buffers, torch_tensors=True)
-            value = handler(*args)
+            value = answer(args)
             encoding = values.Encoding()
             encoded = encoding.encode(value)
         except BaseException as error:  # the engine's error is the call's; the worker serves on
@@ -219,68 +219,31 @@ def _close(engine: Any) -> None:
             logger.exception("closing the engine failed")
 
 
-def _trainer_handlers(engine: Any) -> dict[str, Callable[..., Any]]:
-    def then_step(name: str, batches: list, adam: Any, dimuon: Any) -> StepOutcome:
-        results, stepped = engine.forward_backward_then_step(name, batches, join_params(adam, dimuon))
-        if isinstance(stepped, BaseException):
-            kind, text, key = values.failure_fields(stepped)
-            return StepOutcome(results, step_failure=Failure(0, kind, text, key))
-        return StepOutcome(results, step=stepped)
-
-    return {
-        "add_adapter": engine.add_adapter,
-        "drop_adapter": engine.drop_adapter,
-        "has_adapter": engine.has_adapter,
-        "forward_backward": engine.forward_backward,
-        "forward_backward_many": engine.forward_backward_many,
-        "forward_backward_then_step": then_step,
-        "optim_step": lambda name, adam, dimuon: engine.optim_step(name, join_params(adam, dimuon)),
-        "adapter_tensors": lambda name: values.payload_of(engine.adapter_tensors(name)),
-        "sampler_payload": lambda name, version: PayloadReply(
-            values.payload_of(engine.sampler_payload(name, version)), engine.last_sync
-        ),
-        "export_adapter": lambda name, directory, base: engine.export_adapter(name, Path(directory), base),
-        "sampler_checkpoint": lambda name, directory: engine.sampler_checkpoint(name, Path(directory)),
-        "save_state": lambda name, directory, with_optimizer: engine.save_state(name, Path(directory), with_optimizer),
-        "load_state": lambda name, directory, spec, with_optimizer, optimizer: engine.load_state(
-            name, Path(directory), spec, with_optimizer, optimizer
-        ),
-        "park": engine.park,
-        "resume": engine.resume,
+def handlers(role: Role, engine: Any) -> dict[str, Callable[[tuple], Any]]:
+    """What answers each call, by name: each takes the call's decoded wire arguments and
+    returns its reply. The Protocol's calls on `engine` (`methods.Method.call`), and for a
+    sampler the `step` that carries its adds and cancels."""
+    answers: dict[str, Callable[[tuple], Any]] = {
+        name: functools.partial(method.call, engine) for name, method in METHODS[role].items()
     }
+    if role == "sampler":
+        answers["step"] = lambda args: _sampler_step(engine, *args)
+    return answers
 
 
-def _sampler_handlers(engine: Any) -> dict[str, Callable[..., Any]]:
-    def load_version(version: str, payload: values.WirePayload, spec: Any) -> Any:
-        engine.load_version(version, values.local_payload(payload), spec)
-        return engine.last_sync
-
-    def load_checkpoint(version: str, directory: str) -> Any:
-        engine.load_checkpoint(version, Path(directory))
-        return engine.last_sync
-
-    def step(call: StepCall) -> StepReply:
-        for request_id in call.cancels:
-            engine.cancel(request_id)
-        failed = []
-        for add in call.adds:
-            try:
-                engine.add(add.request_id, add.version, add.job)
-            except (OpenrldError, KeyError, ValueError) as error:
-                kind, text, _ = values.failure_fields(error)
-                failed.append(values.RequestFailure(add.request_id, kind, text))
-        finished = []
-        for _ in range(call.steps):
-            if not engine.has_work():
-                break
-            finished += [Done(done.request_id, done.result) for done in engine.step()]
-        return StepReply(finished, failed, engine.has_work())
-
-    return {
-        "load_version": load_version,
-        "load_checkpoint": load_checkpoint,
-        "drop_version": engine.drop_version,
-        "step": step,
-        "park": engine.park,
-        "resume": engine.resume,
-    }
+def _sampler_step(engine: Any, call: StepCall) -> StepReply:
+    for request_id in call.cancels:
+        engine.cancel(request_id)
+    failed = []
+    for add in call.adds:
+        try:
+            engine.add(add.request_id, add.version, add.job)
+        except (OpenrldError, KeyError, ValueError) as error:
+            kind, text, _ = values.failure_fields(error)
+            failed.append(values.RequestFailure(add.request_id, kind, text))
+    finished = []
+    for _ in range(call.steps):
+        if not engine.has_work():
+            break
+        finished += [Done(done.request_id, done.result) for done in engine.step()]
+    return StepReply(finished, failed, engine.has_work())

@@ -25,8 +25,8 @@ from openrld.actors.sampler import Sample
 from openrld.actors.trainer import OptimStep
 from openrld.batches import AdamParams, SampleJob, SamplingSpec
 from openrld.errors import BadRequest, ServerError
-from openrld.gpu.engines import TorchEngineFactory
 from openrld.model_catalog import ModelEntry
+from openrld.worker.engines import TorchEngineFactory
 from tests.actors.test_sampler_replicas import MemoryLog
 
 OWNER = "u"

@@ -11,9 +11,9 @@ import torch
 from openrld.errors import BadRequest
 from openrld.gpu.automodel_shards import local_rows
 from openrld.gpu.automodel_trainer import AutomodelOptions
-from openrld.gpu.engines import TorchEngineFactory
 from openrld.model_catalog import ModelEntry
 from openrld.worker.builtin import _automodel_options
+from openrld.worker.engines import TorchEngineFactory
 from openrld.worker.hosting import WorkerHosting
 
 

@@ -351,7 +351,7 @@ def test_two_ranks_train_every_weight_as_one_process_does_sync_it_by_delta_and_r
         # the digest of its weights against the trainer's (WeightMismatch otherwise).
         sampler = FullSampler(tiny_llama, torch.device("cpu"))
         first = train(trainer, range(2))
-        sampler.load_version("v1", trainer.sampler_payload("job", "v1"), None)
+        sampler.load_version("v1", local_payload(trainer.sampler_payload("job", "v1")), None)
         ours = first + train(trainer, range(2, STEPS), save_to=tmp_path / "step3")
         change = local_payload(trainer.sampler_payload("job", "v2"))
         assert change.base_version == "v1" and change.mode == "delta" and change.changed_elements > 0

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from openrld.gpu.engines import TorchEngineFactory
 from openrld.gpu.torch_sampler import TorchSampler
 from openrld.gpu.vllm_sampler import VllmSamplerConfig, VllmUnavailable
 from openrld.model_catalog import ModelEntry
+from openrld.worker.engines import InprocSampler, TorchEngineFactory
 
 
 def entry(directory: Path) -> ModelEntry:
@@ -19,7 +19,8 @@ def entry(directory: Path) -> ModelEntry:
 
 def test_the_factory_builds_the_torch_sampler_by_default(tiny_llama: Path) -> None:
     factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64)
-    assert isinstance(factory.sampler(entry(tiny_llama))(), TorchSampler)
+    sampler = factory.sampler(entry(tiny_llama))()
+    assert isinstance(sampler, InprocSampler) and isinstance(sampler.engine, TorchSampler)
 
 
 def test_the_factory_builds_the_vllm_sampler_when_configured(tiny_llama: Path) -> None:

@@ -1,7 +1,7 @@
 """gpu/safetensors_stream.py: files written one tensor at a time are the safetensors library's bytes.
 
 One process, the writer's side only (the Automodel group tests drive it over 2 ranks):
-- the bytes equal `safetensors.torch.save_file`'s (and `lora_io.encode_tensors`') for tensors
+- the bytes equal `safetensors.torch.save_file`'s (and `checkpoint.encode_tensors`') for tensors
   of every dtype the library writes, of several shapes, 0-d and empty ones included; the
   file loads with `load_file`; its header has no `__metadata__`, as the existing writers';
 - a write that fails midway leaves no file at the final path and nothing else behind,
@@ -20,9 +20,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from openrld.gpu import lora_io
+from openrld.gpu import checkpoint
 from openrld.gpu.safetensors_stream import (
-    StreamedWrites, TensorEntry, encode_header, entries_of, file_order, taken_from,
+    StreamedWrites,
+    TensorEntry,
+    encode_header,
+    entries_of,
+    file_order,
+    taken_from,
 )
 
 # Every dtype safetensors.torch writes in this torch, in no particular order, but for the packed
@@ -73,7 +78,7 @@ def test_a_streamed_file_is_the_librarys_bytes(tmp_path, tensors):
     [written] = stream(tmp_path / "streamed.safetensors", tensors)
     ours = (tmp_path / "streamed.safetensors").read_bytes()
     assert ours == (tmp_path / "library.safetensors").read_bytes()
-    assert ours == lora_io.encode_tensors(tensors)  # what full_io and the optimizer files are written with
+    assert ours == checkpoint.encode_tensors(tensors)  # what full_io and the optimizer files are written with
     assert (written.file, written.tensors, written.bytes) == ("streamed.safetensors", len(tensors), len(ours))
     loaded = safetensors.torch.load_file(tmp_path / "streamed.safetensors")
     assert loaded.keys() == tensors.keys()
@@ -89,7 +94,7 @@ def test_the_header_has_no_metadata_and_is_padded_to_8_bytes_with_spaces():
     (length,) = struct.unpack("<Q", header[:8])
     assert len(header) == 8 + length and length % 8 == 0
     assert "__metadata__" not in header_of(header)
-    assert header[8:] == lora_io.encode_tensors(tensors)[8 : 8 + length]
+    assert header[8:] == checkpoint.encode_tensors(tensors)[8 : 8 + length]
     json_text = header[8:].rstrip(b" ")
     assert json_text.endswith(b"}") and len(header[8:]) - len(json_text) < 8  # spaces pad it, no more than 7
 
@@ -102,7 +107,7 @@ def test_the_file_order_is_widest_dtype_first_then_by_name():
         "a.step", "z.scale", "empty.rows", "model.layers.1.mlp.weight", "ids", "empty.bf16", "lm_head.weight",
         "embed.weight", "ünïcode \"name\"\n", "mask",
     ]
-    assert list(header_of(lora_io.encode_tensors(tensors))) == order
+    assert list(header_of(checkpoint.encode_tensors(tensors))) == order
 
 
 def recording(tensors: dict[str, torch.Tensor], taken: list[str]):
@@ -192,7 +197,7 @@ def test_each_tensor_is_dropped_before_the_next_is_taken(tmp_path):
     writes.write(tmp_path / "keeping.safetensors", entries_of(sizes), keeping)
     first, second = writes.finish()
     assert (first.peak_held, second.peak_held) == (1, 2)
-    assert (tmp_path / "fresh.safetensors").read_bytes() == lora_io.encode_tensors(sizes)
+    assert (tmp_path / "fresh.safetensors").read_bytes() == checkpoint.encode_tensors(sizes)
 
 
 def test_a_name_twice_or_a_dtype_without_a_code_is_refused():

@@ -15,16 +15,15 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from fake_vllm import FakeLLM, FusedLlama, install_fake_vllm
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, SampleJob, SamplingSpec, TrainDatum
 from openrld.gpu import delta, vllm_weights
-from openrld.gpu.engines import TorchEngineFactory, vllm_full_options
 from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.vllm_sampler import VllmSamplerConfig, VllmUnavailable
 from openrld.model_catalog import ModelEntry
-
-from fake_vllm import FakeLLM, FusedLlama, install_fake_vllm
+from openrld.worker.engines import TorchEngineFactory, vllm_full_options
 
 CPU = torch.device("cpu")
 TOKENS = np.arange(30, 46, dtype=np.int64)

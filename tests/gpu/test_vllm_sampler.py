@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from openrld.batches import LoraSpec
-from openrld.errors import BadRequest
-from openrld.gpu import models, offload, vllm_mapping, vllm_sampler
-from openrld.gpu.lora_io import read_tensors
-from openrld.gpu.sample_alone import ALONE_REQUEST_ID
-from openrld.gpu.sampling_math import stream_seed
-from openrld.gpu.vllm_sampler import VllmSampler, VllmUnavailable
-
 # vLLM, the edge we cannot reach: its output types (vllm_outputs.py) and its engine (fake_vllm.py).
 from fake_vllm import GIB, FakeEngine, FakeLoRARequest, VLLMValidationError, install_fake_vllm
 from vllm_outputs import PROMPT, VOCAB, Completion, Logprob, job
+
+from openrld.batches import LoraSpec
+from openrld.errors import BadRequest
+from openrld.gpu import models, offload, vllm_mapping, vllm_sampler
+from openrld.gpu.checkpoint import read_tensors
+from openrld.gpu.sample_alone import ALONE_REQUEST_ID
+from openrld.gpu.sampling_math import stream_seed
+from openrld.gpu.vllm_sampler import VllmSampler, VllmUnavailable
 
 
 def completion(tokens: list[int], finish_reason: str = "length") -> Completion:
@@ -252,8 +251,8 @@ def test_a_version_training_lm_head_is_refused_for_qwen2_naming_train_unembed(
 
 
 def test_a_vllm_node_refuses_an_lm_head_adapter_on_qwen2_when_the_model_is_created(tiny_llama: Path, tmp_path: Path) -> None:
-    from openrld.gpu.engines import TorchEngineFactory
     from openrld.model_catalog import ModelEntry
+    from openrld.worker.engines import TorchEngineFactory
 
     directory = qwen2_labelled(tiny_llama, tmp_path)
     model = ModelEntry(name="qwen2", directory=str(directory), arch="llama", max_context=64)

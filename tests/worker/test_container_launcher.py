@@ -17,21 +17,20 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import podman_support
 import pytest
 import torch
+from in_call import InCall, entered
+from podman_support import GLOBAL_ARGS, REPO, containers_of, podman
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import EngineLost
-from openrld.gpu.engines import build_lora_trainer
 from openrld.worker.client import RemoteTrainer, WorkerTimeouts
+from openrld.worker.engines import build_lora_trainer
 from openrld.worker.launchers import WORKER_SOCKET_DIR, Mount, WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.container import ContainerLauncher, ContainerRuntimeError
 from openrld.worker.protocol import Start
 from openrld.worker.values import local_payload
-
-from in_call import InCall, entered
-import podman_support
-from podman_support import GLOBAL_ARGS, REPO, containers_of, podman
 
 QUICK = WorkerTimeouts(hello_s=60.0, heartbeat_s=0.5, deadline_s=30.0, stop_s=5.0)
 MODEL_INSIDE = "/opt/openrld-model"  # not the host's path: the worker reads what the spec mounts

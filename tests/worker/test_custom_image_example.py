@@ -11,18 +11,17 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
+import podman_support
 import pytest
 import torch
+from podman_support import GLOBAL_ARGS, REPO, container_log, containers_of
 
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
-from openrld.gpu.engines import build_lora_trainer
 from openrld.worker.client import RemoteTrainer, WorkerTimeouts
+from openrld.worker.engines import build_lora_trainer
 from openrld.worker.launchers import Mount, WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.container import ContainerLauncher
 from openrld.worker.protocol import Start
-
-import podman_support
-from podman_support import GLOBAL_ARGS, REPO, container_log, containers_of
 
 MODEL_INSIDE = "/opt/openrld-model"
 

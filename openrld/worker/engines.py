@@ -3,22 +3,29 @@
 The actors never import torch; the daemon gives them this factory, whose
 builders run in the actor's worker thread and return a ready engine: the
 built-in engine itself (inproc), or a worker hosting the same engine elsewhere
-(`openrld/worker/hosting.py` says where: a process, the vLLM environment, a job's
-container image). Both paths build through `openrld.worker.builtin.build`, from
-the same `Start`, so a job trains and samples bit-identically under either.
+(`hosting.py` says where: a process, the vLLM environment, a job's container
+image). Both paths build through `builtin.build`, from the same `Start`, so a job
+trains and samples bit-identically under either.
+
+An engine in this process stands behind the same edge as one in a worker: the weights
+a worker's trainer sends come as a `WirePayload` (`values.py`), and `InprocSampler`
+decodes them for the sampler engine, as a worker's server does for its own (the engines
+of `gpu/` take torch tensors and weight deltas only, and import nothing of `worker/`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
-from openrld.engine_types import SamplerEngine, TrainerEngine
+from openrld.batches import LoraSpec
+from openrld.engine_types import SamplerEngine, TrainerEngine, WeightPayload
 from openrld.gpu.devices import group_device
 from openrld.gpu.gguf_convert import GgufConverter
 from openrld.gpu.models import pick_dtype
@@ -26,6 +33,7 @@ from openrld.model_catalog import ModelEntry
 from openrld.worker import builtin
 from openrld.worker.hosting import WorkerHosting
 from openrld.worker.protocol import Role, Scalar, Start
+from openrld.worker.values import local_payload
 
 if TYPE_CHECKING:
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
@@ -155,11 +163,27 @@ class TorchEngineFactory:
             self.converter.ensure(model)
         launcher = self.hosting.launcher_for(kind, image)
         if launcher is None:
-            return builtin.build(Start(kind, model.directory, str(self.device), options=options))
+            engine = builtin.build(Start(kind, model.directory, str(self.device), options=options))
+            return InprocSampler(engine) if role == "sampler" else engine
         return self.hosting.start(
             launcher, role=role, kind=kind, model_name=model.name, model_dir=model.directory,
             device=str(self.device), threads=self.cpu_threads, options=options, image=image, job=job,
         )
+
+
+class InprocSampler:
+    """A sampler engine in this process, behind the worker's edge: a payload from a worker's
+    trainer is decoded here (`values.local_payload`), never in the engine. Every other call,
+    and what the engine has besides its Protocol (`statistics`), is the engine's own."""
+
+    def __init__(self, engine: SamplerEngine) -> None:
+        self.engine = engine
+
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
+        self.engine.load_version(version, local_payload(payload), spec)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 def vllm_full_options(config: VllmSamplerConfig, device: torch.device) -> dict[str, Scalar]:
