@@ -179,7 +179,7 @@ class ContextParallelScorer(BatchScorer):
         nothing but stays in the graph, so its backward (and its collectives) still run."""
         if not positions:
             return logits[:0, 0].float()
-        return self._logprobs_at(logits, positions, targets, False, self._chunk_positions())
+        return self._logprobs_at(logits, positions, targets, False, self._chunk_positions(self._checkpointed))
 
     def _gathered_logprobs(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's lp in rank order, which is packed order (the chunks are contiguous).

@@ -27,8 +27,9 @@ run plain and pay no recompute. The Automodel trainer's passes choose per round 
 instead, one answer for all of them (`automodel_passes`), and apply it with `checkpointing`.
 
 A datum whose step would not fit in the memory the device can give (`gpu/memory_fit.py`'s
-estimate from the same bytes per token, against `TrainerConfig.available_memory_bytes` or what
-the device reports) is refused with a 400 before any compute, not run into an out-of-memory kill.
+estimate, measured once on short probes of this scorer's own step, against
+`TrainerConfig.available_memory_bytes` or what the device reports) is refused with a 400 before
+any compute, not run into an out-of-memory kill.
 
 Guarantees: a request is validated whole before any compute, and under
 `gradients_set_aside` a failed request (bad input or a non-finite loss) leaves the
@@ -54,6 +55,7 @@ import torch.utils.checkpoint
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, TrainDatum
 from openrld.errors import BadRequest
 from openrld.gpu import call_threads, losses, memory_fit, shared_prefix
+from openrld.gpu.long_attention import QUERY_BLOCK
 from openrld.gpu.models import max_context, vocab_size
 from openrld.gpu.shared_prefix import SharedPrefixes
 
@@ -140,6 +142,7 @@ class BatchScorer:
         # The autograd graph's bytes per token of a forward with grad; measured at the first
         # request with grad (`check_fits`, `_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
+        self._step_fit: memory_fit.StepFit | None = None  # `memory_fit`'s probes, run at the first `step_bytes`
         self._checkpointed = False  # whether the micro-batch running now is checkpointed (`checkpointing`)
         # Whether groups may share prefixes; None: not checked yet (`_plan` checks on first use, so
         # that a caller that never plans shared groups, such as the Automodel trainer's passes,
@@ -280,20 +283,51 @@ class BatchScorer:
                 raise BadRequest(refusal, key="model_input")
 
     def step_bytes(self, tokens: int) -> int:
-        """`memory_fit.step_bytes` for one datum of `tokens` tokens on this model; the first call
-        measures the bytes a token keeps (two probe forwards)."""
-        return memory_fit.step_bytes(
-            tokens,
-            self._bytes_per_token(),
-            len(self._checkpointed_layers),
-            self._model.config.get_text_config().hidden_size,
-            self._model.get_input_embeddings().weight.element_size(),
-            # A checkpointed step's logits chunk is a quarter of the budget and lives about four
-            # times over (`_chunk_positions`): the whole budget.
-            self.config.logits_budget_bytes,
-        )
+        """`memory_fit`'s estimate of one datum's training step over `tokens` tokens on this model,
+        in the regime `_checkpoints` would choose for it; the first call runs the probes."""
+        if self._step_fit is None:
+            self._step_fit = self._measure_step_fit()
+        checkpointed = self._would_checkpoint(tokens)
+        margin = memory_fit.allocator_margin(self.device, checkpointed)
+        return self._step_fit.step_bytes(tokens, checkpointed, self._chunk_positions(checkpointed), margin)
 
-    def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
+    def _measure_step_fit(self) -> memory_fit.StepFit:
+        """`memory_fit.measure_step_fit` through this scorer's own step; the probes' gradients are
+        dropped, so the trainable tensors' accumulated gradients are as they were."""
+        trainable = [p for p in self._model.parameters() if p.requires_grad]
+        element_size = self._model.get_input_embeddings().weight.element_size()
+        with gradients_set_aside(trainable, keep=False), torch.enable_grad():
+            fit = memory_fit.measure_step_fit(
+                self.device,
+                self._probe_step,
+                self._probe_chunk,
+                self.can_checkpoint,
+                memory_fit.window_block_bytes(self._model.config, QUERY_BLOCK, element_size),
+            )
+        logger.info("training step memory, measured: %s", fit)
+        return fit
+
+    def _probe_step(self, tokens: int, checkpointed: bool) -> None:
+        """One datum's forward and backward over `tokens` tokens, as a request runs it, with
+        log-softmax chunks of `memory_fit.PROBE_CHUNK` positions."""
+        ids = np.arange(tokens, dtype=np.int64) % self._input_vocab_size
+        with self.checkpointing(checkpointed):
+            lp = self._target_logprobs([ids], [np.roll(ids, -1)], chunk=memory_fit.PROBE_CHUNK)
+            (-lp.sum()).backward()
+
+    def _probe_chunk(self, positions: int) -> None:
+        """One log-softmax chunk of `positions` rows, forward and backward, on hidden states (or
+        logits, when the output layer is not chunked) that need grad."""
+        width = self._model.config.get_text_config().hidden_size if self._chunked_head else self.vocab_size
+        dtype = self._model.get_input_embeddings().weight.dtype
+        features = torch.randn(positions, width, device=self.device, dtype=dtype, requires_grad=True)
+        rows = torch.arange(positions, device=self.device)
+        lp = self._chunk_logprobs(features, rows, rows % self.vocab_size, self._chunked_head)
+        lp.sum().backward()
+
+    def _target_logprobs(
+        self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray], chunk: int | None = None
+    ) -> torch.Tensor:
         """lp of one micro-batch in the packed layout of losses.py: (M,) float32, M = Σ targets.size.
 
         Datums are right-padded into (B, T) with an attention mask; under causal attention the
@@ -309,7 +343,7 @@ class BatchScorer:
         attention_mask = torch.from_numpy(mask).to(self.device)
         # Without padding, no mask: attention then takes its plain causal path, which is faster.
         model_mask = None if min(lengths) == max(lengths) else attention_mask
-        chunk = self._chunk_positions()
+        chunk = chunk or self._chunk_positions(self._checkpointed)
         # One chunk holds every position: the model's own full logits are as cheap and simpler.
         head_chunks = self._chunked_head and sum(lengths) > chunk
         if head_chunks:
@@ -335,7 +369,7 @@ class BatchScorer:
         target at the last prefix position is the datum's first suffix token, read from the
         prefix pass's last row.
         """
-        chunk = self._chunk_positions()
+        chunk = self._chunk_positions(self._checkpointed)
         distinct = sum(shared.lengths) + sum(len(t) - shared.lengths[row] for t, row in zip(tokens, shared.rows))
         head_chunks = self._chunked_head and distinct > chunk
         rows, positions = shared_prefix.two_pass_features(
@@ -361,14 +395,14 @@ class BatchScorer:
         out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         return out.logits  # (B, T, V)
 
-    def _chunk_positions(self) -> int:
+    def _chunk_positions(self, checkpointed: bool) -> int:
         """Positions per log-softmax chunk. A checkpointed micro-batch (a long one) takes chunks a
         quarter the size: a chunk's logits live several times over at once (the output layer's,
         a LoRA's term on it, their sum, the log-softmax, their gradients), which at the full
         budget was most of what a long datum's step held (SmolLM2 at 4,096 tokens: 2.7 GB peak
         against 2.2 GB with the smaller chunks). A short one keeps the larger chunks, which
         its backward then needs not recompute."""
-        budget = self.config.logits_budget_bytes // (4 if self._checkpointed else 1)
+        budget = self.config.logits_budget_bytes // (4 if checkpointed else 1)
         return self.config.logprob_chunk_positions or max(1, budget // (4 * self.vocab_size))
 
     def _logprobs_at(
@@ -424,9 +458,12 @@ class BatchScorer:
         return torch.log_softmax(logits, dim=-1)[rows, tokens]
 
     def _checkpoints(self, padded_tokens: int) -> bool:
-        """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed."""
-        if not torch.is_grad_enabled():
-            return False
+        """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed now."""
+        return torch.is_grad_enabled() and self._would_checkpoint(padded_tokens)
+
+    def _would_checkpoint(self, padded_tokens: int) -> bool:
+        """Whether a micro-batch of `padded_tokens` with grad checkpoints its layers: the model can,
+        and the activations it would keep (bytes per token, measured) pass the budget."""
         # Measured even with checkpointing off: `check_fits` estimates a datum's step from it.
         per_token = self._bytes_per_token()
         return bool(self._checkpointed_layers) and padded_tokens * per_token > self._activation_budget
@@ -572,10 +609,11 @@ class BatchScorer:
 
 
 @contextlib.contextmanager
-def gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+def gradients_set_aside(params: Sequence[torch.nn.Parameter], keep: bool = True) -> Iterator[None]:
     """Run one request's backward passes into fresh gradient buffers. On success the earlier
     buffers are added back in; on any failure they are put back untouched, so a failed
-    request adds nothing (losses.md §1.6), even after some micro-batches backpropagated."""
+    request adds nothing (losses.md §1.6), even after some micro-batches backpropagated.
+    With `keep=False` the fresh buffers are dropped even on success (a probe's)."""
     earlier = [p.grad for p in params]
     for param in params:
         param.grad = None
@@ -585,6 +623,10 @@ def gradients_set_aside(params: Sequence[torch.nn.Parameter]) -> Iterator[None]:
         for param, grad in zip(params, earlier):
             param.grad = grad
         raise
+    if not keep:
+        for param, grad in zip(params, earlier):
+            param.grad = grad
+        return
     for param, grad in zip(params, earlier):
         if grad is not None:
             param.grad = grad if param.grad is None else param.grad.add_(grad)

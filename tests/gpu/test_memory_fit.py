@@ -2,7 +2,9 @@
 names its tokens, the estimate and the limit, before any compute (`gpu/memory_fit.py`).
 
 The limit is injected through `TrainerConfig.available_memory_bytes`, set to the estimate of a
-datum of 100 tokens on the tiny Llama: 100 tokens fit exactly, 101 do not."""
+datum of 100 tokens on the tiny Llama: 100 tokens fit exactly, 101 do not. The estimate itself
+is checked against `PeakMeter`'s measure of the real step on tiny models of the families whose
+layers differ (sliding windows, linear attention, experts), plain and checkpointed."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 
 from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest
-from openrld.gpu.memory_fit import available_memory, step_bytes
+from openrld.gpu.memory_fit import CPU_MARGIN, PROBE_CHUNK, Line, PeakMeter, StepFit, allocator_margin, available_memory
+from openrld.gpu.tiny_models import build_tiny_model
 from openrld.gpu.torch_trainer import TorchTrainer, TrainerConfig
 
 CPU = torch.device("cpu")
@@ -42,13 +45,71 @@ def limited_trainer(tiny_llama: Path, limit: int) -> TorchTrainer:
     return trainer
 
 
-def test_a_step_keeps_one_layer_and_every_layer_input_per_token_with_checkpointing() -> None:
-    # 1,000 tokens × (8,000 B / 4 layers + 4 layers × 64 wide × 4 B) + a 1,024 B logits chunk
-    assert step_bytes(1000, 8000.0, 4, 64, 4, 1024) == 1000 * (2000 + 1024) + 1024
+FIT = StepFit(
+    plain=Line(fixed=1000.0, per_token=10.0),
+    checkpointed=Line(fixed=500.0, per_token=2.0),
+    logits_per_position=4.0,
+    window_block=100,
+)
 
 
-def test_a_step_keeps_the_whole_graph_without_checkpointed_layers() -> None:
-    assert step_bytes(1000, 8000.0, 0, 64, 4, 1024) == 1000 * 8000 + 1024
+def test_a_plain_step_is_its_line_plus_its_logits_chunk_and_window_block_times_the_margin() -> None:
+    # 1,000 + 10 × 100 tokens, + 4 × (50 - 8) positions of logits beyond the probes' chunk, + 100
+    assert FIT.step_bytes(100, False, 50, 1.5) == int(1.5 * (1000 + 1000 + 4 * (50 - PROBE_CHUNK) + 100))
+
+
+def test_a_checkpointed_step_takes_the_checkpointed_line() -> None:
+    assert FIT.step_bytes(100, True, 50, 1.5) == int(1.5 * (500 + 200 + 4 * (50 - PROBE_CHUNK) + 100))
+
+
+def test_a_step_shorter_than_its_chunk_holds_logits_for_its_own_positions() -> None:
+    assert FIT.step_bytes(20, False, 50, 1.5) == int(1.5 * (1000 + 200 + 4 * (20 - PROBE_CHUNK) + 100))
+
+
+def test_a_model_that_cannot_checkpoint_takes_the_plain_line() -> None:
+    fit = StepFit(plain=FIT.plain, checkpointed=None, logits_per_position=4.0, window_block=100)
+    assert fit.step_bytes(100, True, 50, 1.5) == FIT.step_bytes(100, False, 50, 1.5)
+
+
+def test_a_cpu_checkpointed_step_is_given_the_heap_glibc_keeps_behind_it() -> None:
+    assert (allocator_margin(CPU, False), allocator_margin(CPU, True)) == (2.0, 6.0)
+
+
+def test_the_meter_counts_the_tensors_alive_at_once_not_views_or_what_came_before() -> None:
+    before = torch.ones(1 << 20)
+    with PeakMeter(CPU) as meter:
+        first = torch.ones(1 << 18)  # 1 MiB of float32
+        second = torch.ones(1 << 19)  # 2 MiB
+        _views = (first.view(2, -1), second[1:], before.t(), first.add_(1))
+        del first, second, _views
+        torch.ones(1 << 18)
+    assert meter.peak == 3 * (1 << 20)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_the_tensor_estimate_is_within_a_tenth_below_and_twice_above_the_measured_step(
+    tmp_path: Path, family: str, checkpointed: bool
+) -> None:
+    # 300 tokens: past the probes' 96, the tiny windows of 8 and several log-softmax chunks.
+    config = TrainerConfig(activation_budget_bytes=1 if checkpointed else 1 << 40, logprob_chunk_positions=64)
+    trainer = TorchTrainer(build_tiny_model(tmp_path / family, family, seed=2), CPU, config=config)
+    trainer.add_adapter("a", SPEC)
+    tensors = trainer._passes.scorer.step_bytes(300) / CPU_MARGIN[checkpointed]
+    with PeakMeter(CPU) as meter:
+        trainer.forward_backward("a", one_datum(300))
+    assert meter.peak / 1.1 <= tensors <= 2 * meter.peak
+
+
+def test_measuring_the_estimate_leaves_the_accumulated_gradients_as_they_were(tiny_llama: Path) -> None:
+    trainer = TorchTrainer(tiny_llama, CPU)
+    trainer.add_adapter("a", SPEC)
+    trainer.forward_backward("a", one_datum(50, forward_only=False))
+    before = {name: grad.clone() for name, grad in trainer.adapter_gradients("a").items()}
+    trainer._passes.scorer._step_fit = None
+    trainer._passes.scorer.step_bytes(100)  # the probes run again, with backward
+    after = trainer.adapter_gradients("a")
+    assert all(torch.equal(after[name], grad) for name, grad in before.items())
 
 
 def test_a_datum_over_the_limit_is_refused_naming_its_tokens_the_estimate_and_the_limit(

@@ -112,8 +112,7 @@ def test_activation_checkpointing_gives_the_same_lp_and_gradients(tiny_llama: Pa
         config = TrainerConfig(max_batch_tokens=40, activation_checkpointing=checkpointing, activation_budget_bytes=1)
         engine = TorchTrainer(tiny_llama, CPU, config=config)
         engine.add_adapter("a", SPEC)
-        with torch.enable_grad():
-            engine._passes.scorer._checkpoints(1)  # its first use measures the model (two probe forwards)
+        engine._passes.scorer.step_bytes(1)  # its first use measures the model (probe forwards and backwards)
         # Runs of the first layer's first module: a checkpointed layer runs again in backward.
         runs: list[int] = []
         first_layer = engine._model.get_decoder().layers[0]
