@@ -97,7 +97,8 @@ def report_autosaves(shared: Path, steps_taken: int) -> None:
         assert time.monotonic() < deadline, f"no complete auto-save of step {steps_taken} on the root"
         time.sleep(0.1)
     size = sum(latest.manifest.files.values())
-    print(f"  newest auto-save: step {latest.manifest.step} of {steps_taken} taken, {size / 1e6:.2f} MB ({len(latest.manifest.files)} files)")
+    files = len(latest.manifest.files)
+    print(f"  newest auto-save: step {latest.manifest.step} of {steps_taken} taken, {size / 1e6:.2f} MB ({files} files)")
 
 
 if __name__ == "__main__":

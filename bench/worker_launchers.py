@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 import openrld  # noqa: F401  # first: its CPU thread-pool wait policy must hold for the baselines too
+
+# isort: split
 import numpy as np
 import torch
 
@@ -70,6 +72,7 @@ def batch(rows: int, length: int, vocab: int) -> ForwardBackwardBatch:
 def container_launcher():
     """The podman launcher and its image, or None without podman."""
     import podman_support
+
     from openrld.worker.launchers.container import ContainerLauncher
 
     try:

@@ -26,6 +26,7 @@ to save (actors/autosaves.py and the trainer actor do).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -154,10 +155,8 @@ def prune(files: CheckpointDirs, model_id: str, *, keep: int) -> list[int]:
         if step >= keep:
             continue
         doomed = files.staging_dir()
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another node's prune got there first
             os.rename(directory, doomed / directory.name)
-        except FileNotFoundError:
-            pass  # another node's prune got there first
         shutil.rmtree(doomed)
         removed.append(step)
     return removed

@@ -24,36 +24,39 @@ import trio
 from openrld import ids
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.actors.console_views import ConsoleViews
-from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.device_pool import NodeDevices
+from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import JobRegistry
 from openrld.actors.jobs import JobTable
+from openrld.actors.maintenance import run_maintenance
+from openrld.actors.model_prep import prepare_models
+from openrld.actors.records import Records
+from openrld.actors.run_history import (
+    MAX_POINTS_PER_RUN,
+    MAX_SAMPLING_BUCKETS,
+    SAMPLING_BUCKET_S,
+    HistoryRecorder,
+)
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
-from openrld.actors.maintenance import run_maintenance
-from openrld.actors.records import Records
-from openrld.actors.model_prep import prepare_models
-from openrld.actors.run_history import (
-    MAX_POINTS_PER_RUN, MAX_SAMPLING_BUCKETS, SAMPLING_BUCKET_S, HistoryRecorder,
-)
 from openrld.actors.usage import UsageMeter
+from openrld.api.app import Services, build_app
+from openrld.api.auth import Authenticator
+from openrld.api.capabilities import DeviceSummary
+from openrld.api.http1 import Server
+from openrld.api.signing import Signer
 from openrld.cluster.membership.messages import DeviceSlot
 from openrld.cluster.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.cluster.node import ClusterNode
 from openrld.cluster.peer_client import RelayCounters
-from openrld.api.app import Services, build_app
-from openrld.api.auth import Authenticator
-from openrld.api.http1 import Server
-from openrld.api.signing import Signer
-from openrld.api.capabilities import DeviceSummary
 from openrld.config import ConfigError, NodeConfig, load_api_keys
 from openrld.loop_watch import LoopWatch
-from openrld.tls import peer_context, server_context
 from openrld.model_catalog import ModelCatalog
 from openrld.model_families import Engine
 from openrld.store import Store
+from openrld.tls import peer_context, server_context
 from openrld.worker.client import WorkerTimeouts
 from openrld.worker.hosting import WorkerHosting
 from openrld.worker.launchers import Mount
@@ -163,8 +166,8 @@ async def serve(
 ) -> None:
     """Run one node until `shutdown` is set (or the caller cancels); report the bound URL when ready."""
     from openrld.gpu.devices import apply_cpu_threads, cpu_threads, inventory, resolve_device
-    from openrld.worker.engines import TorchEngineFactory
     from openrld.gpu.gguf_convert import GgufConverter
+    from openrld.worker.engines import TorchEngineFactory
 
     try:
         device = resolve_device(config.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -30,7 +30,7 @@ from openrld.ids import CheckpointKind
 from openrld.store import Store
 from tests.test_store import RUN, Clock, add_run
 
-NOW = datetime(2026, 12, 6, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ import msgspec
 
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
-from openrld.cluster.membership.node import MembershipStatistics
 from openrld.actors.sampler import SamplerStatistics
-from openrld.actors.trainer import JobQueueStats, TrainerStatistics
-from openrld.batches import SyncStats
-from openrld.loop_watch import LoopWatchStatistics
-from openrld.cluster.peer_client import RelayCounters, RelayStatistics
 from openrld.actors.stability import StabilityStatistics
-from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionStatistics
+from openrld.actors.trainer import JobQueueStats, TrainerStatistics
 from openrld.api.metrics import LATENCY_BUCKETS_S, HttpCounters, NodeStatistics, RequestMetrics, render_prometheus
+from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionStatistics
+from openrld.batches import SyncStats
+from openrld.cluster.membership.node import MembershipStatistics
+from openrld.cluster.peer_client import RelayCounters, RelayStatistics
+from openrld.loop_watch import LoopWatchStatistics
 from openrld.store import StoreStatistics
 
 

@@ -29,11 +29,10 @@ import tinker
 import yaml
 
 from openrld import cli, config, doctor, settings
-from openrld.api import capabilities
-from openrld.cluster.membership.messages import MemberState
 from openrld.actors.model_status import JobState, ModelStatus
 from openrld.actors.timeslicer import LeaseState
-from openrld.api import wire
+from openrld.api import capabilities, wire
+from openrld.cluster.membership.messages import MemberState
 from openrld.cluster.view import ClusterView
 from openrld.errors import UserError
 from openrld.model_catalog import PACKAGED_GGUF, ModelSource

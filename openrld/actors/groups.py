@@ -31,8 +31,9 @@ groups take turns with it on each of them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Protocol
+from typing import Protocol
 
 import msgspec
 import trio
@@ -79,7 +80,7 @@ class EngineFactory(Protocol):
         self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
         job: str | None = None,
     ) -> Callable[[], TrainerEngine]: ...
-    def on(self, device: str) -> "EngineFactory": ...
+    def on(self, device: str) -> EngineFactory: ...
 
 
 # A full fine-tuning group's sampler holds whole copies of the weights per version, so it

@@ -49,7 +49,6 @@ from openrld.actors.job_registry import (
 from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, build_status
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
-from openrld.actors.usage import UsageMeter
 from openrld.actors.trainer import (
     CreateAdapter,
     ForwardBackward,
@@ -60,6 +59,7 @@ from openrld.actors.trainer import (
     SaveState,
     TrainOp,
 )
+from openrld.actors.usage import UsageMeter
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
 from openrld.model_catalog import ModelCatalog, ModelEntry
@@ -181,7 +181,7 @@ class JobTable:
         _refuse_finished(session)
         if self._store.runs.get(model_id) is not None:
             raise Conflict(f"model {model_id} already exists")
-        job_settings_value, client_metadata = job_settings.parse_settings(
+        job_settings_value, _client_metadata = job_settings.parse_settings(
             session.tags, session.user_metadata, user_metadata
         )
         job_settings.require_supported(job_settings_value)

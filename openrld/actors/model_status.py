@@ -15,14 +15,15 @@ state, does no I/O and never imports torch or trio.
 from __future__ import annotations
 
 import enum
+
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.cluster.membership.messages import JobNote
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, TrainerStatistics
 from openrld.batches import SyncStats
+from openrld.cluster.membership.messages import JobNote
 
 
 class JobState(enum.Enum):

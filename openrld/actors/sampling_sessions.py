@@ -19,6 +19,8 @@ drops them when that job's own group ends.
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import trio
 
@@ -161,10 +163,8 @@ class SamplingSessions:
         return sampler_id
 
     async def _warm_group(self, model: ModelEntry, group_job: str | None = None) -> None:
-        try:
+        with contextlib.suppress(OpenrldError):  # the first sample reports the same error on its own future
             await self._groups.get(model, group_job)
-        except OpenrldError:
-            pass  # the first sample reports the same error on its own future
 
     def _owned(self, owner: str, sampler_id: str) -> SamplingSession:
         """The caller's sampling session, made resident again from the store after a restart.

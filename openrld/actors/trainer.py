@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -55,8 +56,8 @@ import trio
 from openrld.actors.autosaves import Autosaver, AutosaveStore, write_state
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
-from openrld.actors.mailbox import Mailbox
 from openrld.actors.group_lease import GroupLease
+from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.autosave import MAX_SAMPLER_NAMES
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, SyncStats
@@ -341,7 +342,7 @@ class SamplerFeed(Protocol):
 class TrainerHandle:
     """What other modules hold: submit ops, read statistics. No access to state."""
 
-    def __init__(self, actor: "TrainerActor") -> None:
+    def __init__(self, actor: TrainerActor) -> None:
         self._actor = actor
 
     def open_job(self, model_id: str, next_seq: int = 0) -> None:

@@ -250,7 +250,7 @@ class ShardedPasses:
         for length in (32, 64):
             kept: list[torch.Tensor] = []
 
-            def keep(tensor: torch.Tensor) -> torch.Tensor:
+            def keep(tensor: torch.Tensor, kept: list[torch.Tensor] = kept) -> torch.Tensor:
                 kept.append(tensor)
                 return tensor
 
@@ -259,7 +259,7 @@ class ShardedPasses:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
             sizes.append(sum(storages.values()))  # freed storages count 0 bytes
             total.backward()
-            del kept
+            kept.clear()
         return max(0.0, (sizes[1] - sizes[0]) / 32)
 
     def _backward(self, total: torch.Tensor, is_scored: bool) -> None:

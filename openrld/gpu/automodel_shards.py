@@ -101,7 +101,7 @@ def read_rows(path: Path, like: Callable[[str], torch.Tensor | None]) -> tuple[d
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safetensors.safe_open(str(path), framework="pt") as file:
-            for key in file.keys():
+            for key in file:
                 part = file.get_slice(key)
                 shape = tuple(part.get_shape())
                 shapes[key] = shape

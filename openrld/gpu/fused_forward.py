@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import peft
 import torch

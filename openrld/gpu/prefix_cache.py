@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import msgspec
 import torch

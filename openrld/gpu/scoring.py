@@ -510,7 +510,7 @@ class BatchScorer:
         for length in (32, 64):
             saved: dict[int, int] = {}
 
-            def pack(tensor: torch.Tensor) -> torch.Tensor:
+            def pack(tensor: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
                 storage = tensor.untyped_storage()
                 saved[storage.data_ptr()] = storage.nbytes()
                 return tensor

@@ -36,6 +36,7 @@ Qwen2/3, Mistral, OLMo 2, Phi-3, Qwen3-MoE) share (tests/gpu/test_trainer_famili
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -93,7 +94,7 @@ def find_prefix_groups(tokens: Sequence[np.ndarray], min_shared_prefix: int) -> 
     # Bytes of the int64 ids order sequences token by token (by each token's bytes), and a
     # sequence before any it is a prefix of: sets sharing a prefix are runs of this order.
     order = sorted(range(n), key=lambda i: np.asarray(tokens[i], np.int64).tobytes())
-    adjacent = [common_prefix_len(np.asarray(tokens[a]), np.asarray(tokens[b])) for a, b in zip(order, order[1:])]
+    adjacent = [common_prefix_len(np.asarray(tokens[a]), np.asarray(tokens[b])) for a, b in itertools.pairwise(order)]
     # best[end]: the most tokens saved over order[:end]; begin[end], shared[end]: its last run.
     best, begin, shared = [0] * (n + 1), list(range(-1, n)), [0] * (n + 1)
     for end in range(1, n + 1):

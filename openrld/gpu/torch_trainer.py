@@ -14,9 +14,10 @@ Guarantees:
   neither adds to nor clears them. Adapters never share weights, gradients or optimizer
   state, and clipping and the gradient norm cover one adapter only;
 - datums run as right-padded micro-batches of at most `max_batch_tokens` padded tokens,
-  never one at a time, and the datums of several requests share micro-batches. lp = log_softmax(logits in fp32)[target] is computed over chunks
-  of positions, with the output layer recomputed in backward, so full fp32 logits for
-  every position never exist at once (nor, unless `chunked_head` is off, full logits at all);
+  never one at a time, and the datums of several requests share micro-batches.
+  lp = log_softmax(logits in fp32)[target] is computed over chunks of positions, with the
+  output layer recomputed in backward, so full fp32 logits for every position never exist at
+  once (nor, unless `chunked_head` is off, full logits at all);
   a micro-batch over the activation budget recomputes its decoder layers in backward too;
 - an optim_step of the other family than the adapter's is refused and keeps the gradient;
 - adapter tensors use the keys of `peft.get_peft_model_state_dict(..., adapter_name=name,

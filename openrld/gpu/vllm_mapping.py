@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import torch
 
-from openrld.batches import SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
 from openrld import model_families
+from openrld.batches import SampledSequence, SampleJob, SampleResult, SamplingSpec, TopK
 from openrld.errors import BadRequest
 from openrld.gpu.sampling_math import TOPK_EMPTY_LOGPROB, TOPK_EMPTY_TOKEN, empty_topk, stream_seed
 

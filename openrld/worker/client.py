@@ -17,6 +17,7 @@ on. Nothing here unpickles, imports torch or imports trio.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -139,10 +140,8 @@ class WorkerConnection:
                 return
             self._closed = True
             if self._lost is None:
-                try:
+                with contextlib.suppress(OSError):
                     self.frames.send(Bye())
-                except OSError:
-                    pass
             self.worker.stop(self.timeouts.stop_s)
             self.frames.close()
 

@@ -298,7 +298,7 @@ class FrameSocket:
             count, ancillary, flags, _ = self.sock.recvmsg_into(
                 [view], socket.CMSG_SPACE(_MAX_FDS_PER_READ * fds.itemsize)
             )
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError("no frame from the peer in time") from None
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class WorkerHosting:
     def __init__(
         self, *, builtin: Launcher | None = None, vllm: Launcher | None = None, images: Launcher | None = None,
-        automodel_python: str = "", socket_root: Path | None = None, timeouts: WorkerTimeouts = WorkerTimeouts(), mounts: tuple[Mount, ...] = (),
+        automodel_python: str = "", socket_root: Path | None = None, timeouts: WorkerTimeouts = WorkerTimeouts(),
+        mounts: tuple[Mount, ...] = (),
     ) -> None:
         self.builtin = builtin  # None: the built-in engines run inproc
         self.vllm = vllm  # None: the vLLM sampler (if any) runs inproc

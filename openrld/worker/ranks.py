@@ -51,6 +51,7 @@ pickle-free way to move msgpack frames through them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
@@ -256,7 +257,9 @@ def _build(build: BuildEngine, start: Start) -> tuple[Any, BaseException | None]
         return None, error
 
 
-def _perform(answers: dict[str, Callable[[tuple], Any]], role: Role, order: Order, buffers: list[memoryview]) -> tuple[Any, BaseException | None]:
+def _perform(
+    answers: dict[str, Callable[[tuple], Any]], role: Role, order: Order, buffers: list[memoryview]
+) -> tuple[Any, BaseException | None]:
     try:
         args = values.decode(order.args, METHODS[role][order.method].args, buffers, torch_tensors=True)
         return answers[order.method](args), None
@@ -348,10 +351,8 @@ class _Leader(_Session):
             self._send(Result(call.id, encoded), encoding.buffers)
 
     def _send(self, message: Any, buffers: list[memoryview] = ()) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the daemon is gone; the reader has queued the stop
             self.frames.send(message, buffers)
-        except OSError:
-            pass  # the daemon is gone; the reader has queued the stop
 
     def _daemon_gone(self) -> None:
         if self.busy.is_set():

@@ -9,8 +9,9 @@ store's parts: the future table's request log and the checkpoint sink (unused he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -65,7 +66,7 @@ class RecordingEngines:
         self.built: list[tuple[str, Any]] = []
         self.builds: list[Build] = []
 
-    def on(self, device: str) -> "RecordingEngines":
+    def on(self, device: str) -> RecordingEngines:
         assert device == DEVICE, device
         return self
 
@@ -267,7 +268,7 @@ def test_while_an_exclusive_group_runs_the_next_exclusive_job_is_refused(llama, 
     async def body(node: Node) -> None:
         node.table.reserve(llama, "a:train:0", full_sync=None, exclusive=True)
         await node.table.get(llama, "a:train:0")
-        with pytest.raises(BadRequest, match="openrl.exclusive=true: job b:train:0 needs a device of its own"):
+        with pytest.raises(BadRequest, match=r"openrl\.exclusive=true: job b:train:0 needs a device of its own"):
             node.table.reserve(qwen, "b:train:0", full_sync=None, exclusive=True)
 
     run_on_node(body)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.cluster.membership.messages import JobNote
 from openrld.actors.model_status import GroupView, JobFacts, JobState, build_status, lost_status
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
+from openrld.cluster.membership.messages import JobNote
 
 MODEL_ID = "s-1:train:0"
 JOB = JobFacts(MODEL_ID, "tiny-llama", "lora", False, True, None)

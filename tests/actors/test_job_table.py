@@ -127,7 +127,9 @@ async def test_a_base_model_the_node_does_not_serve_is_400_and_no_run_is_recorde
             OWNER, session_id=session_id, model_seq_id=0, base_model="no-such-model", lora=SPEC, user_metadata={},
             optimizer_config={},
         )
-    assert caught.value.detail.startswith(f"base_model 'no-such-model' is not served by this node: it is not in the node's [models] table ({MODEL}),")
+    assert caught.value.detail.startswith(
+        f"base_model 'no-such-model' is not served by this node: it is not in the node's [models] table ({MODEL}),"
+    )
     assert node.store.runs.get(ids.model_id(session_id, 0)) is None
 
 

@@ -20,17 +20,17 @@ import httpx
 import msgspec
 import pytest
 import tinker
+from conftest import Daemon, ready_all, write_config
+from sdk_venvs import run_loop
 from tinker import types
 
-from conftest import Daemon, ready_all, write_config
+from openrld.actors.sessions import SessionSnapshot
 from openrld.cluster.membership.codec import decode_push_pull, encode_push_pull, secret_key
 from openrld.cluster.membership.config import MembershipConfig, detection_bound
 from openrld.cluster.membership.messages import PushPull
 from openrld.cluster.membership.peer_client import PUSH_PULL_PATH, TAG_HEADER
-from openrld.actors.sessions import SessionSnapshot
 from openrld.cluster.relay import LOCATE_PATH, LOCATE_TAG_HEADER, RELAYED_HEADER, SESSION_HEADER, SESSION_TAG_HEADER
 from openrld.sdk_support import OLDEST_SERVED
-from sdk_venvs import run_loop
 from tests.waits import wait_for
 
 SECRET = "test-cluster-secret"
@@ -355,7 +355,7 @@ def exclusive_job_once_free(url: str, timeout_s: float = 15.0) -> httpx.Response
 def test_every_placement_is_counted_once_in_metrics(trio_of_nodes) -> None:
     def placed(url: str) -> int:
         text = httpx.get(f"{url}/metrics", headers=HEADERS, timeout=10).text
-        line = next(l for l in text.splitlines() if l.startswith('openrld_placements_total{outcome="placed"}'))
+        line = next(row for row in text.splitlines() if row.startswith('openrld_placements_total{outcome="placed"}'))
         return int(float(line.split()[-1]))
 
     assert sum(placed(d.url) for d in trio_of_nodes.values()) == 6  # three in the race, three after the finish

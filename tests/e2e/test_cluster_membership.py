@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import Daemon, ready_all, write_config  # the suite's real-daemon helpers
+
 from openrld.cluster.membership.codec import encode_push_pull
 from openrld.cluster.membership.config import MembershipConfig, detection_bound
 from openrld.cluster.membership.messages import PushPull

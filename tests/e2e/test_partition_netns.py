@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from conftest import Daemon, write_api_keys, write_config  # the suite's real-daemon helpers
 
-from conftest import Daemon, write_config, write_api_keys  # the suite's real-daemon helpers
 from openrld.cluster.membership.config import (
     MembershipConfig,
     detection_bound,
@@ -335,8 +335,8 @@ def heal_bound_s(config: MembershipConfig) -> float:
 
 
 def test_three_daemons_in_namespaces_converge(cluster: Cluster) -> None:
-    everyone = {name: "alive" for name in NODES}
-    wait_for_views(cluster.daemons, {name: everyone for name in NODES}, CONVERGE_TIMEOUT_S)
+    everyone = dict.fromkeys(NODES, "alive")
+    wait_for_views(cluster.daemons, dict.fromkeys(NODES, everyone), CONVERGE_TIMEOUT_S)
     members = {m["name"]: m for m in httpx.get(
         f"{cluster.daemons['node-a'].url}/openrl/v1/cluster", headers=HEADERS, timeout=5, trust_env=False
     ).json()["members"]}
@@ -347,10 +347,10 @@ def test_three_daemons_in_namespaces_converge(cluster: Cluster) -> None:
 
 
 def test_partitioned_node_and_the_rest_declare_each_other_dead_within_the_bound(cluster: Cluster) -> None:
-    everyone = {name: "alive" for name in NODES}
-    before = wait_for_views(cluster.daemons, {name: everyone for name in NODES}, CONVERGE_TIMEOUT_S)
+    everyone = dict.fromkeys(NODES, "alive")
+    before = wait_for_views(cluster.daemons, dict.fromkeys(NODES, everyone), CONVERGE_TIMEOUT_S)
     rest_view = everyone | {ISOLATED: "dead"}
-    isolated_view = {name: "dead" for name in NODES} | {ISOLATED: "alive"}
+    isolated_view = dict.fromkeys(NODES, "dead") | {ISOLATED: "alive"}
     # A and B: healthy survivors of a node gone silent (B nacks A's indirect probes, so A's awareness stays at 0):
     # 1.8 s = 3 rounds to reach C + 1 failed round (0.2 s each) + 0.8 s unconfirmed suspicion + 0.2 s of gossip.
     bounds_s = {name: detection_bound(LOCAL, len(NODES)).total_s for name in NODES}
@@ -367,7 +367,7 @@ def test_partitioned_node_and_the_rest_declare_each_other_dead_within_the_bound(
 
     took_s = across_the_cut(seen, cut_s)
     logger.info("partition detected in %s s; bounds %s s, slack %.2f s", rounded(took_s), bounds_s, SLACK_S)
-    assert {name: took_s[name] <= bounds_s[name] + SLACK_S for name in NODES} == {name: True for name in NODES}, took_s
+    assert {name: took_s[name] <= bounds_s[name] + SLACK_S for name in NODES} == dict.fromkeys(NODES, True), took_s
     # A and B declared dead the incarnation C had before the cut; the heal test checks that C outbids it.
     incarnation = before[ISOLATED].incarnations[ISOLATED]
     assert {name: seen[name].incarnations[ISOLATED] for name in NODES if name != ISOLATED} == {
@@ -379,20 +379,18 @@ def test_partitioned_node_and_the_rest_declare_each_other_dead_within_the_bound(
 
 def test_healed_partition_lists_everyone_alive_and_the_isolated_node_refuted(cluster: Cluster) -> None:
     assert cluster.dead_incarnation >= 0, "the partition test runs first and leaves the partition in place"
-    everyone = {name: "alive" for name in NODES}
+    everyone = dict.fromkeys(NODES, "alive")
     bound_s = heal_bound_s(LOCAL)  # 4.1 s: a 2 s exchange timing out, a 2 s sleep, two 0.05 s gossip intervals
 
     heal_s = time.monotonic()
     cluster.network.heal()
-    seen = wait_for_views(cluster.daemons, {name: everyone for name in NODES}, bound_s + SLACK_S + 2.0)
+    seen = wait_for_views(cluster.daemons, dict.fromkeys(NODES, everyone), bound_s + SLACK_S + 2.0)
 
     took_s = across_the_cut(seen, heal_s)
     logger.info("partition healed in %s s; bound %.2f s, slack %.2f s", rounded(took_s), bound_s, SLACK_S)
-    assert {name: took_s[name] <= bound_s + SLACK_S for name in NODES} == {name: True for name in NODES}, took_s
+    assert {name: took_s[name] <= bound_s + SLACK_S for name in NODES} == dict.fromkeys(NODES, True), took_s
     # C was told it is dead at incarnation k and refuted once, with k + 1 (max(own, accused) + 1),
     # and everyone lists it at k + 1.
     now = {name: observe(daemon) for name, daemon in cluster.daemons.items()}
     assert now[ISOLATED].refutations == cluster.refutations_before + 1
-    assert {name: now[name].incarnations[ISOLATED] for name in NODES} == {
-        name: cluster.dead_incarnation + 1 for name in NODES
-    }
+    assert {name: now[name].incarnations[ISOLATED] for name in NODES} == dict.fromkeys(NODES, cluster.dead_incarnation + 1)

@@ -26,7 +26,7 @@ def test_the_factory_builds_the_torch_sampler_by_default(tiny_llama: Path) -> No
 def test_the_factory_builds_the_vllm_sampler_when_configured(tiny_llama: Path) -> None:
     # On this CPU node the vLLM engine refuses to start, which shows the factory chose it.
     factory = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, vllm=VllmSamplerConfig())
-    with pytest.raises(VllmUnavailable, match="the vLLM sampler runs on a CUDA device; this node.s device is cpu"):
+    with pytest.raises(VllmUnavailable, match=r"the vLLM sampler runs on a CUDA device; this node.s device is cpu"):
         factory.sampler(entry(tiny_llama))()
 
 

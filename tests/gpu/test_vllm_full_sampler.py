@@ -190,7 +190,7 @@ def test_nan_in_a_sparse_change_is_refused_by_name_before_vllm_sees_it() -> None
 
 def test_patches_are_cut_into_chunks_of_at_most_the_bound() -> None:
     tensors = {name: torch.zeros(100) for name in ("a", "b", "c")}  # 400 bytes each, dense
-    chunks = list(vllm_weights.patches_of(delta.full_update(tensors, None), {k: (100,) for k in tensors}, chunk_bytes=800))
+    chunks = list(vllm_weights.patches_of(delta.full_update(tensors, None), dict.fromkeys(tensors, (100,)), chunk_bytes=800))
     assert [[p.name for p in chunk] for chunk in chunks] == [["a", "b"], ["c"]]
 
 
@@ -230,7 +230,7 @@ def test_a_vllm_node_gives_full_fine_tuning_the_vllm_sampler(tiny_llama: Path) -
     # On this CPU node the vLLM engine refuses to start, which shows the factory chose it.
     factory = TorchEngineFactory(CPU, max_batch_tokens=64, vllm=VllmSamplerConfig())
     model = ModelEntry(name="tiny-llama", directory=str(tiny_llama), arch="llama", max_context=1024)
-    with pytest.raises(VllmUnavailable, match="the vLLM sampler runs on a CUDA device; this node.s device is cpu"):
+    with pytest.raises(VllmUnavailable, match=r"the vLLM sampler runs on a CUDA device; this node.s device is cpu"):
         factory.full_sampler(model)()
 
 

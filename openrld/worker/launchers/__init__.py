@@ -169,7 +169,7 @@ def _accept(listener: socket.socket, worker: LaunchedWorker, name: str, hello_s:
             sock, _ = listener.accept()
             sock.settimeout(None)
             return sock
-        except socket.timeout:
+        except TimeoutError:
             pass
         status = worker.poll()
         if status is not None:

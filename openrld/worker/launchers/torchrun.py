@@ -31,6 +31,7 @@ parent pid in /proc.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -40,8 +41,8 @@ import sys
 from pathlib import Path
 
 from openrld.worker.launchers import LaunchedWorker, WorkerSpec
-from openrld.worker.launchers.visible_devices import worker_visible_devices
 from openrld.worker.launchers.process import _MALLOC  # the same working-set settings, for the same reason
+from openrld.worker.launchers.visible_devices import worker_visible_devices
 
 logger = logging.getLogger(__name__)
 
@@ -157,22 +158,16 @@ def _children(pid: int) -> list[int]:
 def _pidfds(pids: list[int]) -> list[int]:
     fds = []
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             fds.append(os.pidfd_open(pid))
-        except ProcessLookupError:
-            pass
     return fds
 
 
 def _pidfd_kill(fd: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass

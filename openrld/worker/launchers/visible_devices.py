@@ -12,7 +12,7 @@ cuda:1 would run on GPU 1, which may be another tenant's.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def worker_visible_devices(indices: Sequence[str], inherited: str | None) -> str:
