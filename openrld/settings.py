@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated
+from typing import Annotated, cast
 
 import msgspec
 
@@ -382,7 +382,7 @@ def settings_json_schema() -> dict[str, object]:
 
 def settings_to_dict(settings: JobSettings) -> dict[str, str | int | bool]:
     """The stored form: {"fine_tuning_type": "lora", "exclusive": False, ...}."""
-    return msgspec.to_builtins(settings)
+    return cast("dict[str, str | int | bool]", msgspec.to_builtins(settings))
 
 
 def settings_from_dict(stored: Mapping[str, object]) -> JobSettings:

@@ -30,24 +30,24 @@ _TOKEN_DTYPE = np.dtype("<i4")  # EncodedTextChunk.tokens on the protobuf side
 _INDEX_DTYPE = np.dtype("<i8")  # CSR indices on the protobuf side
 
 
-class DatumJson(RequestBody):
+class DatumJson(RequestBody, frozen=True):
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorDataJson] = {}  # noqa: RUF012  (msgspec copies a mutable default per instance)
 
 
-class ForwardBackwardInputJson(RequestBody):
+class ForwardBackwardInputJson(RequestBody, frozen=True):
     data: list[DatumJson]
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None  # numbers only before the protobuf form's v2 map
 
 
-class ForwardBackwardJsonRequest(RequestBody):
+class ForwardBackwardJsonRequest(RequestBody, frozen=True):
     forward_backward_input: ForwardBackwardInputJson
     model_id: str
     seq_id: int | None = None
 
 
-class ForwardJsonRequest(RequestBody):
+class ForwardJsonRequest(RequestBody, frozen=True):
     """`POST /api/v1/forward`: a forward_backward without the backward pass (SDKs before 0.25)."""
 
     forward_input: ForwardBackwardInputJson

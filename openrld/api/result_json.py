@@ -27,25 +27,25 @@ MASK_LOGPROB = -99999.0  # a top-k cell that holds no candidate (TopK's empty-ce
 _STOP_REASONS = frozenset({"stop", "length"})
 
 
-class TensorDataOut(ResponseBody):
+class TensorDataOut(ResponseBody, frozen=True):
     data: list[float]
     dtype: str  # "float32": logprobs are the one output tensor
     shape: list[int]
 
 
-class ForwardBackwardOutputJson(ResponseBody):
+class ForwardBackwardOutputJson(ResponseBody, frozen=True):
     loss_fn_output_type: str
     loss_fn_outputs: list[dict[str, TensorDataOut]]
     metrics: dict[str, float]
 
 
-class SampledSequenceJson(ResponseBody):
+class SampledSequenceJson(ResponseBody, frozen=True):
     stop_reason: str
     tokens: list[int]
     logprobs: list[float] | None = None
 
 
-class SampleResponseJson(ResponseBody, tag_field="type", tag="sample"):
+class SampleResponseJson(ResponseBody, tag_field="type", tag="sample", frozen=True):
     sequences: list[SampledSequenceJson]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None

@@ -76,11 +76,11 @@ def _require_timezone(struct: msgspec.Struct, *names: str) -> None:
 # ================================================================ requests: session (§3)
 
 
-class ClientConfigRequest(RequestBody):
+class ClientConfigRequest(RequestBody, frozen=True):
     sdk_version: str
 
 
-class CreateSessionRequest(RequestBody):
+class CreateSessionRequest(RequestBody, frozen=True):
     sdk_version: str
     tags: list[str] = []
     user_metadata: JsonObject | None = None
@@ -88,7 +88,7 @@ class CreateSessionRequest(RequestBody):
     display_name: str | None = None
 
 
-class SessionHeartbeatRequest(RequestBody):
+class SessionHeartbeatRequest(RequestBody, frozen=True):
     session_id: str
 
 
@@ -96,12 +96,12 @@ class FinishReason(msgspec.Struct, frozen=True):
     type: Literal["success", "errored", "interrupted"]
 
 
-class SessionFinishRequest(RequestBody):
+class SessionFinishRequest(RequestBody, frozen=True):
     reason: FinishReason
     detail: str | None = None  # the SDK sends an explicit null
 
 
-class TelemetryEvent(RequestBody):
+class TelemetryEvent(RequestBody, frozen=True):
     """One telemetry event; the fields of all four SDK event kinds, the rest optional."""
 
     event: str
@@ -117,7 +117,7 @@ class TelemetryEvent(RequestBody):
     duration: str | None = None
 
 
-class TelemetryRequest(RequestBody):
+class TelemetryRequest(RequestBody, frozen=True):
     events: list[TelemetryEvent]
     platform: str
     sdk_version: str
@@ -128,7 +128,7 @@ class TelemetryRequest(RequestBody):
 # ================================================================ requests: training (§5.1)
 
 
-class LoraConfig(RequestBody):
+class LoraConfig(RequestBody, frozen=True):
     rank: int
     seed: int | None = None
     train_unembed: bool = True
@@ -151,7 +151,7 @@ def _check_optimizer_config(config: OptimizerConfigJson | None) -> None:
         raise ValueError(f"optimizer_config: expected an object with a string 'type', got {config!r}")
 
 
-class CreateModelRequest(RequestBody):
+class CreateModelRequest(RequestBody, frozen=True):
     session_id: str
     model_seq_id: int
     base_model: str
@@ -163,11 +163,11 @@ class CreateModelRequest(RequestBody):
         _check_optimizer_config(self.optimizer_config)
 
 
-class GetInfoRequest(RequestBody):
+class GetInfoRequest(RequestBody, frozen=True):
     model_id: str
 
 
-class OptimizerParams(RequestBody):
+class OptimizerParams(RequestBody, frozen=True):
     """Per-step hyperparameters. `type` is absent for AdamParams, set for other families."""
 
     type: str | None = None
@@ -182,7 +182,7 @@ class OptimizerParams(RequestBody):
     rank_lr_correction_exponent: float | None = None
 
 
-class OptimStepRequest(RequestBody):
+class OptimStepRequest(RequestBody, frozen=True):
     """Exactly one of the three params keys is expected (the SDK validates all three names)."""
 
     model_id: str
@@ -192,7 +192,7 @@ class OptimStepRequest(RequestBody):
     optim_params: OptimizerParams | None = None
 
 
-class SaveWeightsRequest(RequestBody):
+class SaveWeightsRequest(RequestBody, frozen=True):
     model_id: str
     path: str | None = None
     seq_id: int | None = None
@@ -201,7 +201,7 @@ class SaveWeightsRequest(RequestBody):
     user_metadata: dict[str, str] | None = None
 
 
-class SaveWeightsForSamplerRequest(RequestBody):
+class SaveWeightsForSamplerRequest(RequestBody, frozen=True):
     """Named (`path`) or unnamed (`sampling_session_seq_id`, for save_weights_and_get_sampling_client)."""
 
     model_id: str
@@ -219,7 +219,7 @@ class SaveWeightsForSamplerRequest(RequestBody):
             raise ValueError("kind 'inflight' cannot be saved under a path; omit path")
 
 
-class SaveWeightsExternalRequest(RequestBody):
+class SaveWeightsExternalRequest(RequestBody, frozen=True):
     model_id: str
     path: str
     seq_id: int | None = None
@@ -227,7 +227,7 @@ class SaveWeightsExternalRequest(RequestBody):
     age_encryption_recipients: list[str] | None = None
 
 
-class LoadWeightsRequest(RequestBody):
+class LoadWeightsRequest(RequestBody, frozen=True):
     """Create-via-load (`session_id` + `model_seq_id`) or legacy (`model_id` + `seq_id`)."""
 
     path: str
@@ -262,7 +262,7 @@ class LoadWeightsRequest(RequestBody):
 # ================================================================ requests: sampling (§5.1, §7.1)
 
 
-class ModelInputChunk(RequestBody):
+class ModelInputChunk(RequestBody, frozen=True):
     """One chunk of a ModelInput, of the kind `type` names.
 
     One Struct rather than a tagged union: SDKs before 0.18 send only the fields
@@ -278,11 +278,11 @@ class ModelInputChunk(RequestBody):
     dmel: bytes | None = None  # dmel: a serialized TensorContainer, base64 in JSON
 
 
-class ModelInput(RequestBody):
+class ModelInput(RequestBody, frozen=True):
     chunks: list[ModelInputChunk]
 
 
-class SamplingParams(RequestBody):
+class SamplingParams(RequestBody, frozen=True):
     max_tokens: int | None = None
     seed: int | None = None
     # str | list[str] | list[int] on the SDK side; msgspec allows one array type in
@@ -293,7 +293,7 @@ class SamplingParams(RequestBody):
     top_p: float = 1.0
 
 
-class TensorDataJson(RequestBody):
+class TensorDataJson(RequestBody, frozen=True):
     """TensorData in JSON (§7.2): flat `data`, dense or CSR."""
 
     data: list[int | float]
@@ -303,7 +303,7 @@ class TensorDataJson(RequestBody):
     sparse_col_indices: list[int] | None = None
 
 
-class SampleRequest(RequestBody):
+class SampleRequest(RequestBody, frozen=True):
     prompt: ModelInput
     sampling_params: SamplingParams
     num_samples: int = 1
@@ -320,7 +320,7 @@ class SampleRequest(RequestBody):
     record_stability_info: bool | None = None
 
 
-class CreateSamplingSessionRequest(RequestBody):
+class CreateSamplingSessionRequest(RequestBody, frozen=True):
     session_id: str
     sampling_session_seq_id: int
     base_model: str | None = None
@@ -331,42 +331,42 @@ class CreateSamplingSessionRequest(RequestBody):
             raise ValueError("one of base_model or model_path is required")
 
 
-class JoinSamplingSessionRequest(RequestBody):
+class JoinSamplingSessionRequest(RequestBody, frozen=True):
     sampling_session_id: str
 
 
 # ================================================================ requests: futures (§4)
 
 
-class FutureRetrieveRequest(RequestBody):
+class FutureRetrieveRequest(RequestBody, frozen=True):
     request_id: str
     allow_metadata_only: bool = False
 
 
-class SamplingSessionTarget(RequestBody):
+class SamplingSessionTarget(RequestBody, frozen=True):
     sampling_session_id: str
     cloned_sampler_id: int = 0
 
 
-class FuturesRetrieveRequest(RequestBody):
+class FuturesRetrieveRequest(RequestBody, frozen=True):
     target: SamplingSessionTarget
     prev_cursor: int = 0
     timeout: float | None = None  # absent: long-poll; 0: ack-only, answer at once
     retrieved_request_ids: list[str] = []
 
 
-class CancelFutureRequest(RequestBody):
+class CancelFutureRequest(RequestBody, frozen=True):
     request_id: str
 
 
 # ================================================================ requests: REST (§5, §10)
 
 
-class WeightsInfoRequest(RequestBody):
+class WeightsInfoRequest(RequestBody, frozen=True):
     tinker_path: str
 
 
-class CopyWeightsRequest(RequestBody):
+class CopyWeightsRequest(RequestBody, frozen=True):
     source_path: str
     destination_project_id: str | None = None
     session_id: str | None = None
@@ -375,39 +375,39 @@ class CopyWeightsRequest(RequestBody):
     weights_access_token: str | None = None  # the SDK sends it as a header instead
 
 
-class TtlRequest(RequestBody):
+class TtlRequest(RequestBody, frozen=True):
     ttl_seconds: int | None = None  # null removes the expiry
 
 
-class ProjectRequest(RequestBody):
+class ProjectRequest(RequestBody, frozen=True):
     project_id: str
 
 
-class OwnSearchOwner(RequestBody, tag_field="type", tag="own"):
+class OwnSearchOwner(RequestBody, tag_field="type", tag="own", frozen=True):
     pass
 
 
-class AccessibleSearchOwner(RequestBody, tag_field="type", tag="accessible"):
+class AccessibleSearchOwner(RequestBody, tag_field="type", tag="accessible", frozen=True):
     pass
 
 
-class UserSearchOwner(RequestBody, tag_field="type", tag="user"):
+class UserSearchOwner(RequestBody, tag_field="type", tag="user", frozen=True):
     owner_urns: Annotated[list[str], msgspec.Meta(min_length=1, max_length=10)]
 
 
-class ActiveStatusQuery(RequestBody, tag_field="type", tag="active"):
+class ActiveStatusQuery(RequestBody, tag_field="type", tag="active", frozen=True):
     pass
 
 
-class CancelledStatusQuery(RequestBody, tag_field="type", tag="cancelled"):
+class CancelledStatusQuery(RequestBody, tag_field="type", tag="cancelled", frozen=True):
     pass
 
 
-class FailedStatusQuery(RequestBody, tag_field="type", tag="failed"):
+class FailedStatusQuery(RequestBody, tag_field="type", tag="failed", frozen=True):
     pass
 
 
-class ClientFinishedStatusQuery(RequestBody, tag_field="type", tag="client_finished"):
+class ClientFinishedStatusQuery(RequestBody, tag_field="type", tag="client_finished", frozen=True):
     reasons: (
         Annotated[list[Literal["success", "errored", "interrupted"]], msgspec.Meta(min_length=1)]
         | None
@@ -417,7 +417,7 @@ class ClientFinishedStatusQuery(RequestBody, tag_field="type", tag="client_finis
 SessionStatusQuery = ActiveStatusQuery | CancelledStatusQuery | FailedStatusQuery | ClientFinishedStatusQuery
 
 
-class SessionSearchCursor(ResponseBody):
+class SessionSearchCursor(ResponseBody, frozen=True):
     """A page boundary; sent in responses and echoed back in requests."""
 
     last_created_at: Annotated[datetime, msgspec.Meta(tz=True)]
@@ -427,7 +427,7 @@ class SessionSearchCursor(ResponseBody):
         _require_timezone(self, "last_created_at")
 
 
-class SessionSearchRequest(RequestBody):
+class SessionSearchRequest(RequestBody, frozen=True):
     session_id: str | None = None
     project_ids: list[str] | None = None
     user_metadata: dict[str, str] = {}
@@ -443,7 +443,7 @@ class SessionSearchRequest(RequestBody):
 # ================================================================ responses: session (§3)
 
 
-class ClientConfigResponse(ResponseBody):
+class ClientConfigResponse(ResponseBody, frozen=True):
     """Feature flags for the SDK. Defaults equal the SDK's, so an omitted field means the same."""
 
     pjwt_auth_enabled: bool = False
@@ -469,28 +469,28 @@ class ClientConfigResponse(ResponseBody):
     fwd_via_fwdbwd: bool = False
 
 
-class ClientDynamicConfigResponse(ResponseBody):
+class ClientDynamicConfigResponse(ResponseBody, frozen=True):
     refresh_interval_sec: int = 300
     sample_cancel_enabled: bool = False
     sample_cancel_max_batch_size: int = 64
 
 
-class CreateSessionResponse(ResponseBody, tag_field="type", tag="create_session"):
+class CreateSessionResponse(ResponseBody, tag_field="type", tag="create_session", frozen=True):
     session_id: str
     info_message: str | None = None
     warning_message: str | None = None
     error_message: str | None = None
 
 
-class SessionHeartbeatResponse(ResponseBody, tag_field="type", tag="session_heartbeat"):
+class SessionHeartbeatResponse(ResponseBody, tag_field="type", tag="session_heartbeat", frozen=True):
     pass
 
 
-class TelemetryResponse(ResponseBody, tag_field="status", tag="accepted"):
+class TelemetryResponse(ResponseBody, tag_field="status", tag="accepted", frozen=True):
     """`{"status": "accepted"}`; anything else makes the SDK drop the batch."""
 
 
-class ErrorResponse(ResponseBody):
+class ErrorResponse(ResponseBody, frozen=True):
     """The body of every 4xx/5xx answer (FastAPI style, which the CLI reads)."""
 
     detail: str
@@ -504,7 +504,7 @@ def error_body(detail: str) -> bytes:
     return _error_encoder.encode(ErrorResponse(detail=detail))
 
 
-class EmptyResponse(ResponseBody):
+class EmptyResponse(ResponseBody, frozen=True):
     """`{}`: the answer of a route that only acknowledges (delete, publish, TTL, finish, cancel).
 
     The SDK reads no field of it; an empty object rather than no body keeps every answer JSON.
@@ -514,37 +514,37 @@ class EmptyResponse(ResponseBody):
 # ================================================================ responses: futures (§4)
 
 
-class UntypedAPIFuture(ResponseBody):
+class UntypedAPIFuture(ResponseBody, frozen=True):
     request_id: str
     model_id: str | None = None
     sample_sequence_ids: list[str] | None = None  # asample: one per sample, in result order
 
 
-class TryAgainResponse(ResponseBody, tag_field="type", tag="try_again"):
+class TryAgainResponse(ResponseBody, tag_field="type", tag="try_again", frozen=True):
     request_id: str
     queue_state: Literal["active", "paused_capacity", "paused_rate_limit"]  # required by the SDK
     queue_state_reason: str | None = None
 
 
-class MetadataOnlyResponse(ResponseBody, tag_field="status", tag="complete_metadata"):
+class MetadataOnlyResponse(ResponseBody, tag_field="status", tag="complete_metadata", frozen=True):
     response_payload_size: int
 
 
-class RequestFailedResponse(ResponseBody):
+class RequestFailedResponse(ResponseBody, frozen=True):
     error: str
     category: Literal["unknown", "server", "user"]
 
 
-class FutureFinished(ResponseBody, tag_field="state", tag="finished"):
+class FutureFinished(ResponseBody, tag_field="state", tag="finished", frozen=True):
     request_id: str
     response_payload_uncompressed_size: int | None = None
 
 
-class FutureFailed(ResponseBody, tag_field="state", tag="failed"):
+class FutureFailed(ResponseBody, tag_field="state", tag="failed", frozen=True):
     request_id: str
 
 
-class FuturesRetrieveResponse(ResponseBody):
+class FuturesRetrieveResponse(ResponseBody, frozen=True):
     completions: list[FutureFinished | FutureFailed]
     cursor: int
 
@@ -552,17 +552,17 @@ class FuturesRetrieveResponse(ResponseBody):
 # ================================================================ responses: training results (§7)
 
 
-class CreateModelResponse(ResponseBody, tag_field="type", tag="create_model"):
+class CreateModelResponse(ResponseBody, tag_field="type", tag="create_model", frozen=True):
     model_id: str
 
 
-class ModelData(ResponseBody):
+class ModelData(ResponseBody, frozen=True):
     arch: str | None = None
     model_name: str | None = None  # needed by get_tokenizer and save_weights_and_get_sampling_client
     tokenizer_id: str | None = None
 
 
-class GetInfoResponse(ResponseBody, tag_field="type", tag="get_info"):
+class GetInfoResponse(ResponseBody, tag_field="type", tag="get_info", frozen=True):
     model_data: ModelData
     model_id: str
     optimizer_config: OptimizerConfigJson  # no default: leaving it out would read as adamw
@@ -571,27 +571,27 @@ class GetInfoResponse(ResponseBody, tag_field="type", tag="get_info"):
     model_name: str | None = None
 
 
-class OptimStepResponse(ResponseBody):
+class OptimStepResponse(ResponseBody, frozen=True):
     metrics: dict[str, float] | None = None
 
 
-class SaveWeightsResponse(ResponseBody):
+class SaveWeightsResponse(ResponseBody, frozen=True):
     path: str
 
 
-class SaveWeightsForSamplerResponse(ResponseBody):
+class SaveWeightsForSamplerResponse(ResponseBody, frozen=True):
     """`path` for a named save; `sampling_session_id` for an unnamed one (both SDK-enforced)."""
 
     path: str | None = None
     sampling_session_id: str | None = None
 
 
-class SaveWeightsExternalResponse(ResponseBody):
+class SaveWeightsExternalResponse(ResponseBody, frozen=True):
     path: str
     size_bytes: int | None = None
 
 
-class LoadWeightsResponse(ResponseBody, tag_field="type", tag="load_weights"):
+class LoadWeightsResponse(ResponseBody, tag_field="type", tag="load_weights", frozen=True):
     path: str | None = None
     model_id: str | None = None
 
@@ -599,21 +599,21 @@ class LoadWeightsResponse(ResponseBody, tag_field="type", tag="load_weights"):
 # ================================================================ responses: sampling and REST (§7)
 
 
-class CreateSamplingSessionResponse(ResponseBody, tag_field="type", tag="create_sampling_session"):
+class CreateSamplingSessionResponse(ResponseBody, tag_field="type", tag="create_sampling_session", frozen=True):
     sampling_session_id: str
 
 
-class JoinSamplingSessionResponse(ResponseBody):
+class JoinSamplingSessionResponse(ResponseBody, frozen=True):
     client_counter: int
 
 
-class GetSamplerResponse(ResponseBody):
+class GetSamplerResponse(ResponseBody, frozen=True):
     sampler_id: str
     base_model: str
     model_path: str | None = None  # None for inflight sessions
 
 
-class SupportedModel(ResponseBody):
+class SupportedModel(ResponseBody, frozen=True):
     model_name: str | None = None
     max_context_length: int | None = None
     trainable: bool | None = None
@@ -623,11 +623,11 @@ class SupportedModel(ResponseBody):
     ready: bool | None = None
 
 
-class GetServerCapabilitiesResponse(ResponseBody):
+class GetServerCapabilitiesResponse(ResponseBody, frozen=True):
     supported_models: list[SupportedModel]
 
 
-class WeightsInfoResponse(ResponseBody):
+class WeightsInfoResponse(ResponseBody, frozen=True):
     base_model: str
     is_lora: bool
     optimizer_config: OptimizerConfigJson  # the checkpoint's; leaving it out would read as adamw
@@ -637,11 +637,11 @@ class WeightsInfoResponse(ResponseBody):
     train_attn: bool | None = None
 
 
-class CopyWeightsResponse(ResponseBody):
+class CopyWeightsResponse(ResponseBody, frozen=True):
     tinker_path: str
 
 
-class Checkpoint(ResponseBody):
+class Checkpoint(ResponseBody, frozen=True):
     checkpoint_id: str  # "<kind>/<name>", e.g. "weights/step-10"
     checkpoint_type: Literal["training", "sampler", "external"]
     time: datetime
@@ -655,18 +655,18 @@ class Checkpoint(ResponseBody):
         _require_timezone(self, "time", "expires_at")
 
 
-class Cursor(ResponseBody):
+class Cursor(ResponseBody, frozen=True):
     offset: int
     limit: int
     total_count: int  # the CLI pages with it
 
 
-class CheckpointsListResponse(ResponseBody):
+class CheckpointsListResponse(ResponseBody, frozen=True):
     checkpoints: list[Checkpoint]
     cursor: Cursor | None = None
 
 
-class ExternalWeightsUrlsResponse(ResponseBody):
+class ExternalWeightsUrlsResponse(ResponseBody, frozen=True):
     urls: dict[str, str]  # relative path -> signed URL
     expires: datetime
 
@@ -674,7 +674,7 @@ class ExternalWeightsUrlsResponse(ResponseBody):
         _require_timezone(self, "expires")
 
 
-class TrainingRun(ResponseBody):
+class TrainingRun(ResponseBody, frozen=True):
     training_run_id: str
     base_model: str
     model_owner: str
@@ -690,49 +690,49 @@ class TrainingRun(ResponseBody):
         _require_timezone(self, "last_request_time")
 
 
-class TrainingRunsResponse(ResponseBody):
+class TrainingRunsResponse(ResponseBody, frozen=True):
     training_runs: list[TrainingRun]
     cursor: Cursor
 
 
-class ListSessionsResponse(ResponseBody):
+class ListSessionsResponse(ResponseBody, frozen=True):
     sessions: list[str]
 
 
-class GetSessionResponse(ResponseBody):
+class GetSessionResponse(ResponseBody, frozen=True):
     training_run_ids: list[str]
     sampler_ids: list[str]
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
 
 
-class SessionActive(ResponseBody, tag_field="type", tag="active"):
+class SessionActive(ResponseBody, tag_field="type", tag="active", frozen=True):
     pass
 
 
-class SessionCancelled(ResponseBody, tag_field="type", tag="cancelled"):
+class SessionCancelled(ResponseBody, tag_field="type", tag="cancelled", frozen=True):
     detail: str | None = None
 
 
-class ClientSessionFinished(ResponseBody, tag_field="type", tag="client_finished"):
+class ClientSessionFinished(ResponseBody, tag_field="type", tag="client_finished", frozen=True):
     reason: FinishReason
     detail: str | None = None
 
 
-class FailedRequestReason(ResponseBody, tag_field="type", tag="request"):
+class FailedRequestReason(ResponseBody, tag_field="type", tag="request", frozen=True):
     request_id: str
     request_type: str
 
 
-class FailedTrainingRunReason(ResponseBody, tag_field="type", tag="training_run"):
+class FailedTrainingRunReason(ResponseBody, tag_field="type", tag="training_run", frozen=True):
     training_run_id: str
 
 
-class FailedSamplingSessionReason(ResponseBody, tag_field="type", tag="sampling_session"):
+class FailedSamplingSessionReason(ResponseBody, tag_field="type", tag="sampling_session", frozen=True):
     sampling_session_id: str
 
 
-class SessionFailed(ResponseBody, tag_field="type", tag="failed"):
+class SessionFailed(ResponseBody, tag_field="type", tag="failed", frozen=True):
     category: Literal["user", "internal"]
     reason: FailedRequestReason | FailedTrainingRunReason | FailedSamplingSessionReason
     message: str
@@ -741,7 +741,7 @@ class SessionFailed(ResponseBody, tag_field="type", tag="failed"):
 SessionStatus = SessionActive | SessionCancelled | ClientSessionFinished | SessionFailed
 
 
-class SessionSummary(ResponseBody):
+class SessionSummary(ResponseBody, frozen=True):
     session_id: str
     created_at: datetime
     owner: str
@@ -756,12 +756,12 @@ class SessionSummary(ResponseBody):
         _require_timezone(self, "created_at")
 
 
-class SessionSearchResponse(ResponseBody):
+class SessionSearchResponse(ResponseBody, frozen=True):
     sessions: list[SessionSummary]
     next_cursor: SessionSearchCursor | None = None
 
 
-class TraceExportResponse(ResponseBody):
+class TraceExportResponse(ResponseBody, frozen=True):
     """A poll of `/sessions/<id>/trace_export` (the SDK's private _SessionTraceExportPollResponse).
 
     openrld builds the trace when it is downloaded, so a poll always answers "ready" with the signed URL.
@@ -772,7 +772,7 @@ class TraceExportResponse(ResponseBody):
     error: str | None = None
 
 
-class HealthResponse(ResponseBody, tag_field="status", tag="ok"):
+class HealthResponse(ResponseBody, tag_field="status", tag="ok", frozen=True):
     version: str | None = None  # openrld's own (the SDK reads only status): the daemon's version, for people and probes
 
 
@@ -780,7 +780,7 @@ class HealthResponse(ResponseBody, tag_field="status", tag="ok"):
 # openrld prices nothing, so the SDK's cost and rate fields (all optional) have no field here.
 
 
-class AuditLogEntry(ResponseBody):
+class AuditLogEntry(ResponseBody, frozen=True):
     timestamp: datetime
     event: str  # `<resource>_<action>`, e.g. "checkpoint_created"
     event_details: dict[str, str] = {}  # who did it and what it was about, as the store recorded it
@@ -793,24 +793,24 @@ class AuditLogEntry(ResponseBody):
         _require_timezone(self, "timestamp")
 
 
-class AuditLogResponse(ResponseBody):
+class AuditLogResponse(ResponseBody, frozen=True):
     entries: list[AuditLogEntry]  # oldest first
 
 
-class TrainingBillingEvent(ResponseBody, tag_field="type", tag="training"):
+class TrainingBillingEvent(ResponseBody, tag_field="type", tag="training", frozen=True):
     token_count: int
 
 
-class SamplingPrefillBillingEvent(ResponseBody, tag_field="type", tag="sampling_prefill"):
+class SamplingPrefillBillingEvent(ResponseBody, tag_field="type", tag="sampling_prefill", frozen=True):
     cached: bool  # required by the SDK; openrld bills no cached rate, so always False
     token_count: int
 
 
-class SamplingSampleBillingEvent(ResponseBody, tag_field="type", tag="sampling_sample"):
+class SamplingSampleBillingEvent(ResponseBody, tag_field="type", tag="sampling_sample", frozen=True):
     token_count: int
 
 
-class CheckpointBillingEvent(ResponseBody, tag_field="type", tag="checkpoint"):
+class CheckpointBillingEvent(ResponseBody, tag_field="type", tag="checkpoint", frozen=True):
     count: int  # checkpoints created in the bucket
 
 
@@ -819,7 +819,7 @@ BillingEventInfo = (
 )
 
 
-class BillingUsageEvent(ResponseBody):
+class BillingUsageEvent(ResponseBody, frozen=True):
     bucket_start: datetime  # inclusive start of the UTC hour
     bucket_end: datetime  # exclusive end
     event_info: BillingEventInfo
@@ -833,16 +833,16 @@ class BillingUsageEvent(ResponseBody):
         _require_timezone(self, "bucket_start", "bucket_end")
 
 
-class BillingUsageSession(ResponseBody):
+class BillingUsageSession(ResponseBody, frozen=True):
     user_metadata: dict[str, str] | None = None  # the session's, as created; None when it has none
 
 
-class BillingUsageResponse(ResponseBody):
+class BillingUsageResponse(ResponseBody, frozen=True):
     data: list[BillingUsageEvent]
     sessions: dict[str, BillingUsageSession] = {}  # every session named in `data`
 
 
-class CurrentCheckpointStorageUsageItem(ResponseBody):
+class CurrentCheckpointStorageUsageItem(ResponseBody, frozen=True):
     checkpoint_count: int
     size_bytes: int
     size_gigabytes: float  # size_bytes / 1e9
@@ -851,28 +851,28 @@ class CurrentCheckpointStorageUsageItem(ResponseBody):
     user_name: str | None = None
 
 
-class CurrentCheckpointStorageUsageResponse(ResponseBody):
+class CurrentCheckpointStorageUsageResponse(ResponseBody, frozen=True):
     data: list[CurrentCheckpointStorageUsageItem]  # one per project of the caller's checkpoints
 
 
-class AuthTokenResponse(ResponseBody):
+class AuthTokenResponse(ResponseBody, frozen=True):
     jwt: str
 
 
-class ApiKeyOrgDetails(ResponseBody):
+class ApiKeyOrgDetails(ResponseBody, frozen=True):
     name: str
 
 
-class ApiKeyUserDetails(ResponseBody):
+class ApiKeyUserDetails(ResponseBody, frozen=True):
     email: str  # required by the CLI; "" where the node knows none
 
 
-class ApiKeyDetails(ResponseBody):
+class ApiKeyDetails(ResponseBody, frozen=True):
     org_details: ApiKeyOrgDetails
     user_details: ApiKeyUserDetails
 
 
-class SelfApiKeyResponse(ResponseBody):
+class SelfApiKeyResponse(ResponseBody, frozen=True):
     """`GET /auth/apikey/me`, which `tinker auth login` reads (the CLI's own model, not in `tinker.types`)."""
 
     key_id: int  # 0 in open mode, where no key file names keys

@@ -43,6 +43,7 @@ import struct
 import threading
 import weakref
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 
@@ -176,7 +177,7 @@ class FrameSocket:
 
     # ------------------------------------------------------------ sending
 
-    def send(self, message: Message, buffers: list[memoryview] = ()) -> None:
+    def send(self, message: Message, buffers: Sequence[memoryview] = ()) -> None:
         buffers = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
         shared = [b for b in buffers if self.shared_memory and b.nbytes >= SHARED_MIN_BYTES]
         specs, inline, offset = [], [], 0
