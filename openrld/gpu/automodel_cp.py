@@ -64,7 +64,7 @@ def use_cp_attention(model: torch.nn.Module, device: torch.device) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, _cp_attention)
-    model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+    model.set_attn_implementation(ATTENTION)
     assert model.config._attn_implementation == ATTENTION, model.config._attn_implementation
     if device.type == "cpu":
         configure_cp_varlen(attn_backend="dense")

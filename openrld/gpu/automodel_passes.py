@@ -344,6 +344,6 @@ class ShardedPasses:
                 for r, i, shape, data in msgspec.msgpack.decode(part, type=_RankLogprobs).datums:
                     logprobs[r][i] = np.frombuffer(data, dtype=np.float32).reshape(shape).copy()
         return [
-            ForwardBackwardResult(logprobs=[lp for lp in lps if lp is not None], metrics=m)  # type: ignore[misc]
+            ForwardBackwardResult(logprobs=[lp for lp in lps if lp is not None], metrics=m)
             for lps, m in zip(logprobs, metrics)
         ]

@@ -39,10 +39,10 @@ def on_device(device: torch.device) -> Iterator[None]:
         return build_infrastructure(model, **kwargs)
 
     # The index is only ever put into torch.device("cuda", index), which the wrapper above replaces.
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0
     auto_model.apply_model_infrastructure = on_this_device
     try:
         yield
     finally:
         auto_model.apply_model_infrastructure = build_infrastructure
-        torch.cuda.current_device = current_device  # type: ignore[assignment]
+        torch.cuda.current_device = current_device

@@ -70,7 +70,7 @@ class _PlainReader(gguf.GGUFReader):
     """gguf's reader over a plain ndarray view of its read-only mapping: the same bytes, the
     same fields and tensors, without memmap's per-slice Python hooks."""
 
-    @property  # type: ignore[override]
+    @property
     def data(self) -> np.ndarray:
         return self._plain
 
@@ -97,7 +97,7 @@ def _parsed_once(source: Path) -> Iterator[None]:
     module; it stays set, answering for files nobody converts exactly as the class does."""
     parsed = _PlainReader(source, "r")  # seconds of parsing: outside the lock other conversions take
     with _SHARED_LOCK:
-        gguf.GGUFReader = _shared_reader  # type: ignore[misc]
+        gguf.GGUFReader = _shared_reader
         _SHARED_READERS[os.path.realpath(source)] = parsed
     try:
         yield

@@ -54,8 +54,8 @@ def use_long_attention(model: torch.nn.Module) -> bool:
         return False
     AttentionInterface.register(ATTENTION, windowed_attention)
     AttentionMaskInterface.register(ATTENTION, _mask_unless_plain)
-    model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
-    if model.config._attn_implementation != ATTENTION:  # type: ignore[union-attr]
+    model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation != ATTENTION:
         raise RuntimeError(f"transformers kept attention {model.config._attn_implementation!r} for {ATTENTION!r}")
     return True
 

@@ -303,7 +303,7 @@ def _clip_factor(
 def _clipped(param: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     """`param`'s gradient in the state dtype, times the clipping factor: a new tensor (the
     accumulated gradient is left as it is), one gradient at a time."""
-    grad = param.grad.to(_state_dtype(param))  # type: ignore[union-attr]
+    grad = param.grad.to(_state_dtype(param))
     if factor is None:
         return grad
     return grad * factor.to(grad.dtype)

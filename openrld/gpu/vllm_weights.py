@@ -173,11 +173,11 @@ def read_back(model: torch.nn.Module, name: str, shape: tuple[int, ...], dtype: 
         copied.append(tuple(destination.shape))
         return destination
 
-    torch.Tensor.copy_ = reverse  # type: ignore[method-assign]
+    torch.Tensor.copy_ = reverse
     try:
         model.load_weights([(name, buffer)])
     finally:
-        torch.Tensor.copy_ = plain_copy  # type: ignore[method-assign]
+        torch.Tensor.copy_ = plain_copy
     if len(copied) != 1:
         raise UnsupportedLoader(f"{name}: vLLM's loader wrote it {len(copied)} times; expected once")
     return buffer

@@ -218,7 +218,7 @@ def _map_entry_name(field_name: str) -> str:
 
 def _set_kind(proto: descriptor_pb2.FieldDescriptorProto, kind: str) -> None:
     if kind in _SCALARS:
-        proto.type = _SCALARS[kind]  # type: ignore[assignment]
+        proto.type = _SCALARS[kind]
     elif kind in _ENUMS:
         proto.type = _F.TYPE_ENUM
         proto.type_name = f".{PACKAGE}.{kind}"
