@@ -40,6 +40,7 @@ import msgspec
 
 from openrld.checkpoint_manifest import CheckpointManifest
 from openrld.ids import validate_name
+from openrld.store.rows import JsonScalar
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class AutosaveManifest(msgspec.Struct, frozen=True, kw_only=True):
         return self.run.base_model
 
     @property
-    def lora(self) -> dict[str, object] | None:
+    def lora(self) -> dict[str, JsonScalar] | None:
         """The job's LoRA config (LoraSpec's fields); None for full fine-tuning."""
         return self.run.lora
 

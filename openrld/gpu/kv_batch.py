@@ -45,6 +45,7 @@ batch or drops one from it. Plain synchronous torch; no trio.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 import transformers
@@ -330,7 +331,7 @@ class KvBatch:
         return first.expand(copies, *first.shape[1:]), second.expand(copies, *second.shape[1:])
 
 
-def _columns(kind: LayerKind, layer: object, width: int) -> int:
+def _columns(kind: LayerKind, layer: Any, width: int) -> int:
     """How many of the frame's last columns a layer keeps."""
     if kind is LayerKind.SLIDING:
         return min(width, layer.sliding_window - 1)

@@ -18,6 +18,7 @@ import random
 import socket
 import ssl
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import httpx
 import msgspec
@@ -86,7 +87,7 @@ async def seed_urls(seeds: Sequence[str], default_port: int, scheme: str = "http
             logger.warning("cannot resolve seed=%s: %s", seed, exc)
             continue
         for address in dict.fromkeys(info[4][0] for info in infos):
-            urls.append(f"{scheme}://{format_addr(address, port)}")
+            urls.append(f"{scheme}://{format_addr(cast(str, address), port)}")
     return urls
 
 
