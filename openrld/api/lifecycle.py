@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from quart import Response, request
@@ -163,7 +163,7 @@ async def trace(services: Services, session_id: str, filename: str) -> Response:
 def _session_status(row: SessionRow) -> wire.SessionStatus:
     if row.finish_reason is None:
         return wire.SessionActive()
-    return wire.ClientSessionFinished(reason=wire.FinishReason(type=row.finish_reason), detail=row.finish_detail)
+    return wire.ClientSessionFinished(reason=wire.FinishReason(type=cast("wire.FinishType", row.finish_reason)), detail=row.finish_detail)
 
 
 def _matches(row: SessionRow, req: wire.SessionSearchRequest) -> bool:

@@ -14,6 +14,8 @@ route; the membership actor owns the state.
 
 from __future__ import annotations
 
+from typing import cast
+
 from quart import Response, request
 
 from openrld.api.app import Services, caller, json_response
@@ -40,7 +42,7 @@ async def push_pull(services: Services) -> Response:
     if len(body) > MAX_PUSH_PULL_BYTES:
         raise BadRequest(f"push-pull body of {len(body)} bytes is over {MAX_PUSH_PULL_BYTES}")
     try:
-        answer, answer_tag = node.handle_push_pull(body, tag)
+        answer, answer_tag = node.handle_push_pull(cast(bytes, body), tag)
     except BadFrame as exc:
         raise Forbidden(f"push-pull refused: {exc}") from exc
     except NotRunning as exc:

@@ -19,7 +19,7 @@ no state and is matched (`RouteTable.match`) without quart.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgspec
 from werkzeug.exceptions import HTTPException
@@ -207,7 +207,7 @@ class RouteTable:
         except (HTTPException, RoutingException):  # no such path, another method, a redirect werkzeug would make
             return None
         route = self._patterned[index]
-        return Matched(route, params) if route.method == method else None  # werkzeug also lets HEAD match a GET
+        return Matched(route, cast("dict[str, str]", params)) if route.method == method else None  # werkzeug also lets HEAD match a GET
 
     def is_keyless(self, path: str) -> bool:
         return path in self.keyless_paths or path.startswith(self.keyless_prefixes)

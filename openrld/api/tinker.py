@@ -17,6 +17,7 @@ default left out, never null.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import msgspec
 from quart import Response
@@ -340,9 +341,9 @@ def _outcome_reply(
     every other reply has only a JSON form.
     """
     if outcome is None:
-        return json_reply(wire.TryAgainResponse(request_id=request_id, queue_state=queue_state))
+        return json_reply(wire.TryAgainResponse(request_id=request_id, queue_state=cast("wire.QueueState", queue_state)))
     if isinstance(outcome, Failed):
-        return json_reply(wire.RequestFailedResponse(error=outcome.detail, category=outcome.category))
+        return json_reply(wire.RequestFailedResponse(error=outcome.detail, category=cast("wire.FailureCategory", outcome.category)))
     value = outcome.value
     if isinstance(value, ForwardBackwardResult):
         if form is media.Form.JSON:

@@ -92,8 +92,11 @@ class SessionHeartbeatRequest(RequestBody, frozen=True):
     session_id: str
 
 
+FinishType = Literal["success", "errored", "interrupted"]
+
+
 class FinishReason(msgspec.Struct, frozen=True):
-    type: Literal["success", "errored", "interrupted"]
+    type: FinishType
 
 
 class SessionFinishRequest(RequestBody, frozen=True):
@@ -520,9 +523,12 @@ class UntypedAPIFuture(ResponseBody, frozen=True):
     sample_sequence_ids: list[str] | None = None  # asample: one per sample, in result order
 
 
+QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
+
+
 class TryAgainResponse(ResponseBody, tag_field="type", tag="try_again", frozen=True):
     request_id: str
-    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"]  # required by the SDK
+    queue_state: QueueState  # required by the SDK
     queue_state_reason: str | None = None
 
 
@@ -530,9 +536,12 @@ class MetadataOnlyResponse(ResponseBody, tag_field="status", tag="complete_metad
     response_payload_size: int
 
 
+FailureCategory = Literal["unknown", "server", "user"]
+
+
 class RequestFailedResponse(ResponseBody, frozen=True):
     error: str
-    category: Literal["unknown", "server", "user"]
+    category: FailureCategory
 
 
 class FutureFinished(ResponseBody, tag_field="state", tag="finished", frozen=True):

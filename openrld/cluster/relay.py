@@ -169,6 +169,7 @@ class Relay:
             await _send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
             return
         call = Call(scope, headers, body, params)
+        answer: Answer | None
         try:
             if route.fan_out is not None:
                 user_in(scope, _header(headers, b"x-api-key"), self._user_for)  # a bad key is refused here, once, not by every member

@@ -161,8 +161,8 @@ class PodLauncher:
         }
         device = spec.start.device
         if device != "cpu":
-            kind, _, index = device.partition(":")
-            if kind != "cuda" or not (index or "0").isdigit():
+            kind, _, ordinal = device.partition(":")
+            if kind != "cuda" or not (ordinal or "0").isdigit():
                 raise ValueError(f"a worker Pod takes 'cpu' or 'cuda:N', got {device!r}")
             container["resources"] = {"limits": {"nvidia.com/gpu": "1"}}  # a quantity: a string
             device = "cuda:0"
