@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, cast
 
 import msgspec
@@ -114,17 +114,16 @@ class JobSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None,
         msgspec.Meta(
             description="optim_steps between auto-saves of the job's training state to the node's shared "
-            "checkpoint root (none without one; never listed as checkpoints); 0: none. Unset: every step for "
-            "LoRA (adapter and optimizer state, small), none for full fine-tuning (every weight, large)."
+            "checkpoint root (none without one; never listed as checkpoints); 0 or unset: none. Opt-in: no "
+            "node takes a job over from its auto-saves yet, and a save every step costs SmolLM2 about a sixth "
+            "of a step."
         ),
     ] = None
 
     @property
     def autosave_interval(self) -> int:
-        """optim_steps between auto-saves (0: none): `autosave_steps`, or the default of the job's type."""
-        if self.autosave_steps is not None:
-            return self.autosave_steps
-        return 1 if self.fine_tuning_type is FineTuningType.LORA else 0
+        """optim_steps between auto-saves (0: none): `autosave_steps`, none unless the job asks."""
+        return self.autosave_steps or 0
 
     @property
     def trainer_image(self) -> str | None:
@@ -227,7 +226,7 @@ def _setting_key(full_key: str) -> str:
 # --- parsing the sources -------------------------------------------------------------------------
 
 
-def _tag_settings(tags: list[str]) -> dict[str, SettingValue]:
+def _tag_settings(tags: Sequence[str]) -> dict[str, SettingValue]:
     """The settings given as `openrl.key=value` tags; other tags are ignored."""
     found: dict[str, tuple[str, SettingValue]] = {}
     for raw in tags:
@@ -263,7 +262,7 @@ def client_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
 
 
 def parse_settings(
-    tags: list[str],
+    tags: Sequence[str],
     session_metadata: dict[str, str],
     model_metadata: dict[str, str],
 ) -> tuple[JobSettings, dict[str, str]]:
@@ -380,9 +379,9 @@ def settings_json_schema() -> dict[str, object]:
     return msgspec.json.schema(JobSettings)
 
 
-def settings_to_dict(settings: JobSettings) -> dict[str, str | int | bool]:
-    """The stored form: {"fine_tuning_type": "lora", "exclusive": False, ...}."""
-    return cast("dict[str, str | int | bool]", msgspec.to_builtins(settings))
+def settings_to_dict(settings: JobSettings) -> dict[str, str | int | float | bool | None]:
+    """The stored form: {"fine_tuning_type": "lora", "exclusive": False, ...} (the store's JSON scalars)."""
+    return cast("dict[str, str | int | float | bool | None]", msgspec.to_builtins(settings))
 
 
 def settings_from_dict(stored: Mapping[str, object]) -> JobSettings:

@@ -268,7 +268,7 @@ class JobTable:
         model_families.check_engines(model.name, model.arch, engines, trains_mlp=lora is not None and lora.train_mlp)
 
     def _open_job(
-        self, job: Job, kind: str, record_run: Callable[[], None], first_op: Callable[[str], TrainOp]
+        self, job: Job, kind: str, record_run: Callable[[], object], first_op: Callable[[str], TrainOp]
     ) -> str:
         """Book the job's own group if it has one, record its run, make it resident, and start it in a
         task of its own (its group, then `first_op`); returns the first op's request id.
