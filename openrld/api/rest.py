@@ -9,6 +9,8 @@ fields at their default left out, never null.
 
 from __future__ import annotations
 
+from typing import cast
+
 from quart import Response, request
 
 from openrld import ids
@@ -85,9 +87,9 @@ async def weights_info(services: Services) -> Response:
             is_lora=run.is_lora,
             optimizer_config=run.optimizer_config,
             lora_rank=run.lora_rank,
-            train_unembed=lora.get("train_unembed", True),
-            train_mlp=lora.get("train_mlp", True),
-            train_attn=lora.get("train_attn", True),
+            train_unembed=cast("bool | None", lora.get("train_unembed", True)),
+            train_mlp=cast("bool | None", lora.get("train_mlp", True)),
+            train_attn=cast("bool | None", lora.get("train_attn", True)),
         )
     )
 
@@ -136,7 +138,7 @@ async def accessible_run(services: Services, user: str, run_id: str) -> RunRow:
 def checkpoint(row: CheckpointRow) -> wire.Checkpoint:
     return wire.Checkpoint(
         checkpoint_id=row.checkpoint_id,
-        checkpoint_type=row.checkpoint_type,
+        checkpoint_type=cast("wire.CheckpointType", row.checkpoint_type),
         time=row.created_at,
         tinker_path=row.tinker_path,
         size_bytes=row.size_bytes,

@@ -650,9 +650,12 @@ class CopyWeightsResponse(ResponseBody, frozen=True):
     tinker_path: str
 
 
+CheckpointType = Literal["training", "sampler", "external"]
+
+
 class Checkpoint(ResponseBody, frozen=True):
     checkpoint_id: str  # "<kind>/<name>", e.g. "weights/step-10"
-    checkpoint_type: Literal["training", "sampler", "external"]
+    checkpoint_type: CheckpointType
     time: datetime
     tinker_path: str
     size_bytes: int | None = None

@@ -62,7 +62,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -222,7 +222,7 @@ def serve(
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(socket_path or os.environ[SOCKET_ENV])
             frames = FrameSocket(sock, Limits())
-            role = role or os.environ[ROLE_ENV]  # type: ignore[assignment]
+            role = cast(Role, role or os.environ[ROLE_ENV])
             frames.send(Hello(PROTOCOL_VERSION, token or os.environ[TOKEN_ENV], role, os.getpid(), ["shared_memory"], engine))
             status = _Leader(frames, role, group).run(build, info)
         else:

@@ -26,7 +26,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from openrld.errors import OpenrldError
 from openrld.worker import values
@@ -85,7 +85,7 @@ def serve(
         from openrld.worker import ranks
 
         ranks.serve(build, role=role, socket_path=socket_path, token=token, engine=engine, info=info)  # exits
-    role = role or os.environ[ROLE_ENV]  # type: ignore[assignment]
+    role = cast(Role, role or os.environ[ROLE_ENV])
     socket_path = socket_path or os.environ[SOCKET_ENV]
     token = token or os.environ[TOKEN_ENV]
     if os.environ.get(IGNORE_SIGNALS_ENV) == "1":
