@@ -16,6 +16,7 @@ fields at their default left out, never null.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from functools import partial
 
@@ -38,7 +39,7 @@ EVENT_PREFIXES = {
 }
 _DEPRECATED_FIELDS = ("model_id", "tinker_path", "purpose")  # copied out of event_details for old readers
 # A usage row's kind -> its billing event; no prefill is billed at a cached rate, so cached is False.
-_TOKEN_EVENTS = {
+_TOKEN_EVENTS: dict[str, Callable[..., wire.BillingEventInfo]] = {
     usage.TRAINING: wire.TrainingBillingEvent,
     usage.SAMPLING_PREFILL: partial(wire.SamplingPrefillBillingEvent, cached=False),
     usage.SAMPLING_SAMPLE: wire.SamplingSampleBillingEvent,

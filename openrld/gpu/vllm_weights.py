@@ -214,7 +214,9 @@ class WeightsExtension:
 
         model = self.get_model()  # type: ignore[attr-defined]
         device = next(model.parameters()).device
-        dense, sparse, written = [], [], 0
+        dense: list[CheckpointWeightPatch] = []
+        sparse: list[CheckpointWeightPatch] = []
+        written = 0
         for patch in msgspec.convert(patches, list[WeightPatch]):
             values = tensor_from(patch.values, patch.dtype, [-1]).to(device)
             indices = None if patch.indices is None else tensor_from(patch.indices, patch.index_dtype, [-1]).to(device)
