@@ -24,6 +24,7 @@ It never imports openrld.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -53,8 +54,9 @@ def params(new_tokens: int) -> types.SamplingParams:
 
 
 class SdkLoop:
-    def __init__(self, url: str, model: str, vocab: int) -> None:
+    def __init__(self, url: str, model: str, vocab: int, user_metadata: dict[str, str] | None = None) -> None:
         self.url, self.model, self.vocab = url, model, vocab
+        self.user_metadata = user_metadata  # the training job's, e.g. its openrl.* settings
         self.service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
         self.prompt = prompt(vocab)
         self.adam = types.AdamParams(learning_rate=LR)
@@ -71,7 +73,9 @@ class SdkLoop:
     @property
     def training(self) -> tinker.TrainingClient:
         if self._training is None:
-            self._training = self.service.create_lora_training_client(base_model=self.model, rank=RANK, seed=0).result()
+            self._training = self.service.create_lora_training_client(
+                base_model=self.model, rank=RANK, seed=0, user_metadata=self.user_metadata
+            ).result()
         return self._training
 
     def _sample(self, sampling: tinker.SamplingClient, batch: int, new_tokens: int) -> types.SampleResponse:
@@ -168,8 +172,8 @@ class SdkLoop:
             self.rl_iteration()
 
 
-def main(url: str, model: str, vocab: int) -> None:
-    loop = SdkLoop(url, model, vocab)
+def main(url: str, model: str, vocab: int, user_metadata: dict[str, str] | None = None) -> None:
+    loop = SdkLoop(url, model, vocab, user_metadata)
     serve({
         "sft_steps": loop.sft_steps,
         "sample": loop.sample,
@@ -181,4 +185,5 @@ def main(url: str, model: str, vocab: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    # An optional fourth argument: the training job's user_metadata, as JSON (e.g. its openrl.* settings).
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)

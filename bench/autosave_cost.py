@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -37,6 +38,8 @@ from _daemon import bench_models, child, daemon, vocab_size
 from _workload import RANK
 
 from openrld.autosave import AUTOSAVE_DIR, latest_autosave
+
+EVERY_STEP = {"openrl.autosave_steps": "1"}  # the job opts in: auto-saves are off unless asked for
 
 
 def load() -> str:
@@ -65,7 +68,7 @@ def run(name: str, directory: Path, args: argparse.Namespace) -> None:
         saving_url = stack.enter_context(daemon({name: directory}, f'checkpoint_root = "{shared}"'))
         plain_url = stack.enter_context(daemon({name: directory}))
         vocab = vocab_size(directory)
-        saving = stack.enter_context(child("_sdk_loop.py", saving_url, name, vocab))
+        saving = stack.enter_context(child("_sdk_loop.py", saving_url, name, vocab, json.dumps(EVERY_STEP)))
         plain = stack.enter_context(child("_sdk_loop.py", plain_url, name, vocab))
         sides = {"autosave": saving, "none": plain}
         times: dict[str, list[float]] = {"autosave": [], "none": []}

@@ -1,9 +1,8 @@
 """Auto-saves on a shared checkpoint root: their layout, their manifest, committing, pruning and reading.
 
-With a checkpoint root shared by the cluster's nodes, each job's training state
-(LoRA: adapter and optimizer state; full fine-tuning: weights and optimizer
-state, at the job's `openrl.autosave_steps` interval) is saved after its
-steps, so that a survivor can adopt the job when its node dies. An auto-save
+With a checkpoint root shared by the cluster's nodes, the training state of each
+job that sets `openrl.autosave_steps` (LoRA: adapter and optimizer state; full
+fine-tuning: weights and optimizer state) is saved at that interval, so that a survivor can adopt the job when its node dies. An auto-save
 is the job's, never the user's: it lives apart from the checkpoints, where no
 listing and no adoption of checkpoints looks,
 

@@ -1,8 +1,7 @@
 """Auto-saves of a trainer's jobs on a shared checkpoint root: when they are due, and their commits.
 
-The trainer actor asks `Autosaves.interval` when a job opens (LoRA: every
-step; full fine-tuning: its `openrl.autosave_steps`, none by default; nothing
-without a shared root), and, after an optim_step that is due, queues
+The trainer actor asks `Autosaves.interval` when a job opens (the job's
+`openrl.autosave_steps`, none unless it asks; nothing without a shared root), and, after an optim_step that is due, queues
 `write_state` on its engine thread right behind the step: the engine's own
 `save_state` writes into a fresh staging directory there, before any later
 op can change the state. The step's future resolves first; the next step

@@ -53,8 +53,10 @@ def node(root: Path, shared: Path, tiny_llama: Path):
 
 
 def _job(node: Daemon, **user_metadata: str) -> tinker.TrainingClient:
+    """A LoRA job, auto-saved every step unless `user_metadata` says otherwise (auto-saves are opt-in)."""
     service = tinker.ServiceClient(base_url=node.url, api_key=API_KEY)
-    return service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0, user_metadata=user_metadata).result()
+    metadata = {"openrl.autosave_steps": "1", **user_metadata}
+    return service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0, user_metadata=metadata).result()
 
 
 def _steps(training: tinker.TrainingClient, count: int) -> None:
@@ -169,6 +171,14 @@ def test_a_job_with_autosave_steps_0_writes_none(node: Daemon, shared: Path):
     training = _job(node, **{"openrl.autosave_steps": "0"})
     _steps(training, 2)
     training.save_state("flush").result()  # runs after both steps, so any write of theirs came first
+    assert _step_dirs(shared, training.model_id) == []
+
+
+def test_a_job_that_does_not_ask_writes_none(node: Daemon, shared: Path):
+    service = tinker.ServiceClient(base_url=node.url, api_key=API_KEY)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
+    _steps(training, 2)
+    training.save_state("flush").result()
     assert _step_dirs(shared, training.model_id) == []
 
 
