@@ -174,7 +174,7 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         self._params: dict[str, torch.nn.Parameter] = {}  # trainable: peft key (LoRA) or model name (full)
         self._optimizer: ShardedAdamW | WholeDimuon | None = None
         self._family = "adamw"  # the job's optimizer family, fixed when it opens
-        self._peft_config = None  # Automodel's PeftConfig of the LoRA job (for its Checkpointer)
+        self._peft_config: object | None = None  # Automodel's PeftConfig of the LoRA job (for its Checkpointer)
         self._passes: ShardedPasses | None = None  # type: ignore[assignment]
         self._weights: ShardedWeights | None = None
         self._synced_version: str | None = None
