@@ -109,7 +109,9 @@ class Encoding:
         if isinstance(obj, np.ndarray):
             array = np.ascontiguousarray(obj)
             self._keep.append(array)
-            return self._tensor(array.dtype.name, array.shape, memoryview(array).cast("B") if array.size else memoryview(b""))
+            # numpy's stubs give ndarray a __buffer__ only from Python 3.12; mypy checks as 3.11.
+            view = memoryview(array).cast("B") if array.size else memoryview(b"")  # type: ignore[arg-type]
+            return self._tensor(array.dtype.name, array.shape, view)
         if _is_torch_tensor(obj):
             return self._torch(obj)
         if isinstance(obj, Path):
@@ -201,9 +203,9 @@ def to_torch(tensor: HostTensor) -> Any:
 
     if tensor.nbytes == 0:
         return torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype))
-    data = tensor.data
-    if data.readonly:
-        data = bytearray(data)
+    data: memoryview | bytearray = tensor.data
+    if tensor.data.readonly:
+        data = bytearray(tensor.data)
     flat = torch.frombuffer(data, dtype=torch.int16 if tensor.dtype == "bfloat16" else getattr(torch, tensor.dtype))
     if tensor.dtype == "bfloat16":
         flat = flat.view(torch.bfloat16)
@@ -244,7 +246,7 @@ def _torch_value(value: Any) -> Any:
 # ---------------------------------------------------------------- errors
 
 # The errors a worker may report by name; anything else arrives as a WorkerFault.
-_KNOWN_ERRORS: dict[str, type[Exception]] = {
+_KNOWN_ERRORS: dict[str, type[errors.OpenrldError]] = {
     cls.__name__: cls
     for cls in (
         errors.BadRequest, errors.NotSupportedYet, errors.Conflict, errors.NotFound, errors.Gone,
