@@ -473,12 +473,12 @@ class MembershipNode:
             await trio.sleep(self.config.gossip_interval_s)
             now = trio.current_time()
             # The recently dead get gossip too: if they are alive after all, they hear it and refute.
-            targets = self._table.sample_others(
-                self._rng,
-                self.config.gossip_nodes,
-                lambda m, now=now: m.is_alive
-                or (m.state is MemberState.DEAD and now - m.state_since_s < self.config.gossip_to_the_dead_s),
-            )
+            def gossiped_to(m: Member, now: float = now) -> bool:
+                return m.is_alive or (
+                    m.state is MemberState.DEAD and now - m.state_since_s < self.config.gossip_to_the_dead_s
+                )
+
+            targets = self._table.sample_others(self._rng, self.config.gossip_nodes, gossiped_to)
             for member in targets:
                 messages = self._broadcasts.take(self.config.max_packet_bytes - HEADER_BYTES, self._limit(), at_least_one=True)
                 if not messages:
