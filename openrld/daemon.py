@@ -16,7 +16,7 @@ import logging
 import ssl
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, cast
 
 import httpx
 import trio
@@ -59,7 +59,7 @@ from openrld.store import Store
 from openrld.tls import peer_context, server_context
 from openrld.worker.client import WorkerTimeouts
 from openrld.worker.hosting import WorkerHosting
-from openrld.worker.launchers import Mount
+from openrld.worker.launchers import Launcher, Mount
 
 if TYPE_CHECKING:
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
@@ -90,7 +90,7 @@ def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
     workers = config.workers
     builtin = ProcessLauncher(workers.python) if workers.launcher == "process" else None
     vllm = ProcessLauncher(workers.vllm_python) if config.sampler_backend == "vllm" and workers.vllm_python else None
-    images = None
+    images: Launcher | None = None
     node = node_name_or_host_name(config.node_name)
     if workers.allowed_images and workers.container_runtime == "kubernetes":
         from openrld.worker.launchers.pod import in_cluster
@@ -100,7 +100,8 @@ def _worker_hosting(config: NodeConfig, store: Store) -> WorkerHosting:
         from openrld.worker.launchers.container import ContainerLauncher
 
         images = ContainerLauncher(
-            workers.container_runtime, node, workers.container_run_args, global_args=workers.container_global_args
+            cast('Literal["podman", "docker"]', workers.container_runtime), node, workers.container_run_args,
+            global_args=workers.container_global_args,
         )
     checkpoints, staging = store.files.checkpoint_files
     return WorkerHosting(
