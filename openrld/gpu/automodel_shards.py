@@ -101,7 +101,7 @@ def read_rows(path: Path, like: Callable[[str], torch.Tensor | None]) -> tuple[d
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safetensors.safe_open(str(path), framework="pt") as file:
-            for key in file:
+            for key in file.keys():  # noqa: SIM118  # safetensors' safe_open has keys() but is not iterable
                 part = file.get_slice(key)
                 shape = tuple(part.get_shape())
                 shapes[key] = shape

@@ -139,7 +139,7 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as file:
-            for name in file:
+            for name in file.keys():  # noqa: SIM118  # safetensors' safe_open has keys() but is not iterable
                 part = file.get_slice(name)
                 if part.get_dtype() in FLOAT_DTYPES:
                     shapes[name] = tuple(int(d) for d in part.get_shape())
