@@ -61,8 +61,9 @@ PROBE_CHUNK = 8  # log-softmax positions per chunk in the probes: both lengths h
 # most of them behind. Measured as the peak RSS a step adds over the tensor peak `PeakMeter`
 # reads on it, fresh process per length, 2 CPU cores: SmolLM2 plain at 1,024 tokens 2.66 GiB
 # over 1.72 (1.55), Gemma 3 270M plain at 1,024 2.49 over 1.97 (1.27), SmolLM2 checkpointed at
-# 2,048 1.76 and, in a second run, 2.16 over 0.335 (5.3, 6.5), Gemma 3 270M checkpointed at 8,192 4.06 over about 0.67 (6.1; the
-# daemon's RSS in bench/long_context.py against this estimate). The ratio falls with length
+# 2,048 1.76 and, in a second run, 2.16 over 0.335 (5.3, 6.5), Gemma 3 270M checkpointed at
+# 8,192 4.06 over about 0.67 (6.1; the daemon's RSS in bench/long_context.py against this
+# estimate). The ratio falls with length
 # (Gemma 3 270M at 32,768: about 2.7), so a very long datum is over-estimated up to 2.5x.
 # Under MALLOC_MMAP_THRESHOLD_=1048576 the same SmolLM2 step adds 0.356 GiB, its tensors alone,
 # but an SFT step of 8 × 128 then took 5.3 s against 4.4 s: the page faults of fresh mappings
