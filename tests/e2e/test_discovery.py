@@ -45,7 +45,7 @@ def test_info_settings_schema_is_the_one_settings_validate_with(info):
     assert sorted(keys) == sorted(
         [
             "fine_tuning_type", "weight_sync", "exclusive", "trainer_backend", "trainer_gpus", "trainer_cp",
-            "sampler_replicas", "sampler_backend",
+            "sampler_replicas", "sampler_backend", "autosave_steps",
         ]
     )
 
