@@ -275,8 +275,8 @@ class ServeCommand:
     def start(self) -> str:
         _watched_logs.add(self.log_path)
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"), text=True,  # noqa: SIM115  # the child writes it, env=self.env, cwd=self.cwd,
-            start_new_session=True,
+            self.argv, stdout=subprocess.PIPE, stderr=open(self.log_path, "a"),  # noqa: SIM115  # the child writes it
+            text=True, env=self.env, cwd=self.cwd, start_new_session=True,
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
