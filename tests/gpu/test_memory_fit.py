@@ -86,7 +86,7 @@ def test_the_meter_counts_the_tensors_alive_at_once_not_views_or_what_came_befor
     assert meter.peak == 3 * (1 << 20)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma4", "qwen3_5", "qwen3_moe"])
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
 def test_the_tensor_estimate_is_within_a_tenth_below_and_twice_above_the_measured_step(
     tmp_path: Path, family: str, checkpointed: bool
