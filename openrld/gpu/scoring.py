@@ -284,7 +284,7 @@ class BatchScorer:
 
     def step_bytes(self, tokens: int) -> int:
         """`memory_fit`'s estimate of one datum's training step over `tokens` tokens on this model,
-        in the regime `_checkpoints` would choose for it; the first call runs the probes."""
+        in the regime `_would_checkpoint` chooses for it; the first call runs the probes."""
         if self._step_fit is None:
             self._step_fit = self._measure_step_fit()
         checkpointed = self._would_checkpoint(tokens)
