@@ -109,11 +109,12 @@ def test_a_lora_job_placed_on_a_node_counts_as_a_resident_group_there():
     assert placer.rank([b, c], LORA_LLAMA) == ["c", "b"]
 
 
-def test_a_trainer_wider_than_the_largest_node_is_refused_naming_it():
+def test_a_trainer_wider_than_the_free_devices_of_the_cluster_is_refused_naming_it():
     members = [member("a", [DeviceSlot("cuda:0", "cuda", 80, 80)] * 2), member("b", [DeviceSlot("cuda:0", "cuda", 80, 80)] * 4)]
     needs = JobNeeds(base_model="llama", own_group=True, is_exclusive=True, devices=8)
     assert too_large(members, needs) == (
-        "openrl.trainer_gpus=8: a trainer runs on the devices of one node, and the largest node of the cluster, b, has 4"
+        "openrl.trainer_gpus=8: no node has 8 devices, and a trainer that spans nodes takes free ones only; "
+        "the cluster has 6 free (a: 2, b: 4); lower openrl.trainer_gpus, or wait for jobs to end"
     )
 
 

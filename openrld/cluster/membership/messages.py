@@ -62,6 +62,7 @@ class NodePayload(msgspec.Struct, frozen=True, array_like=True):
     jobs: tuple[str, ...] = ()  # model ids this node is home to
     # What the others need to say of a job if this node dies: keyed by model id.
     job_notes: dict[str, JobNote] = msgspec.field(default_factory=dict)
+    segment: str = ""  # its network segment (config network_segment): a trainer that spans nodes keeps to one
 
 
 class Ping(msgspec.Struct, frozen=True, array_like=True, tag=1):

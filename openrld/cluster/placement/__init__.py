@@ -1,7 +1,8 @@
 """Which node a new job goes to, across the cluster.
 
 `ranking` orders the nodes for a job by the rules of DESIGN.md and counts the
-placer's own recent placements (pure); `offers` offers the job to them in
+placer's own recent placements (pure); `spanning` plans a trainer wider than any
+node over several (pure); `offers` offers the job to them in
 turn until one takes it (`OfferRound` is the pure state, `ClusterPlacer` the
 async shell). Neither books a device: the chosen node's device pool does.
 """
@@ -17,6 +18,7 @@ from openrld.cluster.placement.ranking import (
     rank,
     too_large,
 )
+from openrld.cluster.placement.spanning import SpanNode, SpanPart, SpanPlan, plan_span, span_nodes, span_refusal
 
 __all__ = [
     "GROUP_ROOM",
@@ -27,9 +29,15 @@ __all__ = [
     "OfferRound",
     "Placer",
     "Reply",
+    "SpanNode",
+    "SpanPart",
+    "SpanPlan",
     "candidate",
     "needs_of_note",
     "needs_of_settings",
+    "plan_span",
     "rank",
+    "span_nodes",
+    "span_refusal",
     "too_large",
 ]

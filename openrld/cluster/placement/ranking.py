@@ -12,7 +12,9 @@ The rules, in order:
 2. else a new group starts on a node with a free device (the most free first);
 3. else a device is time-sliced (the least crowded first);
 4. an exclusive job takes free devices only; a trainer on several devices (`trainer_gpus`)
-   needs that many free ones, or, when it may share, that many no exclusive job holds.
+   needs that many free ones, or, when it may share, that many no exclusive job holds;
+5. a trainer wider than the largest node spans several (`spanning.py`): it is offered to
+   the home its plan names first, then to the plan's other nodes.
 
 A member's payload lags its state by a refresh and a gossip round, so the
 placer also counts the placements it made since it last heard from a node:
@@ -28,6 +30,7 @@ import msgspec
 
 from openrld.cluster.membership.messages import GroupLoad
 from openrld.cluster.membership.table import Member
+from openrld.cluster.placement.spanning import largest_node, plan_span, span_nodes, span_refusal
 
 GROUP_ROOM = 32  # LoRA adapters a resident group takes before a new job is sent elsewhere
 
@@ -79,18 +82,13 @@ def rank(candidates: Iterable[Candidate], needs: JobNeeds) -> list[str]:
 
 
 def too_large(members: Iterable[Member], needs: JobNeeds) -> str | None:
-    """Why no node of the cluster can ever take the job, or None: its trainer spans more devices
-    than the largest live node has (free or not), so offering it would only be refused by all."""
-    sizes = [(len(m.payload.devices), m.name) for m in members if m.is_alive and m.payload.devices]
-    if needs.devices <= 1 or not sizes:
+    """Why the cluster cannot take the job now, or None: its trainer is wider than the largest live
+    node (so it spans nodes, `spanning.py`) and the cluster's free devices are too few for it."""
+    alive = [m for m in members if m.is_alive and m.payload.devices]
+    if needs.devices <= 1 or not alive or needs.devices <= largest_node(alive):
         return None
-    devices, name = max(sorted(sizes, key=lambda size: size[1]), key=lambda size: size[0])  # ties: first by name
-    if needs.devices <= devices:
-        return None
-    return (
-        f"openrl.trainer_gpus={needs.devices}: a trainer runs on the devices of one node, "
-        f"and the largest node of the cluster, {name}, has {devices}"
-    )
+    nodes = span_nodes(alive)
+    return span_refusal(nodes, needs.devices) if plan_span(nodes, needs.devices) is None else None
 
 
 class Booking(msgspec.Struct, frozen=True):
@@ -109,6 +107,10 @@ class Placer:
 
     def rank(self, members: Iterable[Member], needs: JobNeeds) -> list[str]:
         alive = [m for m in members if m.is_alive and m.payload.devices]
+        if needs.devices > 1 and needs.devices > largest_node(alive):
+            # A trainer that spans nodes: its plan's home first; the home books the members itself.
+            plan = plan_span(span_nodes(alive), needs.devices)
+            return [p.node for p in plan.parts] if plan is not None else []
         return rank((self._with_recent(m) for m in alive), needs)
 
     def placed(self, member: Member, needs: JobNeeds) -> Booking:
