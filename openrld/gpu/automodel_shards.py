@@ -196,13 +196,7 @@ class ShardedWeights:
             full_bytes += value.numel() * value.element_size()
             if is_root:
                 tensors.append(delta.TensorDelta(name=name, indices=None, values=value.reshape(-1)))
-        checksum = self.digest()
-        if not is_root:
-            return None
-        return delta.WeightDelta(
-            base_version=base_version, tensors=tensors, digest=checksum, mode="full", changed_elements=total,
-            total_elements=total, full_bytes=full_bytes, compute_s=time.perf_counter() - started,
-        )
+        return self._on_root(is_root, base_version, tensors, "full", total, total, full_bytes, started)
 
     def delta(self, base_version: str | None) -> delta.WeightDelta | None:
         """The elements whose bits changed since the last sync (or the base), on rank 0 (None on
@@ -218,11 +212,25 @@ class ShardedWeights:
             changed_total += part.changed
             if part.tensor is not None and is_root:
                 tensors.append(part.tensor)
+        return self._on_root(is_root, base_version, tensors, "delta", changed_total, total, full_bytes, started)
+
+    def _on_root(
+        self,
+        is_root: bool,
+        base_version: str | None,
+        tensors: list[delta.TensorDelta],
+        mode: str,
+        changed: int,
+        total: int,
+        full_bytes: int,
+        started: float,
+    ) -> delta.WeightDelta | None:
+        """The change, on rank 0 (None on the others). Every rank takes part in the digest: it is a collective."""
         checksum = self.digest()
         if not is_root:
             return None
         return delta.WeightDelta(
-            base_version=base_version, tensors=tensors, digest=checksum, mode="delta", changed_elements=changed_total,
+            base_version=base_version, tensors=tensors, digest=checksum, mode=mode, changed_elements=changed,
             total_elements=total, full_bytes=full_bytes, compute_s=time.perf_counter() - started,
         )
 

@@ -136,30 +136,32 @@ def compute_delta(
             tensors.append(TensorDelta(name=name, indices=None, values=flat.clone()))
         else:
             tensors.append(TensorDelta(name=name, indices=index.to(index_dtype), values=flat[index]))
-    return WeightDelta(
-        base_version=base_version,
-        tensors=tensors,
-        digest=digest(current),
-        mode="delta",
-        changed_elements=changed_total,
-        total_elements=sum(t.numel() for t in current.values()),
-        full_bytes=_full_bytes(current),
-        compute_s=time.perf_counter() - started,
-    )
+    return _change_to(current, base_version, tensors, "delta", changed_total, started)
 
 
 def full_update(current: Mapping[str, torch.Tensor], base_version: str | None) -> WeightDelta:
     """Every tensor dense (`weight_sync=full`); `changed_elements` counts all of them."""
     started = time.perf_counter()
     tensors = [TensorDelta(name=name, indices=None, values=t.detach().reshape(-1).clone()) for name, t in current.items()]
-    total = sum(t.numel() for t in current.values())
+    return _change_to(current, base_version, tensors, "full", sum(t.numel() for t in current.values()), started)
+
+
+def _change_to(
+    current: Mapping[str, torch.Tensor],
+    base_version: str | None,
+    tensors: list[TensorDelta],
+    mode: str,
+    changed_elements: int,
+    started: float,
+) -> WeightDelta:
+    """The change whose result is `current`: its digest, sizes and the time since `started` are `current`'s."""
     return WeightDelta(
         base_version=base_version,
         tensors=tensors,
         digest=digest(current),
-        mode="full",
-        changed_elements=total,
-        total_elements=total,
+        mode=mode,
+        changed_elements=changed_elements,
+        total_elements=sum(t.numel() for t in current.values()),
         full_bytes=_full_bytes(current),
         compute_s=time.perf_counter() - started,
     )

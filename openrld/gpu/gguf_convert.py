@@ -47,6 +47,7 @@ import torch
 import transformers
 
 from openrld.errors import ServerError
+from openrld.gpu.checkpoint import fsync_directory
 from openrld.model_catalog import ModelEntry, assemble_gguf, is_converted
 from openrld.progress import ProgressBoard, Stage
 
@@ -111,11 +112,7 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-    directory = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(root)
 
 
 def _remove_stale_staging(target: Path) -> None:

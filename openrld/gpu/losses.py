@@ -113,11 +113,7 @@ def ppo(
     """
     advantages, active, ratio = _ratio(lp, inputs)
     lo, hi = _thresholds(lp, inputs, config, PPO_DEFAULTS)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
-    terms = torch.where(active, -surrogate, 0.0)
-    loss = terms.sum()
-    clipped = active & (((advantages > 0) & (ratio > hi)) | ((advantages < 0) & (ratio < lo)))
-    return loss, _metrics(loss, tokens=active.sum(), clipped_tokens=clipped.sum())
+    return _clipped_surrogate(ratio, advantages, active, lo, hi)
 
 
 def cispo(
@@ -199,11 +195,7 @@ def gspo(
     own_token = torch.where(active, lp - lp.detach(), 0.0)
     ratio = torch.exp(sequence_log_ratio + own_token)
     lo, hi = _thresholds(lp, inputs, config, GSPO_DEFAULTS)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
-    terms = torch.where(active, -surrogate, 0.0)
-    loss = terms.sum()
-    clipped = active & (((advantages > 0) & (ratio > hi)) | ((advantages < 0) & (ratio < lo)))
-    return loss, _metrics(loss, tokens=active.sum(), clipped_tokens=clipped.sum())
+    return _clipped_surrogate(ratio, advantages, active, lo, hi)
 
 
 def stable_reinforce(
@@ -248,6 +240,18 @@ def _ratio(lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.
     active = advantages != 0
     ratio = torch.exp(torch.where(active, lp - sampled, 0.0))
     return advantages, active, ratio
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, active: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """ℓᵢ = −min(rᵢAᵢ, clip(rᵢ, loᵢ, hiᵢ)·Aᵢ) summed over the active positions, with the tokens
+    whose clipped branch is strictly smaller counted (PPO's and GSPO's objective, §3.2 and §3.6)."""
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+    terms = torch.where(active, -surrogate, 0.0)
+    loss = terms.sum()
+    clipped = active & (((advantages > 0) & (ratio > hi)) | ((advantages < 0) & (ratio < lo)))
+    return loss, _metrics(loss, tokens=active.sum(), clipped_tokens=clipped.sum())
 
 
 def _thresholds(

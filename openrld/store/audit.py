@@ -10,14 +10,11 @@ from __future__ import annotations
 from datetime import datetime
 
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import UsageRow
 
 
-class AuditLog:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class AuditLog(Repository):
     def record(self, owner: str, event: str, details: dict[str, str]) -> None:
         """Append one audit event (`<resource>_<action>`) of `owner`'s."""
         self._db.conn.execute(
@@ -34,10 +31,7 @@ class AuditLog:
         return [(db.at(r[0]), r[1], db.decode_str_dict(r[2])) for r in rows]
 
 
-class UsageLedger:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class UsageLedger(Repository):
     def add(self, rows: list[UsageRow]) -> None:
         """Add token counts into their hourly buckets (one transaction)."""
         with db.transaction(self._db.conn):

@@ -11,19 +11,16 @@ import sqlite3
 from datetime import datetime
 
 from openrld.checkpoint_manifest import CheckpointManifest
-from openrld.errors import Conflict, NotFound
+from openrld.errors import NotFound
 from openrld.ids import CheckpointKind, TinkerPath, parse_checkpoint_kind
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import CheckpointRow
 
 _COLUMNS = "(run_id, kind, name, owner, size_bytes, user_metadata, created_us, expires_us, public)"
 
 
-class CheckpointRepository:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class CheckpointRepository(Repository):
     def add(
         self,
         run_id: str,
@@ -49,17 +46,15 @@ class CheckpointRepository:
         """
         path = TinkerPath.of(run_id, kind, name)
         verb = "INSERT OR REPLACE" if overwrite else "INSERT"
-        try:
-            self._db.conn.execute(
-                f"{verb} INTO checkpoints {_COLUMNS} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    path.run_id, path.kind.value, path.name, owner, size_bytes,
-                    db.user_metadata(user_metadata, "checkpoint"), db.to_us(created_at or self._db.now()),
-                    None if expires_at is None else db.to_us(expires_at), int(public),
-                ),
-            )  # fmt: skip
-        except sqlite3.IntegrityError:
-            raise Conflict(f"checkpoint {path.uri} already exists") from None
+        self._insert_new(
+            f"{verb} INTO checkpoints {_COLUMNS} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                path.run_id, path.kind.value, path.name, owner, size_bytes,
+                db.user_metadata(user_metadata, "checkpoint"), db.to_us(created_at or self._db.now()),
+                None if expires_at is None else db.to_us(expires_at), int(public),
+            ),
+            f"checkpoint {path.uri}",
+        )  # fmt: skip
         row = self.get(path.run_id, path.kind, path.name)
         assert row is not None
         return row

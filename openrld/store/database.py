@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from openrld.errors import BadRequest, ServerError
+from openrld.errors import BadRequest, Conflict, ServerError
 from openrld.store.history_table import HISTORY_SCHEMA, HistoryTable
 from openrld.store.rows import JsonScalar
 
@@ -188,6 +188,20 @@ class Database:
         row = self.one(sql, args)
         assert row is not None
         return int(row[0])
+
+
+class Repository:
+    """One table's reads and writes (runs, sessions, checkpoints, ...), on the data dir's one `Database`."""
+
+    def __init__(self, database: Database) -> None:
+        self._db = database
+
+    def _insert_new(self, sql: str, args: tuple[object, ...], what: str) -> None:
+        """Insert a row whose key must be new. Raises Conflict ("<what> already exists") if it is taken."""
+        try:
+            self._db.conn.execute(sql, args)
+        except sqlite3.IntegrityError:
+            raise Conflict(f"{what} already exists") from None
 
 
 def _no_sync_connection(db_path: Path) -> sqlite3.Connection:

@@ -15,17 +15,14 @@ from datetime import datetime, timedelta
 
 from openrld.errors import Conflict
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import RequestFinish, RequestState
 
 # How long a lost request id still answers 410 rather than 404 after a restart.
 REQUEST_LOG_KEEP = timedelta(days=7)
 
 
-class RequestLog:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class RequestLog(Repository):
     def record(self, request_id: str, model_id: str, kind: str) -> None:
         """Note a request whose future is pending. Raises Conflict if the id is taken.
 

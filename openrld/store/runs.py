@@ -12,10 +12,10 @@ import builtins
 import sqlite3
 
 from openrld.checkpoint_manifest import CheckpointManifest
-from openrld.errors import Conflict, NotFound
+from openrld.errors import NotFound
 from openrld.ids import validate_name
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import JsonScalar, RunRow
 
 _INSERT = (
@@ -25,10 +25,7 @@ _INSERT = (
 )
 
 
-class RunRepository:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class RunRepository(Repository):
     def create(
         self,
         run_id: str,
@@ -44,17 +41,15 @@ class RunRepository:
         """Record a new training run. Raises Conflict if the id is taken, BadRequest if it is unsafe."""
         validate_name(run_id, "run id")
         now_us = db.to_us(self._db.now())
-        try:
-            self._db.conn.execute(
-                _INSERT,
-                (
-                    run_id, session_id, owner, base_model, str(model_dir),
-                    None if lora is None else db.json(lora), db.json(settings),
-                    db.user_metadata(user_metadata, "training run"), db.json(optimizer_config), now_us, now_us,
-                ),
-            )  # fmt: skip
-        except sqlite3.IntegrityError:
-            raise Conflict(f"training run {run_id!r} already exists") from None
+        self._insert_new(
+            _INSERT,
+            (
+                run_id, session_id, owner, base_model, str(model_dir),
+                None if lora is None else db.json(lora), db.json(settings),
+                db.user_metadata(user_metadata, "training run"), db.json(optimizer_config), now_us, now_us,
+            ),
+            f"training run {run_id!r}",
+        )  # fmt: skip
         row = self.get(run_id)
         assert row is not None
         return row

@@ -5,18 +5,12 @@ It owns the `samplers` table. It never touches checkpoint files.
 
 from __future__ import annotations
 
-import sqlite3
-
-from openrld.errors import Conflict
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import SamplerRow
 
 
-class SamplerRepository:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class SamplerRepository(Repository):
     def create(
         self,
         sampler_id: str,
@@ -27,14 +21,12 @@ class SamplerRepository:
         run_id: str | None,
     ) -> SamplerRow:
         """Record a new sampling session. Raises Conflict if the id is taken."""
-        try:
-            self._db.conn.execute(
-                "INSERT INTO samplers (sampler_id, session_id, owner, base_model, model_path, run_id, created_us)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (sampler_id, session_id, owner, base_model, model_path, run_id, db.to_us(self._db.now())),
-            )
-        except sqlite3.IntegrityError:
-            raise Conflict(f"sampling session {sampler_id!r} already exists") from None
+        self._insert_new(
+            "INSERT INTO samplers (sampler_id, session_id, owner, base_model, model_path, run_id, created_us)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (sampler_id, session_id, owner, base_model, model_path, run_id, db.to_us(self._db.now())),
+            f"sampling session {sampler_id!r}",
+        )
         row = self.get(sampler_id)
         assert row is not None
         return row

@@ -10,16 +10,13 @@ from __future__ import annotations
 import builtins
 import sqlite3
 
-from openrld.errors import Conflict, Gone, NotFound
+from openrld.errors import Gone, NotFound
 from openrld.store import database as db
-from openrld.store.database import Database
+from openrld.store.database import Repository
 from openrld.store.rows import SessionRow
 
 
-class SessionRepository:
-    def __init__(self, database: Database) -> None:
-        self._db = database
-
+class SessionRepository(Repository):
     def create(
         self,
         session_id: str,
@@ -32,17 +29,15 @@ class SessionRepository:
     ) -> SessionRow:
         """Record a new session. Raises Conflict if the id is taken."""
         now_us = db.to_us(self._db.now())
-        try:
-            self._db.conn.execute(
-                "INSERT INTO sessions (session_id, owner, tags, user_metadata, sdk_version, project_id,"
-                " display_name, created_us, heartbeat_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    session_id, owner, db.json(list(tags)), db.user_metadata(user_metadata, "session"),
-                    sdk_version, project_id, display_name, now_us, now_us,
-                ),
-            )  # fmt: skip
-        except sqlite3.IntegrityError:
-            raise Conflict(f"session {session_id!r} already exists") from None
+        self._insert_new(
+            "INSERT INTO sessions (session_id, owner, tags, user_metadata, sdk_version, project_id,"
+            " display_name, created_us, heartbeat_us) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                session_id, owner, db.json(list(tags)), db.user_metadata(user_metadata, "session"),
+                sdk_version, project_id, display_name, now_us, now_us,
+            ),
+            f"session {session_id!r}",
+        )  # fmt: skip
         row = self.get(session_id)
         assert row is not None
         return row
