@@ -185,6 +185,26 @@ class ShardedWeights:
         """`delta.digest` of the whole weights, gathered one tensor at a time (every rank computes it)."""
         return delta.digest(_WholeWeights(self._params))
 
+    def _on_root(
+        self,
+        is_root: bool,
+        base_version: str | None,
+        tensors: list[delta.TensorDelta],
+        mode: str,
+        changed: int,
+        total: int,
+        full_bytes: int,
+        started: float,
+    ) -> delta.WeightDelta | None:
+        """The change, on rank 0 (None on the others). Every rank takes part in the digest: it is a collective."""
+        checksum = self.digest()
+        if not is_root:
+            return None
+        return delta.WeightDelta(
+            base_version=base_version, tensors=tensors, digest=checksum, mode=mode, changed_elements=changed,
+            total_elements=total, full_bytes=full_bytes, compute_s=time.perf_counter() - started,
+        )
+
     def full(self, base_version: str | None) -> delta.WeightDelta | None:
         """Every tensor whole (`delta.full_update`'s payload), on rank 0; None on the others."""
         started = time.perf_counter()
@@ -213,26 +233,6 @@ class ShardedWeights:
             if part.tensor is not None and is_root:
                 tensors.append(part.tensor)
         return self._on_root(is_root, base_version, tensors, "delta", changed_total, total, full_bytes, started)
-
-    def _on_root(
-        self,
-        is_root: bool,
-        base_version: str | None,
-        tensors: list[delta.TensorDelta],
-        mode: str,
-        changed: int,
-        total: int,
-        full_bytes: int,
-        started: float,
-    ) -> delta.WeightDelta | None:
-        """The change, on rank 0 (None on the others). Every rank takes part in the digest: it is a collective."""
-        checksum = self.digest()
-        if not is_root:
-            return None
-        return delta.WeightDelta(
-            base_version=base_version, tensors=tensors, digest=checksum, mode=mode, changed_elements=changed,
-            total_elements=total, full_bytes=full_bytes, compute_s=time.perf_counter() - started,
-        )
 
     def _changed(self, name: str, param: torch.Tensor) -> _ChangedTensor:
         """One tensor's change, agreed on by every rank: sparse (gathered indices and values) or dense."""
