@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from openrld.engine_types import ParkReport, ResumeReport
-from openrld.gpu.offload import EngineParked
+from openrld.gpu.offload import Slot
 
 __all__ = ["ParkedStorages", "StorageSlot", "distinct_storages", "empty_to_host", "fsdp_module_tensors", "refill"]
 
@@ -161,23 +161,13 @@ def refill(parked: ParkedStorages) -> int:
 # The engine's slot
 
 
-class StorageSlot:
+class StorageSlot(Slot[ParkedStorages]):
     """One rank's parking: its device state found anew at each park (`state`: the tensors
     it keeps on `device`), emptied to the host, and refilled at resume.
 
-    The refusals and their messages are `offload.ParkSlot`'s, so an engine reads the same
-    whichever slot it parks with.
+    The refusals and their messages are `offload.Slot`'s, as `ParkSlot`'s are, so an engine
+    reads the same whichever slot it parks with.
     """
-
-    def __init__(self, role: str, device: torch.device, state: Callable[[], Iterable[torch.Tensor]]) -> None:
-        self._role = role  # "trainer", for messages
-        self._device = device
-        self._state = state
-        self._parked: ParkedStorages | None = None
-
-    @property
-    def is_parked(self) -> bool:
-        return self._parked is not None
 
     def park(self) -> ParkReport:
         """Empty every storage of the engine's device state to host memory.
@@ -189,8 +179,7 @@ class StorageSlot:
         Raises:
             EngineParked: already parked.  ValueError: a storage cannot be resized (see `distinct_storages`).
         """
-        if self._parked is not None:
-            raise EngineParked(f"the {self._role} is already parked")
+        self._refuse_second_park()
         start = time.perf_counter()
         storages = distinct_storages(self._state(), self._device)
         is_cuda = self._device.type == "cuda"
@@ -215,12 +204,11 @@ class StorageSlot:
 
     def resume(self) -> ResumeReport:
         """Refill every parked storage, bit for bit. Raises EngineParked if not parked."""
-        if self._parked is None:
-            raise EngineParked(f"the {self._role} is not parked")
+        parked = self._held()
         start = time.perf_counter()
-        moved = refill(self._parked)
+        moved = refill(parked)
         report = ResumeReport(
-            device=str(self._device), tensors=len(self._parked.storages), bytes_moved=moved,
+            device=str(self._device), tensors=len(parked.storages), bytes_moved=moved,
             seconds=time.perf_counter() - start,
         )
         self._parked = None
@@ -229,8 +217,3 @@ class StorageSlot:
             report.device, report.tensors, report.bytes_moved, report.seconds,
         )
         return report
-
-    def require_resident(self, operation: str) -> None:
-        """Raises EngineParked if parked: the engine's storages are empty until `resume`."""
-        if self._parked is not None:
-            raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")

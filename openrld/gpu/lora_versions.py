@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import peft
 import torch
 
 from openrld.batches import LoraSpec
-from openrld.gpu import models
+from openrld.engine_types import WeightPayload
+from openrld.gpu import lora_io, models
 from openrld.gpu.fused_forward import BASE_ADAPTER
 
 logger = logging.getLogger(__name__)
@@ -202,3 +204,29 @@ class LoraVersions:
         self._shapes.pop(adapter, None)
         self._parameters = None
         self._on_adapters_changed()
+
+
+class ServesLoraVersions:
+    """`load_checkpoint` and the in-use refusal of a sampler that serves LoRA versions (the torch and
+    the vLLM sampler): a mixin with no state of its own, over the sampler's `load_version` and
+    `versions_in_use`, so that what a saved adapter is and when a version may go is written once."""
+
+    def load_version(self, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
+        raise NotImplementedError  # the sampler's own
+
+    def versions_in_use(self) -> set[str]:
+        raise NotImplementedError  # the sampler's own
+
+    def load_checkpoint(self, version: str, directory: Path) -> None:
+        """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
+
+        Raises:
+            BadRequest: not a LoRA adapter, or malformed files.  ValueError: as `load_version`.
+        """
+        tensors, spec = lora_io.load_adapter(directory)
+        self.load_version(version, tensors, spec)
+
+    def _refuse_in_use(self, version: str) -> None:
+        """Raises ValueError if a live request samples from `version`."""
+        if version in self.versions_in_use():
+            raise ValueError(f"weight version {version!r} is in use by a live request")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, TypeVar
 
 import torch
 
@@ -190,7 +191,41 @@ def resume(parked: Parked) -> ResumeReport:
     return report
 
 
-class ParkSlot:
+Held = TypeVar("Held")  # what a slot keeps while parked
+
+
+class Slot(Generic[Held]):
+    """What every parking slot shares: the engine's role and device, how it finds its device
+    state, what it holds while parked, and the refusals, with messages that name the role.
+    `ParkSlot` moves tensors; `automodel_park.StorageSlot` empties a sharded rank's storages."""
+
+    def __init__(self, role: str, device: torch.device, state: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._role = role  # "trainer" or "sampler", for messages
+        self._device = device
+        self._state = state
+        self._parked: Held | None = None
+
+    @property
+    def is_parked(self) -> bool:
+        return self._parked is not None
+
+    def require_resident(self, operation: str) -> None:
+        """Raises EngineParked if parked: compute on parked state would run on the host, or on nothing."""
+        if self._parked is not None:
+            raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")
+
+    def _refuse_second_park(self) -> None:
+        if self._parked is not None:
+            raise EngineParked(f"the {self._role} is already parked")
+
+    def _held(self) -> Held:
+        """What `park` put aside. Raises EngineParked if nothing is parked."""
+        if self._parked is None:
+            raise EngineParked(f"the {self._role} is not parked")
+        return self._parked
+
+
+class ParkSlot(Slot[Parked]):
     """One engine's parking: what it moves, whether it is parked, and the checks every engine shares.
 
     The engine names its device state once, when it makes its slot (`state`: the tensors
@@ -208,15 +243,8 @@ class ParkSlot:
         state: Callable[[], Iterable[torch.Tensor]],
         drop_caches: Callable[[], int] | None = None,
     ) -> None:
-        self._role = role  # "trainer" or "sampler", for messages
-        self._device = device
-        self._state = state
+        super().__init__(role, device, state)
         self._drop_caches = drop_caches
-        self._parked: Parked | None = None
-
-    @property
-    def is_parked(self) -> bool:
-        return self._parked is not None
 
     def park(self) -> ParkReport:
         """Drop the engine's caches, then `park` its tensors and hold them until `resume`.
@@ -224,24 +252,16 @@ class ParkSlot:
         Raises:
             EngineParked: already parked.  CannotPark: from `drop_caches`.
         """
-        if self._parked is not None:
-            raise EngineParked(f"the {self._role} is already parked")
+        self._refuse_second_park()
         dropped = self._drop_caches() if self._drop_caches is not None else 0
         self._parked = park(self._device, self._state(), cache_bytes_dropped=dropped)
         return self._parked.report
 
     def resume(self) -> ResumeReport:
         """Copy the parked tensors back, bit for bit. Raises EngineParked if not parked."""
-        if self._parked is None:
-            raise EngineParked(f"the {self._role} is not parked")
-        report = resume(self._parked)
+        report = resume(self._held())
         self._parked = None
         return report
-
-    def require_resident(self, operation: str) -> None:
-        """Raises EngineParked if parked: compute on offloaded tensors would run on the host."""
-        if self._parked is not None:
-            raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")
 
 
 class ParksInSlot:

@@ -98,7 +98,7 @@ import transformers
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import call_threads, lora_io, models, moe_lora, offload
+from openrld.gpu import call_threads, models, moe_lora, offload
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import (
     KvBatch,
@@ -110,7 +110,7 @@ from openrld.gpu.kv_batch import (
     prefill_cache,
     prefix_reuse_unsupported,
 )
-from openrld.gpu.lora_versions import LoraVersions
+from openrld.gpu.lora_versions import LoraVersions, ServesLoraVersions
 from openrld.gpu.prefill_chunks import chunk_spans
 from openrld.gpu.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, PrefixCacheStatistics
 from openrld.gpu.sample_alone import sample_alone
@@ -273,7 +273,7 @@ def _uncached_len(request: _Request) -> int:
 # The engine
 
 
-class TorchSampler(offload.ParksInSlot):
+class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
     """Samples from one base model and the LoRA versions loaded on it.
 
     Args:
@@ -399,15 +399,6 @@ class TorchSampler(offload.ParksInSlot):
         adapter = self._versions.load(version, payload, spec)
         self._prefixes.drop(adapter)  # a reused adapter's prefixes went with its version; never serve any
 
-    def load_checkpoint(self, version: str, directory: Path) -> None:
-        """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
-
-        Raises:
-            BadRequest: not a LoRA adapter, or malformed files.  ValueError: as `load_version`.
-        """
-        tensors, spec = lora_io.load_adapter(directory)
-        self.load_version(version, tensors, spec)
-
     def drop_version(self, version: str) -> None:
         """Free a version.
 
@@ -415,8 +406,7 @@ class TorchSampler(offload.ParksInSlot):
             KeyError: it is not loaded.
             ValueError: a live request samples from it.
         """
-        if version in self.versions_in_use():
-            raise ValueError(f"weight version {version!r} is in use by a live request")
+        self._refuse_in_use(version)
         self._prefixes.drop(self._versions.drop(version))
 
     def versions_in_use(self) -> set[str]:

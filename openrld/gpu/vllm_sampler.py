@@ -70,7 +70,8 @@ import transformers
 from openrld.batches import LoraSpec, SampleJob, SampleResult, SyncStats
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import lora_io, offload, torch_sampler
+from openrld.gpu import offload, torch_sampler
+from openrld.gpu.lora_versions import ServesLoraVersions
 from openrld.gpu.peft_export import save_peft_adapter
 from openrld.gpu.sample_alone import sample_alone
 from openrld.gpu.vllm_mapping import (
@@ -160,7 +161,7 @@ class _Request:
         return len(self.outputs) == len(self.children)
 
 
-class VllmSampler:
+class VllmSampler(ServesLoraVersions):
     """Samples from one base model and its LoRA versions through vLLM.
 
     Args:
@@ -294,23 +295,13 @@ class VllmSampler:
             raise ValueError(f"weight version {version!r}: vLLM could not load the adapter: {error}") from error
         logger.info("loaded weight version=%s adapter=%s id=%d rank=%d", version, slot.name, slot.int_id, spec.rank)
 
-    def load_checkpoint(self, version: str, directory: Path) -> None:
-        """Load the LoRA adapter a trainer saved in `directory` (lora_io format) as `version`.
-
-        Raises:
-            BadRequest: not a LoRA adapter, or malformed files.  ValueError: as `load_version`.
-        """
-        tensors, spec = lora_io.load_adapter(directory)
-        self.load_version(version, tensors, spec)
-
     def drop_version(self, version: str) -> None:
         """Unload a version and delete its files; its name stays retired.
 
         Raises:
             KeyError: not loaded.  ValueError: a live request samples from it.
         """
-        if version in self.versions_in_use():
-            raise ValueError(f"weight version {version!r} is in use by a live request")
+        self._refuse_in_use(version)
         self._require_awake("drop_version")
         slot = self._names.release(version)
         self._engine.remove_lora(slot.int_id)
