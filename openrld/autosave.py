@@ -9,8 +9,10 @@ listing and no adoption of checkpoints looks,
     <root>/.autosave/<model_id>/step-<step:09d>/   the files of `save_state`, and autosave.json
 
 ('.autosave' starts with '.', which no run id may, so it is never a run's
-directory). A directory is written in this node's staging and renamed into
-place whole (`CheckpointFiles.commit_dir`). Its `autosave.json` lists every
+directory). A directory is written in this node's staging (`write_snapshot`
+writes a state the engine copied to host memory, off the engine's thread; an
+engine that copies none wrote it with `save_state`) and renamed into place
+whole (`CheckpointFiles.commit_dir`). Its `autosave.json` lists every
 file beside it with its size, and the reader counts a directory only when its
 files match that list, so a copy cut short on a filesystem whose directory
 rename is not atomic (GCS FUSE copies, then deletes) is never taken for one.
@@ -38,6 +40,8 @@ from typing import Protocol
 import msgspec
 
 from openrld.checkpoint_manifest import CheckpointManifest
+from openrld.engine_types import StateSnapshot
+from openrld.errors import ServerError
 from openrld.ids import validate_name
 from openrld.store.rows import JsonScalar
 
@@ -142,6 +146,49 @@ def commit_autosave(files: CheckpointDirs, staging: Path, manifest: AutosaveMani
     files.commit_dir(staging, final, replace=True)
     prune(files, manifest.model_id, keep=manifest.step)
     return final
+
+
+def commit_snapshot(files: CheckpointDirs, snapshot: StateSnapshot, manifest: AutosaveManifest) -> Path:
+    """Write `snapshot` (`TrainerEngine.snapshot_state`) into a fresh staging dir, then commit it
+    as `commit_autosave` does; returns its directory. The staging is removed if either fails.
+    Blocks: a worker thread, off the engine's.
+
+    Raises:
+        ServerError: a file name that is not a plain name of its own (a worker's engine sent it).
+    """
+    staging = files.staging_dir()
+    try:
+        write_snapshot(snapshot, staging)
+        return commit_autosave(files, staging, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_snapshot(snapshot: StateSnapshot, directory: Path) -> int:
+    """Write each file of `snapshot` into the existing, empty `directory`, each fsynced, then the
+    directory: the files `save_state` writes, byte for byte. Returns the bytes written.
+
+    Raises:
+        ServerError: a file name with a '/', '.' or '..', the manifest's, or one named twice.
+    """
+    names = [file.name for file in snapshot.files]
+    for name in names:
+        if "/" in name or name in (".", "..", "", AUTOSAVE_MANIFEST) or names.count(name) > 1:
+            raise ServerError(f"an engine's state snapshot names the file {name!r}: not a file of its own")
+    for file in snapshot.files:
+        with open(directory / file.name, "xb") as out:
+            out.write(file.head)
+            if file.body is not None:
+                out.write(file.body.data)  # the host copy's bytes, as they are
+            out.flush()
+            os.fsync(out.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the new entries, not only the files' contents
+    finally:
+        os.close(fd)
+    return snapshot.nbytes
 
 
 def prune(files: CheckpointDirs, model_id: str, *, keep: int) -> list[int]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
+import numpy as np
 
 from openrld.batches import (
     ForwardBackwardBatch,
@@ -45,8 +46,8 @@ from openrld.batches import (
 from openrld.errors import OpenrldError
 
 __all__ = [
-    "DeviceEngine", "Finished", "ParkReport", "PassAndStep", "ResumeReport", "SamplerEngine", "StepsAfterPasses",
-    "TrainerEngine", "WeightPayload", "updates_last_sync",
+    "DeviceEngine", "Finished", "ParkReport", "PassAndStep", "ResumeReport", "SamplerEngine", "SnapshotFile",
+    "StateSnapshot", "StepsAfterPasses", "TrainerEngine", "WeightPayload", "updates_last_sync",
 ]
 
 # The trainer's sampler payload: a dict of tensors (LoRA adapter tensors, or full-model
@@ -100,6 +101,30 @@ class Finished(msgspec.Struct, frozen=True):
     # Set, and `result` None: the engine refused or failed this request alone (a worker's
     # sampler refuses an add in its next step, since `add` never waits on the worker).
     error: OpenrldError | None = None
+
+
+class SnapshotFile(msgspec.Struct, frozen=True):
+    """One file of a `StateSnapshot`: its name in the state's directory, and its bytes."""
+
+    name: str
+    head: bytes  # the file's first bytes: a safetensors header, or the whole of a small JSON file
+    # (N,) uint8: the tensors' bytes that follow the head, a host copy of them; None: the head is all
+    body: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + (self.body.nbytes if self.body is not None else 0)
+
+
+class StateSnapshot(msgspec.Struct, frozen=True):
+    """A job's training state as `save_state` would write it, copied to host memory on the engine
+    thread: the files of the state's directory, name by name, for a writer off that thread."""
+
+    files: list[SnapshotFile]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(file.nbytes for file in self.files)
 
 
 class DeviceEngine(Protocol):
@@ -165,6 +190,12 @@ class TrainerEngine(DeviceEngine, Protocol):
         ...
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int: ...
+
+    def snapshot_state(self, name: str, with_optimizer: bool) -> StateSnapshot | None:
+        """What `save_state` would write, copied to host memory now (a later op cannot change it),
+        for a writer off the engine thread; None: this engine does not copy its state (it is too
+        large to hold twice), and the caller writes it with `save_state` instead."""
+        ...
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str

@@ -212,7 +212,8 @@ def test_protocols_name_exactly_what_the_actors_call():
     assert trainer == {
         "add_adapter", "drop_adapter", "has_adapter", "forward_backward", "forward_backward_many",
         "forward_backward_then_step", "optim_step", "adapter_tensors", "sampler_payload", "export_adapter",
-        "sampler_checkpoint", "save_state", "load_state", "park", "resume", "is_parked", "last_sync", "close",
+        "sampler_checkpoint", "save_state", "snapshot_state", "load_state", "park", "resume", "is_parked", "last_sync",
+        "close",
     }
     assert sampler == {
         "load_version", "load_checkpoint", "drop_version", "versions_in_use", "add", "cancel", "has_work", "step",

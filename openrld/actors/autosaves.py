@@ -1,19 +1,21 @@
 """Auto-saves of a trainer's jobs on a shared checkpoint root: when they are due, and their commits.
 
 The trainer actor asks `Autosaves.interval` when a job opens (the job's
-`openrl.autosave_steps`, none unless it asks; nothing without a shared root), and, after an optim_step that is due, queues
-`write_state` on its engine thread right behind the step: the engine's own
-`save_state` writes into a fresh staging directory there, before any later
-op can change the state. The step's future resolves first; the next step
-runs once the files are written. Naming the auto-save, fsyncing it, renaming
-it into place and pruning the older ones (openrld/autosave.py) happen off the
-engine thread, in this module's `Autosaver`, one per trainer, in the
-trainer's nursery.
+`openrl.autosave_steps`; for LoRA every optim_step unless the job says
+otherwise; nothing without a shared root), and, after an optim_step that is
+due, queues `take_state` on its engine thread right behind the step: the
+engine copies the job's state to host memory there (`snapshot_state`), before
+any later op can change it, and the next op runs at once. Writing that copy
+into staging, fsyncing it, naming the auto-save, renaming it into place and
+pruning the older ones (openrld/autosave.py) happen off the engine thread, in
+this module's `Autosaver`, one per trainer, in the trainer's nursery. An engine
+that does not copy its state (full fine-tuning: the whole model) writes it with
+its own `save_state` into staging on the engine thread instead, as before.
 
-Commits of one job run one at a time, in step order. A write that lands while
-its job's last one still commits waits; a newer one replaces it (its staging
-is removed): what matters is the newest state, and no job holds more than one
-complete auto-save, one being committed and one waiting.
+Commits of one job run one at a time, in step order. A state that lands while
+its job's last one still commits waits; a newer one replaces it (its staging,
+or its copy, is dropped): what matters is the newest state, and no job holds
+more than one complete auto-save, one being committed and one waiting.
 
 It never imports torch and never decides what a step is; the trainer does.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -29,14 +32,18 @@ import msgspec
 import trio
 
 from openrld import autosave, settings as job_settings
-from openrld.engine_types import TrainerEngine
+from openrld.engine_types import StateSnapshot, TrainerEngine
 from openrld.ids import CheckpointKind
 from openrld.store import Store
 
 logger = logging.getLogger(__name__)
 
-# Commits and discards at once across a node's trainers: each is a rename, a few fsyncs and an rmtree.
+# Writes, commits and discards at once across a node's trainers: each writes a state copied to host
+# memory (a LoRA job's: megabytes), then renames, fsyncs and removes the one before.
 AUTOSAVE_THREADS = 2
+
+# A step's state, taken on the engine thread: a copy in host memory, or a staging dir `save_state` wrote.
+TakenState = StateSnapshot | Path
 
 
 class AutosaveStore:
@@ -58,7 +65,8 @@ class AutosaveStore:
         return 0 if run is None else job_settings.settings_from_dict(run.settings).autosave_interval
 
     def staging(self) -> Path:
-        """A fresh staging directory on the root's filesystem; on the engine thread, before `save_state`."""
+        """A fresh staging directory on the root's filesystem; on the engine thread, before `save_state`
+        (for an engine that does not copy its state)."""
         return self._files.staging_dir()
 
     def describe(
@@ -75,25 +83,36 @@ class AutosaveStore:
             sampling_sessions=sampling_sessions[-autosave.MAX_SAMPLER_NAMES :], created_at=run.created_at,
         )
 
-    async def commit(self, staging: Path, manifest: autosave.AutosaveManifest) -> Path:
-        """`autosave.commit_autosave` in a thread; the staging is removed if it fails."""
+    async def commit(self, state: TakenState, manifest: autosave.AutosaveManifest) -> Path:
+        """Write a copied state into staging and commit it (`autosave.commit_snapshot`), or commit a
+        staging dir (`autosave.commit_autosave`), in a thread; a staging dir is removed if it fails."""
+        if isinstance(state, StateSnapshot):
+            return await trio.to_thread.run_sync(
+                autosave.commit_snapshot, self._files, state, manifest, limiter=self._threads
+            )
         try:
             return await trio.to_thread.run_sync(
-                autosave.commit_autosave, self._files, staging, manifest, limiter=self._threads
+                autosave.commit_autosave, self._files, state, manifest, limiter=self._threads
             )
         except BaseException:
-            await self.discard(staging)
+            await self.discard(state)
             raise
 
-    async def discard(self, staging: Path) -> None:
-        """Remove a staging directory that will not become an auto-save."""
+    async def discard(self, state: TakenState) -> None:
+        """Drop a state that will not become an auto-save: a staging dir is removed."""
+        if isinstance(state, StateSnapshot):
+            return  # host memory, freed with the last reference
         with trio.CancelScope(shield=True):  # else it stays until the next open empties staging
-            await trio.to_thread.run_sync(partial(shutil.rmtree, staging, ignore_errors=True), limiter=self._threads)
+            await trio.to_thread.run_sync(partial(shutil.rmtree, state, ignore_errors=True), limiter=self._threads)
 
 
-def write_state(engine: TrainerEngine, model_id: str, make_staging) -> Path:
-    """On the engine thread, right behind the optim_step: the job's state with its optimizer,
-    written by the engine's `save_state` into a fresh staging directory; returns the directory."""
+def take_state(engine: TrainerEngine, model_id: str, make_staging: Callable[[], Path]) -> TakenState:
+    """On the engine thread, right behind the optim_step: the job's state with its optimizer, copied
+    to host memory (`snapshot_state`), or, from an engine that does not copy it, written by its
+    `save_state` into a fresh staging directory (`make_staging`), which is returned."""
+    snapshot = engine.snapshot_state(model_id, True)
+    if snapshot is not None:
+        return snapshot
     staging = make_staging()
     try:
         engine.save_state(model_id, staging, True)
@@ -104,7 +123,7 @@ def write_state(engine: TrainerEngine, model_id: str, make_staging) -> Path:
 
 
 class _Write(msgspec.Struct, frozen=True):
-    staging: Path
+    state: TakenState
     manifest: autosave.AutosaveManifest
 
 
@@ -156,18 +175,18 @@ class Autosaver:
             task_status.started()
             await trio.sleep_forever()
 
-    def written(self, staging: Path, manifest: autosave.AutosaveManifest) -> None:
-        """The engine wrote a step's state into `staging`: commit it (now, or after its job's last one)."""
-        start, replaced = self._slots.offer(_Write(staging, manifest))
+    def written(self, state: TakenState, manifest: autosave.AutosaveManifest) -> None:
+        """The engine took a step's state (`take_state`): write and commit it (now, or after its job's last one)."""
+        start, replaced = self._slots.offer(_Write(state, manifest))
         if replaced is not None:
             self._replaced += 1
-            self._spawn(self.store.discard, replaced.staging)
+            self._spawn(self.store.discard, replaced.state)
         if start is not None:
             self._spawn(self._commits, start)
 
-    def discard(self, staging: Path) -> None:
-        """A write whose step failed: its state is the previous step's, already saved."""
-        self._spawn(self.store.discard, staging)
+    def discard(self, state: TakenState) -> None:
+        """A state whose step failed: it is the previous step's, already saved."""
+        self._spawn(self.store.discard, state)
 
     def failed(self, model_id: str, error: BaseException) -> None:
         self._failed += 1
@@ -183,7 +202,7 @@ class Autosaver:
             try:
                 # Shielded: a trainer that stops mid-commit finishes it, rather than leave staging behind.
                 with trio.CancelScope(shield=True):
-                    await self.store.commit(write.staging, write.manifest)
+                    await self.store.commit(write.state, write.manifest)
             except Exception:
                 self._failed += 1
                 logger.exception("auto-save commit failed model_id=%s step=%d", model_id, write.manifest.step)

@@ -53,7 +53,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 import trio
 
-from openrld.actors.autosaves import Autosaver, AutosaveStore, write_state
+from openrld.actors.autosaves import Autosaver, AutosaveStore, TakenState, take_state
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.group_lease import GroupLease
@@ -490,7 +490,7 @@ class TrainerActor:
                     if (step := self._autosave_due(run, queued)) is not None:
                         assert self._autosaver is not None, "due only with an autosaver"
                         write = thread.submit(
-                            write_state, engine, step.model_id, self._autosaver.store.staging, on_done=self._poke
+                            take_state, engine, step.model_id, self._autosaver.store.staging, on_done=self._poke
                         )
                         queued.append(([], write, step))
                     self._in_hand = [op for ops, *_ in queued for op in ops]
@@ -534,17 +534,17 @@ class TrainerActor:
         count = (progress.optim_steps if progress is not None else 0) + unsettled
         return step if count % every == 0 else None
 
-    async def _settle_autosave(self, step: OptimStep, write: Pending[Path], stepped: bool) -> EngineLost | None:
-        """Hand the state written behind `step` to the autosaver, named for the job's step count;
+    async def _settle_autosave(self, step: OptimStep, write: Pending[TakenState], stepped: bool) -> EngineLost | None:
+        """Hand the state taken behind `step` to the autosaver, named for the job's step count;
         dropped if the step failed (the state is the previous step's). The engine's loss, if it was lost."""
         assert self._autosaver is not None, "a write is queued only with an autosaver"
         try:
-            staging = await write.wait()
+            state = await write.wait()
         except Exception as error:
             self._autosaver.failed(step.model_id, error)
             return error if isinstance(error, EngineLost) else None
         if not stepped:
-            self._autosaver.discard(staging)
+            self._autosaver.discard(state)
             return None
         paths, sessions = self._published.get(step.model_id, ((), ()))
         try:
@@ -554,9 +554,9 @@ class TrainerActor:
             )
         except OpenrldError as error:  # its run's row is gone: the job was deleted meanwhile
             self._autosaver.failed(step.model_id, error)
-            self._autosaver.discard(staging)
+            self._autosaver.discard(state)
             return None
-        self._autosaver.written(staging, manifest)
+        self._autosaver.written(state, manifest)
         return None
 
     def _settle_run(self, run: list[TrainOp], outcomes: list[Any], combined: bool) -> EngineLost | None:

@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
-from openrld.engine_types import ParkReport, ResumeReport
+from openrld.engine_types import ParkReport, ResumeReport, StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import checkpoint, delta, full_io, lora_io, train_steps
 from openrld.gpu.automodel_model import ShardSizes, export_peft, load_sharded
@@ -328,6 +328,13 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         if self.rank != 0:
             return 0
         return size + checkpoint.write_beside(directory, state, optimizer_state)
+
+    def snapshot_state(self, name: str, with_optimizer: bool = True) -> StateSnapshot | None:
+        """None: the state is sharded over the group's ranks and gathered whole, tensor by tensor, by
+        every rank to write it (`save_state`, streamed for full fine-tuning); a host copy of it whole on
+        rank 0 is what that streaming avoids. An auto-save writes it with `save_state`."""
+        self._get(name)
+        return None
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"

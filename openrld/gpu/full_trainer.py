@@ -37,6 +37,7 @@ import msgspec
 import torch
 
 from openrld.batches import LoraSpec
+from openrld.engine_types import StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
 from openrld.gpu import checkpoint, delta, full_io, offload, train_steps
 from openrld.gpu.long_attention import use_long_attention
@@ -225,6 +226,12 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         state = checkpoint.full_state(self._optimizer.steps_done, with_optimizer)
         optimizer_state = self._optimizer.state_tensors() if with_optimizer else None
         return size + checkpoint.write_beside(directory, state, optimizer_state)
+
+    def snapshot_state(self, name: str, with_optimizer: bool = True) -> StateSnapshot | None:
+        """None: a copy of the state is the whole model and twice it again (AdamW's moments), too
+        much to hold twice; an auto-save writes it with `save_state`, at the job's interval."""
+        self._get(name)
+        return None
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"

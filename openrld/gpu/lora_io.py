@@ -43,8 +43,12 @@ def save_adapter(directory: Path, tensors: Mapping[str, torch.Tensor], spec: Lor
     Raises:
         FileExistsError: `directory` is not empty (a caller bug: saves go to fresh staging dirs).
     """
-    meta = AdapterMeta(format_version=FORMAT_VERSION, lora=spec)
-    return checkpoint.save_weights(directory, ADAPTER_WEIGHTS, tensors, ADAPTER_META, meta)
+    return checkpoint.save_weights(directory, ADAPTER_WEIGHTS, tensors, ADAPTER_META, adapter_meta(spec))
+
+
+def adapter_meta(spec: LoraSpec) -> AdapterMeta:
+    """adapter.json's content for an adapter of `spec`."""
+    return AdapterMeta(format_version=FORMAT_VERSION, lora=spec)
 
 
 def load_adapter(directory: Path) -> tuple[dict[str, torch.Tensor], LoraSpec]:

@@ -419,11 +419,14 @@ class Dimuon(_PerTensorOptimizer[_Momentum]):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """"<name>.momentum" and "<name>.step" (0-d int64) for every tensor that has stepped."""
-        flat: dict[str, torch.Tensor] = {}
+        return {key: tensor.detach().cpu().clone() for key, tensor in self.state_items()}
+
+    def state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`state_tensors`' keys and tensors, in its order, as the live state (not copies; a step
+        count is a new 0-d tensor): for a caller that copies them in one go (`state_snapshot`)."""
         for name, momentum in self._state.items():
-            flat[f"{name}.{MOMENTUM}"] = momentum.buffer.detach().cpu().clone()
-            flat[f"{name}.{STEP}"] = torch.tensor(momentum.step, dtype=torch.int64)
-        return flat
+            yield f"{name}.{MOMENTUM}", momentum.buffer
+            yield f"{name}.{STEP}", torch.tensor(momentum.step, dtype=torch.int64)
 
     def load_state_tensors(self, flat: Mapping[str, torch.Tensor]) -> None:
         """Replace the state with `flat` (the format of `state_tensors`); checked first.

@@ -45,8 +45,9 @@ import peft
 import torch
 
 from openrld.batches import LoraSpec, SyncStats
+from openrld.engine_types import StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import checkpoint, lora_io, offload, train_steps
+from openrld.gpu import checkpoint, lora_io, offload, state_snapshot, train_steps
 from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import Optimizer, optimizer_for
@@ -213,6 +214,20 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         state = checkpoint.lora_state(adapter.spec, adapter.family, adapter.optimizer.steps_done, with_optimizer)
         optimizer_state = adapter.optimizer.state_tensors() if with_optimizer else None
         return size + checkpoint.write_beside(directory, state, optimizer_state)
+
+    def snapshot_state(self, name: str, with_optimizer: bool = True) -> StateSnapshot:
+        """The files `save_state` writes, copied to host memory now (`state_snapshot`): the
+        adapter's tensors and its optimizer's, one copy each, for a writer off the engine thread."""
+        adapter = self._get(name)
+        files = [
+            state_snapshot.tensors_file(lora_io.ADAPTER_WEIGHTS, adapter.params),  # peft's state-dict keys
+            state_snapshot.json_file(lora_io.ADAPTER_META, lora_io.adapter_meta(adapter.spec)),
+        ]
+        if with_optimizer:
+            files.append(state_snapshot.tensors_file(checkpoint.OPTIMIZER_FILE, dict(adapter.optimizer.state_items())))
+        state = checkpoint.lora_state(adapter.spec, adapter.family, adapter.optimizer.steps_done, with_optimizer)
+        files.append(state_snapshot.json_file(checkpoint.STATE_FILE, state))
+        return StateSnapshot(files)
 
     def load_state(
         self, name: str, directory: Path, spec: LoraSpec | None, with_optimizer: bool, optimizer: str = "adamw"

@@ -20,8 +20,8 @@ What a subclass must write raises NotSupportedYet here (every call of the
 `engine_types` Protocol that this module does not write), so a job that calls it
 fails with a clear message and the worker serves on. What has one sensible
 meaning is written here: several passes one after another, a pass then a step
-(`engine_types.StepsAfterPasses`), parking as "nothing to move" (the worker keeps
-its device memory), no weight sync statistics.
+(`engine_types.StepsAfterPasses`), no state snapshot (an auto-save calls `save_state`),
+parking as "nothing to move" (the worker keeps its device memory), no weight sync statistics.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from openrld.engine_types import (
     ParkReport,
     ResumeReport,
     SamplerEngine,
+    StateSnapshot,
     StepsAfterPasses,
     TrainerEngine,
     WeightPayload,
@@ -88,6 +89,9 @@ class TrainerWorker(StepsAfterPasses, _Resident):
 
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
         raise _missing("sampler_checkpoint (save_weights_for_sampler with a name)")
+
+    def snapshot_state(self, name: str, with_optimizer: bool) -> StateSnapshot | None:
+        return None  # an auto-save writes the state with the image's own save_state
 
 
 class SamplerWorker(_Resident):

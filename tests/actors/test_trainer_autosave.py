@@ -1,7 +1,8 @@
-"""The trainer actor's auto-saves (issue 41): which steps are due, where the write runs, which land.
+"""The trainer actor's auto-saves (issue 41): which steps are due, where the state is taken, which land.
 
-The engine is a stand-in that records its calls and writes a file for `save_state`; the
-node's side (`AutosaveStore`) is a stand-in that records commits. tests/e2e/test_autosave.py
+The engine is a stand-in that records its calls, copies its state for `snapshot_state` (or
+declines, and writes a file for `save_state`); the node's side (`AutosaveStore`) is a stand-in
+that records commits. tests/e2e/test_autosave.py
 drives the real engine and the real files under the real SDK.
 """
 
@@ -19,6 +20,7 @@ from openrld.actors.autosaves import AutosaveSlots, _Write
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.trainer import CreateAdapter, ForwardBackward, OptimStep, TrainerActor
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
+from openrld.engine_types import SnapshotFile, StateSnapshot
 from tests.actors.test_sampler_replicas import MemoryLog
 from tests.waits import wait_until
 
@@ -26,11 +28,12 @@ BATCH = ForwardBackwardBatch(data=[], loss_fn="cross_entropy", loss_config={}, f
 
 
 class RecordingEngine:
-    def __init__(self, failing_steps: set[int] = frozenset()) -> None:
+    def __init__(self, failing_steps: set[int] = frozenset(), *, copies_state: bool = True) -> None:
         self.calls: list[str] = []
         self.threads: set[int] = set()
         self._failing = failing_steps  # optim_step calls (0-based) that raise
         self._optim_calls = 0
+        self._copies_state = copies_state  # False: snapshot_state declines, as a full fine-tuning trainer's
 
     def add_adapter(self, name: str, spec: LoraSpec, optimizer: str) -> None:
         self.calls.append("add_adapter")
@@ -45,6 +48,11 @@ class RecordingEngine:
         if n in self._failing:
             raise ValueError(f"optim_step {n} failed")
         return "stepped"
+
+    def snapshot_state(self, name: str, with_optimizer: bool) -> StateSnapshot | None:
+        self.threads.add(threading.get_ident())
+        self.calls.append("snapshot_state")
+        return StateSnapshot([SnapshotFile("state.json", str(self._optim_calls).encode())]) if self._copies_state else None
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool) -> int:
         self.threads.add(threading.get_ident())
@@ -78,12 +86,13 @@ class RecordingStore:
     def describe(self, model_id: str, *, step: int, seq_id: int, sampler_paths: list[str], sampling_sessions: list[str]):
         return SimpleNamespace(model_id=model_id, step=step, seq_id=seq_id)
 
-    async def commit(self, staging: Path, manifest: Any) -> Path:
+    async def commit(self, state: StateSnapshot | Path, manifest: Any) -> Path:
         self.committed.append((manifest.step, manifest.seq_id))
-        return staging
+        return self._tmp
 
-    async def discard(self, staging: Path) -> None:
-        self.discarded.append((staging / "state.json").read_text())
+    async def discard(self, state: StateSnapshot | Path) -> None:
+        copied = isinstance(state, StateSnapshot)
+        self.discarded.append(state.files[0].head.decode() if copied else (state / "state.json").read_text())
 
 
 async def _train(tmp_path: Path, engine: RecordingEngine, interval: int, steps: int) -> RecordingStore:
@@ -109,8 +118,8 @@ async def _train(tmp_path: Path, engine: RecordingEngine, interval: int, steps: 
         for k in range(steps):
             await op(lambda r, s: ForwardBackward("m", s, r, BATCH), 2 * k + 1)
             await op(lambda r, s: OptimStep("m", s, r, AdamParams()), 2 * k + 2)
-        # Every due write ends committed or discarded; the last one's save_state may still be queued
-        # behind its step when that step's future resolves, so count the due writes, not the calls made.
+        # Every due state ends committed or discarded; the last one's snapshot_state may still be queued
+        # behind its step when that step's future resolves, so count the due states, not the calls made.
         due = steps // interval if interval else 0
         await wait_until(lambda: len(store.committed) + len(store.discarded) == due, within_s=10)
         nursery.cancel_scope.cancel()
@@ -123,33 +132,43 @@ async def test_a_lora_job_is_saved_after_every_step_with_the_steps_seq_id(tmp_pa
     assert store.committed == [(1, 2), (2, 4), (3, 6)]
 
 
-async def test_the_write_runs_on_the_engine_thread_right_behind_its_step(tmp_path: Path):
+async def test_the_state_is_copied_on_the_engine_thread_right_behind_its_step(tmp_path: Path):
     engine = RecordingEngine()
     await _train(tmp_path, engine, interval=1, steps=2)
     assert engine.calls == [
-        "add_adapter", "forward_backward", "optim_step", "save_state", "forward_backward", "optim_step", "save_state",
-        "close",
+        "add_adapter", "forward_backward", "optim_step", "snapshot_state", "forward_backward", "optim_step",
+        "snapshot_state", "close",
     ]
     assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+
+
+async def test_an_engine_that_does_not_copy_its_state_writes_it_with_save_state_behind_its_step(tmp_path: Path):
+    engine = RecordingEngine(copies_state=False)
+    store = await _train(tmp_path, engine, interval=1, steps=2)
+    assert engine.calls == [
+        "add_adapter", "forward_backward", "optim_step", "snapshot_state", "save_state", "forward_backward",
+        "optim_step", "snapshot_state", "save_state", "close",
+    ]
+    assert store.committed == [(1, 2), (2, 4)]
 
 
 async def test_an_interval_of_2_saves_at_steps_2_and_4(tmp_path: Path):
     engine = RecordingEngine()
     store = await _train(tmp_path, engine, interval=2, steps=5)
     assert store.committed == [(2, 4), (4, 8)]
-    assert engine.calls.count("save_state") == 2
+    assert engine.calls.count("snapshot_state") == 2
 
 
 async def test_an_interval_of_0_saves_nothing(tmp_path: Path):
     engine = RecordingEngine()
     store = await _train(tmp_path, engine, interval=0, steps=2)
-    assert (store.committed, engine.calls.count("save_state")) == ([], 0)
+    assert (store.committed, engine.calls.count("snapshot_state")) == ([], 0)
 
 
 async def test_a_failed_step_is_not_saved_and_the_next_is_named_for_the_steps_taken(tmp_path: Path):
     engine = RecordingEngine(failing_steps={1})  # the second optim_step (seq_id 4) fails
     store = await _train(tmp_path, engine, interval=1, steps=3)
-    # The write behind the failed step held the first step's state; the third optim_step is the job's second.
+    # The state taken behind the failed step was the first step's; the third optim_step is the job's second.
     assert (store.committed, store.discarded) == ([(1, 2), (2, 6)], ["2"])
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 import transformers
 
-from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.autosave import write_snapshot
+from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict, NotFound
 from openrld.gpu import lora_io
 from openrld.gpu.models import load_causal_lm, lora_config
@@ -319,6 +320,28 @@ def test_save_and_load_state_with_optimizer_continues_like_an_uninterrupted_run(
     resumed = train(resumed_trainer, "resumed", sft_data, steps=2)
     np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-6, atol=0)
     assert resumed_trainer.statistics().optim_steps == 4
+
+
+@pytest.mark.parametrize(
+    ("family", "params"), [("adamw", AdamParams(learning_rate=1e-2)), ("dimuon", DimuonParams(learning_rate=1e-2))],
+    ids=["adamw", "dimuon"],
+)
+def test_a_state_snapshot_writes_what_save_state_wrote_at_that_step_after_the_next_one(
+    trainer, sft_data, tmp_path, family, params
+):
+    trainer.add_adapter("job", SPEC, family)
+    trainer.forward_backward("job", batch(sft_data))
+    trainer.optim_step("job", params)
+    saved, copied = tmp_path / "saved", tmp_path / "copied"
+    saved.mkdir(), copied.mkdir()
+    snapshot = trainer.snapshot_state("job", with_optimizer=True)
+    trainer.save_state("job", saved)
+    trainer.forward_backward("job", batch(sft_data))  # the next step changes the live tensors, not the copy
+    trainer.optim_step("job", params)
+    assert write_snapshot(snapshot, copied) == sum(p.stat().st_size for p in saved.iterdir())
+    files = {p.name: p.read_bytes() for p in saved.iterdir()}
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == files
+    assert len(files) == 4
 
 
 def test_load_state_with_optimizer_from_sampler_weights_is_refused(trainer, tmp_path):

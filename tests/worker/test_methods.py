@@ -25,7 +25,15 @@ from openrld.batches import (
     OptimResult,
     SyncStats,
 )
-from openrld.engine_types import ParkReport, ResumeReport, SamplerEngine, TrainerEngine, WeightPayload
+from openrld.engine_types import (
+    ParkReport,
+    ResumeReport,
+    SamplerEngine,
+    SnapshotFile,
+    StateSnapshot,
+    TrainerEngine,
+    WeightPayload,
+)
 from openrld.errors import BadRequest, NotSupportedYet
 from openrld.worker import base, client, methods, server, values
 from openrld.worker.engines import InprocSampler
@@ -105,6 +113,7 @@ def test_the_wire_types_are_protocol_version_1s():
         "export_adapter": (tuple[str, Path, str], int),  # a Path travels as its str
         "sampler_checkpoint": (tuple[str, Path], int),
         "save_state": (tuple[str, Path, bool], int),
+        "snapshot_state": (tuple[str, bool], StateSnapshot | None),
         "load_state": (tuple[str, Path, LoraSpec | None, bool, str], None),
         "park": (tuple[()], ParkReport),
         "resume": (tuple[()], ResumeReport),
@@ -147,6 +156,19 @@ def test_a_trainers_calls_reach_the_engine_as_the_protocol_types_them():
     assert len(results) == 2 and isinstance(step, BadRequest) and step.key == "learning_rate"  # the pass stands
     results, step = remote.forward_backward_then_step("m", [batch()], None)
     assert len(results) == 1 and step is None
+
+
+def test_a_state_snapshot_crosses_as_its_files_bytes():
+    class Copies(Trainer):
+        def snapshot_state(self, name: str, with_optimizer: bool) -> StateSnapshot | None:
+            body = torch.arange(3, dtype=torch.float32).view(torch.uint8).numpy()
+            return StateSnapshot([SnapshotFile("a.safetensors", b"head", body), SnapshotFile("state.json", b"{}")])
+
+    remote = client.RemoteTrainer(Loop("trainer", Copies()))  # type: ignore[arg-type]
+    snapshot = remote.snapshot_state("m", True)
+    assert [(f.name, f.head) for f in snapshot.files] == [("a.safetensors", b"head"), ("state.json", b"{}")]
+    assert bytes(snapshot.files[0].body) == np.arange(3, dtype=np.float32).tobytes() and snapshot.files[1].body is None
+    assert client.RemoteTrainer(Loop("trainer", Trainer())).snapshot_state("m", True) is None  # type: ignore[arg-type]
 
 
 def test_a_call_that_updates_last_sync_brings_it_back_with_its_result():
