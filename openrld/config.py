@@ -86,6 +86,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     python: str = ""  # the process launcher's interpreter; "": the daemon's own
     vllm_python: str = ""  # the vLLM environment's interpreter; set: the vLLM sampler runs there, in a process
     automodel_python: str = ""  # the Automodel environment's interpreter; "": openrl.trainer_backend=automodel is refused
+    rendezvous_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29400  # the first of a spanning trainer's rendezvous ports
     container_runtime: Literal["podman", "docker", "kubernetes"] = "podman"  # for custom images
     container_global_args: tuple[str, ...] = ()  # before the runtime's subcommand, every call: podman's --runtime runc
     container_run_args: tuple[str, ...] = ()  # to `run` alone: extra mounts, --shm-size
@@ -136,6 +137,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     join: tuple[Annotated[str, msgspec.Meta(min_length=1)], ...] = ()
     gossip_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 7946
     advertise_host: str = ""
+    network_segment: str = ""  # zone, rack or node pool: a trainer that spans nodes keeps to one; "": unknown
     gossip_timing: Literal["lan", "local"] = "lan"
     accept_jobs: bool = True
     http: HttpLimits = HttpLimits()

@@ -41,6 +41,7 @@ from openrld.actors.run_history import (
 )
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
+from openrld.actors.span_members import SpanMembers, SpanOrder
 from openrld.actors.usage import UsageMeter
 from openrld.api.app import Services, build_app
 from openrld.api.auth import Authenticator
@@ -50,7 +51,8 @@ from openrld.api.signing import Signer
 from openrld.cluster.membership.messages import DeviceSlot
 from openrld.cluster.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.cluster.node import ClusterNode
-from openrld.cluster.peer_client import RelayCounters
+from openrld.cluster.peer_client import RelayCounters, relay_key
+from openrld.cluster.placement.span_peers import SpanPeers
 from openrld.config import ConfigError, NodeConfig, load_api_keys
 from openrld.loop_watch import LoopWatch
 from openrld.model_catalog import ModelCatalog
@@ -60,6 +62,7 @@ from openrld.tls import peer_context, server_context
 from openrld.worker.client import WorkerTimeouts
 from openrld.worker.hosting import WorkerHosting
 from openrld.worker.launchers import Launcher, Mount
+from openrld.worker.launchers.torchrun import SpanRendezvous, TorchrunGroup
 
 if TYPE_CHECKING:
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
@@ -225,6 +228,7 @@ async def serve(
                 sample_queue_limit=config.sample_queue_limit,
                 sampler_routing=config.sampler_routing,
                 devices=node_devices,
+                rendezvous_port=config.workers.rendezvous_port,
             )
             usage = UsageMeter()
             signer = Signer()
@@ -250,7 +254,7 @@ async def serve(
             await nursery.start(prepare_models, catalog, converter.ensure)
             auth = Authenticator(keys, jwt_signer=signer if config.jwt_auth else None)
             relays = RelayCounters()
-            peers = cluster = None
+            peers = cluster = spans = None
             if membership is not None:
                 # Relayed calls to other members, never through an HTTP_PROXY; closed with the daemon.
                 peers = httpx.AsyncClient(
@@ -260,6 +264,7 @@ async def serve(
                     membership.node, client=peers, config=config, jobs=jobs, sampling=sampling, sessions=sessions,
                     resolve_model=lambda name: catalog.resolve(name).name, user_for=auth.user_for, counters=relays,
                 )
+                spans = _spans(cluster, peers, config, hosting, catalog, node_devices, groups, nursery)
             services = Services(
                 records=Records(store, usage),  # the rows the routes read
                 config=config, auth=auth,
@@ -275,6 +280,7 @@ async def serve(
                 node_devices=node_devices,
                 loop_watch=loop_watch,
                 checkpoints=checkpoints,
+                spans=spans,
             )
             stop = shutdown if shutdown is not None else trio.Event()
             async with trio.open_nursery() as front:
@@ -294,7 +300,8 @@ async def serve(
                     await nursery.start(
                         membership.run,
                         lambda: node_payload(
-                            peer_url, slots, groups.statistics(), node_devices.pool.statistics(), jobs.home_jobs()
+                            peer_url, slots, groups.statistics(), node_devices.pool.statistics(), jobs.home_jobs(),
+                            config.network_segment,
                         ),
                     )
                 # What exists now (imported modules, the config, the store) lives as long as the
@@ -316,6 +323,26 @@ async def serve(
         if loop_watch is not None and loop_watch.is_sampling:
             loop_watch.stop_sampler()
             trio.lowlevel.remove_instrument(loop_watch)
+
+
+def _spans(
+    cluster: ClusterNode, client: httpx.AsyncClient, config: NodeConfig, hosting: WorkerHosting, catalog: ModelCatalog,
+    node_devices: NodeDevices, groups: GroupTable, nursery: trio.Nursery,
+) -> SpanMembers:
+    """Trainers that span nodes: this node as a home (its group table plans and starts them) and as a member
+    (its ranks of other nodes' jobs, started through the peer API)."""
+    peers = SpanPeers(cluster.directory, client, relay_key(config.cluster_secret))
+    groups.attach_spans(peers)
+
+    def launch(order: SpanOrder, devices: tuple[str, ...]) -> TorchrunGroup:
+        here = peers.host(cluster.name)
+        span = SpanRendezvous(order.nodes, order.endpoint, order.job, is_home=False, local_addr=here)
+        return hosting.member_ranks(span, devices, catalog.resolve(order.base_model).directory)
+
+    return SpanMembers(
+        name=cluster.name, pool=node_devices.pool, nursery=nursery, launch=launch, is_alive=peers.is_alive,
+        tell_home=peers.tell_home,
+    )
 
 
 def _sampler_run(store: Store, sampler_id: str) -> str | None:

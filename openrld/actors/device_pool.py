@@ -153,6 +153,29 @@ class DevicePool:
         )
         return placement
 
+    def hold(self, key: str, count: int, *, label: str) -> Placement:
+        """`count` free devices held, exclusive, for ranks of a trainer that spans nodes (another node's
+        job, `actors/span_members.py`): no sampler, nothing else placed on them.
+
+        Raises:
+            NoCapacity: fewer than `count` free devices (key `openrl.trainer_gpus`).
+        """
+        free = self.free_devices()
+        if len(free) < count:
+            raise NoCapacity(
+                f"openrl.trainer_gpus: {label} needs {count} free devices here, and this node has {len(free)} "
+                f"({self._describe_use()})",
+                key="openrl.trainer_gpus",
+            )
+        ranks = tuple(free[:count])
+        placement = Placement(
+            key=key, trainer_device=ranks[0], sampler_device=ranks[0], is_exclusive=True, trainer_devices=ranks
+        )
+        self._placements[key] = placement
+        self._labels[key] = label
+        logger.info("held group=%s devices=%s", key, ",".join(ranks))
+        return placement
+
     def release(self, key: str) -> None:
         """The group stopped (or never started): its devices are free of it."""
         self._placements.pop(key, None)

@@ -26,6 +26,14 @@ lease of every device it spans while it runs (`actors/group_lease.py`), and a pa
 or resume reaches every rank at once (rank 0 broadcasts each call,
 `worker/ranks.py`). Unless the job is exclusive its devices are shared: other
 groups take turns with it on each of them.
+
+An Automodel trainer wider than this node spans nodes (`attach_spans`): `reserve`
+plans it from the cluster view (`cluster/placement/spanning.py`, this node the home)
+and books this node's part, exclusive; when the group starts, each member node is
+asked to hold its devices and start its ranks (`actors/span_members.py`), then this
+node's torchrun hosts the rendezvous (`[workers] rendezvous_port`) and rank 0. The job
+is lost (`on_lost`) when a member's ranks end or a member node is declared dead; when
+its group ends, every member is told to stop its ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import trio
@@ -50,12 +58,18 @@ from openrld.actors.sampler import (
     SamplerHandle,
     SamplerStatistics,
 )
+from openrld.actors.span_members import SpanOrder
 from openrld.actors.stability import StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, Parkable
 from openrld.actors.trainer import CheckpointSink, TrainerActor, TrainerHandle, TrainerStatistics
 from openrld.engine_types import SamplerEngine, TrainerEngine
 from openrld.errors import Gone, OpenrldError, ServerError
 from openrld.model_catalog import ModelEntry
+from openrld.worker.launchers.torchrun import SpanRendezvous
+
+if TYPE_CHECKING:
+    from openrld.cluster.placement.span_peers import SpanPeers
+    from openrld.cluster.placement.spanning import SpanPlan
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +92,7 @@ class EngineFactory(Protocol):
     ) -> Callable[[], SamplerEngine]: ...
     def automodel_trainer(
         self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
-        job: str | None = None,
+        job: str | None = None, span: SpanRendezvous | None = None,
     ) -> Callable[[], TrainerEngine]: ...
     def on(self, device: str) -> EngineFactory: ...
 
@@ -86,6 +100,8 @@ class EngineFactory(Protocol):
 # A full fine-tuning group's sampler holds whole copies of the weights per version, so it
 # keeps few: the newest versions are what an RL loop samples; older unnamed ones answer 410.
 FULL_LOADED_VERSIONS = 2
+SPAN_WATCH_S = 0.5  # how often a span's members are looked up in the cluster view (which lags gossip by less)
+SPAN_STOP_S = 40.0  # how long a span's end waits for its members to stop their ranks
 FULL_HOST_VERSIONS = 4
 
 
@@ -136,6 +152,7 @@ class GroupTable:
         sample_queue_limit: int,
         devices: NodeDevices | None = None,
         sampler_routing: Routing = "prefix",
+        rendezvous_port: int = 29400,
     ) -> None:
         self._nursery = nursery
         # The node's devices: placement, time-slicers, a limiter each. None: one device, `limiter`, no turns.
@@ -156,6 +173,15 @@ class GroupTable:
         self._stopping: dict[str, trio.Event] = {}
         # One node-wide store: every group's sampler records into it, the job table resolves from it.
         self.stability = StabilityRecords()
+        self._span_peers: SpanPeers | None = None  # None: no trainer here spans nodes
+        self._rendezvous_port = rendezvous_port  # the first of the ports a span's rendezvous takes here
+        self._spans: dict[str, SpanPlan] = {}  # group key -> the nodes its trainer spans, this node first
+        self._span_ports: dict[str, int] = {}  # group key -> its rendezvous port
+        self._span_devices: dict[str, tuple[str, ...]] = {}  # group key -> its members' devices, "node/device"
+
+    def attach_spans(self, peers: SpanPeers) -> None:
+        """The cluster is up: an Automodel trainer wider than this node may span nodes through `peers`."""
+        self._span_peers = peers
 
     def reserve(
         self, model: ModelEntry, job: str, *, full_sync: str | None, exclusive: bool, images: Images = NO_IMAGES,
@@ -175,9 +201,18 @@ class GroupTable:
         )
         if self._devices is not None:
             try:
-                self._devices.pool.place(
-                    key, exclusive=exclusive, label=f"job {job}", trainer_devices=_ranks(self._own[key])
-                )
+                if automodel is not None and automodel.gpus > len(self._devices.slicers) and self._span_peers is not None:
+                    plan = self._span_peers.plan(automodel.gpus)
+                    # A trainer that spans nodes is exclusive on its devices: every step crosses the network.
+                    self._own[key] = msgspec.structs.replace(self._own[key], is_exclusive=True)
+                    self._devices.pool.place(
+                        key, exclusive=True, label=f"job {job}", trainer_devices=plan.parts[0].devices
+                    )
+                    self._spans[key] = plan
+                else:
+                    self._devices.pool.place(
+                        key, exclusive=exclusive, label=f"job {job}", trainer_devices=self._local_ranks(key)
+                    )
             except OpenrldError:
                 del self._own[key]
                 raise
@@ -194,6 +229,7 @@ class GroupTable:
         if scope is None:  # booked but not started, or its start failed: only the booking to drop
             if self._devices is not None:
                 self._devices.pool.release(key)
+            self._spans.pop(key, None)
             return
         group = self._groups.pop(key, None)
         if group is not None:
@@ -204,7 +240,27 @@ class GroupTable:
         scope.cancel()
 
     def placement_of(self, model: ModelEntry, job: str | None = None) -> Placement | None:
-        return self._devices.pool.placement_of(_group_key(model, job)) if self._devices is not None else None
+        """Where the group runs; a trainer that spans nodes lists its members' devices after this node's."""
+        key = _group_key(model, job)
+        placement = self._devices.pool.placement_of(key) if self._devices is not None else None
+        remote = self._span_devices.get(key)
+        if placement is None or not remote:
+            return placement
+        return msgspec.structs.replace(placement, trainer_devices=(*placement.trainer_ranks, *remote))
+
+    def span_ended(self, job: str, node: str, detail: str) -> bool:
+        """A member's ranks of `job` ended (`SpanEnded`): the job is lost; False if no such span runs here."""
+        for key, own in list(self._own.items()):
+            if own.job == job and key in self._spans and node in (p.node for p in self._spans[key].parts[1:]):
+                if own.on_lost is not None:
+                    own.on_lost(_span_lost(job, node, detail))
+                return True
+        return False
+
+    def _local_ranks(self, key: str) -> int:
+        """How many devices of this node the group's trainer spans."""
+        plan = self._spans.get(key)
+        return plan.parts[0].devices if plan is not None else _ranks(self._own.get(key))
 
     def start_state(self, model: ModelEntry, job: str | None = None) -> tuple[bool, str | None]:
         """(is the group loading now, the error of its last failed start)."""
@@ -262,7 +318,7 @@ class GroupTable:
         own = self._own.get(key)
         label = f"job {job}" if job is not None else name
         placement = self._devices.pool.place(
-            key, exclusive=own is not None and own.is_exclusive, label=label, trainer_devices=_ranks(own)
+            key, exclusive=own is not None and own.is_exclusive, label=label, trainer_devices=self._local_ranks(key)
         )
         seats = []
         for role, device, devices in (
@@ -346,10 +402,12 @@ class GroupTable:
             ).run
         )
         sync = own.full_sync if own is not None and own.full_sync is not None else weight_sync
+        key = _group_key(model, job)
         if own is not None and own.automodel is not None:
+            span = await nursery.start(self._run_span, key, own, model) if key in self._spans else None
             build_trainer = trainer_seat.engines.automodel_trainer(
-                model, devices=trainer_seat.devices or ("cpu",) * own.automodel.gpus,
-                fine_tuning="full" if is_full else "lora", weight_sync=sync, cp=own.automodel.cp, job=job,
+                model, devices=trainer_seat.devices or ("cpu",) * self._local_ranks(key),
+                fine_tuning="full" if is_full else "lora", weight_sync=sync, cp=own.automodel.cp, job=job, span=span,
             )
         elif is_full:
             build_trainer = trainer_seat.engines.full_trainer(model, sync, images.trainer, job)
@@ -370,11 +428,67 @@ class GroupTable:
         )
         return Group(model=model, trainer=trainer, sampler=sampler, job=job if is_full else None)
 
+    async def _run_span(
+        self, key: str, own: OwnGroup, model: ModelEntry,
+        *, task_status: trio.TaskStatus[SpanRendezvous] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Start the members' ranks of a trainer that spans nodes, report this node's rendezvous, then watch the
+        members until the group ends; at its end, tell every member to stop.
+
+        Raises:
+            ServerError: a member did not start its ranks (the others started are stopped).
+        """
+        assert self._span_peers is not None, "a span is planned only once the cluster is attached"
+        peers, plan = self._span_peers, self._spans[key]
+        members = plan.parts[1:]
+        host = peers.host(peers.local_name)
+        port = self._free_rendezvous_port(key)
+        started: list[str] = []
+        try:
+            devices: list[str] = []
+            for part in members:
+                order = SpanOrder(own.job, peers.local_name, model.name, part.devices, len(plan.parts), f"{host}:{port}")
+                answer = await peers.start(part.node, order)
+                started.append(part.node)
+                devices += [f"{part.node}/{d}" for d in answer.devices]
+            self._span_devices[key] = tuple(devices)
+            task_status.started(SpanRendezvous(len(plan.parts), f"{host}:{port}", own.job, True, host))
+            dead = None
+            while dead is None:  # the members' liveness is the cluster view's, which gossip keeps
+                await trio.sleep(SPAN_WATCH_S)
+                dead = next((p.node for p in members if not peers.is_alive(p.node)), None)
+            if own.on_lost is not None:
+                own.on_lost(_span_lost(own.job, dead, "was declared dead by the cluster"))
+            await trio.sleep_forever()
+        finally:
+            with trio.move_on_after(SPAN_STOP_S, shield=True):
+                async with trio.open_nursery() as stopping:
+                    for node in started:
+                        stopping.start_soon(peers.stop, node, own.job)
+            self._span_devices.pop(key, None)
+            self._span_ports.pop(key, None)
+            if key not in self._own:
+                self._spans.pop(key, None)
+
+    def _free_rendezvous_port(self, key: str) -> int:
+        """The first rendezvous port no span of this node holds: one port per span it is home to."""
+        taken = set(self._span_ports.values())
+        port = next(p for p in range(self._rendezvous_port, self._rendezvous_port + 1 + len(taken)) if p not in taken)
+        self._span_ports[key] = port
+        return port
+
     def statistics(self) -> list[GroupStatistics]:
         return [
             GroupStatistics(base_model=g.model.name, trainer=g.trainer.statistics(), sampler=g.sampler.statistics())
             for g in self._groups.values()
         ]
+
+
+def _span_lost(job: str, node: str, why: str) -> str:
+    return (
+        f"job {job}: node {node}, which held ranks of its trainer, {why}; the weights and optimizer state its "
+        "ranks held are gone: resume from a saved state"
+    )
 
 
 def _detail_to(on_lost: Callable[[str], None]) -> Callable[[OpenrldError], None]:

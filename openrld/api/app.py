@@ -29,6 +29,7 @@ from openrld.actors.jobs import JobTable
 from openrld.actors.records import Records
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
+from openrld.actors.span_members import SpanMembers
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator, user_in
@@ -77,6 +78,7 @@ class Services:
     node_devices: NodeDevices | None = None  # placement and time-slicers, for the console's device view
     loop_watch: LoopWatch | None = None  # slow event-loop steps, for /metrics; None unless loop_watch_ms is set
     sdk_versions: SdkVersionCounter = field(default_factory=SdkVersionCounter)  # requests per tinker SDK release
+    spans: SpanMembers | None = None  # this node's ranks of other nodes' trainers; None: not in a cluster
 
 
 def json_response(value: Any, status: int = 200) -> Response:

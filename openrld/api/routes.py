@@ -33,6 +33,7 @@ from openrld.api.capabilities import ServerInfo
 from openrld.cluster.list_fanout import FanOut
 from openrld.cluster.membership.peer_client import PUSH_PULL_PATH
 from openrld.cluster.peer_client import LOCATE_PATH
+from openrld.cluster.placement.span_peers import SPAN_ENDED_PATH, SPAN_START_PATH, SPAN_STOP_PATH
 from openrld.cluster.relay import HomeBy
 from openrld.cluster.view import ClusterView
 
@@ -162,6 +163,9 @@ ROUTES: tuple[Route, ...] = (
     Route(method="GET", path="/metrics", handler=openrl.metrics, is_keyless=True),  # Prometheus text
     # ---------------------------------------------------------------- node to node (peer.py, cluster/)
     Route(method="POST", path=PUSH_PULL_PATH, handler=peer.push_pull, is_keyless=True),  # HMAC of the secret
+    Route(method="POST", path=SPAN_START_PATH, handler=peer.span_start, is_keyless=True),  # HMAC of the relay key
+    Route(method="POST", path=SPAN_STOP_PATH, handler=peer.span_stop, is_keyless=True),
+    Route(method="POST", path=SPAN_ENDED_PATH, handler=peer.span_ended, is_keyless=True),
     Route(method="POST", path=LOCATE_PATH, handler=None, is_keyless=True, home=HomeBy.LOCATE),  # the relay's own
     Route(method="GET", path="/openrl/v1/cluster", handler=peer.cluster, reply=ClusterView),
     # ---------------------------------------------------------------- the console (console.py)

@@ -32,6 +32,7 @@ from openrld.gpu.models import pick_dtype
 from openrld.model_catalog import ModelEntry
 from openrld.worker import builtin
 from openrld.worker.hosting import WorkerHosting
+from openrld.worker.launchers.torchrun import SpanRendezvous
 from openrld.worker.protocol import Role, Scalar, Start
 from openrld.worker.values import local_payload
 
@@ -119,11 +120,12 @@ class TorchEngineFactory:
 
     def automodel_trainer(
         self, model: ModelEntry, *, devices: tuple[str, ...], fine_tuning: str, weight_sync: str, cp: int,
-        job: str | None = None,
+        job: str | None = None, span: SpanRendezvous | None = None,
     ) -> Callable[[], TrainerEngine]:
         """NeMo Automodel's FSDP2 trainer for one job (gpu/automodel_trainer.py): a torchrun group in the
         Automodel environment, one rank per device of `devices` (labels of the node's inventory, in rank
-        order), context parallel over `cp` of them; `fine_tuning` is "lora" or "full"."""
+        order), context parallel over `cp` of them; `fine_tuning` is "lora" or "full". With `span`, these
+        are this node's ranks of a group over several nodes, global rank 0 among them."""
         # The node's trainer options (max_batch_tokens, activation_budget_bytes), as the LoRA trainer's.
         options: dict[str, Scalar] = {
             **self.trainer_options, "fine_tuning": fine_tuning, "cp": cp, "weight_sync": weight_sync,
@@ -136,7 +138,7 @@ class TorchEngineFactory:
             if refusal is not None:  # as the LoRA trainer: vLLM samples here and takes no LoRA on lm_head
                 options["unembed_refusal"] = refusal
             return self.hosting.start(
-                self.hosting.automodel_launcher(len(devices)), role="trainer", kind="automodel_trainer",
+                self.hosting.automodel_launcher(len(devices), span), role="trainer", kind="automodel_trainer",
                 model_name=model.name, model_dir=model.directory, device=group_device(devices),
                 threads=self.cpu_threads, options=options, job=job,
             )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,13 @@ from openrld.errors import ServerError
 from openrld.worker.client import RemoteSampler, RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import Launcher, Mount, WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
-from openrld.worker.launchers.torchrun import TorchrunLauncher
+from openrld.worker.launchers.torchrun import (
+    SPAN_DEVICE_ENV,
+    SpanRendezvous,
+    TorchrunGroup,
+    TorchrunLauncher,
+    member_command,
+)
 from openrld.worker.protocol import Role, Scalar, Start
 
 logger = logging.getLogger(__name__)
@@ -87,15 +94,32 @@ class WorkerHosting:
     def has_automodel(self) -> bool:
         return bool(self.automodel_python)
 
-    def automodel_launcher(self, nproc: int) -> Launcher:
-        """A torchrun group of `nproc` ranks in the Automodel environment.
+    def automodel_launcher(self, nproc: int, span: SpanRendezvous | None = None) -> Launcher:
+        """A torchrun group of `nproc` ranks in the Automodel environment; with `span`, this node's
+        ranks of a group over several nodes, this node its home.
 
         Raises:
             ServerError: this node has no Automodel environment (jobs.py refuses such jobs first).
         """
         if not self.automodel_python:
             raise ServerError("this node has no Automodel environment: [workers] automodel_python is unset")
-        return TorchrunLauncher(self.automodel_python, nproc)
+        return TorchrunLauncher(self.automodel_python, nproc, span=span)
+
+    def member_ranks(self, span: SpanRendezvous, devices: tuple[str, ...], model_dir: str) -> TorchrunGroup:
+        """A member node's ranks of another node's Automodel trainer (`actors/span_members.py`): one per
+        device of `devices`, following the home's rank 0, in the Automodel environment.
+
+        Raises:
+            ServerError: this node has no Automodel environment.
+        """
+        if not self.automodel_python:
+            raise ServerError("this node has no Automodel environment: [workers] automodel_python is unset")
+        from openrld.gpu.devices import group_device
+
+        argv, env = member_command(self.automodel_python, span, len(devices), group_device(devices), model_dir)
+        # A session of its own, as the home's torchrun: stop() reaches its whole process group.
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=2, env=env, start_new_session=True)
+        return TorchrunGroup(process, env[SPAN_DEVICE_ENV], f"openrld-trainer ranks of job {span.run_id}", len(devices))
 
     def start(
         self, launcher: Launcher, *, role: Role, kind: str, model_name: str, model_dir: str, device: str,

@@ -39,6 +39,15 @@ available, NCCL for CUDA tensors, so an engine's own collectives on its device
 tensors run over NCCL; it may also make groups of its own (`new_group`). A call
 must run the same collectives on every rank, as any SPMD program must.
 
+A group over several nodes (a trainer wider than any node, `launchers/torchrun.py`
+with a `SpanRendezvous`): every node's torchrun joins one c10d rendezvous hosted by
+the home node, which numbers the nodes in its own order. Each rank's environment
+says whether it runs on the home node (SPAN_HOME_ENV); before the default group is
+made the ranks renumber themselves through torchrun's store, the home's first, so
+global rank 0 is the home's local rank 0, the one that reaches the daemon. A member
+node's ranks build on their own devices (SPAN_DEVICE_ENV) from their node's copy of
+the model (SPAN_MODEL_DIR_ENV), the rest of rank 0's Start unchanged.
+
 Signals: torchrun stops its ranks with SIGTERM (after a lost rank, or when it is
 stopped itself), so a rank keeps SIGTERM's default even when
 OPENRLD_WORKER_IGNORE_SIGNALS asks a worker to ignore it; it ignores SIGINT
@@ -71,6 +80,7 @@ import torch.distributed as dist
 from openrld.errors import OpenrldError
 from openrld.worker import values
 from openrld.worker.frames import FrameSocket, Limits, ProtocolError
+from openrld.worker.launchers.torchrun import SPAN_DEVICE_ENV, SPAN_HOME_ENV, SPAN_MODEL_DIR_ENV
 from openrld.worker.methods import METHODS
 from openrld.worker.protocol import PROTOCOL_VERSION, Call, Failure, Hello, Ready, Result, Role, Start
 from openrld.worker.server import (
@@ -215,7 +225,14 @@ def serve(
     if os.environ.get(IGNORE_SIGNALS_ENV) == "1":
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # SIGTERM stays: it is how torchrun stops its ranks
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend)
+    if SPAN_HOME_ENV in os.environ:
+        rank, store = _span_rank()
+        dist.init_process_group(
+            backend=backend, store=dist.PrefixStore("openrld/pg", store), rank=rank,
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    else:
+        dist.init_process_group(backend=backend)
     group = RankGroup(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     try:
         if group.rank == 0:
@@ -244,8 +261,39 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def span_order(nodes: dict[int, tuple[bool, int]]) -> list[int]:
+    """torchrun's node ranks in openrld's order: the home node first, then the others as torchrun numbered them.
+
+    `nodes`: torchrun's node rank -> (is it the home, its ranks)."""
+    return sorted(nodes, key=lambda node: (not nodes[node][0], node))
+
+
+def _span_rank() -> tuple[int, Any]:
+    """This rank's global rank in a group over several nodes, the home node's ranks first, and the store
+    the ranks share (torchrun's, which its agents host; only keys under "openrld/" are ours)."""
+    node, nodes = int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"])
+    local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    store = dist.PrefixStore("openrld/span", base)
+    if local == 0:
+        store.set(f"node/{node}", f"{os.environ[SPAN_HOME_ENV]},{local_world}")
+    keys = [f"node/{n}" for n in range(nodes)]
+    store.wait(keys)
+    told = {n: store.get(key).decode().split(",") for n, key in enumerate(keys)}
+    layout = {n: (home == "1", int(ranks)) for n, (home, ranks) in told.items()}
+    order = span_order(layout)
+    first = sum(layout[n][1] for n in order[: order.index(node)])
+    return first + local, base
+
+
 def _own_start(start: Start) -> Start:
-    return msgspec.structs.replace(start, device=rank_device(start.device, int(os.environ.get("LOCAL_RANK", "0"))))
+    device = os.environ.get(SPAN_DEVICE_ENV, start.device)
+    own = msgspec.structs.replace(start, device=rank_device(device, int(os.environ.get("LOCAL_RANK", "0"))))
+    model_dir = os.environ.get(SPAN_MODEL_DIR_ENV)
+    return own if model_dir is None else msgspec.structs.replace(own, model_dir=model_dir)
 
 
 def _build(build: BuildEngine, start: Start) -> tuple[Any, BaseException | None]:

@@ -127,3 +127,23 @@ def test_a_spread_trainers_devices_are_free_again_once_released():
     pool.place("job", exclusive=False, label="job j", trainer_devices=2)
     pool.release("job")
     assert pool.free_devices() == ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_devices_held_for_another_nodes_span_are_exclusive_and_have_no_sampler():
+    pool = DevicePool(["cpu:0", "cpu:1", "cpu:2"])
+    pool.place("llama", exclusive=False, label="llama")  # cpu:0 and cpu:1
+    assert pool.hold("span:j", 1, label="job j") == Placement("span:j", "cpu:2", "cpu:2", True, ("cpu:2",))
+    # A shared group now takes turns on cpu:0, never on the held cpu:2.
+    assert pool.place("qwen", exclusive=False, label="qwen") == Placement("qwen", "cpu:0", "cpu:0", False)
+
+
+def test_a_span_hold_larger_than_the_free_devices_is_refused_naming_the_setting():
+    pool = DevicePool(["cpu:0", "cpu:1"])
+    pool.place("llama", exclusive=True, label="job a")
+    with pytest.raises(BadRequest) as refused:
+        pool.hold("span:j", 2, label="job j (ranks for node a)")
+    assert refused.value.key == "openrl.trainer_gpus"
+    assert str(refused.value.detail) == (
+        "openrl.trainer_gpus: job j (ranks for node a) needs 2 free devices here, and this node has 0 "
+        "(cpu:0: job a, cpu:1: job a)"
+    )

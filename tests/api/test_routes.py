@@ -45,6 +45,7 @@ def test_another_method_a_head_or_an_unknown_path_matches_nothing() -> None:
 def test_keyless_paths_are_health_metrics_the_peer_api_signed_files_and_the_console_page() -> None:
     assert sorted(TABLE.keyless_paths) == [
         "/api/v1/healthz", "/console", "/metrics", "/openrl/peer/v1/locate", "/openrl/peer/v1/pushpull",
+        "/openrl/peer/v1/spans/ended", "/openrl/peer/v1/spans/start", "/openrl/peer/v1/spans/stop",
     ]
     assert TABLE.keyless_prefixes == ("/api/v1/download/", "/api/v1/trace/", "/console/")
     assert TABLE.is_keyless("/api/v1/download/r-1/weights/a/adapter.safetensors")

@@ -122,3 +122,9 @@ def test_a_trainer_that_fits_the_largest_node_is_not_too_large_even_when_its_dev
     busy = DeviceSlot("cuda:0", "cuda", 80, 10, groups=1)
     needs = JobNeeds(base_model="llama", own_group=True, is_exclusive=True, devices=2)
     assert too_large([member("a", [busy, busy])], needs) is None
+
+
+def test_a_lora_job_never_joins_a_group_on_a_node_whose_every_device_is_exclusive():
+    # The group there is an exclusive job's own (gossip names its base model like a LoRA group's).
+    nodes = [node("a", free=0, shared=0, groups=[GroupLoad("llama", 1, 0)]), node("c", free=1)]
+    assert rank(nodes, LORA_LLAMA) == ["c"]

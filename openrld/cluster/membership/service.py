@@ -97,6 +97,7 @@ def node_payload(
     groups: Sequence[GroupStatistics],
     device_use: Sequence[DeviceUse] = (),
     home_jobs: Sequence[HomeJob] = (),
+    segment: str = "",
 ) -> NodePayload:
     """This node's payload from its devices, their placements, its groups' statistics and its jobs.
 
@@ -105,6 +106,7 @@ def node_payload(
     """
     use = {u.device: u for u in device_use}
     return NodePayload(
+        segment=segment,
         peer_url=peer_url,
         devices=tuple(
             msgspec.structs.replace(

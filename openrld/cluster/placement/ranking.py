@@ -71,7 +71,8 @@ def rank(candidates: Iterable[Candidate], needs: JobNeeds) -> list[str]:
     joins, fresh, sliced = [], [], []
     for c in candidates:
         resident = [g for g in c.groups if g.base_model == needs.base_model and g.adapters < GROUP_ROOM]
-        if resident and not needs.own_group:
+        # A node whose every device an exclusive job holds runs only own groups: none a LoRA job can join.
+        if resident and not needs.own_group and c.shared_devices > 0:
             load = min(g.adapters + g.queue_depth for g in resident)
             joins.append(((load, c.name), c.name))
         elif c.free_devices >= needs.devices:

@@ -24,6 +24,15 @@ stops its ranks), then past `TERM_GRACE_S` SIGKILL to torchrun and to each rank
 cannot reach them all); a rank also dies with torchrun (PR_SET_PDEATHSIG). It
 returns once torchrun is reaped and no rank runs.
 
+Over several nodes (`SpanRendezvous`, a trainer wider than any node): each node's
+daemon runs one torchrun for its own ranks, `--nnodes K --rdzv-backend c10d
+--rdzv-endpoint HOME:PORT --rdzv-id <job>`; the home node's hosts the rendezvous
+(`is_host=1`), the members' join it. The home's ranks get the socket, as on one
+node; a member's get no socket and no token (`member_command`): they follow
+global rank 0, which is the home's (`worker/ranks.py` renumbers them). The ports
+the ranks use besides the rendezvous (torchrun's store, gloo's and NCCL's
+connections) are ephemeral: docs/deploy.md says what to open.
+
 Why by hand: torchrun has no API for its process tree, and /proc/<pid>/task/*/children
 needs a kernel option that not every kernel has; the ranks are found by their
 parent pid in /proc.
@@ -40,12 +49,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+
 from openrld.worker.launchers import LaunchedWorker, WorkerSpec
 from openrld.worker.launchers.process import _MALLOC  # the same working-set settings, for the same reason
 from openrld.worker.launchers.visible_devices import worker_visible_devices
 
 logger = logging.getLogger(__name__)
 
+SPAN_HOME_ENV = "OPENRLD_SPAN_HOME"  # "1" on the home node's ranks, "0" on a member's; unset: one node
+SPAN_DEVICE_ENV = "OPENRLD_SPAN_DEVICE"  # a member node's ranks: their group device, as rank 0's Start names its own
+SPAN_MODEL_DIR_ENV = "OPENRLD_SPAN_MODEL_DIR"  # a member node's ranks: the model's directory on that node
 TERM_GRACE_S = 5.0  # after SIGTERM: torchrun stops its ranks (a second at most here), then exits
 
 
@@ -63,6 +77,38 @@ def group_devices(device: str, nproc: int, inherited: str | None = None) -> tupl
     if len(listed) != nproc:
         raise ValueError(f"a torchrun group of {nproc} ranks was given {len(listed)} device(s): {device!r}")
     return "cuda:" + ",".join(str(i) for i in range(nproc)), worker_visible_devices(listed, inherited)
+
+
+class SpanRendezvous(msgspec.Struct, frozen=True):
+    """Where one node's torchrun meets the others of a group that spans nodes."""
+
+    nodes: int  # torchrun agents, one per node
+    endpoint: str  # "host:port": the home node's rendezvous (c10d, hosted by the home's torchrun)
+    run_id: str  # the job's id: one rendezvous per job
+    is_home: bool  # this node hosts the rendezvous and global rank 0
+    local_addr: str  # the address the other nodes reach this one at (torchrun's --local-addr)
+    join_timeout_s: float = 120.0  # how long the rendezvous waits for every node
+
+
+def rendezvous_arguments(span: SpanRendezvous) -> list[str]:
+    """torchrun's arguments for one node of a group that spans nodes (its --nproc-per-node aside)."""
+    conf = f"is_host={int(span.is_home)},join_timeout={int(span.join_timeout_s)}"
+    return [
+        "--nnodes", str(span.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", span.endpoint,
+        "--rdzv-id", span.run_id, "--rdzv-conf", conf, "--local-addr", span.local_addr, "--max-restarts", "0",
+    ]
+
+
+def member_command(python: str, span: SpanRendezvous, nproc: int, device: str, model_dir: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of a member node's torchrun: `nproc` ranks that follow the home's rank 0, on
+    `device` (this node's, as `group_devices` makes it for them), reading the model from `model_dir`."""
+    own, visible = group_devices(device, nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env = {**_MALLOC, **os.environ, "OPENRLD_WORKER_ROLE": "trainer", "OPENRLD_WORKER_IGNORE_SIGNALS": "1"}
+    env.update({"OPENRLD_WORKER_RANKS": "1", SPAN_HOME_ENV: "0", SPAN_DEVICE_ENV: own, SPAN_MODEL_DIR_ENV: model_dir})
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    arguments = [*rendezvous_arguments(span), "--nproc-per-node", str(nproc)]
+    return [python, "-m", "torch.distributed.run", *arguments, "-m", "openrld.worker"], env
 
 
 class TorchrunGroup:
@@ -113,12 +159,16 @@ class TorchrunGroup:
 
 
 class TorchrunLauncher:
-    def __init__(self, python: str = "", nproc: int = 2, command: tuple[str, ...] = ("-m", "openrld.worker")) -> None:
+    def __init__(
+        self, python: str = "", nproc: int = 2, command: tuple[str, ...] = ("-m", "openrld.worker"),
+        span: SpanRendezvous | None = None,
+    ) -> None:
         if nproc < 1:
             raise ValueError(f"a torchrun group needs at least 1 rank, not {nproc}")
         self.python = python or sys.executable
-        self.nproc = nproc
+        self.nproc = nproc  # this node's ranks
         self.command = command
+        self.span = span  # None: the group is on this node alone
 
     def launch(self, spec: WorkerSpec, socket_path: str, environment: dict[str, str]) -> LaunchedWorker:
         device, visible = group_devices(spec.start.device, self.nproc, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -129,6 +179,9 @@ class TorchrunLauncher:
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible  # the group cannot take another's memory
         arguments = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(self.nproc), "--max-restarts", "0"]
+        if self.span is not None:  # the home node of a group over several: its ranks come first (ranks.py)
+            env[SPAN_HOME_ENV] = "1"
+            arguments = [*rendezvous_arguments(self.span), "--nproc-per-node", str(self.nproc)]
         # A session of its own: a Ctrl-C at the daemon's terminal does not reach it, and stop() reaches
         # torchrun's whole process group. Its stdout is the daemon's stderr, as a worker process's is.
         process = subprocess.Popen(
