@@ -120,7 +120,7 @@ def node_config(config_file, pod_env) -> NodeConfig:
 def test_manifests_hold_the_objects_gke_needs_and_no_secret(objects):
     assert sorted(objects) == [
         ("ConfigMap", "openrld-config"), ("DaemonSet", "openrld"), ("Namespace", "openrld"),
-        ("NetworkPolicy", "openrld-workers-no-network"),
+        ("NetworkPolicy", "openrld-daemons"), ("NetworkPolicy", "openrld-workers-no-network"),
         ("PersistentVolumeClaim", "openrld-checkpoints"), ("PriorityClass", "openrld-node"),
         ("Role", "openrld-workers"), ("RoleBinding", "openrld-workers"),
         ("Service", "openrld"), ("Service", "openrld-peers"), ("ServiceAccount", "openrld"),
@@ -285,6 +285,21 @@ def test_container_port_and_both_services_use_the_config_port(objects, container
 def test_gossip_port_is_the_config_gossip_port_over_udp(container, node_config):
     [port] = [p for p in container["ports"] if p["name"] == "gossip"]
     assert (port["containerPort"], port["protocol"]) == (node_config.gossip_port, "UDP")
+
+
+def test_rendezvous_port_is_the_config_rendezvous_port_over_tcp(container, node_config):
+    [port] = [p for p in container["ports"] if p["name"] == "rendezvous"]
+    assert (port["containerPort"], port["protocol"]) == (node_config.workers.rendezvous_port, "TCP")
+
+
+def test_daemon_pods_admit_the_api_from_anywhere_and_every_port_from_each_other(objects, pod, node_config):
+    # A spanning trainer's ranks talk on ephemeral ports: only "every port" from the peers admits them.
+    spec = objects[("NetworkPolicy", "openrld-daemons")]["spec"]
+    assert spec["podSelector"]["matchLabels"] == pod["metadata"]["labels"]
+    assert spec["ingress"] == [
+        {"ports": [{"port": node_config.port, "protocol": "TCP"}]},
+        {"from": [{"podSelector": {"matchLabels": pod["metadata"]["labels"]}}]},
+    ]
 
 
 def test_pods_join_through_the_headless_peers_service_on_the_http_port(objects, node_config):
