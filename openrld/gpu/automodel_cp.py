@@ -140,19 +140,22 @@ class ContextParallelScorer(BatchScorer):
         # The last micro-batch's CP context (`make_cp_blockdiag_batch_and_ctx`), for its backward.
         self._context: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
-    def _target_logprobs(self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray]) -> torch.Tensor:
+    def _target_logprobs(
+        self, tokens: Sequence[np.ndarray], targets: Sequence[np.ndarray], chunk: int | None = None
+    ) -> torch.Tensor:
         """lp of one micro-batch in the packed layout of losses.py, (M,) float32, M = Σ targets.size:
-        this rank's chunk scored under the CP context, then every chunk's lp gathered."""
+        this rank's chunk scored under the CP context, then every chunk's lp gathered. `chunk`:
+        log-softmax positions at a time, as `BatchScorer`'s (the memory probe's); None: the step's."""
         from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 
         lengths = [len(t) for t in tokens]
-        train_ctx, chunk, _ = make_cp_blockdiag_batch_and_ctx(self._cp_mesh, None, self._packed(tokens))
+        train_ctx, batch, _ = make_cp_blockdiag_batch_and_ctx(self._cp_mesh, None, self._packed(tokens))
         self._context = train_ctx
-        rows = chunk["input_ids"].shape[1]
+        rows = batch["input_ids"].shape[1]
         with train_ctx():
-            logits = self._model(input_ids=chunk["input_ids"], position_ids=chunk["position_ids"], use_cache=False).logits
+            logits = self._model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         counts, positions, chunk_targets = _chunk_targets(lengths, targets, rows, self.cp)
-        local = self._chunk_target_logprobs(logits[0], positions[self.cp_rank], chunk_targets[self.cp_rank])
+        local = self._chunk_target_logprobs(logits[0], positions[self.cp_rank], chunk_targets[self.cp_rank], chunk)
         return self._gathered_logprobs(local, counts)
 
     def recompute_context(self) -> contextlib.AbstractContextManager[None]:
@@ -173,13 +176,13 @@ class ContextParallelScorer(BatchScorer):
         return {key: torch.from_numpy(v.astype(np.int64))[None].to(self.device) for key, v in columns.items()}
 
     def _chunk_target_logprobs(
-        self, logits: torch.Tensor, positions: list[np.ndarray], targets: list[np.ndarray]
+        self, logits: torch.Tensor, positions: list[np.ndarray], targets: list[np.ndarray], chunk: int | None
     ) -> torch.Tensor:
         """`_logprobs_at` over this chunk's logits (rows, V); a chunk of padding only scores
         nothing but stays in the graph, so its backward (and its collectives) still run."""
         if not positions:
             return logits[:0, 0].float()
-        return self._logprobs_at(logits, positions, targets, False, self._chunk_positions(self._checkpointed))
+        return self._logprobs_at(logits, positions, targets, False, chunk or self._chunk_positions(self._checkpointed))
 
     def _gathered_logprobs(self, local: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's lp in rank order, which is packed order (the chunks are contiguous).

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
 
 import msgspec
 import torch
@@ -36,13 +37,15 @@ from openrld.gpu.safetensors_stream import TensorEntry
 
 __all__ = ["ShardedAdamW", "WholeDimuon", "whole_on_device"]
 
+Inner = TypeVar("Inner", AdamW, Dimuon)  # the single-device optimizer a wrapper drives
 
-class _DrivesOptimizer:
+
+class _DrivesOptimizer(Generic[Inner]):
     """What both wrappers share: the model's parameters, whose gradients they read and drop, and the
     single-device optimizer (`inner`) that keeps the state and counts the steps."""
 
     _params: dict[str, torch.Tensor]
-    inner: AdamW | Dimuon
+    inner: Inner
 
     @property
     def steps_done(self) -> int:
@@ -54,7 +57,7 @@ class _DrivesOptimizer:
         self.inner.zero_grad()
 
 
-class ShardedAdamW(_DrivesOptimizer):
+class ShardedAdamW(_DrivesOptimizer[AdamW]):
     """`optim.AdamW` over one rank's shards, stepped with the norm of the whole gradient.
 
     AdamW is elementwise but for its clipping factor, min(1, c / (‖g‖ + 1e-6)), and the
@@ -149,7 +152,7 @@ class ShardedAdamW(_DrivesOptimizer):
         self.inner.reset()
 
 
-class WholeDimuon(_DrivesOptimizer):
+class WholeDimuon(_DrivesOptimizer[Dimuon]):
     """`optim.Dimuon` over whole LoRA matrices, stepped alike on every rank.
 
     Dimuon is not elementwise: its direction needs each matrix whole (row and column

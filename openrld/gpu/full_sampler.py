@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Unpack
 
 import msgspec
 import torch
@@ -49,7 +49,7 @@ from openrld.batches import LoraSpec, SampleJob, SampleResult
 from openrld.engine_types import Finished, ParkReport, ResumeReport, WeightPayload
 from openrld.gpu import delta as weight_delta, full_io
 from openrld.gpu.sample_alone import sample_alone
-from openrld.gpu.torch_sampler import TorchSampler, TorchSamplerStatistics
+from openrld.gpu.torch_sampler import SamplerOptions, TorchSampler, TorchSamplerStatistics
 from openrld.gpu.vllm_sampler import VllmSampler, VllmSamplerStatistics
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,11 @@ class FullSampler:
     """
 
     def __init__(
-        self, model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None, **sampler_options: int
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        **sampler_options: Unpack[SamplerOptions],
     ) -> None:
         inner = TorchSampler(model_dir, device, dtype, **sampler_options)
         self._setup(inner, TorchWeights(inner))

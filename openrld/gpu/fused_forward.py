@@ -197,7 +197,7 @@ class FusedForward:
         """
         device = prompts[0].device
         pasts = pasts if pasts is not None else [None] * len(prompts)
-        past_lengths = [0 if past is None else past[0][0].shape[2] for past in pasts]
+        past_lengths = [0 if past is None else _keys_values(past, 0)[0].shape[2] for past in pasts]
         past_width = max(past_lengths)
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         width = int(lengths.max())
@@ -233,7 +233,7 @@ class FusedForward:
         rows = adapter_rows(adapters, device)
         logits = self._forward(tokens, positions, end, attend[:, None], append, rows, keep)
         total = past_width + width
-        caches = []
+        caches: list[KvLayers] = []
         for row, (prompt, past_length) in enumerate(zip(prompts, past_lengths)):
             own = total - len(prompt)  # the row's first prompt column
             if past_length == 0:
@@ -268,8 +268,7 @@ class FusedForward:
         if not self._fixed_rope:
             return rotary(hidden, positions)
         table = self._rope_table
-        stale = table is None or (table[0].dtype, table[0].device) != (hidden.dtype, hidden.device)
-        if stale or table[0].shape[0] < end:
+        if table is None or (table[0].dtype, table[0].device) != (hidden.dtype, hidden.device) or table[0].shape[0] < end:
             rows = max(end, 2 * table[0].shape[0] if table is not None else 256)  # doubling: rebuilt rarely
             table = self._rope_table = self._rope_rows(rows)
         cos, sin = table
@@ -305,17 +304,27 @@ class FusedForward:
 def _padded_pasts(pasts: list[KvLayers | None], layer: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (keys, values) of every row's prefix, (N, heads, width, D), right-aligned with
     zeros in front (and all zeros for a row without one)."""
-    shape_of = next(past for past in pasts if past is not None)[layer]
+    shape_of = _keys_values(next(past for past in pasts if past is not None), layer)
     keys, values = [], []
     for past in pasts:
         if past is None:
             keys.append(shape_of[0].new_zeros(shape_of[0].shape[:2] + (width,) + shape_of[0].shape[3:]))
             values.append(shape_of[1].new_zeros(shape_of[1].shape[:2] + (width,) + shape_of[1].shape[3:]))
             continue
-        missing = width - past[layer][0].shape[2]
-        keys.append(F.pad(past[layer][0], (0, 0, missing, 0)))
-        values.append(F.pad(past[layer][1], (0, 0, missing, 0)))
+        past_keys, past_values = _keys_values(past, layer)
+        missing = width - past_keys.shape[2]
+        keys.append(F.pad(past_keys, (0, 0, missing, 0)))
+        values.append(F.pad(past_values, (0, 0, missing, 0)))
     return torch.cat(keys), torch.cat(values)
+
+
+def _keys_values(past: KvLayers, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cached prefix's (keys, values) at `layer`. A model `for_model` takes has attention in
+    every layer, so its caches have no empty (shared-KV) layer."""
+    entry = past[layer]
+    if entry is None:
+        raise ValueError(f"layer {layer} of the cached prefix holds nothing; the fused forward needs keys and values")
+    return entry
 
 
 def _mlp(layer: _Layer, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:

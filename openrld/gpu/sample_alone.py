@@ -21,11 +21,15 @@ def sample_alone(engine: SamplerEngine, version: str | None, job: SampleJob) -> 
     The engine must be idle: the results of other requests' steps would be lost.
 
     Raises:
-        BadRequest, KeyError, ValueError: as the engine's `add`.
+        BadRequest, KeyError, ValueError: as the engine's `add`.  OpenrldError: the engine
+            refused or failed the request in a step (`Finished.error`).
     """
     assert not engine.has_work(), "sampling one request alone needs an idle engine"
     engine.add(ALONE_REQUEST_ID, version, job)
     while True:
         for done in engine.step():
             if done.request_id == ALONE_REQUEST_ID:
+                if done.error is not None:  # a worker's sampler refuses an add in the step after it
+                    raise done.error
+                assert done.result is not None, "a request that finished without an error has a result"
                 return done.result

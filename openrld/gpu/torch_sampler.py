@@ -89,6 +89,7 @@ import logging
 import math
 import secrets
 from pathlib import Path
+from typing import TypedDict
 
 import msgspec
 import numpy as np
@@ -145,6 +146,19 @@ DEFAULT_PREFILL_BUDGET_BYTES = 256 * 2**20
 # keeps ~36 KiB a position with every one: 8k positions are ~290 MiB, past the prefix cache's
 # default budget, so longer prompts could only ever be cached in part.
 DEFAULT_WINDOWED_PREFILL_TOKENS = 8192
+
+
+class SamplerOptions(TypedDict, total=False):
+    """`TorchSampler`'s keyword options, for those that pass them on (`FullSampler`, the worker's engine table)."""
+
+    decode_batch_rows: int
+    prefill_chunk_tokens: int
+    prefill_tokens_per_step: int
+    prefill_budget_bytes: int
+    windowed_prefill_tokens: int
+    fused_forward: bool
+    prefix_cache_bytes: int
+    prefix_block_tokens: int
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):
@@ -738,8 +752,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
     def _prefill_together(self, requests: list[_Request]) -> list[tuple[_Request, torch.Tensor]]:
         """`_prefill` for several requests whose prompts (after their cached prefixes) share one
         fused forward."""
-        works = [(request, _PromptWork.of(request, self._device)) for request in requests]
-        works = [(request, work) for request, work in works if work is not None]
+        works = [(request, work) for request in requests if (work := _PromptWork.of(request, self._device)) is not None]
         if not works:
             return []
         assert self._fused is not None

@@ -6,9 +6,12 @@ own process (inproc), so a job trains and samples bit-identically under either.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openrld.worker.protocol import Start
+
+if TYPE_CHECKING:
+    from openrld.gpu.torch_sampler import SamplerOptions
 
 KINDS = ("lora_trainer", "full_trainer", "automodel_trainer", "torch_sampler", "full_sampler", "vllm_sampler", "vllm_full_sampler")
 
@@ -98,6 +101,9 @@ def ready_info(engine: Any) -> dict:
     return info() if callable(info) else {}
 
 
-def _sampler_options(options: dict) -> dict[str, int]:
+def _sampler_options(options: dict) -> SamplerOptions:
     """A torch sampler's settings from the node's: its prefix cache's bytes, when set."""
-    return {key: int(options[key]) for key in ("prefix_cache_bytes",) if key in options}
+    out: SamplerOptions = {}
+    if "prefix_cache_bytes" in options:
+        out["prefix_cache_bytes"] = int(options["prefix_cache_bytes"])
+    return out
