@@ -89,8 +89,9 @@ class JobSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         int,
         msgspec.Meta(
             ge=1,
-            le=8,
-            description="Devices for one trainer, on one node; more than 1 needs automodel or an image.",
+            le=64,
+            description="Devices for one trainer; more than 1 needs automodel or an image; more than the "
+            "largest node has spans several nodes (automodel).",
         ),
     ] = 1
     trainer_cp: Annotated[
@@ -188,7 +189,7 @@ _PARSERS: dict[str, tuple[str, Callable[[str], SettingValue | None]]] = {
         "'pytorch', 'automodel' or a container image reference containing '/'",
         _parse_backend,
     ),
-    "trainer_gpus": _int_parser(1, 8),
+    "trainer_gpus": _int_parser(1, 64),
     "trainer_cp": _int_parser(1, 8),
     "sampler_replicas": _int_parser(1, 8),
     "sampler_backend": (

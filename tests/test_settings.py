@@ -110,12 +110,12 @@ def test_tag_surrounding_whitespace_is_stripped() -> None:
             "openrl.trainer_backend: expected 'pytorch', 'automodel' or a container image reference "
             "containing '/', got 'ghcr.io/org/img;rm -rf'",
         ),
-        ("trainer_gpus", "0", "openrl.trainer_gpus: expected an integer from 1 to 8, got '0'"),
-        ("trainer_gpus", "9", "openrl.trainer_gpus: expected an integer from 1 to 8, got '9'"),
-        ("trainer_gpus", "-1", "openrl.trainer_gpus: expected an integer from 1 to 8, got '-1'"),
-        ("trainer_gpus", "2.0", "openrl.trainer_gpus: expected an integer from 1 to 8, got '2.0'"),
-        ("trainer_gpus", " 2", "openrl.trainer_gpus: expected an integer from 1 to 8, got ' 2'"),
-        ("trainer_gpus", "", "openrl.trainer_gpus: expected an integer from 1 to 8, got ''"),
+        ("trainer_gpus", "0", "openrl.trainer_gpus: expected an integer from 1 to 64, got '0'"),
+        ("trainer_gpus", "65", "openrl.trainer_gpus: expected an integer from 1 to 64, got '65'"),
+        ("trainer_gpus", "-1", "openrl.trainer_gpus: expected an integer from 1 to 64, got '-1'"),
+        ("trainer_gpus", "2.0", "openrl.trainer_gpus: expected an integer from 1 to 64, got '2.0'"),
+        ("trainer_gpus", " 2", "openrl.trainer_gpus: expected an integer from 1 to 64, got ' 2'"),
+        ("trainer_gpus", "", "openrl.trainer_gpus: expected an integer from 1 to 64, got ''"),
         ("trainer_cp", "two", "openrl.trainer_cp: expected an integer from 1 to 8, got 'two'"),
         ("sampler_replicas", "16", "openrl.sampler_replicas: expected an integer from 1 to 8, got '16'"),
     ],
@@ -146,7 +146,7 @@ def test_bad_value_is_refused_even_when_a_stronger_source_overrides_it() -> None
 def test_non_string_value_is_refused_saying_strings_are_expected() -> None:
     with pytest.raises(BadRequest) as excinfo:
         parse_settings([], {"openrl.trainer_gpus": 2}, {})  # type: ignore[dict-item]
-    assert excinfo.value.detail == "openrl.trainer_gpus: expected a string, an integer from 1 to 8, got 2"
+    assert excinfo.value.detail == "openrl.trainer_gpus: expected a string, an integer from 1 to 64, got 2"
 
 
 @pytest.mark.parametrize(
@@ -306,7 +306,7 @@ def test_schema_states_defaults_ranges_and_choices() -> None:
         "sampler_backend": "node",
         "autosave_steps": None,
     }
-    assert (properties["trainer_gpus"]["minimum"], properties["trainer_gpus"]["maximum"]) == (1, 8)
+    assert (properties["trainer_gpus"]["minimum"], properties["trainer_gpus"]["maximum"]) == (1, 64)
     assert sorted(defs["FineTuningType"]["enum"]) == ["full", "lora"]
     assert sorted(defs["WeightSync"]["enum"]) == ["delta", "full"]
     assert defs["JobSettings"]["additionalProperties"] is False
@@ -359,4 +359,4 @@ def test_stored_form_missing_keys_take_defaults() -> None:
 def test_stored_form_with_a_bad_value_is_a_server_error() -> None:
     with pytest.raises(ServerError) as excinfo:
         settings_from_dict({"trainer_gpus": 99})
-    assert excinfo.value.detail == "stored job settings are invalid: Expected `int` <= 8 - at `$.trainer_gpus`"
+    assert excinfo.value.detail == "stored job settings are invalid: Expected `int` <= 64 - at `$.trainer_gpus`"

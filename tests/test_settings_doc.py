@@ -71,9 +71,10 @@ def test_a_job_setting_shows_the_values_and_default_of_the_served_schema():
     assert lines[start : start + 6] == [
         "### `openrl.trainer_gpus`",
         "",
-        "Devices for one trainer, on one node; more than 1 needs automodel or an image.",
+        "Devices for one trainer; more than 1 needs automodel or an image; more than the largest node has "
+        "spans several nodes (automodel).",
         "",
-        "- Values: an integer from 1 to 8",
+        "- Values: an integer from 1 to 64",
         "- Default: `1`",
     ]
 

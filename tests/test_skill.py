@@ -577,7 +577,7 @@ MUTATIONS = [
     ("settings", "`openrl.sampler_replicas` |", "`openrl.sampler_replica` |"),
     ("settings", "| `true`, `false`; `true`: a free", "| `false`; `true`: a free"),
     ("settings", "| 1 | 1-8; above 1", "| 1 | 1-4; above 1"),
-    ("settings", "| 1-8 | 1 | 1-8; above", "| 1-4 | 1 | 1-8; above"),
+    ("settings", "| 1-64 | 1 | 1-64; above", "| 1-4 | 1 | 1-64; above"),
     ("settings", '{"openrl.exclusive": "true"}', '{"openrl.trainer_gpus": "2"}'),
     ("settings", "| `pytorch`, `automodel`, a container image reference (contains /); `automodel`",
      "| `pytorch`, a container image reference (contains /); `automodel`"),
