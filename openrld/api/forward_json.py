@@ -25,7 +25,7 @@ from openrld.api.wire import ModelInput, RequestBody, TensorDataJson
 from openrld.batches import ForwardBackwardBatch
 from openrld.errors import BadRequest, NotSupportedYet
 
-_DTYPES = {"int64": (np.dtype("<i8"), DType.INT64), "float32": (np.dtype("<f4"), DType.FLOAT32)}
+_DTYPES: dict[str, tuple[np.dtype, DType]] = {"int64": (np.dtype("<i8"), DType.INT64), "float32": (np.dtype("<f4"), DType.FLOAT32)}
 _TOKEN_DTYPE = np.dtype("<i4")  # EncodedTextChunk.tokens on the protobuf side
 _INDEX_DTYPE = np.dtype("<i8")  # CSR indices on the protobuf side
 
@@ -90,13 +90,13 @@ def ids(body: bytes, content_encoding: str | None, *, forward_only: bool, max_bo
 def _read(
     body: bytes, content_encoding: str | None, *, forward_only: bool, max_body_bytes: int
 ) -> ForwardBackwardJsonRequest | ForwardJsonRequest:
-    type_ = ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
+    type_: type[ForwardBackwardJsonRequest | ForwardJsonRequest] = ForwardJsonRequest if forward_only else ForwardBackwardJsonRequest
     return media.read_json(
         body, type_, content_type=media.JSON, content_encoding=content_encoding, max_body_bytes=max_body_bytes
     )
 
 
-def _message(request: ForwardBackwardJsonRequest | ForwardJsonRequest, forward_only: bool) -> schema.ForwardBackwardRequest:
+def _message(request: ForwardBackwardJsonRequest | ForwardJsonRequest, forward_only: bool) -> schema.ProtoMessage:
     inputs = request.forward_input if isinstance(request, ForwardJsonRequest) else request.forward_backward_input
     if request.seq_id is None:
         # Every SDK sends one; without it the request could not take its turn among the model's.
@@ -114,7 +114,7 @@ def _message(request: ForwardBackwardJsonRequest | ForwardJsonRequest, forward_o
     return message
 
 
-def _fill_datum(where: str, target: schema.Datum, datum: DatumJson) -> None:
+def _fill_datum(where: str, target: schema.ProtoMessage, datum: DatumJson) -> None:
     for j, chunk in enumerate(datum.model_input.chunks):
         if chunk.type != "encoded_text":
             raise NotSupportedYet(
@@ -126,7 +126,7 @@ def _fill_datum(where: str, target: schema.Datum, datum: DatumJson) -> None:
         _fill_tensor(f"{where}.loss_fn_inputs[{name!r}]", target.loss_fn_inputs[name], tensor)
 
 
-def _fill_tensor(where: str, target: schema.Tensor, tensor: TensorDataJson) -> None:
+def _fill_tensor(where: str, target: schema.ProtoMessage, tensor: TensorDataJson) -> None:
     dtype, wire_dtype = _DTYPES[tensor.dtype]
     values = _array(f"{where}.data", tensor.data, dtype)
     target.dtype = wire_dtype

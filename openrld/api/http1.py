@@ -45,6 +45,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from functools import partial
 from http import HTTPStatus
+from typing import TypeAlias
 from urllib.parse import unquote_to_bytes
 
 import h11
@@ -58,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 Stream = trio.SocketStream | trio.SSLStream
+
+# What h11's `next_event` answers: an event, or that it needs more bytes, or is paused after a message.
+_Parsed: TypeAlias = "h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]"
 
 RECEIVE_BYTES = 64 * 1024
 SEND_BYTES = 256 * 1024  # a write larger than this goes in pieces, each with its own write_timeout
@@ -126,6 +130,10 @@ class Server:
             with trio.move_on_after(self._limits.graceful_timeout):
                 await self._drained.wait()
 
+    def _closes_after(self, is_last: bool) -> bool:
+        """Whether a reply is its connection's last: the server drains, or it is the last the cap allows."""
+        return self._draining or is_last
+
     async def _connection(self, raw: trio.SocketStream) -> None:
         counters = self._counters
         if counters.open_connections >= self._limits.max_connections:
@@ -148,7 +156,7 @@ class Server:
                 served += 1
                 is_last = served >= self._limits.keep_alive_max_requests
                 scope = _scope(request, client, local, self._lifespan_state, "https" if stream is not raw else "http")
-                exchange = _Exchange(connection, stream, self._limits, counters, lambda is_last=is_last: self._draining or is_last)
+                exchange = _Exchange(connection, stream, self._limits, counters, partial(self._closes_after, is_last))
                 self._in_flight += 1
                 try:
                     await exchange.run(self._app, scope)
@@ -211,7 +219,7 @@ class Server:
                         if not is_first:
                             idle.deadline = trio.current_time() + limits.head_timeout
                     received += len(data)
-                    connection.receive_data(data)
+                    _feed(connection, data)
         finally:
             self._idle.discard(idle)
         if idle.cancelled_caught and not self._draining:
@@ -242,7 +250,7 @@ class _Exchange:
         self._timed_out = False  # the body did not arrive in time: the connection ends with this exchange
         self._response: h11.Response | None = None  # from http.response.start, sent with the first body
         self._body_read = False
-        self._held = None  # an event read ahead while looking for the body's end
+        self._held: _Parsed | None = None  # an event read ahead while looking for the body's end
         self._over = trio.Event()  # the app has returned, or the client has gone
         self._watch: trio.CancelScope | None = None  # the read that waits for the client's close
 
@@ -312,7 +320,7 @@ class _Exchange:
             with trio.CancelScope() as self._watch:
                 while len(self._connection.trailing_data[0]) <= self._limits.h11_max_incomplete_size:
                     data = await self._stream.receive_some(RECEIVE_BYTES)
-                    self._connection.receive_data(data)  # b"" tells h11 of the close, for the next request
+                    _feed(self._connection, data)  # b"" tells h11 of the close, for the next request
                     if not data:
                         self._over.set()
                         break
@@ -325,15 +333,17 @@ class _Exchange:
             event = self._next_parsed()
         while event is h11.NEED_DATA:
             with trio.move_on_at(self._body_deadline):
-                self._connection.receive_data(await self._stream.receive_some(RECEIVE_BYTES))
+                _feed(self._connection, await self._stream.receive_some(RECEIVE_BYTES))
                 event = self._next_parsed()
                 continue
             self._timed_out = True
             self._counters.timeouts["body"] += 1
             return h11.ConnectionClosed()
-        return event
+        if isinstance(event, h11.Data | h11.EndOfMessage | h11.ConnectionClosed):
+            return event
+        return h11.ConnectionClosed()  # h11 gives nothing else within a body; were it to, the exchange ends
 
-    def _next_parsed(self) -> object:
+    def _next_parsed(self) -> _Parsed:
         """h11's next event from what has arrived: NEED_DATA when it needs more bytes."""
         try:
             return self._connection.next_event()
@@ -480,6 +490,12 @@ async def _refuse(connection: h11.Connection, stream: Stream, status: int, detai
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     await stream.send_all(head.encode() + body)
+
+
+def _feed(connection: h11.Connection, data: bytes | bytearray) -> None:
+    """Hand h11 what the socket read. A TLS stream's read is a bytearray; h11 annotates bytes but only
+    appends the data to its own bytearray buffer, so either serves, and a bytes() copy would cost every read."""
+    connection.receive_data(data)  # type: ignore[arg-type]  # h11's stub says bytes; it takes any buffer
 
 
 def _addresses(stream: trio.SocketStream) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:

@@ -97,7 +97,7 @@ def decode_forward_backward(
 
 
 def forward_backward_from_message(
-    request: schema.ForwardBackwardRequest, *, max_body_bytes: int
+    request: schema.ProtoMessage, *, max_body_bytes: int
 ) -> tuple[str, int, ForwardBackwardBatch]:
     """(model_id, seq_id, batch) of a parsed ForwardBackwardRequest, whichever form it came in.
 
@@ -242,7 +242,7 @@ class _CellBudget:
         self.cells -= cells
 
 
-def _decode_datum(where: str, datum: schema.Datum, csr_budget: _CellBudget) -> TrainDatum:
+def _decode_datum(where: str, datum: schema.ProtoMessage, csr_budget: _CellBudget) -> TrainDatum:
     # Provenance spans are decoded for every loss but only stable_reinforce reads them;
     # the other losses accept and ignore them (losses.md §1.6).
     tokens = _decode_model_input(where, datum.model_input)
@@ -258,7 +258,7 @@ def _decode_datum(where: str, datum: schema.Datum, csr_budget: _CellBudget) -> T
     )
 
 
-def _decode_spans(where: str, spans: list[schema.ProvenanceSpan]) -> tuple[ProvenanceSpan, ...] | None:
+def _decode_spans(where: str, spans: list[schema.ProtoMessage]) -> tuple[ProvenanceSpan, ...] | None:
     """A span list, or None when the datum carries none (proto3 cannot tell [] from absent)."""
     if not spans:
         return None
@@ -281,7 +281,7 @@ def _decode_spans(where: str, spans: list[schema.ProvenanceSpan]) -> tuple[Prove
     return tuple(decoded)
 
 
-def _decode_model_input(where: str, chunks: list[schema.Chunk]) -> np.ndarray:
+def _decode_model_input(where: str, chunks: list[schema.ProtoMessage]) -> np.ndarray:
     parts: list[np.ndarray] = []
     for j, chunk in enumerate(chunks):
         kind = chunk.WhichOneof("chunk")
@@ -304,7 +304,7 @@ def _decode_model_input(where: str, chunks: list[schema.Chunk]) -> np.ndarray:
 
 
 def _decode_loss_input(
-    where: str, name: str, tensor: schema.Tensor, csr_budget: _CellBudget
+    where: str, name: str, tensor: schema.ProtoMessage, csr_budget: _CellBudget
 ) -> np.ndarray:
     values = _decode_tensor(where, tensor, csr_budget)
     if name != TARGET_TOKENS:
@@ -321,7 +321,7 @@ def _decode_loss_input(
     return tokens
 
 
-def _decode_tensor(where: str, tensor: schema.Tensor, csr_budget: _CellBudget) -> np.ndarray:
+def _decode_tensor(where: str, tensor: schema.ProtoMessage, csr_budget: _CellBudget) -> np.ndarray:
     """A wire Tensor as a numpy array, BF16 widened to float32 and INT32 to int64."""
     wire = _WIRE_DTYPES.get(tensor.dtype)
     if wire is None:
@@ -356,7 +356,7 @@ def _decode_tensor(where: str, tensor: schema.Tensor, csr_budget: _CellBudget) -
 
 
 def _decode_csr(
-    where: str, csr: schema.SparseCsr, wire: np.dtype, shape: list[int], csr_budget: _CellBudget
+    where: str, csr: schema.ProtoMessage, wire: np.dtype, shape: list[int], csr_budget: _CellBudget
 ) -> np.ndarray:
     """Expand CSR to dense; unlisted cells are 0 (the SDK's pad value)."""
     if len(shape) != 2:
@@ -402,7 +402,7 @@ def _dtype_name(value: int) -> str:
         return str(value)
 
 
-def _decode_loss_config(request: schema.ForwardBackwardRequest) -> dict[str, float | str]:
+def _decode_loss_config(request: schema.ProtoMessage) -> dict[str, float | str]:
     # The SDK writes numbers to both maps and strings only to v2, so v2 wins when present.
     if not request.loss_fn_config_v2:
         return {key: float(value) for key, value in sorted(request.loss_fn_config.items())}
@@ -457,7 +457,7 @@ def _runs_of_equal_trailing_shape(arrays: list[np.ndarray]) -> list[tuple[int, i
     return runs
 
 
-def _fill_batched_tensor(target: schema.BatchedTensor, arrays: list[np.ndarray]) -> None:
+def _fill_batched_tensor(target: schema.ProtoMessage, arrays: list[np.ndarray]) -> None:
     sizes = [a.nbytes for a in arrays]
     target.data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
     target.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(_INDEX_DTYPE).tobytes()
@@ -495,7 +495,7 @@ def encode_sample_response(result: SampleResult) -> bytes:
     return out.SerializeToString()
 
 
-def _fill_topk(target: schema.TopkLogprobs, topk: TopK) -> None:
+def _fill_topk(target: schema.ProtoMessage, topk: TopK) -> None:
     if topk.token_ids.shape != topk.logprobs.shape or topk.token_ids.ndim != 2:
         raise ServerError(
             f"top-k token_ids {topk.token_ids.shape} and logprobs {topk.logprobs.shape} "

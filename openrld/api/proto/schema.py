@@ -19,6 +19,7 @@ and never mutated afterwards; they are a schema, like a generated module.
 from __future__ import annotations
 
 import enum
+from typing import Any, TypeAlias
 
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message, message_factory
@@ -279,6 +280,12 @@ def _build_pool() -> descriptor_pool.DescriptorPool:
 
 
 POOL = _build_pool()
+
+
+# An instance of one of the classes below. protobuf makes them at import, from the schema above,
+# so their fields exist only at run time: to mypy a message is Any (an annotation's parameter
+# and function names say which message it is).
+ProtoMessage: TypeAlias = Any
 
 
 def message_class(name: str) -> type[message.Message]:
