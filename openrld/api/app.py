@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from quart import Response, g, request
@@ -34,8 +34,9 @@ from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator, user_in
 from openrld.api.capabilities import DeviceSummary
-from openrld.api.fastpath import FastPath, error_headers
+from openrld.api.fastpath import FastPath, Handler, error_headers
 from openrld.api.gate import Gate
+from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
 from openrld.api.sdk_versions import SdkVersionCounter, SdkVersionWatch
 from openrld.api.signing import Signer
@@ -100,7 +101,7 @@ def caller(services: Services) -> str:
 async def request_body(services: Services, type_: type[wire.T]) -> wire.T:
     """The quart request's body as `type_`, read by its Content-Type and Content-Encoding (api/media.py)."""
     return media.read_json(
-        await request.get_data(), type_, content_type=request.headers.get("Content-Type"),
+        await request.get_data(cache=True, as_text=False, parse_form_data=False), type_, content_type=request.headers.get("Content-Type"),
         content_encoding=request.headers.get("Content-Encoding"), max_body_bytes=services.config.max_body_bytes,
     )
 
@@ -174,10 +175,13 @@ def build_app(services: Services) -> SdkVersionWatch:
     for route in TABLE.routes:
         if route.handler is not None and not route.is_hot and (has_console or not route.is_console):
             add_route(app, services, route.method, route.path, route.handler)
-    hot = {route.path: partial(route.handler, services) for route in TABLE.routes if route.is_hot}
+    hot: dict[str, Handler] = {
+        route.path: partial(route.handler, services) for route in TABLE.routes if route.is_hot and route.handler is not None
+    }
     longpolls = frozenset(route.path for route in TABLE.routes if route.is_longpoll)
-    front = FastPath(
-        app, hot, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics, longpolls=longpolls
+    # quart types ASGI's scope and messages as TypedDicts, the node's layers as plain dicts: the same at run time.
+    front: ASGIApp = FastPath(
+        cast(ASGIApp, app), hot, max_body_bytes=services.config.max_body_bytes, metrics=services.metrics, longpolls=longpolls
     )
     if services.cluster is not None:
         front = services.cluster.relay(front, routes=TABLE)

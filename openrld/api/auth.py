@@ -17,7 +17,8 @@ sees all, since all there is is theirs.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from openrld.api.signing import Signer
 from openrld.errors import Unauthorized
@@ -75,7 +76,7 @@ class Authenticator:
         raise Unauthorized("unknown API key")
 
 
-def user_in(scope: dict, api_key: str | None, user_for: Callable[[str | None], str]) -> str:
+def user_in(scope: Mapping[str, Any], api_key: str | None, user_for: Callable[[str | None], str]) -> str:
     """The caller's user: the one the gate left in `scope`, or `user_for(api_key)` where it left none
     (open mode, a keyless path, a layer driven without the gate).
 
