@@ -48,7 +48,8 @@ from openrld.api.auth import Authenticator
 from openrld.api.capabilities import DeviceSummary
 from openrld.api.http1 import Server
 from openrld.api.signing import Signer
-from openrld.cluster.membership.messages import DeviceSlot
+from openrld.cluster.adoption import AdoptionWatcher
+from openrld.cluster.membership.messages import DeviceSlot, NodePayload
 from openrld.cluster.membership.service import ClusterMembership, ClusterSettings, node_payload
 from openrld.cluster.node import ClusterNode
 from openrld.cluster.peer_client import RelayCounters, relay_key
@@ -246,7 +247,7 @@ async def serve(
                 nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
                 registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
                 allowed_images=config.workers.allowed_images, has_automodel=bool(config.workers.automodel_python),
-                commits=commits, id_tag=id_tag, lora_sampler=lora_sampler,
+                commits=commits, id_tag=id_tag, lora_sampler=lora_sampler, checkpoints=checkpoints,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))
@@ -297,13 +298,20 @@ async def serve(
                     # A node that takes no jobs publishes no devices, so placement never picks it.
                     slots = [DeviceSlot(d.name, d.kind, d.memory_bytes, d.free_bytes) for d in device_records]
                     slots = slots if config.accept_jobs else []
-                    await nursery.start(
-                        membership.run,
-                        lambda: node_payload(
+                    def payload() -> NodePayload:
+                        return node_payload(
                             peer_url, slots, groups.statistics(), node_devices.pool.statistics(), jobs.home_jobs(),
                             config.network_segment,
-                        ),
-                    )
+                        )
+
+                    await nursery.start(membership.run, payload)
+                    if store.files.is_shared:
+                        # A survivor takes over the auto-saved jobs of a dead member (cluster/adoption.py).
+                        adoption = AdoptionWatcher(
+                            local_name=membership.node.name, root=store.files.root, members=membership.node.members,
+                            host=jobs, published=lambda: membership.node.set_payload(payload()), counters=relays,
+                        )
+                        await nursery.start(adoption.run)
                 # What exists now (imported modules, the config, the store) lives as long as the
                 # node. Frozen, the collector never rescans it: with ~400k such objects each full
                 # collection stopped every thread for ~0.4 s (the first came ~65 requests in).

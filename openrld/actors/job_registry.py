@@ -15,7 +15,7 @@ explains a missing job (404 or 410); this module only answers what it holds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -24,6 +24,9 @@ from openrld.batches import LoraSpec
 from openrld.errors import BadRequest
 from openrld.model_catalog import ModelEntry
 from openrld.worker.images import check_image_allowed
+
+if TYPE_CHECKING:
+    from openrld.store.job_claims import Claim
 
 SEQ_MEMORY = 4096  # how many past seq_ids per job still answer a retry with their first future
 TOUCH_EVERY_S = 1.0  # how stale a run's last_request_time may be; spares the store a write per request
@@ -56,7 +59,7 @@ class Job:
 
     __slots__ = (
         "model_id", "owner", "model", "lora", "requests", "touched_at", "sampler_replicas", "full_sync", "is_exclusive",
-        "images", "automodel",
+        "images", "automodel", "autosave_steps", "adoption",
     )
 
     def __init__(
@@ -77,6 +80,10 @@ class Job:
         self.sampler_replicas = sampler_replicas  # openrl.sampler_replicas; its group runs at least this many
         self.requests: dict[int, str] = {}  # seq_id -> request_id, the last SEQ_MEMORY of them
         self.touched_at = float("-inf")  # when the store last heard of a request (seconds, trio's clock)
+        # openrl.autosave_steps on a shared checkpoint root (0: none): a survivor can adopt the job if this node dies
+        self.autosave_steps = 0
+        # The claim by which this node holds the job, when it adopted it from a dead node (cluster/adoption.py)
+        self.adoption: Claim | None = None
 
     def remember(self, seq_id: int, request_id: str) -> None:
         """`seq_id` was answered with `request_id`; the oldest seq_id past SEQ_MEMORY is forgotten."""
@@ -87,6 +94,11 @@ class Job:
     def first_request(self, seq_id: int) -> str | None:
         """The request that first answered `seq_id`, if it is still remembered."""
         return self.requests.get(seq_id)
+
+    @property
+    def claim_generation(self) -> int:
+        """The claim by which this node holds the job: 0 when it created it here."""
+        return self.adoption.generation if self.adoption is not None else 0
 
     def is_due_for_touch(self, now: float) -> bool:
         """Whether the run's last_request_time should be written at `now`; if so, it counts as written."""

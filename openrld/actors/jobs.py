@@ -29,9 +29,9 @@ import msgspec
 import trio
 
 from openrld import ids, model_families, settings as job_settings
-from openrld.actors.checkpoints import check_ttl, readable_checkpoint
+from openrld.actors.checkpoints import CheckpointWriter, check_ttl, readable_checkpoint
 from openrld.actors.durable_commits import DurableCommits
-from openrld.actors.futures import FutureTable
+from openrld.actors.futures import Failed, FutureTable
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import (
     Images,
@@ -46,7 +46,7 @@ from openrld.actors.job_registry import (
     resumed_optimizer_config,
     session_of,
 )
-from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, build_status
+from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, adopted_from, build_status
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.trainer import (
@@ -60,10 +60,12 @@ from openrld.actors.trainer import (
     TrainOp,
 )
 from openrld.actors.usage import UsageMeter
+from openrld.autosave import Autosave, AutosaveManifest
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
 from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import SessionRow, Store
+from openrld.store.job_claims import Claim
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class HomeJob(msgspec.Struct, frozen=True):
     fine_tuning_type: str  # "lora" or "full"
     is_exclusive: bool
     last_checkpoint: str | None
+    autosave_steps: int = 0  # openrl.autosave_steps on a shared root: a survivor adopts the job if this node dies
 
 
 class JobTable:
@@ -107,7 +110,9 @@ class JobTable:
         allowed_images: tuple[str, ...] = (),
         has_automodel: bool = False,
         lora_sampler: model_families.Engine = model_families.Engine.TORCH_SAMPLER,
+        checkpoints: CheckpointWriter | None = None,
     ) -> None:
+        self._checkpoints = checkpoints  # adopting a run's checkpoints from a shared root, files in its threads
         self._lora_sampler = lora_sampler  # the node's sampler_backend: what samples its LoRA groups
         self._has_automodel = has_automodel  # [workers] automodel_python is set: Automodel jobs run here
         self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
@@ -145,6 +150,7 @@ class JobTable:
                     model_id=job.model_id, owner=job.owner, base_model=job.model.name,
                     fine_tuning_type="full" if job.full_sync is not None else "lora", is_exclusive=job.is_exclusive,
                     last_checkpoint=checkpoint.tinker_path if checkpoint is not None else None,
+                    autosave_steps=job.autosave_steps,
                 )
             )
         return homes
@@ -201,6 +207,7 @@ class JobTable:
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
             images, automodel,
         )
+        job.autosave_steps = self._autosave_steps(job_settings_value)
         request_id = self._open_job(
             job, "create_model",
             lambda: self._store.runs.create(
@@ -242,6 +249,7 @@ class JobTable:
         job = Job(
             model_id, owner, model, lora, source_settings.sampler_replicas, full_sync, is_exclusive, images, automodel
         )
+        job.autosave_steps = self._autosave_steps(source_settings)
         request_id = self._open_job(
             job, "load_weights",
             lambda: self._store.runs.create(
@@ -255,6 +263,10 @@ class JobTable:
             ),
         )
         return request_id, model_id
+
+    def _autosave_steps(self, settings: job_settings.JobSettings) -> int:
+        """Steps between the job's auto-saves: its openrl.autosave_steps, none without a shared root."""
+        return settings.autosave_interval if self._store.files.is_shared else 0
 
     def _check_engines(
         self, model: ModelEntry, lora: LoraSpec | None, is_full: bool, is_automodel: bool, images: Images
@@ -324,6 +336,109 @@ class JobTable:
             if job.group_job is not None:  # its own group never served it: free the devices it booked
                 self._groups.end(job.model, job.model_id, f"model {job.model_id} failed to start: {error.detail}")
 
+    # ------------------------------------------------------------ adoption (cluster/adoption.py)
+
+    def refusal(self, autosave: Autosave) -> str | None:
+        """Why this node cannot hold the job of `autosave` (its base model, its engines); None if it can."""
+        try:
+            self._adopted_job(autosave.manifest)
+        except UserError as error:
+            return error.detail
+        return None
+
+    def _adopted_job(self, manifest: AutosaveManifest) -> Job:
+        """The job an auto-save describes, shaped here as a create of its settings would be.
+
+        Raises:
+            UserError: this node cannot hold it (its base model, an image, an engine), as a create would be refused.
+        """
+        run = manifest.run
+        settings = job_settings.settings_from_dict(run.settings)
+        lora = msgspec.convert(run.lora, LoraSpec) if run.lora is not None else None
+        model = self._catalog.resolve(run.base_model)
+        images = images_of(settings, self._allowed_images)
+        automodel = automodel_of(settings, available=self._has_automodel)
+        full_sync = full_sync_of(settings)
+        self._check_engines(model, lora, full_sync is not None, automodel is not None, images)
+        job = Job(
+            manifest.model_id, run.owner, model, lora, settings.sampler_replicas, full_sync, settings.exclusive,
+            images, automodel,
+        )
+        job.autosave_steps = self._autosave_steps(settings)
+        return job
+
+    async def adopt(self, autosave: Autosave, claim: Claim) -> None:
+        """Take job `autosave.manifest.model_id` over from the dead node `claim.previous_home`, which this
+        node has claimed: its run's row and checkpoints from the shared root, its group, and its trainer
+        loaded from the auto-save with its step count, its seq_ids going on after the auto-save's.
+        Returns once the state is loaded; the job is resident from the load on.
+
+        Raises:
+            OpenrldError: the group could not start or the load failed (the job stays lost, logged).
+        """
+        manifest = autosave.manifest
+        model_id = manifest.model_id
+        job = self._adopted_job(manifest)
+        job.adoption = claim
+        if self._store.adoption.insert_job_run(manifest.run) is None:
+            raise Conflict(f"model {model_id}: this node holds a run of that id of another owner")
+        if self._checkpoints is not None:
+            await self._checkpoints.adopt_run(model_id)  # its checkpoints on the root, for its status and restores
+        await self._commits.durable()
+        own_group = job.group_job is not None
+        if own_group:
+            self._groups.reserve(
+                job.model, model_id, full_sync=job.full_sync, exclusive=job.is_exclusive, images=job.images,
+                automodel=job.automodel, on_lost=partial(self._own_group_lost, job),
+            )
+        try:
+            group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
+            await group.sampler.ensure_replicas(job.sampler_replicas)
+            request_id = self._new_request(job.owner, model_id, "load_weights")
+            group.trainer.open_job(model_id, next_seq=manifest.seq_id)
+            group.trainer.submit_nowait(
+                LoadState(
+                    model_id=model_id, request_id=request_id, source_dir=str(autosave.directory),
+                    source_uri=f"the auto-save of step {manifest.step}", spec=job.lora, with_optimizer=True,
+                    seq_id=manifest.seq_id, optimizer=optimizer_family(manifest.run.optimizer_config),
+                    optim_steps=manifest.step,
+                )
+            )
+        except BaseException:
+            if own_group:
+                self._groups.end(job.model, model_id, f"model {model_id} could not be adopted")
+            raise
+        job.remember(manifest.seq_id, request_id)
+        self._lost.pop(model_id, None)
+        self._jobs.add(job)
+        outcome = None
+        while outcome is None:
+            outcome = await self._futures.wait(request_id, owner=job.owner, hold_s=60.0)
+        if isinstance(outcome, Failed):
+            self._drop(job, f"model {model_id} could not be adopted from its auto-save: {outcome.detail}")
+            raise Gone(outcome.detail)
+        logger.info("adopted model_id=%s %s generation=%d", model_id, claim.detail, claim.generation)
+
+    def claimed_jobs(self) -> list[tuple[str, int]]:
+        """(model id, the generation of the claim this node holds it by) of its jobs that auto-save."""
+        return [(job.model_id, job.claim_generation) for job in self._jobs if job.autosave_steps > 0]
+
+    def superseded(self, model_id: str, claim: Claim) -> None:
+        """Another node has claimed job `model_id` (this node was declared dead): it stops here; its later
+        calls here fail naming its new home."""
+        job = self._jobs.get(model_id)
+        if job is not None:
+            self._drop(job, f"model {model_id} moved to node {claim.adopter} ({claim.detail}): its calls go there now")
+
+    def _drop(self, job: Job, detail: str) -> None:
+        """`job` ends here: its later calls fail with `detail`; its own group, if it has one, ends."""
+        if self._jobs.remove(job.model_id) is None:
+            return
+        self._lost[job.model_id] = detail
+        self._sampling.drop_group(job.model_id)
+        if job.group_job is not None:
+            self._groups.end(job.model, job.model_id, detail)
+
     def model_status(self, owner: str, model_id: str, *, sees_all: bool = False) -> ModelStatus:
         """GET /openrl/v1/models/{model_id}/status: the job's state, workers, queues and progress.
 
@@ -342,6 +457,8 @@ class JobTable:
             model_id=model_id, base_model=run.base_model, fine_tuning_type=settings.fine_tuning_type.value,
             is_exclusive=settings.exclusive, is_resident=job is not None,
             last_checkpoint=checkpoint.tinker_path if checkpoint is not None else None,
+            adopted_from=adopted_from(job.adoption) if job is not None and job.adoption is not None else None,
+            lost_detail=self._lost.get(model_id),
         )
         if job is None:
             return build_status(facts, GroupView(False, None, None, None, None))

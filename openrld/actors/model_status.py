@@ -24,6 +24,7 @@ from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, TrainerStatistics
 from openrld.batches import SyncStats
 from openrld.cluster.membership.messages import JobNote
+from openrld.store.job_claims import Claim
 
 
 class JobState(enum.Enum):
@@ -54,6 +55,19 @@ class QueueDepths(msgspec.Struct, frozen=True):
     samples_running: int
 
 
+class AdoptedFrom(msgspec.Struct, frozen=True):
+    """The move of a job that a survivor took over when its home node died (cluster/adoption.py)."""
+
+    node: str  # the node it was taken from
+    step: int  # the auto-save's step it resumed from
+    generation: int  # how many times the job has moved so far, this move included
+    detail: str  # "adopted from node X at step k"
+
+
+def adopted_from(claim: Claim) -> AdoptedFrom:
+    return AdoptedFrom(node=claim.previous_home, step=claim.step, generation=claim.generation, detail=claim.detail)
+
+
 class ModelStatus(msgspec.Struct, frozen=True):
     """The body of GET /openrl/v1/models/{model_id}/status."""
 
@@ -70,6 +84,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     last_sync: SyncStats | None  # null until a full fine-tuning job has synced
     last_error: str | None
     last_checkpoint: str | None  # the newest weights/ checkpoint: what a lost job restores from
+    adopted_from: AdoptedFrom | None = None  # set once a survivor took the job over from its dead home node
 
 
 class JobFacts(msgspec.Struct, frozen=True):
@@ -81,6 +96,9 @@ class JobFacts(msgspec.Struct, frozen=True):
     is_exclusive: bool
     is_resident: bool  # False: the run is in the store but not on this daemon (it restarted)
     last_checkpoint: str | None
+    adopted_from: AdoptedFrom | None = None
+    lost_detail: str | None = None  # why a job that ran here no longer does (it moved, its engine was lost)
+    adoptable: bool = False  # lost with its node, but auto-saved: a survivor is adopting it
 
 
 class GroupView(msgspec.Struct, frozen=True):
@@ -148,6 +166,7 @@ def build_status(job: JobFacts, group: GroupView) -> ModelStatus:
         last_sync=_last_sync(trainer, sampler),
         last_error=progress.last_error or group.start_error,
         last_checkpoint=job.last_checkpoint,
+        adopted_from=job.adopted_from,
     )
 
 
@@ -156,6 +175,7 @@ def lost_status(model_id: str, note: JobNote) -> ModelStatus:
     facts = JobFacts(
         model_id=model_id, base_model=note.base_model, fine_tuning_type=note.fine_tuning_type,
         is_exclusive=note.is_exclusive, is_resident=False, last_checkpoint=note.last_checkpoint or None,
+        adoptable=note.autosave_steps > 0,
     )
     return build_status(facts, GroupView(False, None, None, None, None))
 
@@ -168,6 +188,10 @@ def _progress(trainer: TrainerStatistics | None, model_id: str) -> JobProgress:
 def _state(job: JobFacts, group: GroupView, waiting_ops: int, device: str | None) -> tuple[JobState, str | None]:
     """The job's state and what it waits for (the order of the module docstring)."""
     if not job.is_resident:
+        if job.adoptable:
+            return JobState.LOST, "a surviving node to adopt it from its auto-save on the shared checkpoint root"
+        if job.lost_detail is not None:
+            return JobState.LOST, job.lost_detail
         restore = job.last_checkpoint or "no checkpoint was saved"
         return JobState.LOST, f"a restore with create_training_client_from_state (last checkpoint: {restore})"
     trainer, sampler = group.trainer, group.sampler

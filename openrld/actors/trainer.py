@@ -141,6 +141,7 @@ class LoadState(msgspec.Struct, frozen=True):
     with_optimizer: bool
     seq_id: int = 0
     optimizer: str = "adamw"  # the family the job has after the load
+    optim_steps: int = 0  # the job's step count from here on: an adopted job keeps its own (cluster/adoption.py)
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -686,6 +687,8 @@ class TrainerActor:
                 )
                 self._specs[op.model_id] = op.spec
                 self._lost.pop(op.model_id, None)
+                if op.optim_steps:  # its auto-saves go on being named for the job's own steps
+                    self._progress[op.model_id] = JobProgress(op.model_id, op.optim_steps, None, None)
                 self._open_autosaves(op.model_id)
                 return Loaded(model_id=op.model_id, path=op.source_uri)
             case SaveState():

@@ -321,6 +321,13 @@ def _relay_lines(relay: RelayStatistics) -> list[str]:
                  [((), relay.lost)]),
         *_family("openrld_placements_total", "counter", "Placement offers, by outcome (refused: no room there).",
                  [((("outcome", "placed"),), relay.placed), ((("outcome", "refused"),), relay.refused)]),
+        *_family("openrld_adoptions_total", "counter",
+                 "Jobs this node took over from their dead home node, from its auto-save on the shared root.",
+                 [((), relay.adopted)]),
+        *_family("openrld_replayed_requests_total", "counter",
+                 "Requests kept for a dead home node and replayed on its job's adopter, by outcome "
+                 "(lost: unsound to replay; the client was told what was lost).",
+                 [((("outcome", "replayed"),), relay.replayed), ((("outcome", "lost"),), relay.unreplayable)]),
     ]
 
 

@@ -72,15 +72,29 @@ class Directory:
         A run this node's store holds but does not run (from before a restart,
         or adopted from a shared checkpoint root) is local only if no member
         says it is home to the job: a job lost with its node stays lost here too.
+        A job whose home died and that a survivor adopted (cluster/adoption.py)
+        is at the live member whose gossip lists it, whatever this node placed
+        or relayed before.
         """
         if self._jobs.is_running(model_id):
             return LOCAL
         name = self._records.get(model_id)
-        if name is not None:
-            return self._home(self._cluster.member(name), model_id)
+        recorded = self._cluster.member(name) if name is not None else None
+        if recorded is not None and (recorded.is_alive or recorded.name == self._cluster.name):
+            return self._home(recorded, model_id)
+        gone = None
         for member in self._cluster.members():
-            if model_id in member.payload.job_notes or model_id in member.payload.jobs:
-                return self._home(member, model_id)
+            if member.name == self._cluster.name:
+                continue  # this node's own payload may still list a job that has just left it
+            if model_id in member.payload.jobs or model_id in member.payload.job_notes:
+                if member.is_alive:
+                    self.record(model_id, member.name)
+                    return Home(Where.REMOTE, member)
+                gone = gone or member
+        if name is not None:
+            return self._home(recorded, model_id)
+        if gone is not None:
+            return self._home(gone, model_id)
         return LOCAL if self._jobs.has_run(model_id) else UNKNOWN
 
     def sampler(self, sampler_id: str) -> Home:

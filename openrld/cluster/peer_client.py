@@ -35,16 +35,23 @@ class RelayStatistics(msgspec.Struct, frozen=True):
     lost: int  # requests answered 410 because their home is dead or gone
     placed: int  # jobs and samplers a placement offered and a node took
     refused: int  # offers a node refused for want of room (the next node was tried)
+    adopted: int = 0  # jobs this node took over from a dead home node (adoption.py)
+    replayed: int = 0  # requests this node kept for a dead home and replayed on its job's adopter (replay.py)
+    unreplayable: int = 0  # of those kept, the ones that could not be replayed: their clients were told what was lost
 
 
 class RelayCounters:
-    """Counted by the relay (relay.py), this client and the placer (placement/), read by /metrics."""
+    """Counted by the relay (relay.py), this client, the placer (placement/), adoption and replay; read by /metrics."""
 
     def __init__(self) -> None:
         self.relayed = self.unreachable = self.lost = self.placed = self.refused = 0
+        self.adopted = self.replayed = self.unreplayable = 0
 
     def statistics(self) -> RelayStatistics:
-        return RelayStatistics(self.relayed, self.unreachable, self.lost, self.placed, self.refused)
+        return RelayStatistics(
+            self.relayed, self.unreachable, self.lost, self.placed, self.refused, self.adopted, self.replayed,
+            self.unreplayable,
+        )
 
 
 

@@ -5,7 +5,10 @@ headers and, for a request that creates a job, the caller's session signed
 (`relayed_session.py`); this node through its own app, whose answer is kept
 rather than sent. A home that is lost is tried once more, briefly (a node
 declared dead may only have been slow), and otherwise answered with a 410
-naming the node and the last checkpoint to restore from. Which node is the
+naming the node and the last checkpoint to restore from. A lost job that
+auto-saves to the shared checkpoint root is not answered so: a survivor is
+adopting it (`adoption.py`), so the call waits, up to `ADOPTION_HOLD_S`, for
+the directory to show the job's new home, and goes there. Which node is the
 home is the relay's to say (`relay.py`); this module only goes there.
 """
 
@@ -14,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
+
+import trio
 
 from openrld.actors.sessions import SessionSnapshot
 from openrld.api.asgi import replay
@@ -31,6 +36,14 @@ from openrld.cluster.peer_client import (
     detail_answer,
 )
 from openrld.cluster.relayed_session import session_headers
+
+# A call to a job whose home died waits this long at most for a survivor to adopt it; then it is answered
+# 503 (the SDK retries). Adopting takes the survivor a group start and a load of the auto-save.
+ADOPTION_HOLD_S = 30.0
+# Past this long after its home was seen dead, a job nobody adopted is lost (no complete auto-save, no
+# survivor that can hold it): its calls are answered 410 as for a job that never auto-saved.
+ADOPTION_GIVE_UP_S = 120.0
+ADOPTION_POLL_S = 0.05
 
 
 class Reach:
@@ -62,9 +75,28 @@ class Reach:
             answer = await self.if_it_answers(call, home, what)
             if answer is not None:
                 return answer
+            if is_adoptable(home):
+                adopted = await self.adopted_home(what, home)
+                if adopted is not None:
+                    return await self.to(call, adopted, what)
+                if not _gave_up(home):
+                    return detail_answer(503, _adopting_detail(what, home))
             self._counters.lost += 1
             return detail_answer(410, _lost_detail(what, home))
         return await self.forward(call, home.member, what)
+
+    async def adopted_home(self, model_id: str, lost: Home) -> Home | None:
+        """The home of job `model_id` once a survivor has adopted it (this node, or a live member);
+        None if none has within ADOPTION_HOLD_S, or ever will (ADOPTION_GIVE_UP_S after the death)."""
+        assert lost.member is not None
+        deadline = min(trio.current_time() + ADOPTION_HOLD_S, lost.member.state_since_s + ADOPTION_GIVE_UP_S)
+        while True:
+            home = self._directory.model(model_id)
+            if home.where in (Where.LOCAL, Where.REMOTE):
+                return home
+            if trio.current_time() >= deadline:
+                return None
+            await trio.sleep(ADOPTION_POLL_S)
 
     async def if_it_answers(self, call: Call, home: Home, what: str) -> Answer | None:
         """A node declared dead may have been only slow (a loaded machine, a short partition): if it still
@@ -109,9 +141,33 @@ class Reach:
         return Answer(answer.get("status", 500), headers, answer["body"])
 
 
+def is_adoptable(home: Home) -> bool:
+    """A lost job that auto-saved to the shared checkpoint root: a survivor adopts it (`adoption.py`)."""
+    return home.note is not None and home.note.autosave_steps > 0
+
+
+def _gave_up(home: Home) -> bool:
+    assert home.member is not None
+    return trio.current_time() >= home.member.state_since_s + ADOPTION_GIVE_UP_S
+
+
+def _adopting_detail(what: str, home: Home) -> str:
+    assert home.member is not None
+    return (
+        f"{what} lived on node {home.member.name}, which is {home.member.state.name.lower()}; a surviving node is "
+        "adopting it from its auto-save: retry"
+    )
+
+
 def _lost_detail(what: str, home: Home) -> str:
     assert home.member is not None
     state = home.member.state.name.lower()
+    if is_adoptable(home):
+        return (
+            f"{what} was lost with node {home.member.name} ({state}): no surviving node adopted it from its "
+            f"auto-save within {ADOPTION_GIVE_UP_S:g} s (see the nodes' logs)"
+            + (f"; its last checkpoint is {home.note.last_checkpoint}" if home.note and home.note.last_checkpoint else "")
+        )
     restore = home.note.last_checkpoint if home.note is not None else ""
     hint = (
         f"its last checkpoint is {restore}: resume with create_training_client_from_state"

@@ -89,6 +89,25 @@ class Adoption:
         logger.info("checkpoint_root=%s tinker_path=%s owner=%s: adopted", self._files.root, path.uri, manifest.owner)
         return self._checkpoints.get(path.run_id, path.kind, path.name)
 
+    def insert_job_run(self, run: CheckpointManifest) -> RunRow | None:
+        """The row of a job's run as its auto-save's manifest carries it (`AutosaveManifest.run`), inserted
+        when this node lacks it: a survivor adopting the job (cluster/adoption.py). Touches no file.
+
+        Returns:
+            The run's row; None when this node has a run of that id with another owner (logged).
+        """
+        with transaction(self._db.conn):
+            row = self._runs.get(run.run_id)
+            if row is None:
+                self._runs.insert_from_manifest(run)
+            elif row.owner != run.owner:
+                logger.warning(
+                    "checkpoint_root=%s model_id=%s: not adopted: its auto-save's owner differs from the run's here",
+                    self._files.root, run.run_id,
+                )
+                return None
+        return self._runs.get(run.run_id)
+
     def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
         """On a shared root, the rows of a checkpoint another node wrote, inserted from its manifest.
 

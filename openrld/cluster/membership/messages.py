@@ -51,6 +51,9 @@ class JobNote(msgspec.Struct, frozen=True, array_like=True):
     fine_tuning_type: str  # "lora" or "full"
     is_exclusive: bool
     last_checkpoint: str = ""  # the newest weights/ checkpoint's tinker path; "" when it has none
+    # optim_steps between the job's auto-saves on the shared checkpoint root (openrl.autosave_steps); 0: none,
+    # and then no survivor can adopt it (cluster/adoption.py)
+    autosave_steps: int = 0
 
 
 class NodePayload(msgspec.Struct, frozen=True, array_like=True):

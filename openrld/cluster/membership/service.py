@@ -124,7 +124,9 @@ def node_payload(
         ),
         jobs=tuple(sorted({j.model_id for g in groups for j in g.trainer.jobs} | {h.model_id for h in home_jobs})),
         job_notes={
-            h.model_id: JobNote(h.owner, h.base_model, h.fine_tuning_type, h.is_exclusive, h.last_checkpoint or "")
+            h.model_id: JobNote(
+                h.owner, h.base_model, h.fine_tuning_type, h.is_exclusive, h.last_checkpoint or "", h.autosave_steps
+            )
             for h in home_jobs
         },
     )
