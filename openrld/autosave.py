@@ -19,7 +19,8 @@ rename is not atomic (GCS FUSE copies, then deletes) is never taken for one.
 
 After a commit, the job's older auto-saves are removed: what stays is the
 newest complete one, plus the one being written (in staging, until its
-rename). `latest_autosave` is what an adopter calls.
+rename); once the job has ended, all of them (`remove_job`). `latest_autosave`
+is what an adopter calls.
 
 It never touches SQLite, never imports trio or torch, and never decides when
 to save (actors/autosaves.py and the trainer actor do).
@@ -207,6 +208,32 @@ def prune(files: CheckpointDirs, model_id: str, *, keep: int) -> list[int]:
         shutil.rmtree(doomed)
         removed.append(step)
     return removed
+
+
+def job_ids(root: Path) -> list[str]:
+    """The names of the job directories under the root's auto-saves, sorted; [] when there is none."""
+    try:
+        return sorted(os.listdir(root / AUTOSAVE_DIR))
+    except FileNotFoundError:
+        return []
+
+
+def remove_job(files: CheckpointDirs, model_id: str) -> bool:
+    """Remove every auto-save of job `model_id` (it has ended); False when it had none. Renamed into
+    this node's staging first, as `prune` does, so no half-removed job is seen under its name.
+
+    Raises:
+        BadRequest: an unsafe model id.
+    """
+    directory = job_dir(files.root, model_id)
+    doomed = files.staging_dir()
+    try:
+        os.rename(directory, doomed / directory.name)
+    except FileNotFoundError:  # none, or another node's removal got there first
+        return False
+    finally:
+        shutil.rmtree(doomed)
+    return True
 
 
 # --- reading (what an adopter calls) ------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Auto-saves on a shared checkpoint root (openrld/autosave.py): commit, prune, and the adopter's reader.
+"""Auto-saves on a shared checkpoint root (openrld/autosave.py): commit, prune, the sweep of ended jobs, and
+the adopter's reader.
 
 A real Store on a shared root stands for the node; the files are what the engine's
 `save_state` would have written (their content does not matter here).
@@ -14,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from openrld.actors.autosaves import AutosaveStore
 from openrld.autosave import (
     AUTOSAVE_DIR,
     AUTOSAVE_FORMAT,
@@ -21,11 +23,15 @@ from openrld.autosave import (
     AutosaveManifest,
     commit_autosave,
     job_dir,
+    job_ids,
     latest_autosave,
     prune,
+    remove_job,
     step_dir_name,
+    write_snapshot,
 )
-from openrld.errors import BadRequest
+from openrld.engine_types import SnapshotFile, StateSnapshot
+from openrld.errors import BadRequest, ServerError
 from openrld.ids import CheckpointKind
 from openrld.store import Store
 from tests.test_store import RUN, Clock, add_run
@@ -191,3 +197,31 @@ def test_an_unsafe_model_id_is_refused(root: Path):
         latest_autosave(root, "../etc")
     with pytest.raises(BadRequest):
         job_dir(root, ".autosave")
+
+
+def test_remove_job_removes_every_auto_save_of_the_job_through_staging(store: Store, root: Path):
+    autosave(store, 1)
+    (root / AUTOSAVE_DIR / RUN / step_dir_name(2)).mkdir()  # being written by a commit cut short
+    assert remove_job(store.files, RUN) is True
+    assert job_ids(root) == [] and os.listdir(store.files.checkpoint_files[1]) == []
+    assert remove_job(store.files, RUN) is False  # none left: another node's sweep got there first
+
+
+async def test_the_sweep_removes_the_auto_saves_of_jobs_whose_session_finished_here(store: Store, root: Path):
+    live_run, elsewhere = "s-fedcba9876543210:train:0", "s-00000000000000aa:train:0"
+    add_run(store, live_run, session_id="s-fedcba9876543210")
+    for session_id, finished in (("s-0123456789abcdef", True), ("s-fedcba9876543210", False)):
+        store.sessions.create(session_id, "alice", [], {}, "0.38.0", None, None)
+        if finished:
+            store.sessions.finish(session_id, "success", None)
+    for model_id in (RUN, live_run, elsewhere):  # `elsewhere` has no run here: another node's job
+        (root / AUTOSAVE_DIR / model_id / step_dir_name(1)).mkdir(parents=True)
+    assert await AutosaveStore(store).prune_ended() == [RUN]
+    assert job_ids(root) == sorted([live_run, elsewhere])
+
+
+@pytest.mark.parametrize("name", ["../state.json", "a/b", "..", AUTOSAVE_MANIFEST], ids=["up", "nested", "dotdot", "manifest"])
+def test_a_snapshot_file_that_is_not_a_plain_name_of_its_own_is_refused(tmp_path: Path, name: str):
+    with pytest.raises(ServerError, match="not a file of its own"):
+        write_snapshot(StateSnapshot([SnapshotFile(name, b"{}")]), tmp_path)
+    assert list(tmp_path.iterdir()) == []

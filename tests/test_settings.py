@@ -332,15 +332,19 @@ def test_stored_form_round_trips() -> None:
 @pytest.mark.parametrize(
     ("given", "interval"),
     [
-        ({}, 0),
+        ({}, 1),
         ({"openrl.fine_tuning_type": "full"}, 0),
-        ({"openrl.autosave_steps": "1"}, 1),
+        ({"openrl.trainer_backend": "automodel"}, 0),
+        ({"openrl.trainer_backend": "registry.example/team/trainer:1"}, 0),
+        ({"openrl.autosave_steps": "5"}, 5),
         ({"openrl.fine_tuning_type": "full", "openrl.autosave_steps": "50"}, 50),
         ({"openrl.autosave_steps": "0"}, 0),
     ],
-    ids=["lora-none", "full-none", "lora-every-step", "full-every-50", "lora-off"],
+    ids=["lora-every-step", "full-none", "automodel-none", "image-none", "lora-every-5", "full-every-50", "lora-off"],
 )
-def test_autosave_interval_is_the_setting_and_none_unless_the_job_asks(given: dict[str, str], interval: int) -> None:
+def test_autosave_interval_is_every_step_for_builtin_lora_unless_the_job_sets_one(
+    given: dict[str, str], interval: int
+) -> None:
     assert parse_settings([], {}, given)[0].autosave_interval == interval
 
 

@@ -1,6 +1,6 @@
 """Auto-saves of a trainer's jobs on a shared checkpoint root: when they are due, and their commits.
 
-The trainer actor asks `Autosaves.interval` when a job opens (the job's
+The trainer actor asks `AutosaveStore.interval` when a job opens (the job's
 `openrl.autosave_steps`; for LoRA every optim_step unless the job says
 otherwise; nothing without a shared root), and, after an optim_step that is
 due, queues `take_state` on its engine thread right behind the step: the
@@ -16,6 +16,9 @@ Commits of one job run one at a time, in step order. A state that lands while
 its job's last one still commits waits; a newer one replaces it (its staging,
 or its copy, is dropped): what matters is the newest state, and no job holds
 more than one complete auto-save, one being committed and one waiting.
+
+The auto-saves of jobs that have ended (their session finished) are removed
+by the node's maintenance sweep (`AutosaveStore.prune_ended`).
 
 It never imports torch and never decides what a step is; the trainer does.
 """
@@ -33,6 +36,7 @@ import trio
 
 from openrld import autosave, settings as job_settings
 from openrld.engine_types import StateSnapshot, TrainerEngine
+from openrld.errors import OpenrldError
 from openrld.ids import CheckpointKind
 from openrld.store import Store
 
@@ -56,6 +60,7 @@ class AutosaveStore:
         assert store.files.is_shared, "auto-saves are written only to a shared checkpoint root"
         self._files = store.files
         self._runs = store.runs
+        self._sessions = store.sessions
         self._adoption = store.adoption
         self._threads = trio.CapacityLimiter(AUTOSAVE_THREADS)
 
@@ -104,6 +109,31 @@ class AutosaveStore:
             return  # host memory, freed with the last reference
         with trio.CancelScope(shield=True):  # else it stays until the next open empties staging
             await trio.to_thread.run_sync(partial(shutil.rmtree, state, ignore_errors=True), limiter=self._threads)
+
+
+    async def prune_ended(self) -> list[str]:
+        """Remove every auto-save of the jobs that have ended: those whose run this node holds and whose
+        session it has seen finish (the client closed it; a job on a shared LoRA group stays resident,
+        but no client of it is left). Another node's jobs are left to that node. Returns their model ids."""
+        listed = await trio.to_thread.run_sync(autosave.job_ids, self._files.root, limiter=self._threads)
+        removed = []
+        for model_id in listed:
+            if not self._has_ended(model_id):
+                continue
+            try:
+                if await trio.to_thread.run_sync(autosave.remove_job, self._files, model_id, limiter=self._threads):
+                    removed.append(model_id)
+                    logger.info("auto-saves removed model_id=%s: its session has finished", model_id)
+            except (OSError, OpenrldError) as error:  # the next sweep tries again
+                logger.warning("auto-saves not removed model_id=%s: %s", model_id, error)
+        return removed
+
+    def _has_ended(self, model_id: str) -> bool:
+        run = self._runs.get(model_id)
+        if run is None:  # another node's job (or not a job's directory): not this node's to judge
+            return False
+        session = self._sessions.get(run.session_id)
+        return session is not None and session.is_finished
 
 
 def take_state(engine: TrainerEngine, model_id: str, make_staging: Callable[[], Path]) -> TakenState:

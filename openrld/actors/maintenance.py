@@ -1,4 +1,5 @@
-"""The daemon's periodic housekeeping: checkpoint expiry, usage flushes, request-log pruning.
+"""The daemon's periodic housekeeping: checkpoint expiry, usage flushes, request-log pruning, and
+on a shared checkpoint root the removal of ended jobs' auto-saves (`AutosaveStore.prune_ended`).
 
 `run_maintenance` is a long-running task started from daemon.py. Every
 `interval_s` it deletes the checkpoints whose TTL has passed (row first, then
@@ -64,6 +65,8 @@ async def run_maintenance(
     try:
         while True:
             await expire_checkpoints(store, checkpoints, now())
+            if checkpoints.autosaves is not None:  # a shared root: the auto-saves of jobs that have ended
+                await checkpoints.autosaves.prune_ended()
             usage.flush(store)
             store.requests.prune(now() - REQUEST_LOG_KEEP)
             # On a node where nothing else waits for a sync, this one checkpoints the WAL.

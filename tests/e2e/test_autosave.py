@@ -1,10 +1,11 @@
 """Auto-saves on a shared checkpoint root (issue 41, "state that survives the step").
 
 A real daemon with a shared `checkpoint_root`, driven by the real tinker SDK: after each
-optim_step of a LoRA job, its state is written under <root>/.autosave/<model_id>/, the
-older ones pruned, none listed as the user's checkpoint; a full fine-tuning job writes
-at its `openrl.autosave_steps` interval (tests/e2e/test_training_loop.py: a node without
-a shared root writes none); a daemon killed with SIGKILL leaves the newest auto-save and the user's checkpoints whole.
+optim_step of a LoRA job (unless it sets `openrl.autosave_steps`), its state is written under
+<root>/.autosave/<model_id>/, the older ones pruned, none listed as the user's checkpoint; a
+full fine-tuning job writes at its `openrl.autosave_steps` interval (tests/e2e/test_training_loop.py:
+a node without a shared root writes none); a closed session's jobs lose theirs at the next
+maintenance sweep; a daemon killed with SIGKILL leaves the newest auto-save and the user's checkpoints whole.
 `openrld.autosave.latest_autosave` is the reader an adopter will call.
 """
 
@@ -46,17 +47,19 @@ def shared(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def node(root: Path, shared: Path, tiny_llama: Path):
-    extra = f'longpoll_s = 3.0\ncheckpoint_root = "{shared}"'
+    # A maintenance sweep every 0.2 s: a finished session's auto-saves go at the next one.
+    extra = f'longpoll_s = 3.0\nmaintenance_interval_s = 0.2\ncheckpoint_root = "{shared}"'
     daemon = Daemon(root / "node", write_config(root / "node.toml", root / "node", {"tiny-llama": tiny_llama}, extra), root / "node.log")
     yield daemon.start()
     daemon.stop()
 
 
 def _job(node: Daemon, **user_metadata: str) -> tinker.TrainingClient:
-    """A LoRA job, auto-saved every step unless `user_metadata` says otherwise (auto-saves are opt-in)."""
+    """A LoRA job in a session of its own, auto-saved every step unless `user_metadata` says otherwise."""
     service = tinker.ServiceClient(base_url=node.url, api_key=API_KEY)
-    metadata = {"openrl.autosave_steps": "1", **user_metadata}
-    return service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0, user_metadata=metadata).result()
+    return service.create_lora_training_client(
+        base_model="tiny-llama", rank=4, seed=0, user_metadata=user_metadata
+    ).result()
 
 
 def _steps(training: tinker.TrainingClient, count: int) -> None:
@@ -174,12 +177,13 @@ def test_a_job_with_autosave_steps_0_writes_none(node: Daemon, shared: Path):
     assert _step_dirs(shared, training.model_id) == []
 
 
-def test_a_job_that_does_not_ask_writes_none(node: Daemon, shared: Path):
+def test_a_closed_sessions_jobs_lose_their_auto_saves_at_the_next_sweep(node: Daemon, shared: Path):
     service = tinker.ServiceClient(base_url=node.url, api_key=API_KEY)
     training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0).result()
-    _steps(training, 2)
-    training.save_state("flush").result()
-    assert _step_dirs(shared, training.model_id) == []
+    _steps(training, 1)
+    _wait_for_step(shared, training.model_id, 1)
+    service.close("success").result()  # the session finishes: no op of its jobs is taken after
+    wait_for(lambda: not (shared / AUTOSAVE_DIR / training.model_id).exists(), COMMIT_WAIT_S)
 
 
 def test_a_killed_daemon_keeps_its_auto_save_and_the_users_checkpoints(node: Daemon, shared: Path):

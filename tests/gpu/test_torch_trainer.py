@@ -344,6 +344,23 @@ def test_a_state_snapshot_writes_what_save_state_wrote_at_that_step_after_the_ne
     assert len(files) == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_state_snapshot_on_a_gpu_is_copied_to_the_host_and_writes_what_save_state_wrote(
+    model_dir, sft_data, tmp_path
+):
+    trainer = TorchTrainer(model_dir, torch.device("cuda"), config=SMALL)  # bf16 where the device takes it
+    trainer.add_adapter("job", SPEC)
+    train(trainer, "job", sft_data, steps=1)
+    saved, copied = tmp_path / "saved", tmp_path / "copied"
+    saved.mkdir(), copied.mkdir()
+    snapshot = trainer.snapshot_state("job", with_optimizer=True)
+    trainer.save_state("job", saved)
+    train(trainer, "job", sft_data, steps=1)
+    write_snapshot(snapshot, copied)
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == {p.name: p.read_bytes() for p in saved.iterdir()}
+
+
 def test_load_state_with_optimizer_from_sampler_weights_is_refused(trainer, tmp_path):
     trainer.add_adapter("job", SPEC)
     sampler_weights = tmp_path / "sampler"
