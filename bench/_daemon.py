@@ -86,6 +86,12 @@ def child(script: str, *args: object) -> Iterator[Child]:
                 process.proc.kill()
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system) process `pid` has used so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
 def peak_rss_bytes(pid: int) -> int:
     """VmHWM: the process's peak resident set, from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -162,6 +168,13 @@ def tiny_daemon(extra_config: str = "") -> Iterator[tuple[str, Path]]:
 def daemon(models: dict[str, Path], extra_config: str = "", root: Path | None = None) -> Iterator[str]:
     """Yields the URL of a daemon serving `models` (name -> directory), with the default config but for
     `extra_config`, started in `clean_env`; it is stopped on exit."""
+    with daemon_process(models, extra_config, root) as (url, _pid):
+        yield url
+
+
+@contextlib.contextmanager
+def daemon_process(models: dict[str, Path], extra_config: str = "", root: Path | None = None) -> Iterator[tuple[str, int]]:
+    """`daemon`, yielding its process id too (a bench that reads the daemon's CPU time)."""
     with contextlib.ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openrld-bench-")))
@@ -181,7 +194,7 @@ def daemon(models: dict[str, Path], extra_config: str = "", root: Path | None = 
                     break
             else:
                 raise RuntimeError((root / "daemon.log").read_text())
-            yield match.group(1)
+            yield match.group(1), proc.pid
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
