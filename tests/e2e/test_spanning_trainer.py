@@ -23,12 +23,16 @@ import socket
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import tinker
 from conftest import Daemon, ready_all, write_config
 from tinker import types
 
+from openrld.actors.span_members import SpanEnded
 from openrld.cluster.membership.config import MembershipConfig, detection_bound
+from openrld.cluster.peer_client import relay_key, sign
+from openrld.cluster.placement.span_peers import SPAN_ENDED_PATH, SPAN_START_PATH, SPAN_TAG_HEADER
 from tests.waits import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +132,18 @@ def test_a_job_wider_than_the_clusters_free_devices_is_refused_naming_the_settin
         "openrl.trainer_gpus=6: no node has 6 devices, and a trainer that spans nodes takes free ones only; "
         "the cluster has 5 free (node-a: 2, node-b: 2, node-c: 1)"
     ) == 1
+
+
+def test_span_calls_need_the_cluster_secrets_tag_and_name_a_span_that_runs(cluster):
+    url = cluster["node-a"].url
+    body = msgspec.json.encode(SpanEnded("s-0:train:0", "node-b", "its ranks exited"))
+    unsigned = httpx.post(f"{url}{SPAN_START_PATH}", content=body, timeout=10)
+    forged = httpx.post(f"{url}{SPAN_ENDED_PATH}", content=body, headers={SPAN_TAG_HEADER: "0" * 64}, timeout=10)
+    signed = httpx.post(
+        f"{url}{SPAN_ENDED_PATH}", content=body, headers={SPAN_TAG_HEADER: sign(relay_key(SECRET), body)}, timeout=10
+    )
+    assert [unsigned.status_code, forged.status_code, signed.status_code] == [403, 403, 404]
+    assert signed.json()["detail"] == "no job s-0:train:0 spans node node-b from here"
 
 
 def test_a_four_rank_job_spans_two_nodes_trains_as_one_process_and_ends_when_a_member_dies(cluster):
