@@ -14,17 +14,25 @@ and why:
   call (`env.ToolCallPrefill`) unless `tool_call_prefill` is off; the judge
   gets the plain one;
 - the held-out evaluator (`HeldOutEvaluator`): one episode per held-out task,
-  success meaning every rubric check passed, and optionally the LLM judge's
-  agreement with those checks. The loop calls it after 0, `eval_every`,
-  2 x `eval_every`, ... steps and after the last one; each call's `EvalRecord`
-  goes to the job's JSONL log as it comes.
+  its success (every rubric check passed), rubric score and turns, and optionally
+  the LLM judge's agreement with those checks. The loop calls it after 0,
+  `eval_every`, 2 x `eval_every`, ... steps and after the last one; each call's
+  `EvalRecord` goes to the job's JSONL log as it comes;
+- with `warm_start` N > 0, the loop starts from the state `warm_start.warm_start`
+  saved (`load_checkpoint_path`): N expert demonstrations on train tasks, trained
+  on with cross-entropy first. The base model is then evaluated on the same
+  held-out tasks before it, so the log holds three stages: base, warm start, RL;
+- the episode token budget, clamped to the model's context as the service reports it.
 When the loop is done the log gets one `StepRecord` per step from the cookbook's
-metrics. Nothing here is specific to openrld: any Tinker-API service will do.
+metrics, then one `compare.Comparison` per family and pair of stages (paired tests).
+Nothing here is specific to openrld: any Tinker-API service will do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -41,9 +49,11 @@ from tinker_cookbook.rl.rollouts import do_group_rollout
 
 from recipes.agentic import judge
 from recipes.agentic.backends import pick_backend
+from recipes.agentic.compare import Comparison, compare
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset, ToolCallPrefill
 from recipes.agentic.sandbox import SandboxLimits
 from recipes.agentic.tasks import Family, Split, Task, make_tasks
+from recipes.agentic.warm_start import WarmStartRecord, demonstrations, warm_start
 from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 
 logger = logging.getLogger(__name__)
@@ -64,9 +74,9 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     train_tasks: int = 200
     held_out_tasks: int = 16
     eval_every: int = 5  # steps between held-out evaluations (also before the first and after the last)
-    max_turns: int = 4  # read, write, finish, and one spare
-    max_generation_tokens: int = 64  # the write_file call with a date is ~35 SmolLM2 tokens
-    max_trajectory_tokens: int = 2048  # the system prompt and instruction are ~350
+    max_turns: int = 4  # list, read, write, finish (termination_date's expert needs three)
+    max_generation_tokens: int = 64  # contract_terms' write_file call is 58 SmolLM2 tokens, less the prefill
+    max_trajectory_tokens: int = 2048  # clamped to the model's context; the expert's episodes are ~620
     learning_rate: float = 1e-3  # LoRA on SmolLM2 in the SQL sweep: 1e-3 and 2e-3 learned, 4e-3 collapsed
     lora_rank: int = 16
     # Below 1: at 1.0, before replies were prefilled as tool calls, SmolLM2-135M wrote none
@@ -79,6 +89,10 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's, else the cookbook's
     judge_model: str | None = None  # a base model on the same service to judge held-out deliverables
     tool_call_prefill: bool = True  # begin every reply as a tool call (env.ToolCallPrefill)
+    warm_start: int = 0  # N expert demonstrations (the first N train tasks) to train on before RL; 0: none
+    warm_start_steps: int = 8
+    warm_start_batch: int = 4  # demonstrations per step (~620 SmolLM2 tokens each)
+    warm_start_learning_rate: float = 1e-3
     log_path: Path = Path("agentic_out/records.jsonl")
 
 
@@ -86,14 +100,31 @@ class RunRecord(msgspec.Struct, frozen=True, tag="run"):
     sandbox_backend: str  # "bwrap" or "agent-sandbox"
     base_model: str
     families: list[str]
+    max_trajectory_tokens: int = 0  # the episode budget used: the asked one, clamped to max_context
+    max_context: int | None = None  # the model's positions as the service reports them (None: not reported)
+
+
+ALL_FAMILIES = "all"  # the family name of comparisons over every held-out task
+
+
+class Stage(enum.StrEnum):
+    BASE = "base"
+    WARM_START = "warm_start"
+    RL = "rl"
 
 
 class EvalRecord(msgspec.Struct, frozen=True, tag="eval"):
-    step: int  # training steps taken before this evaluation
+    step: int  # RL steps taken before this evaluation
     held_out_success: float  # held-out tasks whose one episode passed every check
     successes: list[bool]  # per held-out task, in task order
     judge_agreement: float | None  # the judge's verdicts equal to the exact checks' (None: no judge)
     elapsed_s: float
+    stage: str = Stage.RL.value  # which model: the base, after the warm start, or after `step` RL steps
+    task_ids: list[str] = []
+    families: list[str] = []  # per held-out task
+    scores: list[float] = []  # per held-out task: the rubric reward, the fraction of checks passed
+    turns: list[int] = []  # per held-out task: the model's replies in its episode
+    judge_counts: judge.Agreement | None = None  # the judge's verdicts in detail, when there is one
 
 
 class StepRecord(msgspec.Struct, frozen=True, tag="step"):
@@ -104,7 +135,17 @@ class StepRecord(msgspec.Struct, frozen=True, tag="step"):
     elapsed_s: float  # the cookbook's time for the step
 
 
-LogRecord = RunRecord | EvalRecord | StepRecord
+LogRecord = RunRecord | EvalRecord | StepRecord | WarmStartRecord | Comparison
+
+
+def episode_budget(asked: int, max_context: int | None) -> int:
+    """The episode's token budget: the one asked, clamped to the model's context when the service says it.
+
+    An episode stops before a reply could outgrow its budget (the cookbook's Env keeps a
+    reply's budget in hand), so a budget within the context never makes a request the
+    model cannot take: a model with fewer positions gets shorter episodes, not a 400.
+    """
+    return asked if max_context is None else min(asked, max_context)
 
 
 def eval_steps(steps: int, eval_every: int) -> list[int]:
@@ -112,40 +153,88 @@ def eval_steps(steps: int, eval_every: int) -> list[int]:
     return [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
 
 
+async def evaluate_held_out(tasks: list[Task], make_builder: Callable[..., AgenticGroupBuilder],
+                            sampling_client: tinker.SamplingClient,
+                            config: AgenticConfig) -> list[tuple[AgenticGroupBuilder, int]]:
+    """One episode per held-out task with the policy `sampling_client` samples: each graded builder and its
+    episode's turns (the model's replies), in task order."""
+    builders = [make_builder(task, 1) for task in tasks]
+    policy = TinkerTokenCompleter(sampling_client, max_tokens=config.max_generation_tokens,
+                                  temperature=config.temperature)
+    groups = await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
+    return [(b, len(g.trajectories_G[0].transitions)) for b, g in zip(builders, groups)]
+
+
 class HeldOutEvaluator(SamplingClientEvaluator):
-    """Held-out success (and the judge's agreement) at each of the loop's evaluation points."""
+    """Held-out success, rubric reward and turns (and the judge's agreement) at each of the loop's evaluation points."""
 
     def __init__(self, tasks: list[Task], make_builder: Callable[..., AgenticGroupBuilder], config: AgenticConfig,
-                 renderer: Renderer, emit: Callable[[EvalRecord], None], started: float):
+                 renderer: Renderer, emit: Callable[[EvalRecord], None], started: float, *, first_stage: Stage):
         self.tasks, self.make_builder, self.config, self.renderer = tasks, make_builder, config, renderer
         self.emit = emit
         self.started = started
+        self.first_stage = first_stage  # the loop's step 0: the base model, or the warm start's state
         self.pending_steps = eval_steps(config.steps, config.eval_every)
         self.judge_sampler = None
 
     async def __call__(self, sampling_client: tinker.SamplingClient) -> dict[str, float]:
         step = self.pending_steps.pop(0)
-        builders = [self.make_builder(task, 1) for task in self.tasks]
-        policy = TinkerTokenCompleter(sampling_client, max_tokens=self.config.max_generation_tokens,
-                                      temperature=self.config.temperature)
-        await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
-        successes = [b.grades[0].success for b in builders]  # every episode is graded (AgenticGroupBuilder)
-        agreement = await self._judge([(b.task, b.deliverables[0]) for b in builders], successes)
-        success = sum(successes) / len(successes)
-        self.emit(EvalRecord(step, success, successes, agreement, time.monotonic() - self.started))
-        metrics = {"held_out/success": success}
-        return metrics if agreement is None else {**metrics, "held_out/judge_agreement": agreement}
+        record = await self.evaluate(sampling_client, step, self.first_stage if step == 0 else Stage.RL)
+        metrics = {"held_out/success": record.held_out_success}
+        return metrics if record.judge_agreement is None else {**metrics, "held_out/judge_agreement": record.judge_agreement}
 
-    async def _judge(self, items: list[tuple[Task, str | None]], successes: list[bool]) -> float | None:
+    async def evaluate(self, sampling_client: tinker.SamplingClient, step: int, stage: Stage) -> EvalRecord:
+        episodes = await evaluate_held_out(self.tasks, self.make_builder, sampling_client, self.config)
+        builders = [b for b, _ in episodes]
+        grades = [b.grades[0] for b in builders]  # every episode is graded (AgenticGroupBuilder)
+        assert all(g is not None for g in grades), [b.task.task_id for b, g in zip(builders, grades) if g is None]
+        successes = [g.success for g in grades if g is not None]
+        counts = await self._judge([(b.task, b.deliverables[0]) for b in builders], successes)
+        record = EvalRecord(
+            step, sum(successes) / len(successes), successes, None if counts is None else counts.rate,
+            time.monotonic() - self.started, stage=stage.value, task_ids=[b.task.task_id for b in builders],
+            families=[b.task.family.value for b in builders], scores=[g.score for g in grades if g is not None],
+            turns=[turns for _, turns in episodes], judge_counts=counts,
+        )
+        self.emit(record)
+        return record
+
+    async def _judge(self, items: list[tuple[Task, str | None]], successes: list[bool]) -> judge.Agreement | None:
         if self.config.judge_model is None:
             return None
         if self.judge_sampler is None:
             service = tinker.ServiceClient(base_url=self.config.base_url, api_key=self.config.api_key)
-            self.judge_sampler = await service.create_sampling_client(base_model=self.config.judge_model)
+            self.judge_sampler = await service.create_sampling_client_async(base_model=self.config.judge_model)
         agreed = judge.agreement(await judge.judge_all(self.judge_sampler, self.renderer, items), successes)
         logger.info("judge agreement %d/%d (judge passed %d, exact passed %d, unparsed %d)", agreed.agreed,
                     agreed.episodes, agreed.judge_passed, agreed.exact_passed, agreed.unparsed)
-        return agreed.rate
+        return agreed
+
+
+def comparisons(evals: list[EvalRecord]) -> list[Comparison]:
+    """Per family, then over all tasks (`ALL_FAMILIES`, with several families): each stage against the one before
+    it, and the last against the first (with three stages).
+
+    The stages are the first evaluation of each stage in order, and the last evaluation of RL.
+    """
+    firsts = {e.stage: e for e in reversed(evals)}
+    points = [firsts[s.value] for s in (Stage.BASE, Stage.WARM_START) if s.value in firsts]
+    rl = [e for e in evals if e.stage == Stage.RL.value]
+    points += rl[-1:]
+    pairs = list(itertools.pairwise(points)) + ([(points[0], points[-1])] if len(points) > 2 else [])
+    out = []
+    families = list(dict.fromkeys(evals[0].families))
+    for family in [*families, *([ALL_FAMILIES] if len(families) > 1 else [])]:
+        for before, after in pairs:
+            assert before.task_ids == after.task_ids, "stages must run the same held-out tasks in the same order"
+            rows = [i for i, f in enumerate(before.families) if family in (f, ALL_FAMILIES)]
+            out.append(compare(
+                family, before.stage if before.stage != Stage.RL.value else f"rl@{before.step}",
+                after.stage if after.stage != Stage.RL.value else f"rl@{after.step}",
+                ([before.successes[i] for i in rows], [after.successes[i] for i in rows]),
+                ([before.scores[i] for i in rows], [after.scores[i] for i in rows]),
+            ))
+    return out
 
 
 def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
@@ -164,28 +253,66 @@ def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
 
 
 def _cookbook_config(config: AgenticConfig, dataset: TaskDataset, evaluator: HeldOutEvaluator,
-                     log_dir: Path) -> cookbook_train.Config:
+                     log_dir: Path, load_checkpoint_path: str | None) -> cookbook_train.Config:
     return cookbook_config(
         dataset, evaluator, log_dir, steps=config.steps, learning_rate=config.learning_rate,
         model_name=config.base_model, recipe_name="openrld_agentic", max_tokens=config.max_generation_tokens,
         eval_every=config.eval_every, base_url=config.base_url, loss_fn="importance_sampling",
-        lora_rank=config.lora_rank, temperature=config.temperature,
+        lora_rank=config.lora_rank, temperature=config.temperature, load_checkpoint_path=load_checkpoint_path,
     )
 
 
+def model_context(config: AgenticConfig) -> int | None:
+    """The base model's positions, as the service's capabilities list them (None: not listed)."""
+    service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
+    for model in service.get_server_capabilities().supported_models:
+        if model.model_name == config.base_model:
+            return model.max_context_length
+    return None
+
+
+async def _warm_start_and_train(config: AgenticConfig, make_builder: Callable[..., AgenticGroupBuilder],
+                                evaluator: HeldOutEvaluator, dataset: TaskDataset, cookbook_dir: Path,
+                                emit: Callable[[LogRecord], None]) -> None:
+    """With a warm start: the base model's held-out evaluation, the demonstrations and the supervised steps; then
+    the cookbook loop, from the warm start's state when there is one."""
+    state_path = None
+    if config.warm_start > 0:
+        service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
+        base = await service.create_sampling_client_async(base_model=config.base_model)
+        await evaluator.evaluate(base, 0, Stage.BASE)
+        started = time.monotonic()
+        data = await demonstrations(make_tasks(config.seed, Split.TRAIN, config.families, config.warm_start),
+                                    make_builder)
+        record = await warm_start(
+            service, config.base_model, data, steps=config.warm_start_steps, batch_size=config.warm_start_batch,
+            learning_rate=config.warm_start_learning_rate, lora_rank=config.lora_rank,
+            demo_s=time.monotonic() - started,
+        )
+        emit(record)
+        state_path = record.state_path
+    await cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir, state_path))
+
+
 def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None = None) -> list[LogRecord]:
-    """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log)."""
+    """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log).
+
+    Raises:
+        RuntimeError: when there is no sandbox to run the episodes in (`backends.pick_backend`).
+    """
     backend, make_sandbox = pick_backend(config.sandbox, SandboxLimits())
     logger.info("sandbox backend: %s", backend)
     started = time.monotonic()
     tokenizer = prepare_cookbook(config.base_model, config.tokenizer, config.api_key)
     renderer = get_renderer(RENDERER, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
     episode_renderer = ToolCallPrefill(renderer) if config.tool_call_prefill else renderer
+    max_context = model_context(config)
+    budget = episode_budget(config.max_trajectory_tokens, max_context)
 
     def make_builder(task: Task, group_size: int = config.group_size) -> AgenticGroupBuilder:
         return AgenticGroupBuilder(
             task, episode_renderer, make_sandbox, group_size=group_size, max_turns=config.max_turns,
-            max_trajectory_tokens=config.max_trajectory_tokens, max_generation_tokens=config.max_generation_tokens,
+            max_trajectory_tokens=budget, max_generation_tokens=config.max_generation_tokens,
         )
 
     records: list[LogRecord] = []
@@ -198,15 +325,18 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
             if on_record is not None:
                 on_record(record)
 
-        emit(RunRecord(backend, config.base_model, [f.value for f in config.families]))
+        emit(RunRecord(backend, config.base_model, [f.value for f in config.families], budget, max_context))
         train_tasks = make_tasks(config.seed, Split.TRAIN, config.families, config.train_tasks)
         dataset = TaskDataset(train_tasks, make_builder, config.groups_per_step)
         held_out = make_tasks(config.seed, Split.HELD_OUT, config.families, config.held_out_tasks)
-        evaluator = HeldOutEvaluator(held_out, make_builder, config, renderer, emit, started)
+        first_stage = Stage.WARM_START if config.warm_start > 0 else Stage.BASE
+        evaluator = HeldOutEvaluator(held_out, make_builder, config, renderer, emit, started, first_stage=first_stage)
         cookbook_dir = config.log_path.parent / "cookbook"
         # The cookbook resumes from a checkpoint it finds there, which would make this another run.
         assert not (cookbook_dir / "checkpoints.jsonl").exists(), f"{cookbook_dir} holds an earlier run; use a new --out"
-        asyncio.run(cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir)))
-        for record in step_records(cookbook_dir / "metrics.jsonl", dataset):
-            emit(record)
+        asyncio.run(_warm_start_and_train(config, make_builder, evaluator, dataset, cookbook_dir, emit))
+        for step in step_records(cookbook_dir / "metrics.jsonl", dataset):
+            emit(step)
+        for comparison in comparisons([r for r in records if isinstance(r, EvalRecord)]):
+            emit(comparison)
     return records

@@ -144,7 +144,11 @@ def test_make_agentic_runs_a_step_in_bubblewrap_and_writes_its_records_and_curve
     if not Path("/usr/bin/bwrap").exists():
         pytest.skip("bubblewrap is missing (make install-test installs it)")
     argv = _workload_command("agentic")
-    small = "--steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2 --max-generation-tokens 16"
+    # No warm start: its demonstrations and supervised steps are tested in tests/recipes/test_agentic_warm_start.py.
+    small = (
+        "--warm-start 0 --steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2"
+        " --max-generation-tokens 16"
+    )
     argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'agentic'}"
     out = _run(argv)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -191,3 +191,12 @@ def test_asking_for_agent_sandbox_outside_a_cluster_is_refused():
         pick_backend("agent-sandbox")
     with pytest.raises(ValueError, match="'docker' is not one of"):
         pick_backend("docker")
+
+
+def test_with_no_sandbox_the_recipe_refuses_naming_both_backends_before_it_runs(monkeypatch, capsys):
+    from recipes.agentic import __main__ as recipe, backends
+
+    monkeypatch.setattr(backends, "bwrap_works", lambda: False)  # a machine without bubblewrap, outside a cluster
+    assert recipe.main(["--url", "http://127.0.0.1:9", "--sandbox", "auto"]) == 2
+    assert capsys.readouterr().err == ("refused: no sandbox: install bubblewrap (apt-get install bubblewrap) "
+                                       "or run in the GKE Job\n")

@@ -23,9 +23,6 @@ def test_two_steps_through_the_cookbook_loop_write_run_eval_and_step_records_and
         "--url", shared_daemon.url, "--api-key", "tml-test", "--base-model", "tiny-llama",
         "--tokenizer", str(tiny_llama), "--steps", "2", "--groups-per-step", "2", "--group-size", "2",
         "--held-out-tasks", "2", "--max-turns", "2", "--max-generation-tokens", "8", "--sandbox", "bwrap",
-        # The tiny Llama has 1024 positions, under the recipe's default budget of 2048: without this, an
-        # episode whose second prompt outgrew 1024 tokens (the tiny model's replies are random) got a 400.
-        "--max-trajectory-tokens", "1024",
         "--judge-model", "tiny-llama",
         "--out", str(tmp_path),
     ]
@@ -33,7 +30,9 @@ def test_two_steps_through_the_cookbook_loop_write_run_eval_and_step_records_and
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     records = [msgspec.json.decode(line, type=LogRecord) for line in lines]
     run, *rest = records
-    assert run == RunRecord("bwrap", "tiny-llama", ["termination_date"])
+    # The tiny Llama has 1024 positions, under the default budget of 2048: before the budget was clamped to
+    # them, an episode whose second prompt outgrew 1024 tokens (its replies are random) got a 400.
+    assert run == RunRecord("bwrap", "tiny-llama", ["termination_date"], max_trajectory_tokens=1024, max_context=1024)
     evals = [r for r in rest if isinstance(r, EvalRecord)]
     steps = [r for r in rest if isinstance(r, StepRecord)]
     # Evaluated before the first step and after the last (eval_every 5 > 2 steps), over the 2 held-out tasks.

@@ -1,0 +1,67 @@
+"""The paired tests between stages: exact McNemar on success (the SQL recipe's), an exact paired permutation
+test on the rubric reward, and which evaluations the recipe compares."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipes.agentic.compare import compare, figures, paired_permutation_test
+from recipes.agentic.train import EvalRecord, comparisons, episode_budget
+
+
+def test_the_permutation_p_value_counts_sign_assignments_as_extreme():
+    # Differences +1, +1, +0.5: of the 8 sign assignments, totals of absolute value >= 2.5 are
+    # (+1 +1 +0.5) and (-1 -1 -0.5): p = 2/8.
+    result = paired_permutation_test([1.0, 1.0, 0.5], [0.0, 0.0, 0.0])
+    assert (result.p_value, result.nonzero, result.mean_difference) == (0.25, 3, pytest.approx(2.5 / 3))
+
+
+def test_ties_do_not_move_the_permutation_test():
+    # Eight tasks up by 1/3 and two unchanged: only the eight count, p = 2 / 2^8.
+    result = paired_permutation_test([2 / 3] * 8 + [1.0, 0.0], [1 / 3] * 8 + [1.0, 0.0])
+    assert (result.p_value, result.nonzero) == (2 / 256, 8)
+
+
+def test_no_difference_has_p_one():
+    assert paired_permutation_test([0.5, 1.0], [0.5, 1.0]).p_value == 1.0
+
+
+def test_a_comparison_uses_the_sql_recipe_s_mcnemar_and_calls_a_rise_real_below_alpha():
+    before, after = [False] * 8, [True] * 7 + [False]
+    result = compare("termination_date", "base", "warm_start", (before, after), ([0.5] * 8, [1.0] * 7 + [0.5]))
+    assert (result.success.job_only, result.success.base_only, result.success.p_value) == (7, 0, 2 / 2**7)
+    assert (result.reward.p_value, result.is_real) == (2 / 2**7, True)
+
+
+def test_a_fall_is_never_real():
+    result = compare("termination_date", "warm_start", "rl", ([True] * 8, [False] * 8), ([1.0] * 8, [0.5] * 8))
+    assert (result.reward.p_value, result.is_real) == (2 / 2**8, False)
+
+
+def test_figures_are_the_means_over_the_family_s_tasks():
+    stage = figures("contract_terms", "rl", [True, False], [1.0, 0.5], [4, 2])
+    assert (stage.success, stage.mean_reward, stage.mean_turns) == (0.5, 0.75, 3.0)
+
+
+def _eval(stage: str, step: int, successes: list[bool], scores: list[float]) -> EvalRecord:
+    return EvalRecord(step, sum(successes) / 2, successes, None, 0.0, stage=stage, task_ids=["a", "b"],
+                      families=["termination_date", "contract_terms"], scores=scores, turns=[3, 4])
+
+
+def test_three_stages_give_each_against_the_one_before_and_the_last_against_the_first():
+    evals = [_eval("base", 0, [False, False], [0.5, 0.0]), _eval("warm_start", 0, [True, False], [1.0, 0.5]),
+             _eval("rl", 5, [True, False], [1.0, 0.5]), _eval("rl", 10, [True, True], [1.0, 1.0])]
+    pairs = [(c.family, c.before, c.after) for c in comparisons(evals)]
+    assert pairs == [
+        ("termination_date", "base", "warm_start"), ("termination_date", "warm_start", "rl@10"),
+        ("termination_date", "base", "rl@10"),
+        ("contract_terms", "base", "warm_start"), ("contract_terms", "warm_start", "rl@10"),
+        ("contract_terms", "base", "rl@10"),
+        ("all", "base", "warm_start"), ("all", "warm_start", "rl@10"), ("all", "base", "rl@10"),
+    ]
+
+
+@pytest.mark.parametrize(("asked", "context", "budget"), [(2048, 1024, 1024), (2048, 8192, 2048), (2048, None, 2048)],
+                         ids=["clamped", "room-to-spare", "context-not-reported"])
+def test_the_episode_budget_is_clamped_to_the_model_s_context(asked: int, context: int | None, budget: int):
+    assert episode_budget(asked, context) == budget
