@@ -4,7 +4,8 @@ A `UserError` is the caller's fault and maps to a 4xx (or to a failed future
 with category "user"); a `ServerError` is ours and maps to a 5xx (category
 "server"). Each carries its HTTP status, a `detail` that says what was wrong and
 what was received, and the offending settings `key` where there is one. The API
-turns these into `{"detail": ...}` in one handler; nothing else formats errors.
+turns these into `{"detail": ...}` with `api.wire.error_body`, through
+`api.fastpath.error_reply` (api/app.py says where each layer does); nothing else formats errors.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """The HTTP front: a quart-trio app with one error handler, bound from the route table (`routes.py`).
 
 Everything here decodes, authenticates and routes; state lives in the actors.
-Every error of a quart route becomes its status and `wire.error_body`
-(`{"detail": ...}`) here; the layers in front of quart (the fast path, the
-gate, the relay) encode theirs with the same function, and an unexpected
-exception answers 500 for that request while the daemon keeps serving everyone else.
+
+Errors. Every `{"detail": ...}` body the node sends is `wire.error_body`'s, and an
+OpenrldError's status, body and headers (`fastpath.error_headers`) are made in one place,
+`fastpath.error_reply`, as a `fastpath.Reply`. What each layer answers goes through it:
+a quart route's errors here (`error_response`, `response_of`), the hot routes' and the
+gate's in `fastpath.py` and `gate.py`, the relay's in `cluster/relay.py` (and the
+peer client's own `detail_answer`). Only `http1.py` answers without a `Reply`, for a
+request that never reached the app (unparsable, or its head too long or too slow), with
+`wire.error_body` too. An unexpected exception answers 500 for its request alone, and
+the daemon keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
 from openrld.api.auth import Authenticator, user_in
 from openrld.api.capabilities import DeviceSummary
-from openrld.api.fastpath import FastPath, Handler, error_headers
+from openrld.api.fastpath import FastPath, Handler, Reply, detail_reply, error_reply
 from openrld.api.gate import Gate
 from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics
@@ -86,11 +92,16 @@ def json_response(value: Any, status: int = 200) -> Response:
     return Response(_json_encoder.encode(value), status=status, content_type="application/json")
 
 
-def error_response(status: int, detail: str, headers: dict[str, str] | None = None) -> Response:
+def error_response(status: int, detail: str) -> Response:
     """`wire.ErrorResponse` with `status`: the FastAPI-style body the SDK and the CLI read `detail` from."""
-    response = Response(wire.error_body(detail), status=status, content_type="application/json")
-    for name, value in (headers or {}).items():
-        response.headers[name] = value
+    return response_of(detail_reply(status, detail))
+
+
+def response_of(reply: Reply) -> Response:
+    """`reply` as quart's response: the fast path's reply type carried by quart."""
+    response = Response(reply.body, status=reply.status, content_type=reply.content_type)
+    for name, value in reply.headers:
+        response.headers[name.decode("latin-1")] = value.decode("latin-1")
     return response
 
 
@@ -131,8 +142,7 @@ def build_app(services: Services) -> SdkVersionWatch:
 
     @app.errorhandler(OpenrldError)
     async def _openrld_error(error: OpenrldError) -> Response:
-        headers = {name.decode(): value.decode() for name, value in error_headers(error)}
-        return error_response(error.status, error.detail, headers)
+        return response_of(error_reply(error))
 
     @app.errorhandler(404)
     async def _not_found(error: Exception) -> Response:

@@ -49,10 +49,10 @@ from typing import TypeAlias
 from urllib.parse import unquote_to_bytes
 
 import h11
-import msgspec
 import trio
 
 from openrld.api.metrics import HttpCounters
+from openrld.api.wire import error_body
 from openrld.config import HttpLimits
 
 logger = logging.getLogger(__name__)
@@ -482,7 +482,7 @@ async def _refuse(connection: h11.Connection, stream: Stream, status: int, detai
     """Answer a request that never reaches the app, and close: h11 could not parse it, or its head is too long."""
     if connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
         return
-    body = msgspec.json.encode({"detail": detail})
+    body = error_body(detail)
     # Written by hand: h11 sends a response only to a request it has parsed, and a head that
     # timed out never was one. The connection closes after it, so h11's state does not matter.
     head = (
