@@ -17,7 +17,8 @@ Guarantees:
 - Dimuon is refused at creation: it is defined on LoRA matrices
   (`shared/spec/optimizers.md` §1.1, "dimuon needs a LoRA model");
 - checkpoints hold the full weights (`model.safetensors`), and with optimizer state
-  the AdamW moments and step counts, so a resume continues the run exactly;
+  the AdamW moments and step counts, so a resume continues the run exactly; their tensor
+  files are streamed, a tensor at a time, as the Automodel trainer's are;
 - weights narrower than fp32 (bf16 on a GPU) train through fp32 master copies that AdamW
   keeps with its moments (and saves with them): a step smaller than a bf16 rounding step is
   kept, not rounded away, and the weights are the master rounded, as the CPU's fp32 run
@@ -39,7 +40,7 @@ import torch
 from openrld.batches import LoraSpec
 from openrld.engine_types import StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
-from openrld.gpu import checkpoint, delta, full_io, offload, train_steps
+from openrld.gpu import checkpoint, delta, full_io, offload, safetensors_stream, train_steps
 from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.optim import AdamW, Optimizer
@@ -201,8 +202,9 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
     # ------------------------------------------------------------ checkpoints
 
     def sampler_checkpoint(self, name: str, directory: Path) -> int:
-        """Write the weights a sampler loads (full_io format) into the empty `directory`."""
-        return full_io.save_full(directory, self.adapter_tensors(name))
+        """Write the weights a sampler loads (full_io format) into the empty `directory`, streamed."""
+        self._get(name)
+        return self._save_streamed(directory, with_optimizer=False)
 
     def export_adapter(self, name: str, directory: Path, base_model: str) -> int:
         """Refused: a full fine-tuning job has no adapter to write in the PEFT format.
@@ -217,15 +219,41 @@ class FullTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
 
     def save_state(self, name: str, directory: Path, with_optimizer: bool = True) -> int:
         """Write the weights, `optimizer.safetensors` when `with_optimizer`, and `state.json`
-        (`checkpoint`) into the existing, empty `directory`; every file fsynced.
+        (`checkpoint`) into the existing, empty `directory`; every file fsynced, the tensor files
+        streamed (`_save_streamed`).
 
         Returns:
             Total bytes written.
         """
-        size = self.sampler_checkpoint(name, directory)
+        self._get(name)
+        size = self._save_streamed(directory, with_optimizer)
         state = checkpoint.full_state(self._optimizer.steps_done, with_optimizer)
-        optimizer_state = self._optimizer.state_tensors() if with_optimizer else None
-        return size + checkpoint.write_beside(directory, state, optimizer_state)
+        return size + checkpoint.write_beside(directory, state, None)
+
+    def _save_streamed(self, directory: Path, with_optimizer: bool) -> int:
+        """The weights, the AdamW state (`with_optimizer`) and full_model.json into the empty `directory`,
+        each tensor file written a tensor at a time (`safetensors_stream`): the host holds one tensor's
+        copy at a time, never the model (and twice it again for AdamW) as the dict path's bytes would.
+        The files are that path's, byte for byte. Bytes written.
+
+        Raises:
+            FileExistsError: `directory` is not empty.  OSError: a write failed.
+        """
+        writes = safetensors_stream.StreamedWrites()
+        writes.precondition(lambda: checkpoint.require_empty(directory))
+        weights = {key: param.detach() for key, param in self._params.items()}
+        entries = safetensors_stream.entries_of(weights)
+        writes.write(directory / full_io.FULL_WEIGHTS, entries, safetensors_stream.taken_from(weights))
+        if with_optimizer:
+            moments = dict(self._optimizer.state_items())  # the live state: each copied as it is written
+            writes.write(
+                directory / checkpoint.OPTIMIZER_FILE, safetensors_stream.entries_of(moments),
+                safetensors_stream.taken_from(moments),
+            )
+        size = sum(written.bytes for written in writes.finish())
+        size += full_io.write_meta(directory, [entry.dtype for entry in entries])
+        checkpoint.fsync_directory(directory)
+        return size
 
     def snapshot_state(self, name: str, with_optimizer: bool = True) -> StateSnapshot | None:
         """None: a copy of the state is the whole model and twice it again (AdamW's moments), too

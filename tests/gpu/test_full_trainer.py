@@ -19,7 +19,7 @@ import transformers
 
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.errors import BadRequest, Conflict
-from openrld.gpu import full_io
+from openrld.gpu import checkpoint, full_io
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.models import load_causal_lm
 from openrld.gpu.scoring import TrainerConfig
@@ -144,6 +144,22 @@ def test_state_checkpoint_is_full_safetensors_of_every_weight(
     live = trainer.adapter_tensors("job")
     assert sorted(stored) == sorted(live)
     assert all(torch.equal(stored[k], live[k]) for k in live)
+
+
+def test_state_is_streamed_into_the_files_the_dict_path_writes_byte_for_byte(
+    model_dir: Path, sft_data: list[TrainDatum], tmp_path: Path
+) -> None:
+    trainer = new_trainer(model_dir)
+    train(trainer, sft_data, 1)
+    streamed, whole = tmp_path / "streamed", tmp_path / "whole"
+    streamed.mkdir(), whole.mkdir()
+    size = trainer.save_state("job", streamed, with_optimizer=True)
+    # The dict path: every tensor copied into one dict, serialised whole, then written.
+    full_io.save_full(whole, trainer.adapter_tensors("job"))
+    state = checkpoint.full_state(1, True)
+    checkpoint.write_beside(whole, state, trainer._optimizer.state_tensors())
+    assert {p.name: p.read_bytes() for p in streamed.iterdir()} == {p.name: p.read_bytes() for p in whole.iterdir()}
+    assert size == sum(p.stat().st_size for p in streamed.iterdir())
 
 
 def test_resume_with_optimizer_reproduces_the_uninterrupted_losses(
