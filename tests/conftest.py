@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -115,6 +117,19 @@ def run_wide_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterato
     with FileLock(str(directory) + ".lock"):
         directory.mkdir(exist_ok=True)
         yield directory
+
+
+@pytest.fixture
+def socket_root() -> Iterator[Path]:
+    """A short directory for worker sockets, removed after the test.
+
+    A socket's path has at most 107 bytes, and a test's own tmp_path under an xdist worker's base
+    temp (/tmp/pytest-of-USER/pytest-N/popen-gwK/<test name>N) leaves too few for the daemon's
+    socket directory and the socket's name in it.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="orld-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -25,13 +25,13 @@ BATCH = ForwardBackwardBatch(
 
 
 @pytest.fixture
-def patient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def patient(tmp_path: Path, socket_root: Path, monkeypatch: pytest.MonkeyPatch):
     marker = tmp_path / "running"
     monkeypatch.setenv("OPENRLD_TEST_MARKER", str(marker))
     spec = WorkerSpec(name="patient", role="trainer", start=Start("lora_trainer", "/nowhere", "cpu"))
     timeouts = WorkerTimeouts(hello_s=30.0, heartbeat_s=0.2, deadline_s=5.0, stop_s=5.0)
     connection, _ = start_worker(
-        ProcessLauncher(sys.executable, (str(PATIENT),)), spec, socket_directory(tmp_path), timeouts=timeouts
+        ProcessLauncher(sys.executable, (str(PATIENT),)), spec, socket_directory(socket_root), timeouts=timeouts
     )
     trainer = RemoteTrainer(connection)
     call = InCall(lambda: trainer.forward_backward("a", BATCH))

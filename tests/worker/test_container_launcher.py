@@ -86,8 +86,8 @@ def launcher(node) -> ContainerLauncher:
 
 
 @pytest.fixture
-def directory(tmp_path) -> Path:
-    return socket_directory(tmp_path)
+def directory(socket_root) -> Path:
+    return socket_directory(socket_root)
 
 
 @pytest.fixture(scope="module")

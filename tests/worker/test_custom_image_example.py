@@ -41,13 +41,13 @@ def example_image(tmp_path_factory):
         yield podman_support.built_image(REPO / "examples" / "custom-trainer", {"BASE": base})
 
 
-def test_the_example_image_trains_a_lora_step_as_openrlds_trainer_does(example_image, tiny_llama, tmp_path):
+def test_the_example_image_trains_a_lora_step_as_openrlds_trainer_does(example_image, tiny_llama, socket_root):
     node = f"test-{secrets.token_hex(4)}"
     launcher = ContainerLauncher("podman", node, podman_support.host_python_args(), global_args=GLOBAL_ARGS)
     start = Start("lora_trainer", MODEL_INSIDE, "cpu", threads=torch.get_num_threads(), options={"max_batch_tokens": 4096})
     spec = WorkerSpec(name="example trainer", role="trainer", start=start, image=example_image,
                       mounts=(Mount(str(tiny_llama), MODEL_INSIDE),), job="job-example")
-    connection, _ = start_worker(launcher, spec, socket_directory(tmp_path), timeouts=WorkerTimeouts(hello_s=60.0))
+    connection, _ = start_worker(launcher, spec, socket_directory(socket_root), timeouts=WorkerTimeouts(hello_s=60.0))
     remote = RemoteTrainer(connection)
     try:
         local = build_lora_trainer(tiny_llama, torch.device("cpu"), 4096)

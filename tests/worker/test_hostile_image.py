@@ -44,7 +44,7 @@ def hostile_image(tmp_path_factory):
         ("wrong_shape", r"broke the worker protocol .a float32 tensor of shape \[5\] over a buffer of 16 bytes"),
     ],
 )
-def test_a_hostile_image_loses_its_engine_and_its_container(hostile_image, tmp_path, mode, why):
+def test_a_hostile_image_loses_its_engine_and_its_container(hostile_image, tmp_path, socket_root, mode, why):
     node = f"test-{secrets.token_hex(4)}"
     pwned = tmp_path / "pwned"
     run_args = (*podman_support.host_python_args(), "--env", f"OPENRLD_TEST_HOSTILE={mode}",
@@ -52,7 +52,7 @@ def test_a_hostile_image_loses_its_engine_and_its_container(hostile_image, tmp_p
     launcher = ContainerLauncher("podman", node, run_args, global_args=GLOBAL_ARGS)
     spec = WorkerSpec(name=f"hostile {mode}", role="trainer", start=Start("lora_trainer", str(tmp_path), "cpu"),
                       image=hostile_image, mounts=(Mount(str(tmp_path), str(tmp_path), read_only=False),))
-    connection, _ = start_worker(launcher, spec, socket_directory(tmp_path), timeouts=TIMEOUTS)
+    connection, _ = start_worker(launcher, spec, socket_directory(socket_root), timeouts=TIMEOUTS)
     with pytest.raises(EngineLost, match=f"hostile {mode} {why}"):
         RemoteTrainer(connection).forward_backward("a", BATCH)
     assert containers_of(node) == []

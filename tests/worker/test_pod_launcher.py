@@ -259,11 +259,11 @@ def test_an_api_refusal_is_an_error_naming_the_request_and_the_servers_message(f
     )
 
 
-def test_a_worker_pod_that_never_connects_is_lost_after_hello_s_and_deleted(fake, tmp_path):
+def test_a_worker_pod_that_never_connects_is_lost_after_hello_s_and_deleted(fake, socket_root):
     # The daemon's socket directory on a hostPath volume, as [workers] socket_dir puts it in config/k8s.
-    launcher = PodLauncher(fake.api, NAMESPACE, "n", "n", (PodVolume(str(tmp_path), host_path="/var/lib/openrld/workers"),))
+    launcher = PodLauncher(fake.api, NAMESPACE, "n", "n", (PodVolume(str(socket_root), host_path="/var/lib/openrld/workers"),))
     with pytest.raises(EngineLost) as lost:
-        start_worker(launcher, spec(), socket_directory(tmp_path), timeouts=WorkerTimeouts(hello_s=1.0))
+        start_worker(launcher, spec(), socket_directory(socket_root), timeouts=WorkerTimeouts(hello_s=1.0))
     assert str(lost.value) == "trainer did not connect within 1 s; it was stopped"
     [pod] = fake.created
     assert pod["spec"]["volumes"][0]["hostPath"]["path"].startswith("/var/lib/openrld/workers/openrld-")

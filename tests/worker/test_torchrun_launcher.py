@@ -136,10 +136,10 @@ def test_an_error_on_every_rank_names_them_all_and_gives_the_first_ones_error(sh
         shared.forward_backward("fail:all", BATCH)
 
 
-def test_sigkill_of_rank_1_mid_call_raises_engine_lost_and_leaves_no_process_of_the_group(tmp_path):
+def test_sigkill_of_rank_1_mid_call_raises_engine_lost_and_leaves_no_process_of_the_group(tmp_path, socket_root):
     fifo = tmp_path / "entered"
     os.mkfifo(fifo)
-    trainer, group = start_group(socket_directory(tmp_path), {"fifo": str(fifo)})
+    trainer, group = start_group(socket_directory(socket_root), {"fifo": str(fifo)})
     pids = group_pids(group)
     call = InCall(lambda: trainer.forward_backward("block:1", BATCH))
     rank_1 = int(entered(fifo, "rank 1"))  # it wrote its pid: it is inside forward_backward
@@ -151,24 +151,24 @@ def test_sigkill_of_rank_1_mid_call_raises_engine_lost_and_leaves_no_process_of_
     assert running(pids) == []
 
 
-def test_close_ends_every_rank_and_torchrun_exits_0(tmp_path):
-    trainer, group = start_group(socket_directory(tmp_path))
+def test_close_ends_every_rank_and_torchrun_exits_0(socket_root):
+    trainer, group = start_group(socket_directory(socket_root))
     pids = group_pids(group)
     trainer.close()
     assert group.poll() == 0
     assert running(pids) == []
 
 
-def test_stop_of_a_group_that_runs_on_ends_torchrun_and_every_rank(tmp_path):
-    _, group = start_group(socket_directory(tmp_path))
+def test_stop_of_a_group_that_runs_on_ends_torchrun_and_every_rank(socket_root):
+    _, group = start_group(socket_directory(socket_root))
     pids = group_pids(group)
     group.stop(0.0)  # no Bye: SIGTERM to torchrun, which stops its ranks and exits 1
     assert group.poll() == 1
     assert running(pids) == []
 
 
-def test_the_daemons_end_of_the_connection_while_idle_stops_every_rank_in_order(tmp_path):
-    trainer, group = start_group(socket_directory(tmp_path))
+def test_the_daemons_end_of_the_connection_while_idle_stops_every_rank_in_order(socket_root):
+    trainer, group = start_group(socket_directory(socket_root))
     pids = group_pids(group)
     trainer.connection.frames.close()  # no Bye: EOF, as when the daemon dies
     group.stop(TIMEOUTS.stop_s)
@@ -176,7 +176,7 @@ def test_the_daemons_end_of_the_connection_while_idle_stops_every_rank_in_order(
     assert running(pids) == []
 
 
-def test_a_build_that_fails_on_rank_1_is_reported_naming_rank_1_and_the_group_is_reaped(tmp_path):
+def test_a_build_that_fails_on_rank_1_is_reported_naming_rank_1_and_the_group_is_reaped(socket_root):
     launched: list[TorchrunGroup] = []
 
     class Keeps(TorchrunLauncher):
@@ -189,7 +189,7 @@ def test_a_build_that_fails_on_rank_1_is_reported_naming_rank_1_and_the_group_is
     with pytest.raises(ServerError, match=(
         r"^the worker could not build its engine: rank 1 of 2 failed: RuntimeError: no weights on rank 1$"
     )):
-        start_worker(Keeps(sys.executable, 2, (str(RANK_WORKER),)), spec, socket_directory(tmp_path), timeouts=TIMEOUTS)
+        start_worker(Keeps(sys.executable, 2, (str(RANK_WORKER),)), spec, socket_directory(socket_root), timeouts=TIMEOUTS)
     [group] = launched
     assert group.poll() is not None
     assert group.rank_pids() == []

@@ -45,10 +45,10 @@ class Launches(ProcessLauncher):
 
 
 @pytest.fixture
-def hostile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def hostile(tmp_path: Path, socket_root: Path, monkeypatch: pytest.MonkeyPatch):
     """start(mode, timeouts) -> (a RemoteTrainer or the error, the launcher)."""
     monkeypatch.setenv("OPENRLD_TEST_PWNED", str(tmp_path / "pwned"))
-    directory = socket_directory(tmp_path)
+    directory = socket_directory(socket_root)
 
     def start(mode: str, timeouts: WorkerTimeouts = QUICK):
         monkeypatch.setenv("OPENRLD_TEST_HOSTILE", mode)
@@ -130,13 +130,13 @@ def test_a_worker_that_breaks_a_call_is_lost_stopped_and_stays_lost(hostile, mod
     assert again.value is first.value
 
 
-def test_a_dead_daemons_socket_directory_is_removed_and_a_live_ones_kept(tmp_path: Path):
-    dead = tmp_path / "openrld-999999999-0badcafe"  # no such pid
+def test_a_dead_daemons_socket_directory_is_removed_and_a_live_ones_kept(socket_root: Path):
+    dead = socket_root / "openrld-999999999-0badcafe"  # no such pid
     dead.mkdir()
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(dead / "w-1.sock"))
     stale.close()
-    alive = tmp_path / f"openrld-{os.getpid()}-00000000"
+    alive = socket_root / f"openrld-{os.getpid()}-00000000"
     alive.mkdir()
-    mine = socket_directory(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, mine.name])
+    mine = socket_directory(socket_root)
+    assert sorted(p.name for p in socket_root.iterdir()) == sorted([alive.name, mine.name])
