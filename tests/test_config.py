@@ -125,7 +125,8 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path: Path) -> None:
         "activation_budget_bytes, max_num_samples, max_lora_rank, "
         "sample_queue_limit, sampler_backend, sampler_routing, sampler_prefix_cache_bytes, vllm_gpu_memory_utilization, "
         "log_json, loop_watch_ms, jwt_auth, jwt_ttl_s, "
-        "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, network_segment, gossip_timing, accept_jobs, http, "
+        "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, network_segment, "
+        "gossip_timing, accept_jobs, http, "
         "workers, "
             "tls_certfile, tls_keyfile, tls_ca_certs"
     )
