@@ -65,3 +65,16 @@ def test_three_stages_give_each_against_the_one_before_and_the_last_against_the_
                          ids=["clamped", "room-to-spare", "context-not-reported"])
 def test_the_episode_budget_is_clamped_to_the_model_s_context(asked: int, context: int | None, budget: int):
     assert episode_budget(asked, context) == budget
+
+
+def test_the_report_gives_each_family_s_figures_at_each_stage_then_the_tests():
+    from recipes.agentic.report import report
+
+    lines = report([_eval("base", 0, [False, False], [0.5, 0.0]), _eval("warm_start", 0, [True, False], [1.0, 0.5])])
+    assert lines[1:4] == [
+        "termination_date   base            1    0.000   0.500   3.00",
+        "termination_date   warm start      1    1.000   1.000   3.00",
+        "contract_terms     base            1    0.000   0.000   4.00",
+    ]
+    assert lines[7] == ("termination_date: base -> warm_start on 1 tasks: success +1/-0 (exact McNemar p 1); "
+                        "reward +0.500 (exact paired permutation p 1)")
