@@ -264,6 +264,7 @@ async def serve(
                 cluster = ClusterNode(
                     membership.node, client=peers, config=config, jobs=jobs, sampling=sampling, sessions=sessions,
                     resolve_model=lambda name: catalog.resolve(name).name, user_for=auth.user_for, counters=relays,
+                    checkpoint_root=store.files.root if store.files.is_shared else None, spawn=nursery.start_soon,
                 )
                 spans = _spans(cluster, peers, config, hosting, catalog, node_devices, groups, nursery)
             services = Services(
@@ -305,6 +306,7 @@ async def serve(
                         )
 
                     await nursery.start(membership.run, payload)
+                    jobs.changed = lambda: membership.node.set_payload(payload())  # a new job is gossiped at once
                     if store.files.is_shared:
                         # A survivor takes over the auto-saved jobs of a dead member (cluster/adoption.py).
                         adoption = AdoptionWatcher(

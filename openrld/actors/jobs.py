@@ -129,6 +129,9 @@ class JobTable:
         self._sampling = sampling  # the sampling sessions a job saves unnamed weights for are registered there
         self._jobs = registry  # shared with `sampling`, which only reads it
         self._lost: dict[str, str] = {}  # model_id -> why: jobs whose own group ended with a lost engine
+        # Called when a job starts or ends here: a clustered node gossips its jobs at once (daemon.py), so
+        # that a job is known to the cluster, and can be adopted, from its first step (cluster/adoption.py).
+        self.changed: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------ what this node holds
 
@@ -304,6 +307,7 @@ class JobTable:
         request_id = self._new_request(job.owner, job.model_id, kind)
         job.remember(0, request_id)
         self._jobs.add(job)
+        self.changed()
         self._nursery.start_soon(self._open_and_submit, job, first_op(request_id))
         return request_id
 
@@ -408,7 +412,8 @@ class JobTable:
             if own_group:
                 self._groups.end(job.model, model_id, f"model {model_id} could not be adopted")
             raise
-        job.remember(manifest.seq_id, request_id)
+        # The auto-save's own seq_id is not remembered: a request of it replayed here (replay.py) is refused
+        # as already applied, never answered with the load's future.
         self._lost.pop(model_id, None)
         self._jobs.add(job)
         outcome = None
@@ -438,6 +443,7 @@ class JobTable:
         self._sampling.drop_group(job.model_id)
         if job.group_job is not None:
             self._groups.end(job.model, job.model_id, detail)
+        self.changed()
 
     def model_status(self, owner: str, model_id: str, *, sees_all: bool = False) -> ModelStatus:
         """GET /openrl/v1/models/{model_id}/status: the job's state, workers, queues and progress.

@@ -216,4 +216,3 @@ class AdoptionWatcher:
                         self._name, model_id, newer.adopter, newer.generation,
                     )
                     self._host.superseded(model_id, newer)
-

@@ -2,7 +2,7 @@
 
 A JSON body is decoded into `Ids` alone (msgspec skips every other field
 without building it), and a forward_backward protobuf body is read only as far
-as its model_id (`proto.forward_backward_model_id`), so the body is decoded
+as its model_id and seq_id (`proto.forward_backward_model_id`), so the body is decoded
 whole once, by the route of the node that serves it. Pure: no I/O.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from openrld.api import media
-from openrld.api.proto import forward_backward_model_id
+from openrld.api.proto import forward_backward_model_id, forward_backward_seq_id
 from openrld.errors import BadRequest
 
 
@@ -21,6 +21,7 @@ class Ids(msgspec.Struct):
     """The ids a body may name; everything else in it is the home node's to decode."""
 
     model_id: str | None = None
+    seq_id: int | None = None  # a training request's place in its job's order
     request_id: str | None = None
     session_id: str | None = None
     sampling_session_id: str | None = None
@@ -54,7 +55,8 @@ def body_ids(call: Call, max_body_bytes: int) -> Ids | None:
     encoding = header(call.headers, b"content-encoding")
     if call.scope["path"] == "/api/v1/forward_backward" and form is media.Form.PROTOBUF:
         model_id = forward_backward_model_id(call.body, encoding, max_body_bytes=max_body_bytes)
-        return Ids(model_id=model_id) if model_id is not None else None
+        seq_id = forward_backward_seq_id(call.body, encoding, max_body_bytes=max_body_bytes)
+        return Ids(model_id=model_id, seq_id=seq_id) if model_id is not None else None
     if form is not media.Form.JSON:
         return None
     try:

@@ -12,6 +12,7 @@ service and closes the HTTP client it was given.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -25,6 +26,7 @@ from openrld.cluster.membership.node import MembershipNode
 from openrld.cluster.peer_client import Answer, PeerClient, RelayCounters, relay_key
 from openrld.cluster.placement import ClusterPlacer
 from openrld.cluster.relay import Relay
+from openrld.cluster.replay import MAX_KEPT_PER_JOB, Journal
 from openrld.config import NodeConfig
 
 if TYPE_CHECKING:
@@ -48,8 +50,15 @@ class ClusterNode:
         resolve_model: Callable[[str], str],
         user_for: Callable[[str | None], str],
         counters: RelayCounters,
+        checkpoint_root: Path | None = None,
+        spawn: Callable[..., None] | None = None,
     ) -> None:
         self.membership = membership
+        # The shared checkpoint root, where jobs auto-save (None: not shared): what replay knows is covered.
+        self._checkpoint_root = checkpoint_root
+        self._spawn = spawn  # the daemon's nursery's start_soon: replay's background reads
+        # Requests relayed to jobs' homes, kept until covered by an auto-save, for replay (replay.py).
+        self.journal = Journal(max_per_job=MAX_KEPT_PER_JOB if checkpoint_root is None else 1 << 30)
         self.directory = Directory(membership, jobs, sampling)
         self.counters = counters  # the relay's, the peer client's and the placer's, for /metrics
         self._key = relay_key(config.cluster_secret)
@@ -84,4 +93,7 @@ class ClusterNode:
             accept_jobs=self._config.accept_jobs,
             max_body_bytes=self._config.max_body_bytes,
             routes=routes,
+            journal=self.journal,
+            checkpoint_root=self._checkpoint_root,
+            spawn=self._spawn,
         )

@@ -41,8 +41,9 @@ from openrld.cluster.relayed_session import session_headers
 # 503 (the SDK retries). Adopting takes the survivor a group start and a load of the auto-save.
 ADOPTION_HOLD_S = 30.0
 # Past this long after its home was seen dead, a job nobody adopted is lost (no complete auto-save, no
-# survivor that can hold it): its calls are answered 410 as for a job that never auto-saved.
-ADOPTION_GIVE_UP_S = 120.0
+# survivor that can hold it): its calls are answered 410 as for a job that never auto-saved. Long enough
+# for the adopter to load a large base model, and within the SDK's 5 minutes of retrying a request.
+ADOPTION_GIVE_UP_S = 240.0
 ADOPTION_POLL_S = 0.05
 
 
@@ -79,11 +80,16 @@ class Reach:
                 adopted = await self.adopted_home(what, home)
                 if adopted is not None:
                     return await self.to(call, adopted, what)
-                if not _gave_up(home):
-                    return detail_answer(503, _adopting_detail(what, home))
-            self._counters.lost += 1
-            return detail_answer(410, _lost_detail(what, home))
+            return self.unadopted(what, home)
         return await self.forward(call, home.member, what)
+
+    def unadopted(self, what: str, home: Home) -> Answer:
+        """The answer for a call to a lost job that no survivor has adopted: 503 while one may yet (the SDK
+        retries), else 410 naming the node and what to restore from."""
+        if is_adoptable(home) and not _gave_up(home):
+            return detail_answer(503, _adopting_detail(what, home))
+        self._counters.lost += 1
+        return detail_answer(410, _lost_detail(what, home))
 
     async def adopted_home(self, model_id: str, lost: Home) -> Home | None:
         """The home of job `model_id` once a survivor has adopted it (this node, or a live member);

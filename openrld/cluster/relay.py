@@ -9,9 +9,12 @@ session, a run id in the path), asks the job directory where that lives, and:
   caller's own headers (so the home node enforces the same auth), marked as
   relayed so it is never relayed twice, and its answer is passed back;
 - a dead node: it is tried once with a short connect timeout (a loaded node
-  can be declared dead and still be there); if it does not answer, the
-  answer is a 410 naming the node and the last checkpoint to restore from
-  (or, for the model status route, the job's `lost` status), never a hang;
+  can be declared dead and still be there); if it does not answer, a job
+  that auto-saves waits for the survivor that adopts it (`adoption.py`),
+  and the training requests and samples this node kept for the dead node
+  are replayed there first (`replay.py`); otherwise the answer is a 410
+  naming the node and the last checkpoint to restore from (or, for the
+  model status route, the job's `lost` status), never a hang;
 - nowhere known: the other members are asked (`POST /openrl/peer/v1/locate`),
   and the id is answered here if none has it.
 
@@ -35,6 +38,7 @@ import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
@@ -63,12 +67,13 @@ from openrld.cluster.peer_client import (
     json_answer,
 )
 from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
-from openrld.cluster.reach import Reach
+from openrld.cluster.reach import Reach, is_adoptable
 from openrld.cluster.relayed_session import (
     SESSION_HEADER as SESSION_HEADER,
     SESSION_TAG_HEADER as SESSION_TAG_HEADER,
     session_of,
 )
+from openrld.cluster.replay import KEPT_PATHS, SAMPLE_PATH, Journal, Replay
 from openrld.errors import OpenrldError, UserError
 
 if TYPE_CHECKING:
@@ -121,6 +126,9 @@ class Relay:
         accept_jobs: bool,
         max_body_bytes: int,
         routes: RouteTable,
+        journal: Journal | None = None,
+        checkpoint_root: Path | None = None,
+        spawn: Callable[..., None] | None = None,
     ) -> None:
         self._inner = inner
         self._routes = routes  # each route's HomeBy, fan-out and long-poll
@@ -129,6 +137,11 @@ class Relay:
         self._reach = Reach(
             inner, directory=directory, peers=peers, key=key, counters=counters, session_snapshot=session_snapshot
         )  # to a home and back
+        # Training requests kept until an auto-save covers them, replayed on an adopter (replay.py)
+        self._replay = Replay(
+            reach=self._reach, directory=directory, counters=counters, root=checkpoint_root, spawn=spawn, journal=journal,
+            recreate=self._recreate_sampler,
+        )
         self._placement = placement  # offers job-creating requests to the ranked nodes
         self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries
         self._user_for = user_for
@@ -203,7 +216,7 @@ class Relay:
 
     async def _to_body_model(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
-        return await self._to_model(call, ref.model_id) if ref is not None and ref.model_id is not None else None
+        return await self._to_model(call, ref.model_id, ref) if ref is not None and ref.model_id is not None else None
 
     async def _load_weights(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
@@ -212,13 +225,13 @@ class Relay:
         call = replace(call, session_id=ref.session_id)  # it may create a job under the caller's session
         if ref.model_id is None and ref.path:
             return await self._restore(call, ref)
-        return await self._to_model(call, ref.model_id) if ref.model_id is not None else None
+        return await self._to_model(call, ref.model_id, ref) if ref.model_id is not None else None
 
     async def _save_for_sampler(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
         if ref is None or ref.model_id is None:
             return None
-        answer = await self._to_model(call, ref.model_id)
+        answer = await self._to_model(call, ref.model_id, ref)
         if answer is not None and answer.status == 200 and ref.sampling_session_seq_id is not None:
             sampler_id = ids.sampling_session_id(ref.model_id.split(":", 1)[0], ref.sampling_session_seq_id)
             self._directory.record(sampler_id, self._home_name(ref.model_id))
@@ -226,13 +239,31 @@ class Relay:
 
     async def _to_minter(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
+        kept = self._replay.kept(call, ref)
+        if kept is not None and ref is not None and ref.request_id is not None:
+            return await self._replay.retrieve(call, kept, ref.request_id)  # its home may have died since
         minted = ref.request_id or ref.session_id if ref is not None else None
         return await self._reach.to(call, self._directory.tagged(minted), minted) if minted else None
 
     async def _to_body_sampler(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
         sampler_id = ref.sampling_session_id if ref is not None else None
-        return await self._to_sampler(call, sampler_id) if sampler_id else None
+        if not sampler_id:
+            return None
+        if call.scope["path"] != SAMPLE_PATH:
+            return await self._to_sampler(call, sampler_id)
+        # A sample (replay.py): kept until read; a sampler whose home died is made again where its weights are.
+        home = await self._home("sampler", sampler_id, self._directory.sampler)
+        if home.where is Where.LOST and home.member is not None:
+            moved = await self._replay.sampler_home(sampler_id, home.member.name)
+            if moved is None:
+                return detail_answer(503, f"sampling session {sampler_id} waits for its job's adopter: retry")
+            if isinstance(moved, str):
+                return detail_answer(410, moved)
+            home = moved
+        if home.where is Where.REMOTE:
+            return await self._replay.send_sample(call, sampler_id, home)
+        return await self._reach.to(call, home, sampler_id)
 
     async def _create_sampler(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
@@ -245,7 +276,12 @@ class Relay:
         answer = await self._to_run_of(call, ref.model_path, lost_here=True)
         if answer is not None and answer.status == 200:
             self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
+            self._replay.created(sampler_id, call)  # made again elsewhere if that node dies (replay.py)
         return answer
+
+    async def _recreate_sampler(self, call: Call) -> Answer | None:
+        """A create_sampling_session routed again, its sampler's node having died (replay.py)."""
+        return await self._create_sampler(call)
 
     async def _to_body_checkpoint(self, call: Call) -> Answer | None:
         ref = body_ids(call, self._max_body_bytes)
@@ -334,8 +370,25 @@ class Relay:
         home = self._directory.model(model_id)
         return home.member.name if home.member is not None else self._directory.local_name
 
-    async def _to_model(self, call: Call, model_id: str) -> Answer | None:
-        return await self._reach.to(call, await self._model_home(model_id), model_id)
+    async def _to_model(self, call: Call, model_id: str, ref: Ids | None = None) -> Answer | None:
+        home = await self._model_home(model_id)
+        if ref is not None and ref.seq_id is not None and call.scope["path"] in KEPT_PATHS:
+            # A training request (replay.py): what was kept for a dead home is replayed on the adopter
+            # first; then this one is kept too, on its way to the home.
+            if home.where is Where.LOST and is_adoptable(home) and home.member is not None:
+                answer = await self._reach.if_it_answers(call, home, model_id)
+                if answer is not None:
+                    return answer  # it was only slow
+                adopted = (
+                    await self._reach.adopted_home(model_id, home)
+                    if await self._replay.recover(model_id, home.member.name) else None
+                )
+                if adopted is None:
+                    return self._reach.unadopted(model_id, home)
+                home = adopted
+            if self._replay.keeps(call.scope["path"], home, model_id):
+                return await self._replay.send(call, ref, home)
+        return await self._reach.to(call, home, model_id)
 
     async def _to_run_of(self, call: Call, path: str, *, lost_here: bool) -> Answer | None:
         """A request about a checkpoint goes to its run's home; a lost home's checkpoints may be read here
@@ -385,7 +438,10 @@ class Relay:
             base_model = self._resolve_model(ref.base_model)
         except UserError:
             return None
-        return await self._offer(call, JobNeeds(base_model=base_model, own_group=False, is_exclusive=False), sampler_id)
+        answer = await self._offer(call, JobNeeds(base_model=base_model, own_group=False, is_exclusive=False), sampler_id)
+        if answer is not None and answer.status == 200:
+            self._replay.created(sampler_id, call)  # placed again if that node dies (replay.py)
+        return answer
 
     async def _restore(self, call: Call, ref: Ids) -> Answer | None:
         """create_training_client_from_state: where the checkpoint's run lives; if that node is lost,

@@ -5,12 +5,21 @@ from __future__ import annotations
 import msgspec
 
 from openrld.actors.device_pool import Placement
-from openrld.actors.model_status import GroupView, JobFacts, JobState, build_status, lost_status
+from openrld.actors.model_status import (
+    AdoptedFrom,
+    GroupView,
+    JobFacts,
+    JobState,
+    adopted_from,
+    build_status,
+    lost_status,
+)
 from openrld.actors.sampler import SamplerStatistics
 from openrld.actors.timeslicer import LeaseState, WorkerLeaseStatistics
 from openrld.actors.trainer import JobProgress, JobQueueStats, TrainerStatistics
 from openrld.batches import SyncStats
 from openrld.cluster.membership.messages import JobNote
+from openrld.store.job_claims import Claim
 
 MODEL_ID = "s-1:train:0"
 JOB = JobFacts(MODEL_ID, "tiny-llama", "lora", False, True, None)
@@ -76,6 +85,23 @@ def test_a_job_whose_home_node_is_lost_is_lost_with_what_its_home_gossiped():
         "tiny-llama", "full", True, JobState.LOST, f"tinker://{MODEL_ID}/weights/step-4",
     )
     assert lost_status(MODEL_ID, JobNote("alice", "tiny-llama", "lora", False)).last_checkpoint is None
+
+
+def test_a_lost_job_that_auto_saves_waits_for_its_adopter():
+    status = lost_status(MODEL_ID, JobNote("alice", "tiny-llama", "lora", False, "", autosave_steps=1))
+    assert (status.state, status.waiting_for) == (
+        JobState.LOST, "a surviving node to adopt it from its auto-save on the shared checkpoint root"
+    )
+
+
+def test_an_adopted_job_says_where_it_came_from():
+    claim = Claim(
+        format=1, model_id=MODEL_ID, generation=1, adopter="node-c", previous_home="node-b", step=4, seq_id=8,
+        claimed_at=0.0,
+    )
+    job = msgspec.structs.replace(JOB, adopted_from=adopted_from(claim))
+    status = build_status(job, GroupView(False, None, PLACED, trainer(), sampler()))
+    assert status.adopted_from == AdoptedFrom("node-b", 4, 1, "adopted from node node-b at step 4")
 
 
 def test_queued_ops_of_a_parked_trainer_wait_for_a_turn():

@@ -9,7 +9,7 @@ import pytest
 import zstandard
 from tinker.proto import tinker_public_pb2 as sdk_pb
 
-from openrld.api.proto import forward_backward_model_id
+from openrld.api.proto import forward_backward_model_id, forward_backward_seq_id
 
 LIMIT = 1 << 20
 MODEL_ID = "sess-1:train:0"
@@ -70,3 +70,12 @@ def test_a_skipped_field_past_the_limit_is_none_before_it_is_read():
     assert len(big) < 1000
     assert forward_backward_model_id(big, "zstd", max_body_bytes=1000) is None
     assert forward_backward_model_id(big, "zstd", max_body_bytes=6000) == MODEL_ID
+
+
+def test_the_seq_id_is_read_as_far_as_it_and_zero_when_the_sdk_writes_none():
+    assert forward_backward_seq_id(sdk_body(), None, max_body_bytes=LIMIT) == 7
+    large = zstandard.ZstdCompressor().compress(sdk_body(datum_bytes=64 << 20))
+    assert forward_backward_seq_id(large, "zstd", max_body_bytes=LIMIT) == 7
+    no_seq = sdk_pb.ForwardBackwardRequest(model_id=MODEL_ID, loss_fn="x").SerializeToString()
+    assert forward_backward_seq_id(no_seq, None, max_body_bytes=LIMIT) == 0
+    assert forward_backward_seq_id(b"\xff\xff\xff", None, max_body_bytes=LIMIT) is None

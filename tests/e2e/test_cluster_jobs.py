@@ -39,6 +39,7 @@ HEADERS = {"X-API-Key": KEY}
 LOCAL = MembershipConfig.local()
 # Reading the status with this header asks a node about itself: 200 only on the job's home.
 HERE_ONLY = {**HEADERS, RELAYED_HEADER: "test"}
+NO_AUTOSAVE = {"openrl.autosave_steps": "0"}
 
 
 def cluster_config(name: str, join: list[str], extra: str = "") -> str:
@@ -132,9 +133,10 @@ def service(cluster: dict[str, Daemon]):
 @pytest.fixture(scope="module")
 def jobs(service) -> dict[str, tinker.TrainingClient]:
     # Created at the same time: the placer must spread them although neither node's gossip shows the other yet.
+    # Without auto-saves: a killed node's job is lost, not adopted (tests/e2e/test_adoption.py adopts them).
     creating = {
-        "tiny-llama": service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=0),
-        "tiny-qwen3": service.create_lora_training_client(base_model="tiny-qwen3", rank=4, seed=0),
+        name: service.create_lora_training_client(base_model=name, rank=4, seed=0, user_metadata=NO_AUTOSAVE)
+        for name in ("tiny-llama", "tiny-qwen3")
     }
     return {name: future.result() for name, future in creating.items()}
 

@@ -92,6 +92,7 @@ def test_a_new_lora_job_is_ready_at_step_zero_on_the_cpu(shared_daemon, service)
         "state": "ready", "waiting_for": None,
         "queues": {"training_ops_waiting": 0, "samples_waiting": 0, "samples_running": 0},
         "step": 0, "sampler_weight_version": None, "last_sync": None, "last_error": None, "last_checkpoint": None,
+        "adopted_from": None,
     }
     workers = _workers(body)
     # One device: the group's trainer and sampler share it and never park for each other.

@@ -12,6 +12,7 @@ from openrld.api.proto.codec import (
     encode_sample_response,
     forward_backward_ids,
     forward_backward_model_id,
+    forward_backward_seq_id,
 )
 from openrld.api.proto.schema import (
     ArrayRecord,
@@ -74,4 +75,5 @@ __all__ = [
     "encode_sample_response",
     "forward_backward_ids",
     "forward_backward_model_id",
+    "forward_backward_seq_id",
 ]

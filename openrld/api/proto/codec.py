@@ -177,8 +177,42 @@ class _Truncated(Exception):
     """The body ended, or passed its limit, inside a field."""
 
 
+def forward_backward_seq_id(body: bytes, content_encoding: str | None, *, max_body_bytes: int) -> int | None:
+    """The seq_id of a forward_backward body, read as `forward_backward_model_id` reads its model_id (the SDK
+    writes it second, right after model_id); 0 when the body has none (protobuf's default), None when
+    the body is not readable that far. For the relay, which keeps a request in seq_id order for replay."""
+    encoding = (content_encoding or "identity").strip().lower()
+    if len(body) > max_body_bytes or encoding not in ("identity", "zstd"):
+        return None
+    try:
+        if encoding == "identity":
+            return _first_varint_field(io.BytesIO(body), _SEQ_ID_FIELD, max_body_bytes)
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            return _first_varint_field(reader, _SEQ_ID_FIELD, max_body_bytes)
+    except (zstandard.ZstdError, _Truncated):
+        return None
+
+
+_SEQ_ID_FIELD = 2  # ForwardBackwardRequest.seq_id
+
+
+def _first_varint_field(reader: Any, number: int, limit: int) -> int:
+    """The first top-level varint field `number` in the protobuf that `reader` yields; 0 if it has none."""
+    found = _first_field(reader, number, limit, wire_type=_WIRE_VARINT)
+    assert not isinstance(found, bytes)
+    return found or 0
+
+
 def _first_string_field(reader: Any, number: int, limit: int) -> str | None:
     """The first top-level string field `number` in the protobuf that `reader` yields; None if it has none."""
+    found = _first_field(reader, number, limit, wire_type=_WIRE_LEN)
+    assert not isinstance(found, int)
+    return found.decode("utf-8") or None if found is not None else None
+
+
+def _first_field(reader: Any, number: int, limit: int, *, wire_type: int) -> bytes | int | None:
+    """The first top-level field `number` of `wire_type` (a string's bytes, or a varint) in the protobuf
+    that `reader` yields, skipping every other field by its length; None if it has none."""
     budget = [limit]  # bytes that may still be read, decompressed
 
     def read(n: int) -> bytes:
@@ -208,17 +242,19 @@ def _first_string_field(reader: Any, number: int, limit: int) -> str | None:
             return None  # the end of the body, between fields
         budget[0] -= 1
         key = varint(first)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == _WIRE_LEN:
+        field, kind = key >> 3, key & 7
+        if kind == _WIRE_LEN:
             length = varint()
-            if field == number:
-                return read(length).decode("utf-8") or None
+            if field == number and kind == wire_type:
+                return read(length)
             while length:  # skipped in chunks: a large datum is never held whole
                 length -= len(read(min(length, _SKIP_CHUNK)))
-        elif wire_type == _WIRE_VARINT:
-            varint()
-        elif wire_type in (_WIRE_I64, _WIRE_I32):
-            read(8 if wire_type == _WIRE_I64 else 4)
+        elif kind == _WIRE_VARINT:
+            value = varint()
+            if field == number and kind == wire_type:
+                return value
+        elif kind in (_WIRE_I64, _WIRE_I32):
+            read(8 if kind == _WIRE_I64 else 4)
         else:
             raise _Truncated  # groups, or not protobuf at all
 
