@@ -192,7 +192,7 @@ function runFacts(run) {
     ["Queued ops", String(status.queues.training_ops_waiting)],
     ["Samples waiting / running", status.queues.samples_waiting + " / " + status.queues.samples_running],
     ["Last error", status.last_error || ""], ["Last checkpoint", status.last_checkpoint || ""],
-    ["Node", run.node || "this node"],
+    ["Node", run.node || "this node"], ["Moved", status.adopted_from ? status.adopted_from.detail : ""],
   ];
   return el("dl", { class: "facts", id: "run-facts" }, facts.flatMap(([k, v]) => [
     el("dt", { text: k }), el("dd", { data: { fact: k } }, [v instanceof Node ? v : document.createTextNode(v)]),
