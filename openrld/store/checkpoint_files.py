@@ -184,13 +184,13 @@ class CheckpointFiles:
                 shutil.rmtree(aside)
             os.rename(final, aside)
             os.rename(staging, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             shutil.rmtree(aside)
         else:
             os.rename(staging, final)
         # The rename is durable once the parent is; parents made just now need theirs too.
         for directory in (final.parent, final.parent.parent, final.parent.parent.parent):
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
     def remove(self, path: TinkerPath) -> None:
         """Remove a checkpoint's directory, once its row is gone.
@@ -230,7 +230,7 @@ class CheckpointFiles:
             write_manifest(staging, msgspec.structs.replace(manifest, **changes))
             _fsync_tree(staging)
             os.replace(staging / MANIFEST_NAME, directory / MANIFEST_NAME)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except FileNotFoundError as exc:  # a delete moved the directory away after the read
             logger.warning("tinker_path=%s: manifest not updated: %s", path.uri, exc)
             shutil.rmtree(staging, ignore_errors=True)
@@ -380,7 +380,7 @@ def _node_id(data_dir: Path) -> str:
             file.flush()
             os.fsync(file.fileno())
         os.rename(partial, path)
-        _fsync_dir(data_dir)
+        fsync_dir(data_dir)
         return node_id
     if len(node_id) != 16 or any(c not in "0123456789abcdef" for c in node_id):
         raise ServerError(f"{path} holds {node_id!r}; expected 16 lowercase hex characters (delete it to make a new one)")
@@ -408,14 +408,14 @@ def _recover_replaces(checkpoints: Path, suffix: str) -> None:
             shutil.rmtree(aside)
         else:
             os.rename(aside, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             logger.warning("restored checkpoint dir %s after an interrupted replace", final)
 
 
 # --- fsync ----------------------------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -440,4 +440,4 @@ def _fsync_tree(top: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))

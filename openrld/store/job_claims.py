@@ -41,6 +41,7 @@ from pathlib import Path
 import msgspec
 
 from openrld.autosave import job_dir
+from openrld.store.checkpoint_files import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def _create_exclusively(directory: Path, final: Path, data: bytes) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return True
 
 
@@ -178,14 +179,6 @@ def _create_without_links(final: Path, data: bytes) -> bool:
         file.flush()
         os.fsync(file.fileno())
     return True
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_superseded(root: Path, model_id: str, *, home: str, generation: int) -> Claim | None:
