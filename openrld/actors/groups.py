@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -125,12 +125,16 @@ class OwnGroup(msgspec.Struct, frozen=True):
     on_lost: Callable[[str], None] | None = None
 
 
-class _Seat(msgspec.Struct, frozen=True):
+# The lease a seat's worker takes turns with: a trainer's may span several devices, a sampler's never does.
+Lease = TypeVar("Lease", bound=DeviceLease | GroupLease)
+
+
+class _Seat(msgspec.Struct, Generic[Lease], frozen=True):
     """Where one worker of a group runs."""
 
     engines: EngineFactory  # building on the worker's device
     limiter: trio.CapacityLimiter
-    lease_from: Callable[[Parkable], DeviceLease | GroupLease] | None  # None: the node has no time-slicers
+    lease_from: Callable[[Parkable], Lease] | None  # None: the node has no time-slicers
     devices: tuple[str, ...] = ()  # a torchrun trainer's, one per rank; (): the node has no device pool
 
 
@@ -309,7 +313,9 @@ class GroupTable:
                     )
         return self._groups[key]
 
-    def _seats(self, model: ModelEntry, job: str | None, *, is_full: bool) -> tuple[_Seat, _Seat]:
+    def _seats(
+        self, model: ModelEntry, job: str | None, *, is_full: bool
+    ) -> tuple[_Seat[DeviceLease | GroupLease], _Seat[DeviceLease]]:
         """Where the group's trainer and sampler run: device, engine factory, limiter, lease."""
         key = _group_key(model, job)
         name = model.name if job is None else f"{model.name}/{job}"
@@ -320,20 +326,20 @@ class GroupTable:
         placement = self._devices.pool.place(
             key, exclusive=own is not None and own.is_exclusive, label=label, trainer_devices=self._local_ranks(key)
         )
-        seats = []
-        for role, device, devices in (
-            ("trainer", placement.trainer_device, placement.trainer_ranks),
-            ("sampler", placement.sampler_device, (placement.sampler_device,)),
-        ):
-            # A LoRA group's workers fit on one device together; a full fine-tuning job's take turns.
-            party = f"{name} {role}" if is_full else name
-            lease_from: Callable[[Parkable], DeviceLease | GroupLease] = (
-                partial(GroupLease, [self._devices.slicers[d] for d in devices], f"{name} {role}", party)
-                if len(devices) > 1
-                else partial(self._devices.slicers[device].register, f"{name} {role}", party)
-            )
-            seats.append(_Seat(self._engines.on(device), self._devices.limiters[device], lease_from, devices))
-        return seats[0], seats[1]
+        # A LoRA group's workers fit on one device together; a full fine-tuning job's take turns.
+        trainer_party, sampler_party = (f"{name} trainer", f"{name} sampler") if is_full else (name, name)
+        trainer, ranks = placement.trainer_device, placement.trainer_ranks
+        trainer_lease: Callable[[Parkable], DeviceLease | GroupLease] = (
+            partial(GroupLease, [self._devices.slicers[d] for d in ranks], f"{name} trainer", trainer_party)
+            if len(ranks) > 1
+            else partial(self._devices.slicers[trainer].register, f"{name} trainer", trainer_party)
+        )
+        sampler = placement.sampler_device
+        sampler_lease = partial(self._devices.slicers[sampler].register, f"{name} sampler", sampler_party)
+        return (
+            _Seat(self._engines.on(trainer), self._devices.limiters[trainer], trainer_lease, ranks),
+            _Seat(self._engines.on(sampler), self._devices.limiters[sampler], sampler_lease, (sampler,)),
+        )
 
     async def _start(self, model: ModelEntry, job: str | None, weight_sync: str) -> Group:
         key = _group_key(model, job)

@@ -122,7 +122,7 @@ class SaveForSampler(msgspec.Struct, frozen=True):
     """An unnamed save: the weights become a sampling session, in memory only.
 
     `inflight`: the weights are published as the model's new inflight target
-    (sampling.md §4.2) instead of a version of the session's own.
+    instead of a version of the session's own.
     """
 
     model_id: str
@@ -697,10 +697,11 @@ class TrainerActor:
                 raise BadRequest(op.detail)
             case SaveForSampler():
                 if op.inflight:
+                    spec = self._specs[op.model_id]
+                    # A full fine-tuning job's inflight save is refused before it is queued (jobs.py).
+                    assert spec is not None, f"inflight weights of full fine-tuning job {op.model_id}"
                     tensors = await self._in_thread(engine.adapter_tensors, op.model_id)
-                    await self._sampler.publish_inflight(
-                        op.model_id, op.sampling_session_id, tensors, self._specs[op.model_id]
-                    )
+                    await self._sampler.publish_inflight(op.model_id, op.sampling_session_id, tensors, spec)
                 else:
                     # LoRA: the adapter tensors; full fine-tuning: a weight-sync payload (gpu/delta.py)
                     # that chains on the previous one, so publishes keep seq_id order (they do: one op at a time).

@@ -70,7 +70,7 @@ import socket
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -167,19 +167,24 @@ class RankGroup:
 
     def share(self, data: bytes | None, src: int = 0) -> bytes:
         """`src`'s bytes (the others pass None), on every rank: a length, then the bytes."""
-        length = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
+        mine = data if self.rank == src else None
+        if self.rank == src and mine is None:
+            raise ValueError(f"rank {src} shares its bytes: it passes bytes, not None")
+        length = torch.tensor([0 if mine is None else len(mine)], dtype=torch.int64)
         dist.broadcast(length, src=src, group=self.group)
         size = int(length.item())
         if size == 0:
             return b""
-        if self.rank == src:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=src, group=self.group)
-            return data
+        if mine is not None:
+            dist.broadcast(torch.frombuffer(bytearray(mine), dtype=torch.uint8), src=src, group=self.group)
+            return mine
         received = torch.empty(size, dtype=torch.uint8)
         dist.broadcast(received, src=src, group=self.group)
         return received.numpy().tobytes()
 
-    def share_order(self, order: Order | None, buffers: list[memoryview] = ()) -> tuple[Order, list[memoryview]]:
+    def share_order(
+        self, order: Order | None, buffers: Sequence[memoryview] = ()
+    ) -> tuple[Order, list[memoryview]]:
         """Rank 0's order and its buffers (one uint8 tensor, end to end), on every rank."""
         order = _order_decoder.decode(self.share(msgspec.msgpack.encode(order) if self.rank == 0 else None))
         total = sum(order.buffer_bytes)
@@ -210,6 +215,7 @@ class RankGroup:
             return None
         mine = None
         if self.rank == failed[0]:
+            assert error is not None  # this rank's own flag is among the failed
             kind, text, key = values.failure_fields(error)
             trace = "" if isinstance(error, OpenrldError) else "".join(traceback.format_exception(error))
             mine = msgspec.msgpack.encode(RankError(kind, text, key, trace))
@@ -396,9 +402,10 @@ class _Leader(_Session):
         if failed is not None:
             self._send(failed.failure(call.id, self.group.world_size))
         else:
+            assert encoded is not None  # no rank failed, this one's encoding included
             self._send(Result(call.id, encoded), encoding.buffers)
 
-    def _send(self, message: Any, buffers: list[memoryview] = ()) -> None:
+    def _send(self, message: Any, buffers: Sequence[memoryview] = ()) -> None:
         with contextlib.suppress(OSError):  # the daemon is gone; the reader has queued the stop
             self.frames.send(message, buffers)
 
