@@ -3,7 +3,7 @@
 Arrays here are numpy, never torch, so that `api/` can build these and
 `actors/` can carry them without importing torch; `gpu/` turns them into
 tensors. Every struct is a frozen msgspec Struct. Shapes follow the Tinker
-conventions of `shared/spec/losses.md`: position i of a datum's `tokens`
+conventions of its losses: position i of a datum's `tokens`
 predicts `inputs["target_tokens"][i]`, and the server never shifts.
 """
 
@@ -24,7 +24,7 @@ class LoraSpec(msgspec.Struct, frozen=True):
 
 
 class ProvenanceSpan(msgspec.Struct, frozen=True):
-    """One run of a datum's provenance (sampling.md §5): positions [offset, offset+length)
+    """One run of a datum's provenance: positions [offset, offset+length)
     of sequence `sequence_id`'s request prompt (`is_sampled` False) or sampled tokens (True)."""
 
     sequence_id: str
@@ -68,7 +68,7 @@ class AdamParams(msgspec.Struct, frozen=True):
 
 
 class DimuonParams(msgspec.Struct, frozen=True):
-    """DimuonParams of SDK 0.38.0 plus the two fields SDK 0.29.1 sends (optimizers.md §4.1)."""
+    """DimuonParams of SDK 0.38.0 plus the two fields SDK 0.29.1 sends."""
 
     learning_rate: float
     grad_clip_norm: float = 0.0
@@ -115,7 +115,7 @@ class TopK(msgspec.Struct, frozen=True):
 
 class SampledSequence(msgspec.Struct, frozen=True):
     tokens: np.ndarray  # int32 (T,), including a stop token or the tokens that complete a stop string
-    logprobs: np.ndarray  # float32 (T,): log q_T of each sampled token (sampling.md section 3)
+    logprobs: np.ndarray  # float32 (T,): log q_T of each sampled token
     stop_reason: str  # "stop" or "length"
     topk: TopK | None = None
 

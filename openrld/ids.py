@@ -2,7 +2,7 @@
 
 This module owns the shape of every id openrld hands out (sessions, models,
 sampling sessions, requests) and of the `tinker://<run>/<kind>/<name>` paths
-that name checkpoints (protocol §7.8). It guarantees that anything it parses
+that name checkpoints. It guarantees that anything it parses
 or validates is safe to use as a single path component under the data dir:
 parsing refuses anything malformed with a `BadRequest` that says what was
 wrong and what was received. It never touches the filesystem and keeps no
@@ -50,8 +50,8 @@ def node_tag(node_name: str) -> str:
     """The 8 hex characters a clustered node puts at the front of the ids it mints.
 
     Any node can then tell which member minted a session or request id, and
-    relay a call for it there, without asking around (DESIGN.md: "ids carry
-    the home node as a hint; the job directory is the truth").
+    relay a call for it there, without asking around: the id carries the home node as a hint; the job
+    directory (`cluster/directory.py`) is the truth.
     """
     return hashlib.sha256(node_name.encode()).hexdigest()[:NODE_TAG_CHARS]
 
@@ -92,7 +92,7 @@ def tag_of(minted_id: str) -> str | None:
 def model_id(session_id: str, model_seq_id: int) -> str:
     """The training client's model id, which is also its training run id.
 
-    The SDK assumes exactly this form for create-via-load (protocol §3.5).
+    The SDK assumes exactly this form for create-via-load.
     """
     return f"{session_id}:train:{model_seq_id}"
 

@@ -200,7 +200,7 @@ class NodeDevices:
     def __init__(self, devices: Sequence[str], *, quantum_s: float) -> None:
         self.pool = DevicePool(devices)
         self.slicers = {name: TimeSlicer(name, quantum_s=quantum_s) for name in devices}
-        # One worker thread per device: engine calls on one device never overlap (STYLE.md §3).
+        # One worker thread per device: engine calls on one device never overlap.
         self.limiters = {name: trio.CapacityLimiter(1) for name in devices}
 
     async def run(self, *, task_status: trio.TaskStatus[NodeDevices] = trio.TASK_STATUS_IGNORED) -> None:

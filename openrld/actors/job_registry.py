@@ -215,7 +215,7 @@ def optimizer_family(config: dict[str, Any]) -> str:
 
 
 def require_full_optimizer(optimizer_config: dict[str, Any]) -> None:
-    """optimizers.md §1.1: Dimuon is defined on LoRA matrices, so a full job is refused it."""
+    """Dimuon is defined on LoRA matrices, so a full job is refused it."""
     family = optimizer_family(optimizer_config)
     if family != "adamw":
         raise BadRequest(
@@ -228,7 +228,7 @@ def require_full_optimizer(optimizer_config: dict[str, Any]) -> None:
 def resumed_optimizer_config(
     path: str, stored: dict[str, Any], requested: dict[str, Any] | None, with_optimizer: bool
 ) -> dict[str, Any]:
-    """The optimizer of a model created from a checkpoint (optimizers.md §1.4).
+    """The optimizer of a model created from a checkpoint.
 
     With optimizer state it is the checkpoint's, and a request for another family is an
     error; without, it is the requested one, else AdamW, whatever the checkpoint used.

@@ -540,7 +540,7 @@ class JobTable:
         fresh = job.first_request(seq_id) is None
         if fresh and batch.loss_fn == "stable_reinforce":
             # Provenance is resolved here, where the records live; a bad span fails the
-            # request's future in its turn (losses.md §1.6), so its seq_id is not orphaned.
+            # request's future in its turn, so its seq_id is not orphaned.
             try:
                 batch = msgspec.structs.replace(
                     batch, data=self._groups.stability.resolve(batch.data, session_of(model_id), trio.current_time())

@@ -41,7 +41,7 @@ are held on the host; weights saved on disk are read by the engine
 most `MAX_LOADED_VERSIONS` versions live in each engine, least recently used
 out first but never one that a live request samples from.
 
-Inflight weights (sampling.md §4.2): per training model, the newest weights
+Inflight weights: per training model, the newest weights
 published by an inflight save are the model's target, numbered 1, 2, ... in the
 order the trainer ran the saves (seq_id order); each number's weights are an
 immutable version named `<model_id>/inflight/<n>`. Only the newest is held on

@@ -1,4 +1,4 @@
-"""Stability records: what the sampler saw, kept for `stable_reinforce` (sampling.md §5, losses.md §3.7).
+"""Stability records: what the sampler saw, kept for `stable_reinforce`.
 
 It owns one node's records, keyed by the sequence ids the server returned in
 `sample_sequence_ids`, and the resolution of a training request's provenance
@@ -10,7 +10,7 @@ it, its sampling session, the base model, the weights version that served it
 (one per sequence: a request binds to one version at admission, so every token
 of the sequence came from it), T / top_k / top_p, the request's prompt ids, the
 sampled ids, and per sampled token the logprob the sampler returned (log q_T,
-sampling.md §3; at T = 1 with no truncation that is the raw model logprob).
+at T = 1 with no truncation that is the raw model logprob).
 The raw T = 1 logprob at T != 1 is not recorded: the loss uses the behaviour
 policy's logprob, which is log q_T.
 
@@ -138,7 +138,7 @@ class StabilityRecords:
             self._tokens -= held[0].size_tokens
 
     def resolve(self, data: Sequence[TrainDatum], session_id: str, now: float) -> list[TrainDatum]:
-        """Check every datum's provenance (losses.md §3.7 validation 1-5) and attach the records.
+        """Check every datum's provenance and attach the records.
 
         Args:
             data: the datums of one stable_reinforce request.

@@ -130,7 +130,7 @@ def _fill_tensor(where: str, target: schema.ProtoMessage, tensor: TensorDataJson
     dtype, wire_dtype = _DTYPES[tensor.dtype]
     values = _array(f"{where}.data", tensor.data, dtype)
     target.dtype = wire_dtype
-    # TensorData's shape is optional; without it the data is one flat vector (§7.2).
+    # TensorData's shape is optional; without it the data is one flat vector.
     target.shape.extend(tensor.shape if tensor.shape is not None else [values.size])
     if tensor.sparse_crow_indices is None and tensor.sparse_col_indices is None:
         target.dense = values.tobytes()

@@ -234,7 +234,7 @@ async def cancel_future(services: Services) -> Response:
 
 
 async def create_custom_loss(services: Services) -> Response:
-    # losses.md §5: refused, not run. The SDK uploads only when the client config says
+    # refused, not run. The SDK uploads only when the client config says
     # custom_loss_server_side=true, which this server never does; a client that uploads
     # anyway is told what works instead.
     caller(services)

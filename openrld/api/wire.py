@@ -1,8 +1,8 @@
 """The JSON bodies of the Tinker API (SDK 0.38.0), and their conversions to engine types.
 
 Owns: one msgspec Struct per JSON request and response body of
-`shared/spec/tinker-protocol.md` §3-§7 (where the spec and the installed SDK
-disagree, the SDK's `tinker/types/` wins); `encode_json` (and `decode_json`, from `media.py`);
+the Tinker HTTP API as the installed SDK speaks it (its `tinker/types/` is the
+reference); `encode_json` (and `decode_json`, from `media.py`);
 and the conversions of request bodies into the plain data of `batches.py`
 (`sample_job_from_request`, `adam_params_from_request`, `lora_spec_from_config`,
 `optimizer_family`). The protobuf half (forward_backward bodies, sample and
@@ -20,7 +20,7 @@ Guarantees:
   for a reply (`"type": "create_model"`). Fields the SDK requires have no
   default. Datetimes must carry a timezone and are written as RFC 3339.
 - An option openrld has not built is refused by name with `NotSupportedYet`,
-  never silently ignored (sampling.md §1.1).
+  never silently ignored.
 
 Never: imports torch or the tinker SDK, does I/O, or decides anything that
 needs server state (which model exists, whose session it is): routes and actors
@@ -73,7 +73,7 @@ def _require_timezone(struct: msgspec.Struct, *names: str) -> None:
             raise ValueError(f"{type(struct).__name__}.{name} must carry a timezone, got {value!r}")
 
 
-# ================================================================ requests: session (§3)
+# ================================================================ requests: session
 
 
 class ClientConfigRequest(RequestBody, frozen=True):
@@ -128,7 +128,7 @@ class TelemetryRequest(RequestBody, frozen=True):
     process_uuid: str
 
 
-# ================================================================ requests: training (§5.1)
+# ================================================================ requests: training
 
 
 class LoraConfig(RequestBody, frozen=True):
@@ -180,7 +180,7 @@ class OptimizerParams(RequestBody, frozen=True):
     eps: float | None = None
     weight_decay: float | None = None
     grad_clip_norm: float | None = None
-    # DimuonParams fields that SDK 0.29.1 sends and 0.38.0 forbids (optimizers.md §4.1).
+    # DimuonParams fields that SDK 0.29.1 sends and 0.38.0 forbids.
     damping: float | None = None
     rank_lr_correction_exponent: float | None = None
 
@@ -262,7 +262,7 @@ class LoadWeightsRequest(RequestBody, frozen=True):
         return self.session_id is not None
 
 
-# ================================================================ requests: sampling (§5.1, §7.1)
+# ================================================================ requests: sampling
 
 
 class ModelInputChunk(RequestBody, frozen=True):
@@ -297,7 +297,7 @@ class SamplingParams(RequestBody, frozen=True):
 
 
 class TensorDataJson(RequestBody, frozen=True):
-    """TensorData in JSON (§7.2): flat `data`, dense or CSR."""
+    """TensorData in JSON: flat `data`, dense or CSR."""
 
     data: list[int | float]
     dtype: Literal["int64", "float32"]
@@ -338,7 +338,7 @@ class JoinSamplingSessionRequest(RequestBody, frozen=True):
     sampling_session_id: str
 
 
-# ================================================================ requests: futures (§4)
+# ================================================================ requests: futures
 
 
 class FutureRetrieveRequest(RequestBody, frozen=True):
@@ -362,7 +362,7 @@ class CancelFutureRequest(RequestBody, frozen=True):
     request_id: str
 
 
-# ================================================================ requests: REST (§5, §10)
+# ================================================================ requests: REST
 
 
 class WeightsInfoRequest(RequestBody, frozen=True):
@@ -443,7 +443,7 @@ class SessionSearchRequest(RequestBody, frozen=True):
     cursor: SessionSearchCursor | None = None
 
 
-# ================================================================ responses: session (§3)
+# ================================================================ responses: session
 
 
 class ClientConfigResponse(ResponseBody, frozen=True):
@@ -514,7 +514,7 @@ class EmptyResponse(ResponseBody, frozen=True):
     """
 
 
-# ================================================================ responses: futures (§4)
+# ================================================================ responses: futures
 
 
 class UntypedAPIFuture(ResponseBody, frozen=True):
@@ -558,7 +558,7 @@ class FuturesRetrieveResponse(ResponseBody, frozen=True):
     cursor: int
 
 
-# ================================================================ responses: training results (§7)
+# ================================================================ responses: training results
 
 
 class CreateModelResponse(ResponseBody, tag_field="type", tag="create_model", frozen=True):
@@ -605,7 +605,7 @@ class LoadWeightsResponse(ResponseBody, tag_field="type", tag="load_weights", fr
     model_id: str | None = None
 
 
-# ================================================================ responses: sampling and REST (§7)
+# ================================================================ responses: sampling and REST
 
 
 class CreateSamplingSessionResponse(ResponseBody, tag_field="type", tag="create_sampling_session", frozen=True):
@@ -788,7 +788,7 @@ class HealthResponse(ResponseBody, tag_field="status", tag="ok", frozen=True):
     version: str | None = None  # openrld's own (the SDK reads only status): the daemon's version, for people and probes
 
 
-# ================================================================ responses: admin and auth (§2, §7.7)
+# ================================================================ responses: admin and auth
 # openrld prices nothing, so the SDK's cost and rate fields (all optional) have no field here.
 
 
@@ -931,7 +931,7 @@ def optimizer_family(config: OptimizerConfigJson, *, field: str = "optimizer_con
 
     Raises:
         BadRequest: any other type, a dimuon version other than 1, or adamw with
-            keys besides `type` (optimizers.md §1.1).
+            keys besides `type`.
     """
     family = config.get("type")
     if family == "adamw":
@@ -950,13 +950,13 @@ def optimizer_family(config: OptimizerConfigJson, *, field: str = "optimizer_con
 def adam_params_from_request(req: OptimStepRequest) -> AdamParams | DimuonParams:
     """The params of one optim_step, AdamParams or DimuonParams by the `type` sent;
     omitted fields take the SDK's defaults. Whether the family matches the model's is
-    the trainer's check, in seq_id order (optimizers.md §2).
+    the trainer's check, in seq_id order.
 
     Raises:
         BadRequest: no params key or more than one, a family other than adamw
             or dimuon, or a value outside torch's AdamW checks (non-finite,
             learning_rate/eps/weight_decay < 0, a beta outside [0, 1)); for dimuon,
-            a missing learning_rate, an AdamW-only field, or a value out of §4.1's ranges.
+            a missing learning_rate, an AdamW-only field, or a value out of its range.
     """
     given = [
         (key, params)
@@ -1043,7 +1043,7 @@ def _check_adam(key: str, adam: AdamParams) -> None:
         value = getattr(adam, name)
         if not 0 <= value < 1:
             raise BadRequest(f"{key}.{name}: expected a value in [0, 1), got {value}", key=f"{key}.{name}")
-    # grad_clip_norm <= 0 means "no clipping" (optimizers.md §2), so any finite value passes.
+    # grad_clip_norm <= 0 means "no clipping", so any finite value passes.
 
 
 # ================================================================ conversions: sampling

@@ -1,4 +1,4 @@
-"""Where a job, a sampling session, a session or a future lives: the job directory of DESIGN.md.
+"""Where a job, a sampling session, a session or a future lives: the cluster's job directory.
 
 This module owns the answer to "which node is home to this id?" for a
 clustered node, and the placements and relays this node made, which it

@@ -15,7 +15,7 @@ Guarantees:
   gradients accumulate until `optim_step`, `forward_only` leaves them alone, and an
   optim_step of another family than the job's is refused with the gradient kept;
 - Dimuon is refused at creation: it is defined on LoRA matrices
-  (`shared/spec/optimizers.md` §1.1, "dimuon needs a LoRA model");
+  ("dimuon needs a LoRA model");
 - checkpoints hold the full weights (`model.safetensors`), and with optimizer state
   the AdamW moments and step counts, so a resume continues the run exactly; their tensor
   files are streamed, a tensor at a time, as the Automodel trainer's are;

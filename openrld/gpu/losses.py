@@ -1,15 +1,15 @@
 """Tinker's built-in losses, as pure functions of the target log-probabilities.
 
-This module owns three things, all from `shared/spec/losses.md`:
+This module owns three things, all as Tinker defines its losses:
 
 - the loss functions. Each takes lp, the trainer's (differentiable) log-probabilities of
   the target tokens, plus the datum constants, and returns `(loss, metrics)`;
 - `validate_request`, which checks a whole `forward_backward` request against the closed
-  registry `LOSSES` before anything runs (§1.3, §1.6, §7);
+  registry `LOSSES` before anything runs;
 - `pack_inputs`, which lays the inputs of several datums end to end so that one call of
   a loss function covers a whole micro-batch.
 
-Notation (§0): for position i, lpᵢ is the trainer's log-probability of `target_tokens[i]`,
+Notation: for position i, lpᵢ is the trainer's log-probability of `target_tokens[i]`,
 qᵢ = `logprobs[i]` (the sampler's), Aᵢ = `advantages[i]`, Δᵢ = lpᵢ − qᵢ, rᵢ = exp(Δᵢ), and
 sg(·) is stop-gradient. Every loss is a plain sum over positions and datums, never a mean.
 
@@ -20,9 +20,9 @@ datum index of each position (None means that all positions belong to one datum)
 
 Guarantees:
 - a position whose coefficient (weight or advantage) is exactly 0 contributes exactly 0
-  to value and gradient, even next to ±inf (§1.4): done with `torch.where`, and the
+  to value and gradient, even next to ±inf: done with `torch.where`, and the
   masked positions' ratio inputs are zeroed too, so that no 0·inf reaches backward;
-- every loss emits the same metric keys every time, all `name:sum` (§1.5);
+- every loss emits the same metric keys every time, all `name:sum`;
 - the loss functions never validate: `validate_request` does, once, on the numpy inputs.
 
 It never touches a model, a device lease or the gradient buffers; the trainer does.
@@ -65,7 +65,7 @@ def cross_entropy(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ℓᵢ = −wᵢ·lpᵢ (or −Σₖ wᵢₖ·lpᵢₖ for (N, K) targets); ∂L/∂lpᵢ = −wᵢ (§2).
+    """ℓᵢ = −wᵢ·lpᵢ (or −Σₖ wᵢₖ·lpᵢₖ for (N, K) targets); ∂L/∂lpᵢ = −wᵢ.
 
     Args:
         lp: target log-probs, any shape; `inputs["weights"]` (optional, default 1) matches it.
@@ -86,7 +86,7 @@ def importance_sampling(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ℓᵢ = −rᵢ·Aᵢ; ∂ℓᵢ/∂lpᵢ = −Aᵢ·rᵢ, nothing detached (§3.1).
+    """ℓᵢ = −rᵢ·Aᵢ; ∂ℓᵢ/∂lpᵢ = −Aᵢ·rᵢ, nothing detached.
 
     Returns:
         (L, {"loss:sum", "tokens:sum"}), tokens = positions with Aᵢ ≠ 0.
@@ -103,7 +103,7 @@ def ppo(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ℓᵢ = −min(rᵢAᵢ, clip(rᵢ, loᵢ, hiᵢ)·Aᵢ), defaults lo = 0.8, hi = 1.2 (§3.2).
+    """ℓᵢ = −min(rᵢAᵢ, clip(rᵢ, loᵢ, hiᵢ)·Aᵢ), defaults lo = 0.8, hi = 1.2.
 
     The gradient is −Aᵢrᵢ, or 0 where the clipped branch is strictly smaller: (A > 0 and
     r > hi) or (A < 0 and r < lo). Per-position `clip_*_threshold` inputs override config.
@@ -122,7 +122,7 @@ def cispo(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ℓᵢ = −sg(clip(rᵢ, loᵢ, hiᵢ))·lpᵢ·Aᵢ, defaults lo = 0.0, hi = 4.0 (§3.3).
+    """ℓᵢ = −sg(clip(rᵢ, loᵢ, hiᵢ))·lpᵢ·Aᵢ, defaults lo = 0.0, hi = 4.0.
 
     ∂ℓᵢ/∂lpᵢ = −clip(rᵢ)·Aᵢ: clipping bounds the coefficient and never zeroes a gradient.
 
@@ -145,7 +145,7 @@ def dro(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ℓᵢ = −(lpᵢ·Aᵢ − ½·β·(lpᵢ − qᵢ)²), default β = 0.05 (§3.5).
+    """ℓᵢ = −(lpᵢ·Aᵢ − ½·β·(lpᵢ − qᵢ)²), default β = 0.05.
 
     ∂ℓᵢ/∂lpᵢ = −Aᵢ + β·(lpᵢ − qᵢ). The quadratic term has no coefficient, so it applies at
     every position, prompt padding included, exactly as documented.
@@ -169,7 +169,7 @@ def gspo(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO-token: ℓᵢ = −min(sᵢAᵢ, clip(sᵢ, loᵢ, hiᵢ)·Aᵢ), defaults 0.8 / 1.2 (§3.6).
+    """GSPO-token: ℓᵢ = −min(sᵢAᵢ, clip(sᵢ, loᵢ, hiᵢ)·Aᵢ), defaults 0.8 / 1.2.
 
     Per datum d with M = {i : sequence_ratio_mask[i] ≠ 0}: S = mean_{i∈M}(sg(lpᵢ) − qᵢ),
     s = exp(S), and sᵢ = exp(S + lpᵢ − sg(lpᵢ)), whose value is s and whose gradient is s.
@@ -204,7 +204,7 @@ def stable_reinforce(
     config: Mapping[str, float],
     segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The §3.7 proposal [P]: CISPO with bounds [0, 4] on sampled tokens, driven by the
+    """openrld's proposal: CISPO with bounds [0, 4] on sampled tokens, driven by the
     server-recorded sampler logprobs q̂, plus κ times the k3 estimator of KL(q‖p).
 
     For i ∈ T (target positions under a SampledProvenanceSpan), with Δᵢ = lpᵢ − q̂ᵢ and
@@ -246,7 +246,7 @@ def _clipped_surrogate(
     ratio: torch.Tensor, advantages: torch.Tensor, active: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ℓᵢ = −min(rᵢAᵢ, clip(rᵢ, loᵢ, hiᵢ)·Aᵢ) summed over the active positions, with the tokens
-    whose clipped branch is strictly smaller counted (PPO's and GSPO's objective, §3.2 and §3.6)."""
+    whose clipped branch is strictly smaller counted (PPO's and GSPO's objective)."""
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
     terms = torch.where(active, -surrogate, 0.0)
     loss = terms.sum()
@@ -257,7 +257,7 @@ def _clipped_surrogate(
 def _thresholds(
     lp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float], defaults: Mapping[str, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lo, hi) per position: the input where given, else the config value, else the default (§3)."""
+    """(lo, hi) per position: the input where given, else the config value, else the default."""
     bounds = []
     for key in THRESHOLD_KEYS:
         per_position = inputs.get(key)
@@ -279,7 +279,7 @@ def _metrics(loss: torch.Tensor, **sums: torch.Tensor) -> dict[str, float]:
 
 
 class LossSpec(msgspec.Struct, frozen=True):
-    """What one loss accepts (§7): its function, input keys, config keys and defaults."""
+    """What one loss accepts: its function, input keys, config keys and defaults."""
 
     fn: LossFn
     required_inputs: tuple[str, ...]
@@ -294,11 +294,11 @@ class LossSpec(msgspec.Struct, frozen=True):
 
 
 PPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-CISPO_DEFAULTS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}  # §3.3: the newest tutorial's one-sided clip
-GSPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # §3.6 [P]: PPO's
-DRO_DEFAULTS = {"beta": 0.05}  # §3.5 [P]: the docs' only example
-STABLE_REINFORCE_DEFAULTS = {"kl_coeff": 0.0}  # §3.7 [P]: no default is documented
-STABLE_REINFORCE_RATIO_CAP = 4.0  # §3.7 [P]: CISPO's default upper bound
+CISPO_DEFAULTS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}  # the newest tutorial's one-sided clip
+GSPO_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # PPO's
+DRO_DEFAULTS = {"beta": 0.05}  # the docs' only example
+STABLE_REINFORCE_DEFAULTS = {"kl_coeff": 0.0}  # no default is documented
+STABLE_REINFORCE_RATIO_CAP = 4.0  # CISPO's default upper bound
 # Inputs the server attaches to stable_reinforce datums from the stability records; a
 # client cannot send them (they are not in any loss's allowed keys).
 RECORDED_INPUTS = ("sampler_logprobs", "sampled_mask")
@@ -361,7 +361,7 @@ class CheckedRequest(msgspec.Struct, frozen=True):
 def validate_request(
     loss_fn: str, data: Sequence[TrainDatum], config: Mapping[str, float | str], *, vocab_size: int
 ) -> CheckedRequest:
-    """Check a whole request against losses.md §1.3 / §1.6 before anything is computed.
+    """Check a whole request against the losses' input rules before anything is computed.
 
     Each datum's N is `len(datum.tokens)`; the caller has checked the model input itself.
 
@@ -519,7 +519,7 @@ def _check_thresholds(
 
 
 def _as_token_ids(where: str, raw: np.ndarray, loss_fn: str) -> np.ndarray:
-    """int64 ids; float arrays are accepted only when every value is integral (§1.3)."""
+    """int64 ids; float arrays are accepted only when every value is integral."""
     values = np.asarray(raw)
     if values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)
@@ -541,7 +541,7 @@ def _as_token_ids(where: str, raw: np.ndarray, loss_fn: str) -> np.ndarray:
 
 
 def _as_floats(where: str, key: str, raw: np.ndarray, loss_fn: str) -> np.ndarray:
-    """float32; integer arrays are widened (§1.3 dtype leniency), anything else refused."""
+    """float32; integer arrays are widened (Tinker's dtype leniency), anything else refused."""
     values = np.asarray(raw)
     if values.dtype.kind not in "iuf":
         raise BadRequest(
@@ -569,7 +569,7 @@ def _position(shape: tuple[int, ...], flat_index: int) -> int | tuple[int, ...]:
 
 
 def check_finite_loss(loss: torch.Tensor, loss_fn: str) -> float:
-    """The loss value, or a user error if it is NaN or ±inf (§1.6), before any backward.
+    """The loss value, or a user error if it is NaN or ±inf, before any backward.
 
     Raises:
         BadRequest: "loss for 'ppo' is not finite (inf); no gradient was applied ...".

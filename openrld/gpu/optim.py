@@ -1,5 +1,6 @@
-"""AdamW exactly as Tinker applies it (`shared/spec/optimizers.md` §2–§3), and Dimuon v1
-(openrld), the labelled proposal of §4.2: its reference implementation is `Dimuon` below.
+"""AdamW exactly as Tinker applies it (the SDK's `AdamParams`: bias-corrected,
+decoupled weight decay), and Dimuon v1
+(openrld's own, labelled as such): its reference implementation is `Dimuon` below.
 
 `AdamW` owns the optimizer state of one set of named tensors (one LoRA adapter): per tensor
 the first and second moments m, v (fp32 or wider) and an integer step count t. It reads
@@ -56,7 +57,7 @@ MOMENTUM = "momentum"
 
 OPTIMIZER_FAMILIES = ("adamw", "dimuon")
 
-# Dimuon v1's internal constants (§4.2): quintic Newton–Schulz coefficients, step count,
+# Dimuon v1's internal constants: quintic Newton–Schulz coefficients, step count,
 # the normalisation epsilon, and the rank that the learning-rate correction refers to.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -65,7 +66,7 @@ DIMUON_REFERENCE_RANK = 32
 
 
 def validate_adam_params(params: AdamParams) -> None:
-    """Raise BadRequest naming the first field that is non-finite or out of range (§2).
+    """Raise BadRequest naming the first field that is non-finite or out of range.
 
     grad_clip_norm ≤ 0 means "no clipping" and is valid.
     """
@@ -136,7 +137,7 @@ class _PerTensorOptimizer(Generic[_StateT]):
 
     def _step(self, params: OptimParams, update: _TensorUpdate) -> dict[str, float]:
         """A step with the accumulated gradients of already validated `params`, then clear them:
-        the global norm and the clipping factor (§3.2 steps 1–2), then `update` of each tensor
+        the global norm and the clipping factor, then `update` of each tensor
         that has a gradient, with its clipped gradient. Returns the metrics and raises the
         non-finite norm as `AdamW.step` says."""
         named = [(name, p) for name, p in self._params.items() if p.grad is not None]
@@ -192,7 +193,7 @@ class AdamW(_PerTensorOptimizer[_Moments]):
         return self._step(params, lambda name, param, grad: self._update(name, param, grad, params))
 
     def _update(self, name: str, param: torch.Tensor, grad: torch.Tensor, hp: AdamParams) -> None:
-        """One tensor's step: t += 1, decay, moments, bias-corrected update (§3.2 step 3)."""
+        """One tensor's step: t += 1, decay, moments, bias-corrected update."""
         moments = self._state.get(name)
         if moments is None:
             moments = _Moments(torch.zeros_like(grad), torch.zeros_like(grad), 0)
@@ -281,7 +282,7 @@ class AdamW(_PerTensorOptimizer[_Moments]):
 def _clip_factor(
     named: list[tuple[str, torch.Tensor]], grad_clip_norm: float
 ) -> tuple[torch.Tensor | None, float]:
-    """The clipping factor (None: no clipping) and the pre-clip global norm (§3.2 steps 1–2,
+    """The clipping factor (None: no clipping) and the pre-clip global norm (one norm
     shared by both families). Each norm is taken in the state dtype without a widened copy of
     the gradient; `_clipped` then widens and scales one gradient at a time.
 
@@ -309,11 +310,11 @@ def _clipped(param: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     return grad * factor.to(grad.dtype)
 
 
-# ---------------------------------------------------------------- Dimuon v1 (openrld), §4.2
+# ---------------------------------------------------------------- Dimuon v1 (openrld)
 
 
 def validate_dimuon_params(params: DimuonParams) -> None:
-    """Raise BadRequest naming the first field that is non-finite or out of range (§4.1)."""
+    """Raise BadRequest naming the first field that is non-finite or out of range."""
     for field in ("learning_rate", "grad_clip_norm", "beta1", "damping", "rank_lr_correction_exponent"):
         value = getattr(params, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -327,7 +328,7 @@ def validate_dimuon_params(params: DimuonParams) -> None:
 
 
 def rank_lr_correction(rank: int, exponent: float) -> float:
-    """κ = (32 / r)^e: one learning-rate factor for every LoRA matrix (§4.2 step 6).
+    """κ = (32 / r)^e: one learning-rate factor for every LoRA matrix.
 
     The sign of the exponent's effect is the spec's proposal ("relative to rank 32" is all
     the docs say); it lives here alone so that it can be replaced in one place.
@@ -349,7 +350,7 @@ def matrix_sign(x: torch.Tensor) -> torch.Tensor:
 
 
 def dimuon_direction(momentum: torch.Tensor, rank: int, damping: float, is_lora_b: bool) -> torch.Tensor:
-    """D for one matrix (or a stack [E, ·, ·] of them): §4.2 steps 3–5, in fp32.
+    """D for one matrix (or a stack [E, ·, ·] of them), in fp32.
 
     Matrices whose momentum is all zero get D = 0 (no update this step).
     """
@@ -397,7 +398,7 @@ class Dimuon(_PerTensorOptimizer[_Momentum]):
         return self._step(params, lambda name, param, grad: self._update(name, param, grad, params))
 
     def _update(self, name: str, param: torch.Tensor, grad: torch.Tensor, hp: DimuonParams) -> None:
-        """One matrix's step: momentum, t += 1, direction, scaled update (§4.2 steps 2–7)."""
+        """One matrix's step: momentum, t += 1, direction, scaled update."""
         # First, before any state changes: κ can overflow for an extreme exponent, and then
         # nothing has moved and the gradients are kept.
         scale = hp.learning_rate * rank_lr_correction(self._rank, hp.rank_lr_correction_exponent)

@@ -2,9 +2,9 @@
 
 What one decode step does to one request's rows once the model has produced
 their logits: q_T (logits/T, then top-k, then top-p, renormalised, as
-`shared/spec/sampling.md` section 1.2 orders it), inverse-CDF draws from
+Tinker's sampler orders them), inverse-CDF draws from
 per-sample uniforms, top-k rows with the SDK's sentinel, and the incremental
-stop-string check of section 1.3. Nothing here holds a model, a cache or a
+stop-string check. Nothing here holds a model, a cache or a
 request; nothing imports trio.
 """
 

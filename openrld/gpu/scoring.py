@@ -612,7 +612,7 @@ class BatchScorer:
 def gradients_set_aside(params: Sequence[torch.nn.Parameter], keep: bool = True) -> Iterator[None]:
     """Run one request's backward passes into fresh gradient buffers. On success the earlier
     buffers are added back in; on any failure they are put back untouched, so a failed
-    request adds nothing (losses.md §1.6), even after some micro-batches backpropagated.
+    request adds nothing, even after some micro-batches backpropagated.
     With `keep=False` the fresh buffers are dropped even on success (a probe's)."""
     earlier = [p.grad for p in params]
     for param in params:

@@ -30,7 +30,7 @@ draw together, whichever request they belong to; so do the first tokens of
 the requests prefilled in one step, and the rows they take join the batch's
 KV cache in one copy.
 
-Sampling follows `shared/spec/sampling.md` sections 1-3 (the math is in
+Sampling follows Tinker's sampling semantics (the math is in
 `sampling_math`): q_T is logits/T, then top-k, then top-p, renormalised, and
 a token's logprob is log q_T in fp32 from the same logits; T = 0 is argmax and
 reports 0.0. Sample i draws one uniform per step from its own CPU generator
@@ -938,7 +938,7 @@ def _uniform_rows(uniforms: torch.Tensor, counts: list[int], width: int) -> torc
 
 
 def _eos_ids(tokenizer: transformers.PreTrainedTokenizerBase, model: torch.nn.Module) -> frozenset[int]:
-    """The tokenizer's EOS plus any EOS ids of the generation config (sampling.md 1.3)."""
+    """The tokenizer's EOS plus any EOS ids of the generation config."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

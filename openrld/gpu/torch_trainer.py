@@ -72,7 +72,7 @@ class _Adapter:
     def __init__(self, spec: LoraSpec, params: dict[str, torch.nn.Parameter], family: str) -> None:
         self.spec = spec
         self.params = params  # peft state-dict key (no adapter name) -> parameter
-        self.family = family  # fixed for the adapter's life (optimizers.md §1.1)
+        self.family = family  # fixed for the adapter's life
         self.optimizer = optimizer_for(family, params, spec.rank)
 
 

@@ -2,12 +2,12 @@
 
 Pure functions and small state, no vLLM import, so all of it is tested without a GPU:
 - `child_params`: one sample of a `SampleJob` as the keyword arguments of
-  `vllm.SamplingParams` (every SamplingParams field of `shared/spec/sampling.md` 1.2-1.5);
+  `vllm.SamplingParams` (every field of the SDK's `SamplingParams`);
 - `AdapterNames`: the unique, never reused vLLM adapter name and int id of each loaded
   weight version, so vLLM's adapter cache can never serve an older version's weights;
 - `to_sample_result`: vLLM's finished outputs (duck-typed `RequestOutput`s) as our
   `SampleResult`, with the logprob, top-k, stop-reason and prompt-scoring rules of
-  sampling.md sections 2-3.
+  Tinker's sampling semantics.
 The engine that uses them is `vllm_sampler.VllmSampler`. Never imports trio.
 """
 
@@ -37,7 +37,7 @@ SEED_MASK = (1 << 63) - 1
 # vLLM's temperature rules (SamplingParams.__post_init__ / _verify_args, 0.30 to 0.33): above 2 it
 # raises VLLMValidationError; a positive temperature below 0.01 (its _MAX_TEMP) it raises to 0.01
 # with only a log line, and would report log q at 0.01. Both are refused here by name
-# (sampling.md 1.1: an option the server cannot honour is a 400, never silently changed).
+# (an option the server cannot honour is a 400, never silently changed).
 VLLM_MAX_TEMPERATURE = 2.0
 VLLM_MIN_TEMPERATURE = 0.01
 # Architectures whose vLLM model class takes no LoRA on the output layer (lm_head is not among
@@ -90,7 +90,7 @@ class ChildParams(msgspec.Struct, frozen=True):
     stop: list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
-    include_stop_str_in_output: bool  # the text keeps the stop string (sampling.md 1.3: nothing is trimmed)
+    include_stop_str_in_output: bool  # the text keeps the stop string (nothing is trimmed)
     logprobs: int  # top-k of each sampled position; 0 still returns the sampled token's logprob
     prompt_logprobs: int | None  # None: no prompt scoring; k: the prompt token plus the top k
     skip_special_tokens: bool  # False: stop strings match the text the torch engine decodes
@@ -356,7 +356,7 @@ def to_sequence(
     for i, token in enumerate(tokens):
         entries = completion.logprobs[i]  # type: ignore[index]
         if greedy:
-            # T = 0 reports 0.0, and its q is a point mass on the token (sampling.md 3).
+            # T = 0 reports 0.0, and its q is a point mass on the token.
             if k:
                 ids[i, 0], lps[i, 0] = token, 0.0
             continue

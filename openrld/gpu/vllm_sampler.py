@@ -15,13 +15,13 @@ How a request maps onto vLLM:
   when asked. A seed reproduces a request that runs alone; batched with others, vLLM's
   kernels give the same bits only in its batch-invariant mode (VLLM_BATCH_INVARIANT=1),
   which this engine does not turn on, so a seed then reproduces up to kernel rounding
-  (sampling.md 1.4: "on GPU as far as the kernels allow").
+  ("on GPU as far as the kernels allow").
 - Every SamplingParams field is translated by `child_params` (a pure function), after
   `check_vllm_limits` refused what vLLM would refuse or silently change (temperature
   above 2, or positive below 0.01). Anything vLLM still refuses at `add` (its
   `VLLMValidationError`, which is not a ValueError) is a BadRequest for that request,
   never an error that reaches the sampler group.
-- Logprobs follow `shared/spec/sampling.md` section 3: sampled tokens report log
+- Logprobs follow Tinker's sampling semantics: sampled tokens report log
   q_T, the distribution actually sampled from (after temperature, top-k and
   top-p, renormalised); prompt scoring reports the raw model at T = 1. vLLM
   reports raw logprobs unless the engine is built with
@@ -236,7 +236,7 @@ class VllmSampler(ServesLoraVersions):
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             max_logprobs=config.max_logprobs,
-            # log q_T for sampled tokens (sampling.md 3); vLLM V1's default, raw_logprobs, is the
+            # log q_T for sampled tokens; vLLM V1's default, raw_logprobs, is the
             # T = 1 model. Processed = log_softmax of the temperature-scaled, top-k/top-p-masked
             # logits: TopKTopPSampler.forward_native in vllm/v1/sample/ops/topk_topp_sampler.py.
             logprobs_mode="processed_logprobs",
@@ -536,7 +536,7 @@ def _free_device_bytes() -> int:
 
 
 def _eos_ids(model_dir: str) -> frozenset[int]:
-    """The tokenizer's EOS plus the generation config's (sampling.md 1.3), as the torch engine reads them."""
+    """The tokenizer's EOS plus the generation config's, as the torch engine reads them."""
     ids: set[int] = set()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.eos_token_id is not None:

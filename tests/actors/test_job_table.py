@@ -301,7 +301,7 @@ async def test_a_stable_reinforce_batch_without_provenance_fails_its_future_not_
 
 
 def rl_datum(sequence_id: str, prompt: list[int], sampled: list[int], advantage: float) -> TrainDatum:
-    """The cookbook's RL datum over one recorded sequence, with its provenance (sampling.md §5)."""
+    """The cookbook's RL datum over one recorded sequence, with its provenance."""
     p, s = len(prompt), len(sampled)
     tokens = prompt + sampled
     return TrainDatum(

@@ -1,4 +1,4 @@
-"""Stability records and provenance resolution (losses.md §3.7 validation, sampling.md §5).
+"""Stability records and provenance resolution.
 
 One recorded sequence "s-a:sample:0:0:0": prompt [5, 6, 7] (P = 3), sampled [8, 9, 2]
 (S = 3) with logprobs [-0.5, -1.0, -1.5]. The cookbook's single-turn datum for it has

@@ -520,7 +520,7 @@ def test_sdk_sample_request_becomes_a_sample_job() -> None:
 
 
 def test_compute_logprobs_request_decodes() -> None:
-    # What SamplingClient.compute_logprobs sends (sampling.md §6).
+    # What SamplingClient.compute_logprobs sends.
     request = sample_request(sampling_params=sdk.SamplingParams(max_tokens=1, temperature=1.0), prompt_logprobs=True)
     job = sample_job(request)
     assert job.prompt_logprobs is True and job.params.max_tokens == 1 and job.prompt_logprobs_last_n is None

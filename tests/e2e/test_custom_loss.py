@@ -1,4 +1,4 @@
-"""Custom losses (losses.md §4, §5): forward_backward_custom runs client-side in the SDK's
+"""Custom losses: forward_backward_custom runs client-side in the SDK's
 two cross_entropy phases; server-side custom losses are refused, naming that alternative."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _datum() -> types.Datum:
 
 
 def squared_logprobs(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-    """C = Σ lp² (losses.md §9 case 4): its gradient in lp is 2·lp."""
+    """C = Σ lp²: its gradient in lp is 2·lp."""
     loss = sum((lp**2).sum() for lp in logprobs)
     return loss, {"custom/tokens:sum": float(sum(lp.numel() for lp in logprobs))}
 

@@ -1,4 +1,4 @@
-"""Inflight sampling clients (sampling.md §4.2) with the real SDK.
+"""Inflight sampling clients with the real SDK.
 
 A fixed continuation is scored with `compute_logprobs` (raw T = 1 logprobs) under each
 client and compared with the trainer's `forward` under the weights of the moment: an

@@ -1,5 +1,5 @@
 """Optimizer families through the real SDK: Dimuon chosen at creation, kept across save and
-resume, and a step of the other family failing as a user error (optimizers.md §1, §2)."""
+resume, and a step of the other family failing as a user error."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Every public method of the installed SDK's clients, called against a real daemon.
 
-The methods are enumerated the way `shared/spec/tinker-methods.txt` was made
-(protocol §12): `dir()` of the `*Client` class named after each module of
+The methods are enumerated as the SDK exposes them: `dir()` of the `*Client` class named after each module of
 `tinker.lib.public_interfaces`, public names only. Each is called with
 meaningful arguments and what came back is checked (the listed checkpoint is
 the one saved, a deleted one is gone, the external weights download and hold
@@ -40,7 +39,7 @@ PASSING_FLOOR = 107  # raise it as methods start to work; never lower it
 
 
 def public_methods() -> list[str]:
-    """`<Class>.<method>` for every public method, as tinker-methods.txt lists them."""
+    """`<Class>.<method>` for every public method, as the SDK's classes hold them."""
     names: list[str] = []
     for module in pkgutil.iter_modules(public_interfaces.__path__):
         class_name = "".join(part.capitalize() for part in module.name.split("_"))

@@ -1,4 +1,4 @@
-"""Dimuon v1 (openrld), optimizers.md §4.2: the reference class and the engine's family rules.
+"""Dimuon v1 (openrld's own): the reference class and the engine's family rules.
 
 Everything runs in fp32 on the CPU. Directions are normalised, so their checks are at 1e-5
 (the spec's bound for ‖D‖_F); parameters after a step are compared at 1e-6.

@@ -1,7 +1,8 @@
-"""The built-in losses against the hand-checked vectors of shared/spec/losses.md §9.
+"""The built-in losses against hand-checked vectors: values and gradients worked out by hand
+from Tinker's loss definitions, printed to six decimals.
 
 Gradients are read by autograd from a leaf lp tensor, as if the model had produced those
-target log-probs. lp is float64 so that the only error left is the spec's rounding to six
+target log-probs. lp is float64 so that the only error left is the vectors' rounding to six
 decimals: hence atol=1e-6 (half an ulp of the printed value is 5e-7).
 """
 
@@ -95,7 +96,7 @@ def test_cross_entropy_2d_weights_from_csr_match_dense():
     # The spec's CSR form of the same weights: row 0 empty, crow [0, 0, 2, 4], col [0, 1, 0, 1].
     values = np.array([0.6, 0.4, 0.25, 0.75], np.float32)
     crow, col = [0, 0, 2, 4], [0, 1, 0, 1]
-    from_csr = np.zeros((3, 2), np.float32)  # unlisted cells are 0 (losses.md §1.3)
+    from_csr = np.zeros((3, 2), np.float32)  # unlisted cells are 0
     for row in range(3):
         for j in range(crow[row], crow[row + 1]):
             from_csr[row, col[j]] = values[j]

@@ -1,7 +1,7 @@
-"""AdamW against the hand-checked vectors of losses.md §9 case 4 and against torch's own.
+"""AdamW against hand-checked vectors and against torch's own.
 
 Tolerances: the scalar vectors are checked in float64 at 1e-9 (the spec gives ten digits
-for p₂); parity with torch.optim.AdamW is 1e-6 relative, as optimizers.md §3.2 asks (the
+for p₂); parity with torch.optim.AdamW is 1e-6 relative (the
 two differ only in float32 reduction order of the gradient norm).
 """
 

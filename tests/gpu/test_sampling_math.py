@@ -1,7 +1,7 @@
 """sampling_math's top-k without a full sort, against the full stable sort it replaces.
 
 The reference is `torch.sort(..., descending=True, stable=True)`: its first k columns are
-the k best by value with ties by id ascending (sampling.md section 2's order). Inputs are
+the k best by value with ties by id ascending (the SDK's order). Inputs are
 built with ties on purpose (values drawn from a few levels), so that the tie-breaking is
 what is tested; the comparison is exact, since both pick the same entries of one tensor.
 """
@@ -56,7 +56,7 @@ def test_top_k_q_equals_the_sorted_definition(top_p: float) -> None:
     logits = tied_rows(8, 300, 40, seed=3) * 6
     params = SamplingSpec(temperature=0.7, top_k=20, top_p=top_p)
     got = processed_logprobs(logits, params)
-    # The definition (sampling.md 1.2) over a full stable sort: keep the first 20, then top-p.
+    # The definition over a full stable sort: keep the first 20, then top-p.
     sorted_logits, order = torch.sort(logits / 0.7, dim=-1, descending=True, stable=True)
     keep = torch.zeros_like(sorted_logits, dtype=torch.bool)
     keep[:, :20] = True
@@ -71,7 +71,7 @@ def test_top_k_q_equals_the_sorted_definition(top_p: float) -> None:
 
 
 def top_p_definition(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """sampling.md 1.2's top-p over a full stable sort: the smallest set reaching top_p, renormalised."""
+    """Top-p by its definition, over a full stable sort: the smallest set reaching top_p, renormalised."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     keep = (torch.cumsum(probs, dim=-1) - probs) < top_p

@@ -1,4 +1,4 @@
-"""stable_reinforce: the loss math of losses.md §3.7 [P] and its validation.
+"""stable_reinforce: openrld's proposed loss math and its validation.
 
 The vectors are the spec's case 2 (§9): lp = [−1, −0.5, −2], q̂ = [−1.2, −0.4, −1],
 A = [1, −1, 0.5], every position sampled. With κ = 0 the loss is CISPO with bounds

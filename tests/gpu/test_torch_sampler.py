@@ -1,4 +1,4 @@
-"""TorchSampler against sampling.md sections 1-3, on tiny Llama and Qwen3 models on the CPU.
+"""TorchSampler against Tinker's sampling semantics, on tiny Llama and Qwen3 models on the CPU.
 
 References are plain Hugging Face forwards over the whole sequence (no KV
 cache), loaded separately from the sampler. Tolerances, all fp32:

@@ -4,7 +4,7 @@ Owns: decoding a `POST /api/v1/forward_backward` body (protobuf
 `ForwardBackwardRequest`, possibly `Content-Encoding: zstd`) into a
 `ForwardBackwardBatch`, and encoding a `ForwardBackwardResult` or a
 `SampleResult` as the protobuf payload that `retrieve_future` serves
-(protocol §1.3, §6; losses.md "Dtypes", "CSR", "Missing shape").
+(dtypes, CSR, a missing shape).
 
 Guarantees: every array handed on is a fresh, owned, native-endian numpy array
 of the dtype `batches.py` promises (tokens and `target_tokens` int64, every
@@ -56,7 +56,7 @@ _FLOAT_DTYPE = np.dtype("<f4")
 
 PROTOBUF_MEDIA_TYPE = media.PROTOBUF
 TARGET_TOKENS = "target_tokens"
-# The SDK keeps the part after the last ":" and expects "ArrayRecord" (protocol §6).
+# The SDK keeps the part after the last ":" and expects "ArrayRecord".
 OUTPUT_TYPE = "ArrayRecord"
 LOGPROBS_FIELD = "logprobs"
 _STOP_REASONS: dict[str, StopReason] = {"stop": StopReason.STOP, "length": StopReason.LENGTH}
@@ -131,7 +131,7 @@ def forward_backward_ids(
 
     For the route's failure path: when `decode_forward_backward` refuses a body,
     the seq_id it carried must still count as done, or every later request of
-    that training client waits behind the gap (protocol §3.5). Returns None when
+    that training client waits behind the gap. Returns None when
     the envelope itself is unreadable.
     """
     try:
@@ -280,7 +280,7 @@ class _CellBudget:
 
 def _decode_datum(where: str, datum: schema.ProtoMessage, csr_budget: _CellBudget) -> TrainDatum:
     # Provenance spans are decoded for every loss but only stable_reinforce reads them;
-    # the other losses accept and ignore them (losses.md §1.6).
+    # the other losses accept and ignore them.
     tokens = _decode_model_input(where, datum.model_input)
     inputs = {
         name: _decode_loss_input(f"{where}.loss_fn_inputs[{name!r}]", name, tensor, csr_budget)
@@ -344,7 +344,7 @@ def _decode_loss_input(
 ) -> np.ndarray:
     values = _decode_tensor(where, tensor, csr_budget)
     if name != TARGET_TOKENS:
-        # Every other input is a float; integer arrays are converted (losses.md "Dtype leniency").
+        # Every other input is a float; integer arrays are converted.
         return values.astype(np.float32)
     if values.dtype.kind == "f":
         whole = np.isfinite(values) & (values == np.trunc(values))
@@ -376,7 +376,7 @@ def _decode_tensor(where: str, tensor: schema.ProtoMessage, csr_budget: _CellBud
         # An unset encoding reads as empty dense bytes, which the shape check then judges.
         values = _from_buffer(f"{where}.dense", tensor.dense, wire)
         if not shape:
-            shape = [values.size]  # no shape means 1-D (losses.md "Missing shape")
+            shape = [values.size]  # no shape means 1-D
         if math.prod(shape) != values.size:
             raise BadRequest(
                 f"{where}: dense data holds {values.size} elements but shape {shape} "

@@ -2,7 +2,7 @@
 
 Owns: the proto3 file descriptor `tinker_public.proto` (package `tinker_public`)
 that the tinker SDK 0.38.0 speaks on the forward_backward and retrieve_future
-paths (`shared/spec/tinker_public.proto.txt`, protocol §6), registered in a
+paths (the SDK's `tinker/proto/` messages), registered in a
 private `DescriptorPool`, and one message class per message type.
 
 Guarantees: field numbers, scalar types, labels, real oneofs, proto3 `optional`

@@ -1,4 +1,4 @@
-"""Which node a new job goes to: candidates from the cluster view, ranked by the rules of DESIGN.md.
+"""Which node a new job goes to: candidates from the cluster view, ranked by fit.
 
 This module owns the ranking and the placer's memory of its own recent
 placements; it never books anything. The chosen node's device pool
