@@ -313,10 +313,13 @@ class JobTable:
 
     def _own_group_lost(self, job: Job, detail: str) -> None:
         """The trainer engine of `job`'s own group was lost (its process, or a rank of it, died):
-        the job is over, its group ends (freeing its devices), and its later calls fail with `detail`."""
+        the job is over, its group ends (freeing its devices), and its later calls fail with `detail`
+        and the job's last checkpoint, what it resumes from (as a job lost with its node is told)."""
         if self._jobs.remove(job.model_id) is None:
             return  # already ended (its session finished)
-        self._lost[job.model_id] = detail
+        checkpoint = self._store.checkpoints.last(job.model_id, ids.CheckpointKind.WEIGHTS)
+        restore = f"its last checkpoint is {checkpoint.tinker_path}" if checkpoint is not None else "it saved no checkpoint"
+        self._lost[job.model_id] = f"{detail}; {restore}"
         self._sampling.drop_group(job.model_id)
         self._groups.end(job.model, job.model_id, detail)
 

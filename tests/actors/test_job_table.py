@@ -490,8 +490,19 @@ async def test_a_job_whose_own_groups_trainer_is_lost_is_over_and_its_later_call
     await wait_until(lambda: not node.jobs.is_running(model_id), within_s=SETTLE_S, poll_s=0.01)
     with pytest.raises(Gone) as caught:
         node.jobs.forward_backward(OWNER, model_id, 2, batch(20))
-    assert caught.value.detail == LOST_DETAIL
+    assert caught.value.detail == f"{LOST_DETAIL}; it saved no checkpoint"
     assert len(node.engines.trainers) == 1  # not rebuilt: the job is over
+
+
+async def test_a_lost_jobs_410_names_its_last_checkpoint_to_resume_from(node: Node):
+    model_id = await node.new_model(user_metadata={"openrl.exclusive": "true"})
+    await save(node, model_id, 1, "first")
+    last = await save(node, model_id, 2, "second")
+    await node.failed(node.jobs.forward_backward(OWNER, model_id, 3, batch(10, loss_fn=LOST_LOSS)))
+    await wait_until(lambda: not node.jobs.is_running(model_id), within_s=SETTLE_S, poll_s=0.01)
+    with pytest.raises(Gone) as caught:
+        node.jobs.forward_backward(OWNER, model_id, 4, batch(20))
+    assert caught.value.detail == f"{LOST_DETAIL}; its last checkpoint is {last}"
 
 
 async def test_a_lora_job_whose_trainer_is_lost_stays_resident_on_a_rebuilt_trainer(node: Node):
