@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import zstandard
@@ -41,6 +42,8 @@ from openrld.batches import (
     TrainDatum,
 )
 from openrld.errors import BadRequest, NotSupportedYet, ServerError
+
+T = TypeVar("T")
 
 # Wire element types. The SDK writes raw `numpy.tobytes()` on little-endian hosts,
 # so every dtype is spelled little-endian explicitly.
@@ -156,16 +159,7 @@ def forward_backward_model_id(body: bytes, content_encoding: str | None, *, max_
     refuses any body naming a model its caller does not own. None: no model_id,
     or the body is not readable that far (the route that decodes it says why).
     """
-    encoding = (content_encoding or "identity").strip().lower()
-    if len(body) > max_body_bytes or encoding not in ("identity", "zstd"):
-        return None
-    try:
-        if encoding == "identity":
-            return _first_string_field(io.BytesIO(body), _MODEL_ID_FIELD, max_body_bytes)
-        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            return _first_string_field(reader, _MODEL_ID_FIELD, max_body_bytes)
-    except (zstandard.ZstdError, UnicodeDecodeError, _Truncated):
-        return None
+    return _read_head(body, content_encoding, max_body_bytes, _first_string_field, _MODEL_ID_FIELD)
 
 
 _MODEL_ID_FIELD = 1  # ForwardBackwardRequest.model_id
@@ -181,15 +175,24 @@ def forward_backward_seq_id(body: bytes, content_encoding: str | None, *, max_bo
     """The seq_id of a forward_backward body, read as `forward_backward_model_id` reads its model_id (the SDK
     writes it second, right after model_id); 0 when the body has none (protobuf's default), None when
     the body is not readable that far. For the relay, which keeps a request in seq_id order for replay."""
+    return _read_head(body, content_encoding, max_body_bytes, _first_varint_field, _SEQ_ID_FIELD)
+
+
+def _read_head(
+    body: bytes, content_encoding: str | None, max_body_bytes: int, read_field: Callable[[Any, int, int], T], number: int,
+) -> T | None:
+    """`read_field(reader, number, max_body_bytes)` over `body`, decompressed only as far as it reads;
+    None when the body is over its limit, in an encoding other than identity or zstd, or not
+    readable that far."""
     encoding = (content_encoding or "identity").strip().lower()
     if len(body) > max_body_bytes or encoding not in ("identity", "zstd"):
         return None
     try:
         if encoding == "identity":
-            return _first_varint_field(io.BytesIO(body), _SEQ_ID_FIELD, max_body_bytes)
+            return read_field(io.BytesIO(body), number, max_body_bytes)
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            return _first_varint_field(reader, _SEQ_ID_FIELD, max_body_bytes)
-    except (zstandard.ZstdError, _Truncated):
+            return read_field(reader, number, max_body_bytes)
+    except (zstandard.ZstdError, UnicodeDecodeError, _Truncated):
         return None
 
 
