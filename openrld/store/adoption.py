@@ -76,14 +76,7 @@ class Adoption:
         if manifest is None:
             return None
         with transaction(self._db.conn):
-            run = self._runs.get(manifest.run_id)
-            if run is None:
-                self._runs.insert_from_manifest(manifest)
-            elif run.owner != manifest.owner:
-                logger.warning(
-                    "checkpoint_root=%s tinker_path=%s: not adopted: its manifest's owner differs from run %s's here",
-                    self._files.root, path.uri, run.run_id,
-                )
+            if not self._has_run_of(manifest, f"tinker_path={path.uri}", "its manifest's"):
                 return None
             self._checkpoints.insert_from_manifest(manifest)
         logger.info("checkpoint_root=%s tinker_path=%s owner=%s: adopted", self._files.root, path.uri, manifest.owner)
@@ -97,16 +90,24 @@ class Adoption:
             The run's row; None when this node has a run of that id with another owner (logged).
         """
         with transaction(self._db.conn):
-            row = self._runs.get(run.run_id)
-            if row is None:
-                self._runs.insert_from_manifest(run)
-            elif row.owner != run.owner:
-                logger.warning(
-                    "checkpoint_root=%s model_id=%s: not adopted: its auto-save's owner differs from the run's here",
-                    self._files.root, run.run_id,
-                )
+            if not self._has_run_of(run, f"model_id={run.run_id}", "its auto-save's"):
                 return None
         return self._runs.get(run.run_id)
+
+    def _has_run_of(self, manifest: CheckpointManifest, what: str, whose: str) -> bool:
+        """Whether this node has `manifest`'s run under its owner, inserting the run's row if it has none;
+        False (logged: `what` is not adopted, `whose` owner differs) when a run of that id here has
+        another owner. In the caller's transaction."""
+        row = self._runs.get(manifest.run_id)
+        if row is None:
+            self._runs.insert_from_manifest(manifest)
+        elif row.owner != manifest.owner:
+            logger.warning(
+                "checkpoint_root=%s %s: not adopted: %s owner differs from run %s's here",
+                self._files.root, what, whose, manifest.run_id,
+            )
+            return False
+        return True
 
     def adopt_checkpoint(self, path: TinkerPath) -> CheckpointRow | None:
         """On a shared root, the rows of a checkpoint another node wrote, inserted from its manifest.
