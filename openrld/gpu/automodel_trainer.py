@@ -79,9 +79,9 @@ import torch
 import torch.distributed as dist
 
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, LoraSpec, SyncStats
-from openrld.engine_types import ParkReport, ResumeReport, StateSnapshot
+from openrld.engine_types import StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound, NotSupportedYet
-from openrld.gpu import checkpoint, delta, full_io, lora_io, train_steps
+from openrld.gpu import checkpoint, delta, full_io, lora_io, offload, train_steps
 from openrld.gpu.automodel_model import ShardSizes, export_peft, load_sharded
 from openrld.gpu.automodel_optim import ShardedAdamW, WholeDimuon
 from openrld.gpu.automodel_park import StorageSlot, fsdp_module_tensors
@@ -133,7 +133,7 @@ class AutomodelStatistics(msgspec.Struct, frozen=True):
     last_save: list[StreamStatistics] = []
 
 
-class AutomodelTrainer(train_steps.TrainsInPasses):
+class AutomodelTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
     """One job's trainer over the ranks of a group; every call runs on every rank alike."""
 
     _last_save: tuple[StreamStatistics, ...] = ()  # the last full fine-tuning save's files (`_save_full`)
@@ -386,23 +386,9 @@ class AutomodelTrainer(train_steps.TrainsInPasses):
         logger.info("automodel job loaded model_id=%s checkpoint=%s with_optimizer=%s", name, directory, with_optimizer)
 
     # ------------------------------------------------------------ time-slicing
-
-    def park(self) -> ParkReport:
-        """Empty this rank's device storages to host memory (every rank parks its own; rank 0's
-        report reaches the daemon); compute refuses until `resume`. Accumulated gradients stay.
-
-        Raises:
-            EngineParked: already parked.
-        """
-        return self._slot.park()
-
-    def resume(self) -> ResumeReport:
-        """Refill this rank's storages, bit for bit. Raises EngineParked if not parked."""
-        return self._slot.resume()
-
-    @property
-    def is_parked(self) -> bool:
-        return self._slot.is_parked
+    # park, resume and is_parked are `offload.ParksInSlot`'s: each rank empties its own device storages
+    # to host memory and refills them bit for bit (rank 0's report reaches the daemon); accumulated
+    # gradients stay.
 
     @property
     def last_sync(self) -> SyncStats | None:

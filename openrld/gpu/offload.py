@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -209,6 +209,12 @@ class Slot(Generic[Held]):
     def is_parked(self) -> bool:
         return self._parked is not None
 
+    def park(self) -> ParkReport:
+        raise NotImplementedError  # each slot moves its own kind of device state
+
+    def resume(self) -> ResumeReport:
+        raise NotImplementedError
+
     def require_resident(self, operation: str) -> None:
         """Raises EngineParked if parked: compute on parked state would run on the host, or on nothing."""
         if self._parked is not None:
@@ -265,17 +271,18 @@ class ParkSlot(Slot[Parked]):
 
 
 class ParksInSlot:
-    """`park`, `resume` and `is_parked` of an engine whose `_slot` (a ParkSlot) knows its device state.
+    """`park`, `resume` and `is_parked` of an engine whose `_slot` (a ParkSlot or StorageSlot) knows
+    its device state.
 
     A mixin with no state of its own, so that the delegation is written once: the engine
     names what to move when it makes its slot, and these are its time-slicer calls.
     """
 
-    _slot: ParkSlot
+    _slot: Slot[Any]
 
     def park(self) -> ParkReport:
-        """Drop caches and move the engine's device state to pinned host memory (`ParkSlot.park`);
-        compute refuses until `resume`.
+        """Move the engine's device state to host memory (`ParkSlot.park` drops caches first;
+        `StorageSlot.park` empties a sharded rank's storages); compute refuses until `resume`.
 
         Raises:
             EngineParked: already parked.  CannotPark: a cache cannot be dropped yet (a request decodes).
