@@ -182,12 +182,9 @@ class JobTable:
     ) -> tuple[str, str]:
         """Start a LoRA job, or a full fine-tuning job (openrl.fine_tuning_type=full) in a group of
         its own; returns (request_id, model_id). A retry returns the first request."""
-        session = self._sessions.owned(owner, session_id)
-        model_id = ids.model_id(session_id, model_seq_id)
-        first = self._first_create(model_id)
+        session, model_id, first = self._created(owner, session_id, model_seq_id)
         if first is not None:
             return first, model_id
-        _refuse_finished(session)
         if self._store.runs.get(model_id) is not None:
             raise Conflict(f"model {model_id} already exists")
         job_settings_value, _client_metadata = job_settings.parse_settings(
@@ -228,12 +225,9 @@ class JobTable:
         optimizer_config: dict[str, Any] | None,
     ) -> tuple[str, str]:
         """create_training_client_from_state[_with_optimizer]: a new job named as the SDK expects."""
-        session = self._sessions.owned(owner, session_id)
-        model_id = ids.model_id(session_id, model_seq_id)
-        first = self._first_create(model_id)
+        _, model_id, first = self._created(owner, session_id, model_seq_id)
         if first is not None:
             return first, model_id
-        _refuse_finished(session)
         tinker_path, source_dir, source_run = readable_checkpoint(self._store, owner, path)
         if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
@@ -323,10 +317,20 @@ class JobTable:
         self._sampling.drop_group(job.model_id)
         self._groups.end(job.model, job.model_id, detail)
 
-    def _first_create(self, model_id: str) -> str | None:
-        """The request that created resident job `model_id` (seq_id 0), for a retried create."""
+    def _created(self, owner: str, session_id: str, model_seq_id: int) -> tuple[SessionRow, str, str | None]:
+        """(session, model_id, the request that created it) for a retried create of resident job
+        `model_id` (its seq_id 0 remembered); else (session, model_id, None), the session live and `owner`'s.
+
+        Raises:
+            NotFound: no such session of `owner`'s.  Gone: a job to create in a finished session.
+        """
+        session = self._sessions.owned(owner, session_id)
+        model_id = ids.model_id(session_id, model_seq_id)
         job = self._jobs.get(model_id)
-        return job.first_request(0) if job is not None else None
+        first = job.first_request(0) if job is not None else None
+        if first is None:
+            _refuse_finished(session)
+        return session, model_id, first
 
     async def _open_and_submit(self, job: Job, first_op: TrainOp) -> None:
         try:
