@@ -27,7 +27,6 @@ import torch
 from openrld.batches import LoraSpec
 from openrld.engine_types import SamplerEngine, TrainerEngine, WeightPayload
 from openrld.gpu.devices import group_device
-from openrld.gpu.gguf_convert import GgufConverter
 from openrld.gpu.models import pick_dtype
 from openrld.model_catalog import ModelEntry
 from openrld.worker import builtin
@@ -37,6 +36,8 @@ from openrld.worker.protocol import Role, Scalar, Start
 from openrld.worker.values import local_payload
 
 if TYPE_CHECKING:
+    # Types only: the gguf package is the daemon's, not in a worker's environment (.venv-automodel).
+    from openrld.gpu.gguf_convert import GgufConverter
     from openrld.gpu.vllm_sampler import VllmSamplerConfig
 
 
