@@ -4,10 +4,10 @@ Everything here decodes, authenticates and routes; state lives in the actors.
 
 Errors. Every `{"detail": ...}` body the node sends is `wire.error_body`'s, and an
 OpenrldError's status, body and headers (`fastpath.error_headers`) are made in one place,
-`fastpath.error_reply`, as a `fastpath.Reply`. What each layer answers goes through it:
+`fastpath.error_reply`, as an `asgi.Reply`. What each layer answers goes through it:
 a quart route's errors here (`error_response`, `response_of`), the hot routes' and the
-gate's in `fastpath.py` and `gate.py`, the relay's in `cluster/relay.py` (and the
-peer client's own `detail_answer`). Only `http1.py` answers without a `Reply`, for a
+gate's in `fastpath.py` and `gate.py`, the relay's and the peer client's in `cluster/`
+(a peer's reply is a `Reply` too). Only `http1.py` answers without a `Reply`, for a
 request that never reached the app (unparsable, or its head too long or too slow), with
 `wire.error_body` too. An unexpected exception answers 500 for its request alone, and
 the daemon keeps serving everyone else.
@@ -38,9 +38,10 @@ from openrld.actors.sessions import SessionTable
 from openrld.actors.span_members import SpanMembers
 from openrld.actors.usage import UsageMeter
 from openrld.api import media, wire
+from openrld.api.asgi import Reply, detail_reply
 from openrld.api.auth import Authenticator, user_in
 from openrld.api.capabilities import DeviceSummary
-from openrld.api.fastpath import FastPath, Handler, Reply, detail_reply, error_reply
+from openrld.api.fastpath import FastPath, Handler, error_reply
 from openrld.api.gate import Gate
 from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import UNMATCHED_ENDPOINT, HttpCounters, RequestMetrics

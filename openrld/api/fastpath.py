@@ -18,8 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 import trio
 
-from openrld.api import wire
-from openrld.api.asgi import Unread, read_body, send_reply
+from openrld.api.asgi import Reply, Unread, detail_reply, read_body, send_whole
 from openrld.api.auth import SCOPE_USER
 from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import RequestMetrics
@@ -42,22 +41,8 @@ class Call(msgspec.Struct, frozen=True):
     accept: str | None = None  # picks the form of a result that has two (api/media.py)
 
 
-class Reply(msgspec.Struct, frozen=True):
-    body: bytes
-    content_type: str = "application/json"
-    status: int = 200
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-
-
 Handler = Callable[[Call], Awaitable[Reply]]
 T = TypeVar("T")
-
-_json = msgspec.json.Encoder()
-
-
-def json_reply(value: Any, status: int = 200) -> Reply:
-    return Reply(_json.encode(value), status=status)
-
 
 class FastPath:
     """ASGI: POST routes in `routes` are served directly; everything else goes to `fallback`."""
@@ -162,17 +147,8 @@ def error_headers(error: OpenrldError) -> tuple[tuple[bytes, bytes], ...]:
     return ()
 
 
-def detail_reply(status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Reply:
-    return Reply(wire.error_body(detail), status=status, headers=headers)
-
-
 def error_reply(error: OpenrldError) -> Reply:
     return detail_reply(error.status, error.detail, error_headers(error))
-
-
-async def send_whole(send: Callable, reply: Reply) -> None:
-    """`reply` sent as one ASGI response, its Content-Type first."""
-    await send_reply(send, reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
 
 
 def _text(value: bytes | None) -> str | None:

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from openrld.api.asgi import Reply, detail_reply, send_whole
 from openrld.api.auth import SCOPE_USER, Authenticator
-from openrld.api.fastpath import Reply, detail_reply, error_reply, send_whole
+from openrld.api.fastpath import error_reply
 from openrld.api.http1 import ASGIApp
 from openrld.api.metrics import RequestMetrics
 from openrld.errors import OpenrldError

@@ -27,7 +27,8 @@ from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import forward_json, media, result_json, wire
 from openrld.api.app import Services, caller, json_response, request_body
-from openrld.api.fastpath import Call, Reply, json_reply
+from openrld.api.asgi import Reply, json_reply
+from openrld.api.fastpath import Call
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
 from openrld.errors import BadRequest, NotSupportedYet, UnsupportedMediaType, UserError
 

@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 import trio
 
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.cluster.membership.table import Member
-from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 
 
 class FanOut(msgspec.Struct, frozen=True):
@@ -41,16 +41,16 @@ class PageQuery(msgspec.Struct, frozen=True):
     member_query: bytes  # what each member is asked: the same query, from 0 to offset + limit
 
 
-def page_query(query_string: bytes, default_limit: int) -> PageQuery | Answer:
+def page_query(query_string: bytes, default_limit: int) -> PageQuery | Reply:
     """The page a list request asks for, or the 400 that says what is wrong with it."""
     query = dict(pair.split("=", 1) for pair in query_string.decode().split("&") if "=" in pair)
     try:
         limit = int(query.get("limit", str(default_limit)))
         offset = int(query.get("offset", "0"))
     except ValueError:
-        return detail_answer(400, "limit and offset must be integers")
+        return detail_reply(400, "limit and offset must be integers")
     if limit < 1 or offset < 0:
-        return detail_answer(400, f"limit must be >= 1 and offset >= 0, got limit={limit} offset={offset}")
+        return detail_reply(400, f"limit must be >= 1 and offset >= 0, got limit={limit} offset={offset}")
     member_query = "&".join(f"{k}={v}" for k, v in {**query, "limit": str(offset + limit), "offset": "0"}.items())
     return PageQuery(limit, offset, member_query.encode())
 
@@ -66,7 +66,7 @@ def item_time(value: Any) -> datetime:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuery) -> Answer:
+def merge_pages(pages: Iterable[Reply], key: str, order_by: str, page: PageQuery) -> Reply:
     """One page from the members' pages: see the module docstring."""
     items: dict[str, dict] = {}
     total = 0
@@ -81,18 +81,18 @@ def merge_pages(pages: Iterable[Answer], key: str, order_by: str, page: PageQuer
             items.setdefault(item.get("training_run_id") or item.get("tinker_path"), item)
     merged = sorted(items.values(), key=lambda item: item_time(item.get(order_by)), reverse=True)
     cursor = {"offset": page.offset, "limit": page.limit, "total_count": total}
-    return json_answer(200, {key: merged[page.offset : page.offset + page.limit], "cursor": cursor})
+    return json_reply({key: merged[page.offset : page.offset + page.limit], "cursor": cursor})
 
 
 async def fan_out(
-    scope: dict, spec: FanOut, members: Iterable[Member], ask: Callable[[Member, dict], Awaitable[Answer]]
-) -> Answer:
+    scope: dict, spec: FanOut, members: Iterable[Member], ask: Callable[[Member, dict], Awaitable[Reply]]
+) -> Reply:
     """The list `scope` asks for, merged by `spec` from every live member; `ask(member, scope)` gets one's page."""
     page = page_query(scope.get("query_string", b""), spec.default_limit)
-    if isinstance(page, Answer):
+    if isinstance(page, Reply):
         return page
     member_scope = {**scope, "query_string": page.member_query}
-    pages: list[Answer] = []
+    pages: list[Reply] = []
 
     async def one(member: Member) -> None:
         pages.append(await ask(member, member_scope))

@@ -20,10 +20,11 @@ import httpx
 from openrld.actors.jobs import JobTable
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
+from openrld.api.asgi import Reply
 from openrld.api.http1 import ASGIApp
 from openrld.cluster.directory import Directory
 from openrld.cluster.membership.node import MembershipNode
-from openrld.cluster.peer_client import Answer, PeerClient, RelayCounters, relay_key
+from openrld.cluster.peer_client import PeerClient, RelayCounters, relay_key
 from openrld.cluster.placement import ClusterPlacer
 from openrld.cluster.relay import Relay
 from openrld.cluster.replay import MAX_KEPT_PER_JOB, Journal
@@ -67,7 +68,7 @@ class ClusterNode:
             # A relayed retrieve_future long-polls at the home node for up to longpoll_s.
             relay_timeout_s=config.longpoll_s + RELAY_MARGIN_S,
         )
-        self._placer: ClusterPlacer[Answer] = ClusterPlacer(self.directory, counters, config.accept_jobs)
+        self._placer: ClusterPlacer[Reply] = ClusterPlacer(self.directory, counters, config.accept_jobs)
         self._config = config
         self._sessions = sessions
         self._resolve_model = resolve_model

@@ -9,8 +9,10 @@ push-pull has its own, `membership/peer_client.py`). It owns the shared
 crosses the network in plain HTTP from a node that speaks TLS, and the relay
 counters for /metrics. It keeps no state of its own and makes no decision:
 the relay says where a request goes, `placement/` which node is offered
-a job. A peer that does not answer is an `Answer` (503 naming the node), never
-an exception, so that one dead member fails only the calls that needed it.
+a job. A peer's answer is an `asgi.Reply`, the one reply type every layer
+sends, with the peer's headers kept as they came (its `content_type` None). A peer
+that does not answer is a Reply too (503 naming the node), never an exception, so
+that one dead member fails only the calls that needed it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import httpx
 import msgspec
 import trio
 
-from openrld.api.wire import error_body
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.cluster.membership.table import Member
 
 logger = logging.getLogger(__name__)
@@ -69,14 +71,6 @@ _DROPPED_REQUEST_HEADERS = {b"host", b"content-length", b"connection", b"transfe
 _DROPPED_RESPONSE_HEADERS = {"content-length", "connection", "transfer-encoding", "content-encoding", "keep-alive"}
 
 
-class Answer(msgspec.Struct, frozen=True):
-    """An HTTP answer as the relay passes it back: from a peer, from this node's app, or its own."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]  # lower-case names, without content-length (the sender sets it)
-    body: bytes
-
-
 class Located(msgspec.Struct, frozen=True):
     """The body of a locate answer."""
 
@@ -86,14 +80,6 @@ class Located(msgspec.Struct, frozen=True):
 class LocateQuery(msgspec.Struct, frozen=True):
     kind: str  # "model" or "sampler"
     id: str
-
-
-def json_answer(status: int, value: object, headers: list[tuple[bytes, bytes]] | None = None) -> Answer:
-    return Answer(status, [(b"content-type", b"application/json"), *(headers or [])], msgspec.json.encode(value))
-
-
-def detail_answer(status: int, detail: str) -> Answer:
-    return Answer(status, [(b"content-type", b"application/json")], error_body(detail))
 
 
 def relay_key(secret: str) -> bytes:
@@ -122,13 +108,13 @@ class PeerClient:
     async def relay(
         self, member: Member, scope: dict, body: bytes, what: str, *,
         extra_headers: Iterable[tuple[str, str]] = (), connect_timeout_s: float = CONNECT_S,
-    ) -> Answer:
+    ) -> Reply:
         """The ASGI request `scope` with `body`, sent to `member` with the caller's own headers; `what` names
         the id it is about, for the 503 when the member cannot be reached."""
         if self._tls and not member.peer_url.startswith("https://"):
             # The caller's key crosses the network with the request; under TLS it never goes in plain text.
             self._counters.unreachable += 1
-            return detail_answer(
+            return detail_reply(
                 503, f"{what} lives on node {member.name}, which serves plain HTTP ({member.peer_url}) while this "
                 "node uses TLS; give every node of the cluster tls_certfile and tls_keyfile"
             )
@@ -146,7 +132,7 @@ class PeerClient:
         except httpx.HTTPError as exc:
             self._counters.unreachable += 1
             logger.warning("relay failed node=%s id=%s: %s", member.name, what, exc)
-            return detail_answer(
+            return detail_reply(
                 503, f"{what} lives on node {member.name}, which {RELAY_FAILED} ({type(exc).__name__}); retry, or "
                 "wait until the cluster declares it dead"
             )
@@ -155,7 +141,7 @@ class PeerClient:
             for k, v in response.headers.multi_items()
             if k.lower() not in _DROPPED_RESPONSE_HEADERS
         ]
-        return Answer(response.status_code, kept, response.content)
+        return Reply(response.content, content_type=None, status=response.status_code, headers=tuple(kept))
 
     async def locate(self, members: Iterable[Member], kind: str, some_id: str) -> str | None:
         """The first of `members` (live ones other than this node are asked) that says it is home to `some_id`."""
@@ -181,14 +167,14 @@ class PeerClient:
         return found[0] if found else None
 
 
-def answer_locate(method: str, body: bytes | None, tag: str, key: bytes, is_here: Callable[[LocateQuery], bool]) -> Answer:
+def answer_locate(method: str, body: bytes | None, tag: str, key: bytes, is_here: Callable[[LocateQuery], bool]) -> Reply:
     """This node's answer to a member's locate query (`body`: None when it was not read whole)."""
     if body is None or method != "POST":
-        return detail_answer(400, "locate takes a small POST body")
+        return detail_reply(400, "locate takes a small POST body")
     if not hmac.compare_digest(sign(key, body), tag):
-        return detail_answer(403, "locate needs a tag made with the cluster secret")
+        return detail_reply(403, "locate needs a tag made with the cluster secret")
     try:
         query = msgspec.json.decode(body, type=LocateQuery)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return detail_answer(400, f"invalid locate body: {exc}")
-    return json_answer(200, Located(here=is_here(query)))
+        return detail_reply(400, f"invalid locate body: {exc}")
+    return json_reply(Located(here=is_here(query)))

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from openrld.actors.sessions import SessionSnapshot
-from openrld.api.asgi import replay
+from openrld.api.asgi import Reply, detail_reply, replay
 from openrld.cluster.body_ids import Call
 from openrld.cluster.directory import Directory, Home, Where
 from openrld.cluster.membership.messages import MemberState
@@ -30,10 +30,8 @@ from openrld.cluster.peer_client import (
     CONNECT_S,
     DEAD_CONNECT_S,
     RELAY_FAILED,
-    Answer,
     PeerClient,
     RelayCounters,
-    detail_answer,
 )
 from openrld.cluster.relayed_session import session_headers
 
@@ -67,7 +65,7 @@ class Reach:
         self._counters = counters  # ids lost with their node
         self._session_snapshot = session_snapshot
 
-    async def to(self, call: Call, home: Home, what: str) -> Answer | None:
+    async def to(self, call: Call, home: Home, what: str) -> Reply | None:
         """`call` sent to `home`; None where this node answers it (the home is here, or unknown)."""
         if home.where in (Where.LOCAL, Where.UNKNOWN):
             return None
@@ -83,13 +81,13 @@ class Reach:
             return self.unadopted(what, home)
         return await self.forward(call, home.member, what)
 
-    def unadopted(self, what: str, home: Home) -> Answer:
+    def unadopted(self, what: str, home: Home) -> Reply:
         """The answer for a call to a lost job that no survivor has adopted: 503 while one may yet (the SDK
         retries), else 410 naming the node and what to restore from."""
         if is_adoptable(home) and not _gave_up(home):
-            return detail_answer(503, _adopting_detail(what, home))
+            return detail_reply(503, _adopting_detail(what, home))
         self._counters.lost += 1
-        return detail_answer(410, _lost_detail(what, home))
+        return detail_reply(410, _lost_detail(what, home))
 
     async def adopted_home(self, model_id: str, lost: Home) -> Home | None:
         """The home of job `model_id` once a survivor has adopted it (this node, or a live member);
@@ -104,7 +102,7 @@ class Reach:
                 return None
             await trio.sleep(ADOPTION_POLL_S)
 
-    async def if_it_answers(self, call: Call, home: Home, what: str) -> Answer | None:
+    async def if_it_answers(self, call: Call, home: Home, what: str) -> Reply | None:
         """A node declared dead may have been only slow (a loaded machine, a short partition): if it still
         answers at once, its answer stands and the job is not lost. A node that left is gone for good."""
         assert home.member is not None
@@ -113,7 +111,7 @@ class Reach:
         answer = await self.forward(call, home.member, what, connect_timeout_s=DEAD_CONNECT_S)
         return None if answer.status == 503 and RELAY_FAILED in answer.body.decode(errors="replace") else answer
 
-    async def forward(self, call: Call, member: Member, what: str, connect_timeout_s: float = CONNECT_S) -> Answer:
+    async def forward(self, call: Call, member: Member, what: str, connect_timeout_s: float = CONNECT_S) -> Reply:
         """`call` relayed to `member`; a creating request carries its caller's session, signed."""
         snapshot = self._session_snapshot(call.session_id) if call.session_id else None
         extra = session_headers(snapshot, self._key) if snapshot is not None else []
@@ -121,17 +119,17 @@ class Reach:
             member, call.scope, call.body, what, extra_headers=extra, connect_timeout_s=connect_timeout_s
         )
 
-    def asker(self, call: Call, what: str) -> Callable[[Member, dict], Awaitable[Answer]]:
+    def asker(self, call: Call, what: str) -> Callable[[Member, dict], Awaitable[Reply]]:
         """Asks one member, this node included, `call` under another scope (a list's page, a finish)."""
 
-        async def ask(member: Member, scope: dict) -> Answer:
+        async def ask(member: Member, scope: dict) -> Reply:
             if member.name == self._directory.local_name:
                 return await self.local(scope, call.body)
             return await self.forward(replace(call, scope=scope), member, what)
 
         return ask
 
-    async def local(self, scope: dict, body: bytes) -> Answer:
+    async def local(self, scope: dict, body: bytes) -> Reply:
         """Run a request through this node's own app and keep its answer."""
         answer: dict[str, Any] = {"headers": [], "body": b""}
 
@@ -144,7 +142,7 @@ class Reach:
 
         await self._inner(scope, replay(body), capture)
         headers = [(k, v) for k, v in answer["headers"] if k != b"content-length"]
-        return Answer(answer.get("status", 500), headers, answer["body"])
+        return Reply(answer["body"], content_type=None, status=answer.get("status", 500), headers=tuple(headers))
 
 
 def is_adoptable(home: Home) -> bool:

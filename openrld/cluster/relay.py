@@ -47,7 +47,7 @@ import trio
 from openrld import ids, settings as job_settings
 from openrld.actors.model_status import lost_status
 from openrld.api import wire
-from openrld.api.asgi import Unread, read_body, replay, send_reply
+from openrld.api.asgi import Reply, Unread, detail_reply, json_reply, read_body, replay, send_whole
 from openrld.api.auth import user_in
 from openrld.api.fastpath import NO_CAPACITY_HEADER, error_reply, until_disconnect
 from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
@@ -58,15 +58,12 @@ from openrld.cluster.peer_client import (
     LOCATE_PATH as LOCATE_PATH,
     LOCATE_TAG_HEADER as LOCATE_TAG_HEADER,
     RELAYED_HEADER as RELAYED_HEADER,
-    Answer,
     LocateQuery,
     PeerClient,
     RelayCounters,
     answer_locate,
-    detail_answer,
-    json_answer,
 )
-from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply, needs_of_note, needs_of_settings
+from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply as Offered, needs_of_note, needs_of_settings
 from openrld.cluster.reach import Reach, is_adoptable
 from openrld.cluster.relayed_session import (
     SESSION_HEADER as SESSION_HEADER,
@@ -116,7 +113,7 @@ class Relay:
         *,
         directory: Directory,
         peers: PeerClient,
-        placement: ClusterPlacer[Answer],
+        placement: ClusterPlacer[Reply],
         key: bytes,
         counters: RelayCounters,
         user_for: Callable[[str | None], str],
@@ -173,16 +170,16 @@ class Relay:
             body = await read_body(receive, self._max_body_bytes)
             tag = _header(headers, LOCATE_TAG_HEADER.encode()) or ""
             readable = body if isinstance(body, bytes) else None
-            await _send(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
+            await send_whole(send, answer_locate(scope["method"], readable, tag, self._key, self._is_here))
             return
         body = await read_body(receive, self._max_body_bytes)
         if body is Unread.DISCONNECTED:
             return  # the client went away mid-body: nothing is relayed, nobody is answered
         if body is Unread.TOO_LARGE:
-            await _send(send, detail_answer(413, f"request body over {self._max_body_bytes} bytes"))
+            await send_whole(send, detail_reply(413, f"request body over {self._max_body_bytes} bytes"))
             return
         call = Call(scope, headers, body, params)
-        answer: Answer | None
+        answer: Reply | None
         try:
             if route.fan_out is not None:
                 user_in(scope, _header(headers, b"x-api-key"), self._user_for)  # a bad key is refused here, once, not by every member
@@ -196,29 +193,28 @@ class Relay:
             else:
                 answer = await self._route(route.home, call)
         except OpenrldError as error:
-            reply = error_reply(error)
-            answer = Answer(reply.status, [(b"content-type", reply.content_type.encode()), *reply.headers], reply.body)
+            answer = error_reply(error)
         except Exception as error:  # one request's failure is its own; the daemon keeps serving
             logger.exception("unhandled error in the relay path=%s", scope["path"])
-            answer = detail_answer(500, f"internal error: {type(error).__name__}")
+            answer = detail_reply(500, f"internal error: {type(error).__name__}")
         if answer is None:
             await self._inner(scope, replay(body, then=receive), send)
         else:
-            await _send(send, answer)
+            await send_whole(send, answer)
 
-    async def _route_boxed(self, home_by: HomeBy, call: Call) -> tuple[Answer | None]:
+    async def _route_boxed(self, home_by: HomeBy, call: Call) -> tuple[Reply | None]:
         """`_route`'s answer in a box, so that None (answer here) differs from no answer at all."""
         return (await self._route(home_by, call),)
 
-    async def _route(self, home_by: HomeBy, call: Call) -> Answer | None:
+    async def _route(self, home_by: HomeBy, call: Call) -> Reply | None:
         """The answer from another node, or None: this node answers."""
         return await self._routers[home_by](self, call)
 
-    async def _to_body_model(self, call: Call) -> Answer | None:
+    async def _to_body_model(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         return await self._to_model(call, ref.model_id, ref) if ref is not None and ref.model_id is not None else None
 
-    async def _load_weights(self, call: Call) -> Answer | None:
+    async def _load_weights(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         if ref is None:
             return None
@@ -227,7 +223,7 @@ class Relay:
             return await self._restore(call, ref)
         return await self._to_model(call, ref.model_id, ref) if ref.model_id is not None else None
 
-    async def _save_for_sampler(self, call: Call) -> Answer | None:
+    async def _save_for_sampler(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         if ref is None or ref.model_id is None:
             return None
@@ -237,7 +233,7 @@ class Relay:
             self._directory.record(sampler_id, self._home_name(ref.model_id))
         return answer
 
-    async def _to_minter(self, call: Call) -> Answer | None:
+    async def _to_minter(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         kept = self._replay.kept(call, ref)
         if kept is not None and ref is not None and ref.request_id is not None:
@@ -245,7 +241,7 @@ class Relay:
         minted = ref.request_id or ref.session_id if ref is not None else None
         return await self._reach.to(call, self._directory.tagged(minted), minted) if minted else None
 
-    async def _to_body_sampler(self, call: Call) -> Answer | None:
+    async def _to_body_sampler(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         sampler_id = ref.sampling_session_id if ref is not None else None
         if not sampler_id:
@@ -257,15 +253,15 @@ class Relay:
         if home.where is Where.LOST and home.member is not None:
             moved = await self._replay.sampler_home(sampler_id, home.member.name)
             if moved is None:
-                return detail_answer(503, f"sampling session {sampler_id} waits for its job's adopter: retry")
+                return detail_reply(503, f"sampling session {sampler_id} waits for its job's adopter: retry")
             if isinstance(moved, str):
-                return detail_answer(410, moved)
+                return detail_reply(410, moved)
             home = moved
         if home.where is Where.REMOTE:
             return await self._replay.send_sample(call, sampler_id, home)
         return await self._reach.to(call, home, sampler_id)
 
-    async def _create_sampler(self, call: Call) -> Answer | None:
+    async def _create_sampler(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         if ref is None or ref.session_id is None or ref.sampling_session_seq_id is None:
             return None
@@ -279,29 +275,29 @@ class Relay:
             self._replay.created(sampler_id, call)  # made again elsewhere if that node dies (replay.py)
         return answer
 
-    async def _recreate_sampler(self, call: Call) -> Answer | None:
+    async def _recreate_sampler(self, call: Call) -> Reply | None:
         """A create_sampling_session routed again, its sampler's node having died (replay.py)."""
         return await self._create_sampler(call)
 
-    async def _to_body_checkpoint(self, call: Call) -> Answer | None:
+    async def _to_body_checkpoint(self, call: Call) -> Reply | None:
         ref = body_ids(call, self._max_body_bytes)
         tinker_path = ref.tinker_path if ref is not None else None
         return await self._to_run_of(call, tinker_path, lost_here=True) if tinker_path else None
 
-    async def _to_session(self, call: Call) -> Answer | None:
+    async def _to_session(self, call: Call) -> Reply | None:
         session_id = call.params["session_id"]
         if not session_id.startswith("s-"):
             return None  # not a session id this cluster minted: this node says what is wrong with it
         return await self._reach.to(call, self._directory.tagged(session_id), session_id)
 
-    async def _finish_session(self, call: Call) -> Answer | None:
+    async def _finish_session(self, call: Call) -> Reply | None:
         session_id = call.params["session_id"]
         return await self._finish_everywhere(call, session_id) if session_id.startswith("s-") else None
 
-    async def _to_path_sampler(self, call: Call) -> Answer | None:
+    async def _to_path_sampler(self, call: Call) -> Reply | None:
         return await self._to_sampler(call, call.params["sampler_id"])
 
-    async def _model_status(self, call: Call) -> Answer | None:
+    async def _model_status(self, call: Call) -> Reply | None:
         model_id = call.params["model_id"]
         home = await self._model_home(model_id)
         if home.where is Where.LOST:
@@ -309,18 +305,18 @@ class Relay:
             return answer if answer is not None else self._lost_status(call, model_id, home)
         return await self._reach.to(call, home, model_id)
 
-    async def _to_path_run(self, call: Call) -> Answer | None:
+    async def _to_path_run(self, call: Call) -> Reply | None:
         run_id = call.params["run_id"]
         home = await self._model_home(run_id)
         return None if home.where is Where.LOST else await self._reach.to(call, home, run_id)
 
-    async def _to_path_model(self, call: Call) -> Answer | None:
+    async def _to_path_model(self, call: Call) -> Reply | None:
         return await self._to_model(call, call.params["run_id"])
 
     async def _here(self, call: Call) -> None:
         return None
 
-    async def _to_member(self, call: Call) -> Answer | None:
+    async def _to_member(self, call: Call) -> Reply | None:
         """`/openrl/v1/node?node=<name>` goes to that member; without a name, or this node's, it is answered here."""
         name = urllib.parse.parse_qs(call.scope.get("query_string", b"").decode()).get("node", [""])[0]
         if name in ("", self._directory.local_name):
@@ -328,12 +324,12 @@ class Relay:
         user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)  # a bad key is refused here
         member = next((m for m in self._directory.members() if m.name == name), None)
         if member is None:
-            return detail_answer(404, f"no cluster member {name!r}")
+            return detail_reply(404, f"no cluster member {name!r}")
         if not member.is_alive:
-            return detail_answer(410, f"node {name} is {member.state.name.lower()}")
+            return detail_reply(410, f"node {name} is {member.state.name.lower()}")
         return await self._reach.forward(call, member, name)
 
-    async def _finish_everywhere(self, call: Call, session_id: str) -> Answer:
+    async def _finish_everywhere(self, call: Call, session_id: str) -> Reply:
         """A session finishes at its home, and then on every member that holds jobs of it (placed there),
         so that their own groups end and free their devices too."""
         home = self._directory.tagged(session_id)
@@ -370,7 +366,7 @@ class Relay:
         home = self._directory.model(model_id)
         return home.member.name if home.member is not None else self._directory.local_name
 
-    async def _to_model(self, call: Call, model_id: str, ref: Ids | None = None) -> Answer | None:
+    async def _to_model(self, call: Call, model_id: str, ref: Ids | None = None) -> Reply | None:
         home = await self._model_home(model_id)
         if ref is not None and ref.seq_id is not None and call.scope["path"] in KEPT_PATHS:
             # A training request (replay.py): what was kept for a dead home is replayed on the adopter
@@ -390,7 +386,7 @@ class Relay:
                 return await self._replay.send(call, ref, home)
         return await self._reach.to(call, home, model_id)
 
-    async def _to_run_of(self, call: Call, path: str, *, lost_here: bool) -> Answer | None:
+    async def _to_run_of(self, call: Call, path: str, *, lost_here: bool) -> Reply | None:
         """A request about a checkpoint goes to its run's home; a lost home's checkpoints may be read here
         (a shared checkpoint root), so with `lost_here` this node answers."""
         run_id = _run_of(path)
@@ -401,13 +397,13 @@ class Relay:
             return None
         return await self._reach.to(call, home, run_id)
 
-    async def _to_sampler(self, call: Call, sampler_id: str) -> Answer | None:
+    async def _to_sampler(self, call: Call, sampler_id: str) -> Reply | None:
         home = await self._home("sampler", sampler_id, self._directory.sampler)
         return await self._reach.to(call, home, sampler_id)
 
     # ------------------------------------------------------------ creating requests: placed (placement/)
 
-    async def _place(self, call: Call) -> Answer | None:
+    async def _place(self, call: Call) -> Reply | None:
         """create_model: offer the job to the ranked nodes until one takes it."""
         try:
             req = msgspec.json.decode(call.body, type=wire.CreateModelRequest)
@@ -427,10 +423,10 @@ class Relay:
         needs = needs_of_settings(settings, base_model)
         refusal = self._placement.too_large(needs)
         if refusal is not None:
-            return detail_answer(400, refusal)
+            return detail_reply(400, refusal)
         return await self._offer(call, needs, ids.model_id(req.session_id, req.model_seq_id))
 
-    async def _base_model_sampler(self, call: Call, ref: Ids, sampler_id: str) -> Answer | None:
+    async def _base_model_sampler(self, call: Call, ref: Ids, sampler_id: str) -> Reply | None:
         """A sampling session of a base model: here, unless this node takes no jobs; then placed like a LoRA job."""
         if self._accept_jobs or ref.base_model is None:
             return None
@@ -443,7 +439,7 @@ class Relay:
             self._replay.created(sampler_id, call)  # placed again if that node dies (replay.py)
         return answer
 
-    async def _restore(self, call: Call, ref: Ids) -> Answer | None:
+    async def _restore(self, call: Call, ref: Ids) -> Reply | None:
         """create_training_client_from_state: where the checkpoint's run lives; if that node is lost,
         placed anew like create_model (the node that takes it reads the checkpoint from the shared root)."""
         run_id = _run_of(ref.path or "")
@@ -456,33 +452,33 @@ class Relay:
             return await self._reach.to(call, self._directory.tagged(ref.session_id), ref.session_id)
         return await self._offer(call, needs_of_note(home.note), ids.model_id(ref.session_id, ref.model_seq_id))
 
-    async def _offer(self, call: Call, needs: JobNeeds, created_id: str) -> Answer | None:
+    async def _offer(self, call: Call, needs: JobNeeds, created_id: str) -> Reply | None:
         """Offer a job-creating request to the ranked nodes in turn; the first that has room answers."""
 
-        async def ask(member: Member) -> tuple[Reply, Answer]:
+        async def ask(member: Member) -> tuple[Offered, Reply]:
             if member.name == self._directory.local_name:
                 answer = await self._reach.local(call.scope, call.body)
             else:
                 answer = await self._reach.forward(call, member, created_id)
-            if any(k == NO_CAPACITY_HEADER for k, _ in answer.headers):
-                return Reply.NO_ROOM, answer
-            return (Reply.TAKEN if answer.status == 200 else Reply.FAILED), answer
+            if answer.header(NO_CAPACITY_HEADER) is not None:
+                return Offered.NO_ROOM, answer
+            return (Offered.TAKEN if answer.status == 200 else Offered.FAILED), answer
 
         answer = await self._placement.offer(needs, created_id, ask)
         if answer is not None or self._accept_jobs:
             return answer
-        return detail_answer(
+        return detail_reply(
             503, f"no node of the cluster can take {created_id} ({needs.base_model}) now: none has a free or shareable device"
         )
 
-    def _lost_status(self, call: Call, model_id: str, home: Home) -> Answer:
+    def _lost_status(self, call: Call, model_id: str, home: Home) -> Reply:
         user = user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)
         note = home.note
         if note is None or note.owner != user:
-            return detail_answer(404, f"no model {model_id!r}")
-        return json_answer(200, lost_status(model_id, note))
+            return detail_reply(404, f"no model {model_id!r}")
+        return json_reply(lost_status(model_id, note))
 
-    _routers: ClassVar[dict[HomeBy, Callable[[Relay, Call], Awaitable[Answer | None]]]] = {
+    _routers: ClassVar[dict[HomeBy, Callable[[Relay, Call], Awaitable[Reply | None]]]] = {
         HomeBy.HERE: _here,
         HomeBy.LOCATE: _here,  # answered before a route is looked for (see __call__)
         HomeBy.PLACED: _place,
@@ -507,11 +503,6 @@ class Relay:
         home = self._directory.model(query.id) if query.kind == "model" else self._directory.sampler(query.id)
         return home.where is Where.LOCAL
 
-    # ------------------------------------------------------------ plumbing
-
-
-async def _send(send: Callable, answer: Answer) -> None:
-    await send_reply(send, answer.status, answer.headers, answer.body)
 
 
 def _run_of(path: str) -> str | None:

@@ -50,11 +50,12 @@ import trio
 
 from openrld import ids
 from openrld.api import media
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.autosave import latest_autosave
 from openrld.cluster.body_ids import Call, Ids
 from openrld.cluster.directory import Directory, Home, Where
 from openrld.cluster.membership.table import Member
-from openrld.cluster.peer_client import RELAY_FAILED, Answer, RelayCounters, detail_answer, json_answer
+from openrld.cluster.peer_client import RELAY_FAILED, RelayCounters
 from openrld.cluster.reach import ADOPTION_GIVE_UP_S, ADOPTION_HOLD_S, ADOPTION_POLL_S, Reach
 from openrld.errors import BadRequest
 
@@ -251,7 +252,7 @@ class Replay:
         root: Path | None,
         spawn: Callable[..., None] | None = None,
         journal: Journal | None = None,
-        recreate: Callable[[Call], Awaitable[Answer | None]] | None = None,
+        recreate: Callable[[Call], Awaitable[Reply | None]] | None = None,
     ) -> None:
         self._recreate = recreate  # a create_sampling_session routed again (the relay's own routing)
         self._reach = reach
@@ -275,7 +276,7 @@ class Replay:
         note = home.member.payload.job_notes.get(model_id)
         return note is None or note.autosave_steps > 0
 
-    async def send(self, call: Call, ref: Ids, home: Home) -> Answer:
+    async def send(self, call: Call, ref: Ids, home: Home) -> Reply:
         """A training request relayed to `home`, kept until it is read and covered. If the home does not
         answer (it is dying), the request waits for the job's adopter and is answered from there."""
         assert home.member is not None and ref.model_id is not None and ref.seq_id is not None
@@ -290,7 +291,7 @@ class Replay:
         if _unreachable(answer):
             await self.recover(model_id, home.member.name)
             if kept.lost is not None:
-                return detail_answer(410, kept.lost)
+                return detail_reply(410, kept.lost)
             if kept.target != home.member.name and kept.target_id is not None:
                 return _future_answer(kept.target_id, model_id)
             return answer
@@ -309,14 +310,14 @@ class Replay:
             return None
         return self.journal.lookup(ref.request_id)
 
-    async def retrieve(self, call: Call, kept: Kept, polled_id: str) -> Answer:
+    async def retrieve(self, call: Call, kept: Kept, polled_id: str) -> Reply:
         """retrieve_future of a kept request: from its live copy, wherever that is now."""
         deadline = trio.current_time() + ADOPTION_HOLD_S
         while True:
             if kept.lost is not None:
-                return detail_answer(410, kept.lost)
+                return detail_reply(410, kept.lost)
             member = self._directory.member(kept.target)
-            answer: Answer | None = None
+            answer: Reply | None = None
             if kept.target_id is not None and member is not None and (member.is_alive or kept.target == self._local):
                 live = call if kept.target_id == polled_id else _with_request_id(call, kept.target_id)
                 answer = await self._send(member, live, kept.model_id)
@@ -326,7 +327,7 @@ class Replay:
                         self._check_covered(kept)
                     return _with_answer_id(answer, kept.target_id, polled_id)
             if trio.current_time() >= deadline:
-                return answer if answer is not None else detail_answer(
+                return answer if answer is not None else detail_reply(
                     503, f"request {polled_id} waits for model {kept.model_id}'s adopter: retry"
                 )
             recovered = await (self._recover_sample(kept) if kept.is_sample else self.recover(kept.model_id, kept.target))
@@ -335,7 +336,7 @@ class Replay:
 
     # ------------------------------------------------------------ samples
 
-    async def send_sample(self, call: Call, sampler_id: str, home: Home) -> Answer:
+    async def send_sample(self, call: Call, sampler_id: str, home: Home) -> Reply:
         """A sample relayed to its sampler's home, kept until its result is read. A home that does not
         answer (it is dying) is waited for as for a training request, and the sample goes to the new one."""
         assert home.member is not None
@@ -345,7 +346,7 @@ class Replay:
             if moved is None:
                 return answer
             if isinstance(moved, str):
-                return detail_answer(410, moved)
+                return detail_reply(410, moved)
             home = moved
             if home.where is Where.LOCAL:
                 answer = await self._reach.local(call.scope, call.body)
@@ -413,7 +414,7 @@ class Replay:
             self._counters.replayed += 1
         return True
 
-    async def _send_home(self, home: Home, call: Call, what: str) -> Answer:
+    async def _send_home(self, home: Home, call: Call, what: str) -> Reply:
         assert home.member is not None
         return await self._reach.forward(call, home.member, what)
 
@@ -514,7 +515,7 @@ class Replay:
     def _local(self) -> str:
         return self._directory.local_name
 
-    async def _send(self, member: Member, call: Call, what: str) -> Answer:
+    async def _send(self, member: Member, call: Call, what: str) -> Reply:
         if member.name == self._local:
             return await self._reach.local(call.scope, call.body)
         return await self._reach.forward(call, member, what)
@@ -524,12 +525,12 @@ def _gave_up(member: Member) -> bool:
     return trio.current_time() >= member.state_since_s + ADOPTION_GIVE_UP_S
 
 
-def _unreachable(answer: Answer) -> bool:
+def _unreachable(answer: Reply) -> bool:
     return answer.status == 503 and RELAY_FAILED.encode() in answer.body
 
 
-def _json(answer: Answer) -> dict | None:
-    if not any(k == b"content-type" and v.startswith(b"application/json") for k, v in answer.headers):
+def _json(answer: Reply) -> dict | None:
+    if not (answer.header(b"content-type") or b"").startswith(b"application/json"):
         return None
     try:
         value = msgspec.json.decode(answer.body)
@@ -538,19 +539,19 @@ def _json(answer: Answer) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _request_id_of(answer: Answer) -> str | None:
+def _request_id_of(answer: Reply) -> str | None:
     body = _json(answer)
     request_id = body.get("request_id") if body is not None else None
     return request_id if isinstance(request_id, str) else None
 
 
-def _detail_of(answer: Answer) -> str:
+def _detail_of(answer: Reply) -> str:
     body = _json(answer)
     detail = body.get("detail") if body is not None else None
     return f"{answer.status}: {detail}" if isinstance(detail, str) else str(answer.status)
 
 
-def _is_final(answer: Answer) -> bool:
+def _is_final(answer: Reply) -> bool:
     """A retrieve_future answer that ends the client's polling: a result or a failure, not 'try again'."""
     if answer.status == 408 or answer.status >= 500:
         return False
@@ -558,8 +559,8 @@ def _is_final(answer: Answer) -> bool:
     return body is None or (body.get("type") != "try_again" and body.get("status") != "complete_metadata")
 
 
-def _future_answer(request_id: str, model_id: str) -> Answer:
-    return json_answer(200, {"request_id": request_id, "model_id": model_id})
+def _future_answer(request_id: str, model_id: str) -> Reply:
+    return json_reply({"request_id": request_id, "model_id": model_id})
 
 
 def _with_request_id(call: Call, request_id: str) -> Call:
@@ -578,7 +579,7 @@ def _with_request_id(call: Call, request_id: str) -> Call:
     return replace(call, scope={**call.scope, "headers": headers}, body=msgspec.json.encode(body))
 
 
-def _with_answer_id(answer: Answer, live_id: str, polled_id: str) -> Answer:
+def _with_answer_id(answer: Reply, live_id: str, polled_id: str) -> Reply:
     """The answer as for the id the client polls: a 'try again' names the request id it was asked about."""
     if live_id == polled_id:
         return answer
@@ -586,4 +587,4 @@ def _with_answer_id(answer: Answer, live_id: str, polled_id: str) -> Answer:
     if body is None or body.get("request_id") != live_id:
         return answer
     body["request_id"] = polled_id
-    return Answer(answer.status, answer.headers, msgspec.json.encode(body))
+    return msgspec.structs.replace(answer, body=msgspec.json.encode(body))

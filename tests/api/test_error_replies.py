@@ -6,9 +6,9 @@ from __future__ import annotations
 import trio
 
 from openrld.api.app import error_response, response_of
-from openrld.api.asgi import replay
+from openrld.api.asgi import Reply, detail_reply, replay
 from openrld.api.auth import Authenticator
-from openrld.api.fastpath import Call, FastPath, Reply, detail_reply
+from openrld.api.fastpath import Call, FastPath
 from openrld.api.gate import Gate
 from openrld.api.metrics import RequestMetrics
 from openrld.api.routes import TABLE

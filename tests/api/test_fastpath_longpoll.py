@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import trio
 
-from openrld.api.fastpath import Call, FastPath, Reply
+from openrld.api.asgi import Reply
+from openrld.api.fastpath import Call, FastPath
 from openrld.errors import NotFound
 
 PATH = "/api/v1/retrieve_future"

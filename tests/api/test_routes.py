@@ -5,9 +5,9 @@ from __future__ import annotations
 import trio
 
 from openrld.api import rest, tinker
-from openrld.api.asgi import replay
+from openrld.api.asgi import Reply, replay
 from openrld.api.auth import SCOPE_USER, Authenticator
-from openrld.api.fastpath import Call, FastPath, Reply
+from openrld.api.fastpath import Call, FastPath
 from openrld.api.gate import Gate
 from openrld.api.metrics import RequestMetrics
 from openrld.api.routes import ROUTES, TABLE

@@ -7,19 +7,19 @@ from datetime import UTC, datetime
 import msgspec
 import pytest
 
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.cluster.list_fanout import PageQuery, item_time, merge_pages, page_query
-from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 
 
-def page(runs: list[dict], total: int | None = None) -> Answer:
-    return json_answer(200, {"training_runs": runs, "cursor": {"offset": 0, "limit": 20, "total_count": total or len(runs)}})
+def page(runs: list[dict], total: int | None = None) -> Reply:
+    return json_reply({"training_runs": runs, "cursor": {"offset": 0, "limit": 20, "total_count": total or len(runs)}})
 
 
 def run(run_id: str, time: str) -> dict:
     return {"training_run_id": run_id, "last_request_time": time}
 
 
-def merged(*pages: Answer, limit: int = 20, offset: int = 0) -> dict:
+def merged(*pages: Reply, limit: int = 20, offset: int = 0) -> dict:
     answer = merge_pages(pages, "training_runs", "last_request_time", PageQuery(limit, offset, b""))
     assert answer.status == 200
     return msgspec.json.decode(answer.body)
@@ -59,9 +59,9 @@ def test_an_item_listed_by_two_members_is_kept_once_and_totals_add_up():
 
 
 def test_a_members_4xx_is_the_answer_and_a_5xx_is_left_out():
-    refused = detail_answer(401, "bad key")
+    refused = detail_reply(401, "bad key")
     assert merge_pages([page([]), refused], "training_runs", "last_request_time", PageQuery(20, 0, b"")) == refused
-    assert merged(page([run("r-1", "2026-12-02T05:00:00Z")]), detail_answer(503, "down"))["cursor"]["total_count"] == 1
+    assert merged(page([run("r-1", "2026-12-02T05:00:00Z")]), detail_reply(503, "down"))["cursor"]["total_count"] == 1
 
 
 @pytest.mark.parametrize(
@@ -85,4 +85,4 @@ def test_each_member_is_asked_for_everything_up_to_the_pages_end(query, expected
     ids=["not-an-integer", "zero-limit"],
 )
 def test_a_bad_page_is_400_saying_why(query, detail):
-    assert page_query(query, 20) == detail_answer(400, detail)
+    assert page_query(query, 20) == detail_reply(400, detail)

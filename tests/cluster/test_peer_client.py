@@ -6,6 +6,7 @@ import httpx
 import msgspec
 import pytest
 
+from openrld.api.asgi import detail_reply
 from openrld.cluster.membership.messages import MemberState, NodePayload
 from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import (
@@ -16,7 +17,6 @@ from openrld.cluster.peer_client import (
     PeerClient,
     RelayCounters,
     answer_locate,
-    detail_answer,
     relay_key,
     sign,
 )
@@ -66,7 +66,7 @@ async def test_a_peer_that_does_not_answer_is_a_503_naming_it_and_is_counted():
 
     counters = RelayCounters()
     answer = await peers(handler, counters).relay(member("node-b"), SCOPE, b"{}", "m-1")
-    assert answer == detail_answer(
+    assert answer == detail_reply(
         503, "m-1 lives on node node-b, which did not answer (ConnectError); retry, or wait until the cluster declares it dead"
     )
     assert (counters.relayed, counters.unreachable) == (1, 1)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.cluster.body_ids import Call
-from openrld.cluster.peer_client import Answer, detail_answer, json_answer
 from openrld.cluster.replay import (
     Journal,
     _is_final,
@@ -94,20 +94,20 @@ def test_a_retrieve_is_sent_for_the_live_request_and_its_try_again_names_the_pol
     polled = call("/api/v1/retrieve_future", msgspec.json.encode({"request_id": "r-b", "allow_metadata_only": True}))
     live = _with_request_id(polled, "r-c")
     assert msgspec.json.decode(live.body) == {"request_id": "r-c", "allow_metadata_only": True}
-    try_again = json_answer(200, {"type": "try_again", "request_id": "r-c", "queue_state": "active"})
+    try_again = json_reply({"type": "try_again", "request_id": "r-c", "queue_state": "active"})
     assert msgspec.json.decode(_with_answer_id(try_again, "r-c", "r-b").body)["request_id"] == "r-b"
     assert not _is_final(try_again)
 
 
 def test_results_and_failures_are_final_while_waits_are_not() -> None:
-    result = Answer(200, [(b"content-type", b"application/x-protobuf")], b"\x0a\x00")
-    failed = json_answer(200, {"error": "boom", "category": "user"})
-    assert _is_final(result) and _is_final(failed) and _is_final(detail_answer(410, "gone"))
-    assert not _is_final(detail_answer(408, "later")) and not _is_final(detail_answer(503, "busy"))
+    result = Reply(b"\x0a\x00", content_type="application/x-protobuf")
+    failed = json_reply({"error": "boom", "category": "user"})
+    assert _is_final(result) and _is_final(failed) and _is_final(detail_reply(410, "gone"))
+    assert not _is_final(detail_reply(408, "later")) and not _is_final(detail_reply(503, "busy"))
 
 
 def test_a_home_that_did_not_answer_is_told_from_one_that_refused() -> None:
-    assert _unreachable(detail_answer(503, "s-1:train:0 lives on node b, which did not answer (ConnectError)"))
-    assert not _unreachable(detail_answer(503, "no capacity"))
-    assert _request_id_of(json_answer(200, {"request_id": "r-1", "model_id": MODEL})) == "r-1"
-    assert _request_id_of(detail_answer(409, "seq_id 3 was already submitted")) is None
+    assert _unreachable(detail_reply(503, "s-1:train:0 lives on node b, which did not answer (ConnectError)"))
+    assert not _unreachable(detail_reply(503, "no capacity"))
+    assert _request_id_of(json_reply({"request_id": "r-1", "model_id": MODEL})) == "r-1"
+    assert _request_id_of(detail_reply(409, "seq_id 3 was already submitted")) is None

@@ -8,11 +8,12 @@ from __future__ import annotations
 import msgspec
 import trio
 
+from openrld.api.asgi import Reply, detail_reply, json_reply
 from openrld.cluster.body_ids import Call, Ids
 from openrld.cluster.directory import Home, Where
 from openrld.cluster.membership.messages import JobNote, MemberState, NodePayload
 from openrld.cluster.membership.table import Member
-from openrld.cluster.peer_client import Answer, RelayCounters, detail_answer, json_answer
+from openrld.cluster.peer_client import RelayCounters
 from openrld.cluster.replay import Replay
 
 MODEL = "s-1:train:0"
@@ -37,18 +38,18 @@ class Network:
         self.adopted = False
         self.sent: list[tuple[str, str, int | None]] = []  # (node, path, seq_id)
 
-    async def forward(self, call: Call, member: Member, what: str, connect_timeout_s: float = 5.0) -> Answer:
+    async def forward(self, call: Call, member: Member, what: str, connect_timeout_s: float = 5.0) -> Reply:
         body = msgspec.json.decode(call.body)
         self.sent.append((member.name, call.scope["path"], body.get("seq_id")))
         if not self.alive[member.name]:
-            return detail_answer(503, f"{what} lives on node {member.name}, which did not answer (ConnectError)")
+            return detail_reply(503, f"{what} lives on node {member.name}, which did not answer (ConnectError)")
         if call.scope["path"] == "/api/v1/retrieve_future":
-            return json_answer(200, {"loss": body["request_id"]})
+            return json_reply({"loss": body["request_id"]})
         if member.name == "c" and body["seq_id"] <= 2:
-            return detail_answer(409, f"model {MODEL}: seq_id {body['seq_id']} was already submitted")
-        return json_answer(200, {"request_id": f"{member.name}-{body['seq_id']}", "model_id": MODEL})
+            return detail_reply(409, f"model {MODEL}: seq_id {body['seq_id']} was already submitted")
+        return json_reply({"request_id": f"{member.name}-{body['seq_id']}", "model_id": MODEL})
 
-    async def local(self, scope: dict, body: bytes) -> Answer:
+    async def local(self, scope: dict, body: bytes) -> Reply:
         raise AssertionError("nothing is answered here")
 
 
