@@ -50,6 +50,7 @@ from typing import Literal
 
 from openrld.errors import ServerError
 from openrld.worker.launchers import WORKER_SOCKET_DIR, LaunchedWorker, Mount, WorkerSpec
+from openrld.worker.launchers.remote import RemoteWorker
 from openrld.worker.launchers.visible_devices import worker_visible_devices
 
 logger = logging.getLogger(__name__)
@@ -179,20 +180,14 @@ class ContainerLauncher:
         return done
 
 
-class Container:
+class Container(RemoteWorker):
     """One worker's container, as `start_worker` and `WorkerConnection` watch and stop it."""
 
     def __init__(self, launcher: ContainerLauncher, name: str, device: str, worker: str) -> None:
+        super().__init__(name, device, worker)
         self.launcher = launcher
-        self.name = name
-        self.device = device
-        self.worker = worker
-        self._status: int | None = None  # its exit status, once it has ended
-        self._removed = False
 
-    def poll(self) -> int | None:
-        if self._status is not None or self._removed:
-            return self._status
+    def _ask_status(self) -> int | None:
         try:
             state = self.launcher._call(
                 ["inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", self.name], QUERY_S
@@ -200,14 +195,9 @@ class Container:
         except ContainerRuntimeError as error:
             if not _is_missing(str(error)):
                 raise
-            # Removed by someone else: it has ended, and its status went with it.
-            logger.warning("worker %s: its container %s is gone", self.worker, self.name)
-            self._status = -1
-            return self._status
+            return self._gone()  # removed by someone else
         status, _, code = state.strip().partition(" ")
-        if status in _ENDED:
-            self._status = int(code)
-        return self._status
+        return int(code) if status in _ENDED else None
 
     def stop(self, timeout: float) -> None:
         if self._removed:

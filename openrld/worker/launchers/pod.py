@@ -53,6 +53,7 @@ import msgspec
 
 from openrld.errors import ServerError
 from openrld.worker.launchers import WORKER_SOCKET_DIR, LaunchedWorker, Mount, WorkerSpec
+from openrld.worker.launchers.remote import LOST, RemoteWorker
 
 logger = logging.getLogger(__name__)
 
@@ -238,41 +239,34 @@ class PodLauncher:
         ), f"delete Pod {name}", missing_ok=True)
 
 
-class WorkerPod:
+class WorkerPod(RemoteWorker):
     """One worker's Pod, as `start_worker` and `WorkerConnection` watch and stop it."""
 
     def __init__(self, launcher: PodLauncher, name: str, device: str, worker: str) -> None:
+        super().__init__(name, device, worker)
         self.launcher = launcher
-        self.name = name
-        self.device = device
-        self.worker = worker
-        self._status: int | None = None
-        self._gone = False
 
-    def poll(self) -> int | None:
-        if self._status is not None or self._gone:
-            return self._status
+    def _ask_status(self) -> int | None:
         pod = self.launcher._read(self.name)
         if pod is None:
-            logger.warning("worker %s: its Pod %s is gone", self.worker, self.name)
-            self._status = -1
-            return self._status
+            return self._gone()
+        ended: int | None = None
         status = pod.get("status", {})
         for container in status.get("containerStatuses", []):
             state = container.get("state", {})
             if "terminated" in state:
-                self._status = int(state["terminated"].get("exitCode", -1))
+                ended = int(state["terminated"].get("exitCode", LOST))
             elif state.get("waiting", {}).get("reason") in _NEVER_STARTS:
                 waiting = state["waiting"]
                 logger.error("worker %s: Pod %s cannot start: %s: %s", self.worker, self.name,
                              waiting["reason"], waiting.get("message", ""))
-                self._status = -1
-        if self._status is None and status.get("phase") in ("Succeeded", "Failed"):
-            self._status = -1  # ended with no container status: evicted, or its node went away
-        return self._status
+                ended = LOST
+        if ended is None and status.get("phase") in ("Succeeded", "Failed"):
+            ended = LOST  # ended with no container status: evicted, or its node went away
+        return ended
 
     def stop(self, timeout: float) -> None:
-        if self._gone:
+        if self._removed:
             return
         self.poll()
         grace = math.ceil(max(timeout, 0.0))
@@ -287,7 +281,7 @@ class WorkerPod:
             if time.monotonic() > deadline:
                 raise PodLaunchError(f"Pod {self.name} was deleted and is still there after {grace + GONE_MARGIN_S:.0f} s")
             waiting.wait(GONE_POLL_S)
-        self._gone = True
+        self._removed = True
 
     def describe(self) -> str:
         return f"Pod {self.launcher.namespace}/{self.name}"
@@ -296,7 +290,7 @@ class WorkerPod:
         for container in pod.get("status", {}).get("containerStatuses", []):
             terminated = container.get("state", {}).get("terminated")
             if terminated is not None and self._status is None:
-                self._status = int(terminated.get("exitCode", -1))
+                self._status = int(terminated.get("exitCode", LOST))
 
 
 def _label_value(text: str) -> str:
