@@ -162,7 +162,7 @@ def test_render_reports_gossip_health_only_on_a_clustered_node():
     gossip = MembershipStatistics(
         name="a", incarnation=2, alive=3, suspect=1, dead=1, left=0, awareness_score=2, packets_sent=100,
         bytes_sent=9000, packets_received=90, bytes_received=8000, dropped={"bad_tag": 4}, push_pulls_ok=5,
-        push_pulls_failed=1, refutations=1, queued_broadcasts=0,
+        push_pulls_failed=1, refutations=1, stale_accusations_answered=2, queued_broadcasts=0,
     )
     node = msgspec.structs.replace(_node(RequestMetrics()), membership=gossip)
     lines = [line for line in render_prometheus(node).splitlines() if line.startswith("openrld_gossip")]
@@ -185,6 +185,7 @@ def test_render_reports_gossip_health_only_on_a_clustered_node():
         'openrld_gossip_push_pulls_total{outcome="ok"} 5',
         'openrld_gossip_push_pulls_total{outcome="failed"} 1',
         "openrld_gossip_refutations_total 1",
+        "openrld_gossip_stale_accusations_answered_total 2",
     ]
 
 

@@ -351,6 +351,9 @@ def _gossip_lines(gossip: MembershipStatistics) -> list[str]:
         *_family("openrld_gossip_refutations_total", "counter",
                  "Times this node refuted a suspicion of itself (a sign of its own packet loss or slowness).",
                  [((), gossip.refutations)]),
+        *_family("openrld_gossip_stale_accusations_answered_total", "counter",
+                 "Times this node sent a member's newer Alive back to a node that still accused it.",
+                 [((), gossip.stale_accusations_answered)]),
     ]
 
 

@@ -10,7 +10,9 @@ plus one member believed dead, which is how partitions heal). Updates also
 ride on every ping and ack. Suspicions end in Dead after Lifeguard's
 shrinking timeout unless the suspect refutes with a higher incarnation; a
 suspect that is probed is told of the suspicion in the same packet (buddy
-system) so it can refute at once.
+system) so it can refute at once, and a node that hears an accusation older
+than what it knows sends the newer Alive straight back to the accuser's packet
+(`_answer_stale_accusation`), so a refutation that gossip missed still lands.
 
 Read API for placement and relaying: `members()`, `member(name)`,
 `live_members()`, `statistics()`; the node's own payload is changed with
@@ -94,6 +96,7 @@ class MembershipStatistics(msgspec.Struct, frozen=True):
     push_pulls_ok: int
     push_pulls_failed: int
     refutations: int
+    stale_accusations_answered: int  # Alives sent straight back to a node behind on a refutation
     queued_broadcasts: int
 
 
@@ -174,6 +177,7 @@ class MembershipNode:
             push_pulls_ok=self._counts["push_pulls_ok"],
             push_pulls_failed=self._counts["push_pulls_failed"],
             refutations=self._counts["refutations"],
+            stale_accusations_answered=self._counts["stale_accusations_answered"],
             queued_broadcasts=len(self._broadcasts),
         )
 
@@ -301,8 +305,11 @@ class MembershipNode:
                     wait = self._waits.get(message.seq)
                     if wait is not None:
                         wait.nacks += 1
-                case Alive() | Suspect() | Dead():
+                case Alive():
                     self._apply(message)
+                case Suspect() | Dead():
+                    if self._apply(message) is Outcome.IGNORED:
+                        await self._answer_stale_accusation(message, packet.source)
 
     # --- the incarnation rules, applied
 
@@ -338,6 +345,23 @@ class MembershipNode:
         if gossip:
             self._queue(message)
         return outcome
+
+    async def _answer_stale_accusation(self, message: Suspect | Dead, source: str) -> None:
+        """Send the newer Alive straight back to a node that accuses a member at an old incarnation.
+
+        The sender is behind: its queue keeps one update per member, so it would be gossiping
+        the member's refutation if it had heard it. Gossip alone can miss it: the refutation
+        leaves every queue after its retransmit limit, and the sender's own suspicion timer (a
+        node that hears of a suspicion times it as the accuser does) then declares a live member
+        dead. Under 20% loss that happened in 9 of 12 forty-node runs of 150 probe rounds
+        (`tests/cluster/membership/test_membership_simulation.py`). One datagram per stale
+        accusation received, and only while stale ones circulate.
+        """
+        member = self._table.get(message.name)
+        if member is None or member.state is not MemberState.ALIVE or member.incarnation <= message.incarnation:
+            return
+        self._counts["stale_accusations_answered"] += 1
+        await self._send(source, [Alive(member.name, member.incarnation, member.addr, member.payload)])
 
     def _refute(self, accused_incarnation: int) -> None:
         # Being accused suggests this node is the slow one (Lifeguard).

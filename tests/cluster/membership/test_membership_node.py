@@ -7,10 +7,10 @@ import random
 import pytest
 import trio
 
-from openrld.cluster.membership.codec import encode_messages, encode_push_pull, seal_datagram
+from openrld.cluster.membership.codec import encode_messages, encode_push_pull, open_datagram, seal_datagram
 from openrld.cluster.membership.config import MembershipConfig, detection_bound
 from openrld.cluster.membership.fake_network import FakeNetwork
-from openrld.cluster.membership.messages import MemberState, NodePayload, Ping, PushPull
+from openrld.cluster.membership.messages import Alive, Dead, MemberState, NodePayload, Ping, PushPull, Suspect
 from openrld.cluster.membership.simulation import SimulatedCluster
 from openrld.cluster.membership.transport import PeerUnreachable
 from tests.waits import wait_until
@@ -96,6 +96,29 @@ async def test_new_payload_reaches_every_member(autojump_clock) -> None:
         await wait_until(
             lambda: all(n.member("n2").payload.jobs == ("model-1",) for n in cluster.running()), within_s=1.0  # type: ignore[union-attr]
         )
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("accused", "observer"), [("n1", "n0"), ("n1", "n1")], ids=["of-another", "of-itself"])
+@pytest.mark.parametrize("accusation", [Suspect, Dead])
+async def test_a_stale_accusation_is_answered_with_the_newer_alive_straight_to_its_sender(
+    autojump_clock, accusation, accused: str, observer: str
+) -> None:
+    async with trio.open_nursery() as nursery:
+        cluster = await start_cluster(nursery, 2)
+        await wait_until(cluster.is_converged, within_s=2.0)
+        old = cluster.nodes[accused].member(accused).incarnation  # type: ignore[union-attr]
+        payload = NodePayload(peer_url=f"fake://{accused}", jobs=("model-1",))
+        cluster.nodes[accused].set_payload(payload)
+        await wait_until(lambda: cluster.nodes[observer].member(accused).incarnation == old + 1, within_s=2.0)  # type: ignore[union-attr]
+        behind = cluster.network.new_transport("behind")  # a member that missed the refutation
+        cluster.network.send("behind", observer, seal_datagram(cluster.key, encode_messages([accusation(accused, old, "behind")])))
+        with trio.fail_after(1.0):
+            answer = await behind.receive()
+        # A node's address on the fake network is its name.
+        assert open_datagram(cluster.key, answer.frame) == [Alive(accused, old + 1, accused, payload)]
+        assert cluster.nodes[observer].statistics().stale_accusations_answered == 1
+        assert cluster.nodes[observer].member(accused).state is MemberState.ALIVE  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
 
 
