@@ -20,12 +20,13 @@ from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from functools import partial
 
-from quart import Response, request
+from quart import request
 
 from openrld.actors import usage
 from openrld.actors.records import Records
 from openrld.api import wire
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, caller
+from openrld.api.asgi import Reply, json_reply
 from openrld.api.signing import user_urn
 from openrld.errors import BadRequest, NotFound
 
@@ -51,7 +52,7 @@ _TOKEN_EVENTS: dict[str, Callable[..., wire.BillingEventInfo]] = {
 # ---------------------------------------------------------------- admin routes
 
 
-async def audit_log(services: Services) -> Response:
+async def audit_log(services: Services) -> Reply:
     user = caller(services)
     event_type = request.args.get("event_type", "all")
     if event_type not in EVENT_PREFIXES:
@@ -75,10 +76,10 @@ async def audit_log(services: Services) -> Response:
         for when, event, details in services.records.audit_events(user, since, until)
         if event.startswith(prefixes)
     ]
-    return json_response(wire.AuditLogResponse(entries=entries))
+    return json_reply(wire.AuditLogResponse(entries=entries))
 
 
-async def billing_usage(services: Services) -> Response:
+async def billing_usage(services: Services) -> Reply:
     user = caller(services)
     records = services.records
     starting = request.args.get("starting_on")
@@ -100,10 +101,10 @@ async def billing_usage(services: Services) -> Response:
     for (hour, session_id), count in sorted(checkpoints.items()):
         info = wire.CheckpointBillingEvent(count=count)
         data.append(_usage_event(records, hour, user, session_id, None, info, sessions))
-    return json_response(wire.BillingUsageResponse(data=data, sessions=sessions))
+    return json_reply(wire.BillingUsageResponse(data=data, sessions=sessions))
 
 
-async def checkpoint_storage(services: Services) -> Response:
+async def checkpoint_storage(services: Services) -> Reply:
     user = caller(services)
     project = request.args.get("project_id")
     items = [
@@ -114,24 +115,24 @@ async def checkpoint_storage(services: Services) -> Response:
         for project_id, count, size in services.records.storage_by_project(user)
         if project is None or project_id == project
     ]
-    return json_response(wire.CurrentCheckpointStorageUsageResponse(data=items))
+    return json_reply(wire.CurrentCheckpointStorageUsageResponse(data=items))
 
 
 # ---------------------------------------------------------------- auth routes
 
 
-async def auth_token(services: Services) -> Response:
+async def auth_token(services: Services) -> Reply:
     user = caller(services)
     if not services.auth.jwt_enabled:
         raise NotFound("the JWT exchange is off on this node (config jwt_auth = false)")
     jwt = services.signer.mint_jwt(user, services.config.jwt_ttl_s, org_id=ORG_ID, email=None)
-    return json_response(wire.AuthTokenResponse(jwt=jwt))
+    return json_reply(wire.AuthTokenResponse(jwt=jwt))
 
 
-async def apikey_me(services: Services) -> Response:
+async def apikey_me(services: Services) -> Reply:
     user = caller(services)
     key_id = services.auth.key_id(request.headers.get("X-API-Key"))
-    return json_response(
+    return json_reply(
         wire.SelfApiKeyResponse(
             key_id=key_id or 0,
             name=f"{user} key {key_id}" if key_id else "open mode",
@@ -143,7 +144,7 @@ async def apikey_me(services: Services) -> Response:
     )
 
 
-async def apikey_revoke(services: Services) -> Response:
+async def apikey_revoke(services: Services) -> Reply:
     caller(services)
     raise BadRequest("keys are managed in the node's api_keys_file; remove the key there to revoke it")
 

@@ -20,9 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-import msgspec
 from quart import Response, g, request
 from quart_trio import QuartTrio
 
@@ -58,8 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_json_encoder = msgspec.json.Encoder()
-
 
 @dataclass(frozen=True)
 class Services:
@@ -89,17 +86,14 @@ class Services:
     spans: SpanMembers | None = None  # this node's ranks of other nodes' trainers; None: not in a cluster
 
 
-def json_response(value: Any, status: int = 200) -> Response:
-    return Response(_json_encoder.encode(value), status=status, content_type="application/json")
-
-
 def error_response(status: int, detail: str) -> Response:
     """`wire.ErrorResponse` with `status`: the FastAPI-style body the SDK and the CLI read `detail` from."""
     return response_of(detail_reply(status, detail))
 
 
 def response_of(reply: Reply) -> Response:
-    """`reply` as quart's response: the fast path's reply type carried by quart."""
+    """`reply` as quart's response: every route's handler returns a Reply, and quart carries those of the
+    routes it serves (`add_route`)."""
     response = Response(reply.body, status=reply.status, content_type=reply.content_type)
     for name, value in reply.headers:
         response.headers[name.decode("latin-1")] = value.decode("latin-1")
@@ -118,8 +112,8 @@ async def request_body(services: Services, type_: type[wire.T]) -> wire.T:
     )
 
 
-# A route handler: a module-level `async def name(services, **url_values) -> Response`.
-RouteHandler = Callable[..., Awaitable[Response]]
+# A route handler: a module-level `async def name(services, **url_values) -> Reply`.
+RouteHandler = Callable[..., Awaitable[Reply]]
 
 
 def add_route(app: QuartTrio, services: Services, method: str, rule: str, handler: RouteHandler) -> None:
@@ -128,7 +122,11 @@ def add_route(app: QuartTrio, services: Services, method: str, rule: str, handle
     The endpoint is the handler's name, so a route is found by the name of its
     function (quart refuses two different handlers under one endpoint).
     """
-    app.add_url_rule(rule, handler.__name__, partial(handler, services), methods=[method])
+
+    async def view(**url_values: str) -> Response:
+        return response_of(await handler(services, **url_values))  # quart carries the handler's Reply
+
+    app.add_url_rule(rule, handler.__name__, view, methods=[method])
 
 
 def build_app(services: Services) -> SdkVersionWatch:

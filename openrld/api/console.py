@@ -25,10 +25,11 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from quart import Response, request
+from quart import request
 
 from openrld.actors.console_views import ConsoleViews, node_view
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, caller
+from openrld.api.asgi import Reply, json_reply
 from openrld.api.rest import int_arg
 from openrld.errors import NotFound
 
@@ -44,12 +45,12 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-_SECURITY_HEADERS = {
-    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-cache",
-}
+_SECURITY_HEADERS = (
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-cache"),
+)
 
 
 @functools.cache
@@ -62,51 +63,51 @@ def load_assets() -> dict[str, bytes]:
 # ---------------------------------------------------------------- the page (it needs no key and no state)
 
 
-async def console_page(services: Services) -> Response:
+async def console_page(services: Services) -> Reply:
     return _asset("index.html")
 
 
-async def console_file(services: Services, name: str) -> Response:
+async def console_file(services: Services, name: str) -> Reply:
     if name not in _FILES or name == "index.html":
-        return Response(b"not found", status=404, content_type="text/plain", headers=_SECURITY_HEADERS)
+        return Reply(b"not found", content_type="text/plain", status=404, headers=_SECURITY_HEADERS)
     return _asset(name)
 
 
-def _asset(name: str) -> Response:
-    return Response(load_assets()[name], status=200, content_type=_FILES[name], headers=_SECURITY_HEADERS)
+def _asset(name: str) -> Reply:
+    return Reply(load_assets()[name], content_type=_FILES[name], headers=_SECURITY_HEADERS)
 
 
 # ---------------------------------------------------------------- the routes it polls
 
 
-async def console_runs(services: Services) -> Response:
+async def console_runs(services: Services) -> Reply:
     user = caller(services)
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 10**9)
-    return json_response(_views(services).runs(user, sees_all=services.auth.sees_all(user), limit=limit, offset=offset))
+    return json_reply(_views(services).runs(user, sees_all=services.auth.sees_all(user), limit=limit, offset=offset))
 
 
-async def console_run(services: Services, run_id: str) -> Response:
+async def console_run(services: Services, run_id: str) -> Reply:
     user = caller(services)
-    return json_response(_views(services).run(user, run_id, sees_all=services.auth.sees_all(user)))
+    return json_reply(_views(services).run(user, run_id, sees_all=services.auth.sees_all(user)))
 
 
-async def console_curves(services: Services, run_id: str) -> Response:
+async def console_curves(services: Services, run_id: str) -> Reply:
     user = caller(services)
     after = int_arg("after", -1, -1, 2**62)
-    return json_response(
+    return json_reply(
         await _views(services).curves(user, run_id, sees_all=services.auth.sees_all(user), after_seq=after)
     )
 
 
-async def console_node(services: Services) -> Response:
+async def console_node(services: Services) -> Reply:
     caller(services)
     here = services.cluster.name if services.cluster is not None else services.config.node_name
     name = request.args.get("node")
     if name not in (None, "", here):  # the relay has sent a living member's name on to it
         raise NotFound(f"no cluster member {name!r} known to this node")
     devices = services.node_devices
-    return json_response(
+    return json_reply(
         node_view(
             here or "",
             {d.name: (d.kind, d.memory_bytes) for d in services.devices},

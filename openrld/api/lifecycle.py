@@ -24,11 +24,12 @@ from functools import partial
 from typing import Any, cast
 
 import msgspec
-from quart import Response, request
+from quart import request
 
 from openrld import ids
 from openrld.api import wire
-from openrld.api.app import Services, caller, json_response, request_body
+from openrld.api.app import Services, caller, request_body
+from openrld.api.asgi import Reply, json_reply
 from openrld.errors import BadRequest, NotFound
 from openrld.store import SessionRow
 
@@ -46,37 +47,37 @@ CHECKPOINT_ARCHIVE_REFUSAL = (
 # ---------------------------------------------------------------- publish, unpublish, TTL
 
 
-async def publish(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def publish(services: Services, run_id: str, kind: str, name: str) -> Reply:
     await services.checkpoints.publish(caller(services), ids.TinkerPath.of(run_id, kind, name), True)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def unpublish(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def unpublish(services: Services, run_id: str, kind: str, name: str) -> Reply:
     await services.checkpoints.publish(caller(services), ids.TinkerPath.of(run_id, kind, name), False)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def set_ttl(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def set_ttl(services: Services, run_id: str, kind: str, name: str) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.TtlRequest)
     await services.checkpoints.set_ttl(user, ids.TinkerPath.of(run_id, kind, name), req.ttl_seconds)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
 # ---------------------------------------------------------------- copies and downloads
 
 
-async def copy_weights(services: Services) -> Response:
+async def copy_weights(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.CopyWeightsRequest)
     tinker_path = await services.checkpoints.copy(
         user, ids.parse_tinker_path(req.source_path), ttl_seconds=req.ttl_seconds,
         destination_project_id=req.destination_project_id,
     )
-    return json_response(wire.CopyWeightsResponse(tinker_path=tinker_path))
+    return json_reply(wire.CopyWeightsResponse(tinker_path=tinker_path))
 
 
-async def checkpoint_archive(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def checkpoint_archive(services: Services, run_id: str, kind: str, name: str) -> Reply:
     # RestClient.get_checkpoint_archive_url (SDKs before 0.36) wants a 302 to one tar.gz of the
     # checkpoint; openrld hands out each file under its own signed URL instead, which SDKs from
     # 0.28.0 fetch. Refused by name, so the old SDK's user is told what to upgrade to.
@@ -85,7 +86,7 @@ async def checkpoint_archive(services: Services, run_id: str, kind: str, name: s
     raise BadRequest(CHECKPOINT_ARCHIVE_REFUSAL, key="get_checkpoint_archive_url")
 
 
-async def external_weights_urls(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def external_weights_urls(services: Services, run_id: str, kind: str, name: str) -> Reply:
     user = caller(services)
     path = ids.TinkerPath.of(run_id, kind, name)
     if path.kind is not ids.CheckpointKind.EXTERNAL_WEIGHTS:
@@ -97,32 +98,32 @@ async def external_weights_urls(services: Services, run_id: str, kind: str, name
             f"/api/v1/download/{path.run_id}/{path.kind.value}/{path.name}/{filename}", DOWNLOAD_URL_TTL_S
         )
         urls[filename] = request.host_url.rstrip("/") + signed
-    return json_response(wire.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC)))
+    return json_reply(wire.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC)))
 
 
-async def download(services: Services, run_id: str, kind: str, name: str, filename: str) -> Response:
+async def download(services: Services, run_id: str, kind: str, name: str, filename: str) -> Reply:
     services.signer.check_path(
         f"/api/v1/download/{run_id}/{kind}/{name}/{filename}", request.args.get("expires"), request.args.get("sig")
     )
     data = await services.checkpoints.read_file(ids.TinkerPath.of(run_id, kind, name), filename)
-    return Response(data, status=200, content_type="application/octet-stream")
+    return Reply(data, content_type="application/octet-stream")
 
 
 # ---------------------------------------------------------------- sessions
 
 
-async def assign_project(services: Services, session_id: str) -> Response:
+async def assign_project(services: Services, session_id: str) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.ProjectRequest)
     services.records.assign_project(user, session_id, req.project_id)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def search_sessions(services: Services) -> Response:
+async def search_sessions(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SessionSearchRequest)
     if isinstance(req.owner, wire.UserSearchOwner) and req.owner.owner_urns != [f"tml:user:{user}"]:
-        return json_response(wire.SessionSearchResponse(sessions=[]))  # only one's own sessions are visible
+        return json_reply(wire.SessionSearchResponse(sessions=[]))  # only one's own sessions are visible
     before = None if req.cursor is None else (req.cursor.last_created_at, req.cursor.last_session_id)
     found = services.records.search_sessions(user, partial(_matches, req=req), before=before, limit=req.limit)
     sessions = [
@@ -137,16 +138,16 @@ async def search_sessions(services: Services) -> Response:
     if len(found) > req.limit:
         last = found[req.limit - 1][0]
         next_cursor = wire.SessionSearchCursor(last_created_at=last.created_at, last_session_id=last.session_id)
-    return json_response(wire.SessionSearchResponse(sessions=sessions, next_cursor=next_cursor))
+    return json_reply(wire.SessionSearchResponse(sessions=sessions, next_cursor=next_cursor))
 
 
-async def trace_export(services: Services, session_id: str) -> Response:
+async def trace_export(services: Services, session_id: str) -> Reply:
     services.records.own_session(caller(services), session_id)
     signed, _ = services.signer.sign_path(f"/api/v1/trace/{session_id}/{TRACE_FILE}", DOWNLOAD_URL_TTL_S)
-    return json_response(wire.TraceExportResponse(status="ready", url=request.host_url.rstrip("/") + signed))
+    return json_reply(wire.TraceExportResponse(status="ready", url=request.host_url.rstrip("/") + signed))
 
 
-async def trace(services: Services, session_id: str, filename: str) -> Response:
+async def trace(services: Services, session_id: str, filename: str) -> Reply:
     services.signer.check_path(
         f"/api/v1/trace/{session_id}/{filename}", request.args.get("expires"), request.args.get("sig")
     )
@@ -154,7 +155,7 @@ async def trace(services: Services, session_id: str, filename: str) -> Response:
     if row is None:
         raise NotFound(f"no session {session_id!r}")
     requests = services.records.session_requests(session_id)
-    return Response(msgspec.json.encode(session_trace(row, requests)), content_type="application/json")
+    return Reply(msgspec.json.encode(session_trace(row, requests)))
 
 
 # ---------------------------------------------------------------- helpers

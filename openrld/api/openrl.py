@@ -20,10 +20,9 @@ These routes only read statistics; they change nothing.
 
 from __future__ import annotations
 
-from quart import Response
-
 from openrld import __version__
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, caller
+from openrld.api.asgi import Reply, json_reply
 from openrld.api.capabilities import Limits, ModelSummary, server_info
 from openrld.api.metrics import CONTENT_TYPE, NodeStatistics, render_prometheus
 
@@ -53,9 +52,9 @@ def served_models(services: Services) -> tuple[ModelSummary, ...]:
 
 
 
-async def info(services: Services) -> Response:
+async def info(services: Services) -> Reply:
     caller(services)
-    return json_response(
+    return json_reply(
         server_info(
             limits=node_limits(services),
             models=served_models(services),
@@ -66,11 +65,11 @@ async def info(services: Services) -> Response:
     )
 
 
-async def model_status(services: Services, model_id: str) -> Response:
-    return json_response(services.jobs.model_status(caller(services), model_id))
+async def model_status(services: Services, model_id: str) -> Reply:
+    return json_reply(services.jobs.model_status(caller(services), model_id))
 
 
-async def metrics(services: Services) -> Response:
+async def metrics(services: Services) -> Reply:
     stats = NodeStatistics(
         version=__version__,
         requests=services.metrics.statistics(),
@@ -84,4 +83,4 @@ async def metrics(services: Services) -> Response:
         loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
         sdk_versions=services.sdk_versions.statistics(),
     )
-    return Response(render_prometheus(stats), status=200, content_type=CONTENT_TYPE)
+    return Reply(render_prometheus(stats).encode(), content_type=CONTENT_TYPE)

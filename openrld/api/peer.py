@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import TypeVar, cast
 
 import msgspec
-from quart import Response, request
+from quart import request
 
 from openrld.actors.span_members import SpanEnded, SpanMembers, SpanOrder, SpanStop
-from openrld.api.app import Services, caller, json_response
+from openrld.api.app import Services, caller
+from openrld.api.asgi import Reply, json_reply
 from openrld.cluster.membership.codec import MAX_PUSH_PULL_BYTES, BadFrame, DropReason
 from openrld.cluster.membership.node import NotRunning
 from openrld.cluster.membership.peer_client import CONTENT_TYPE, TAG_HEADER
@@ -36,7 +37,7 @@ from openrld.cluster.view import cluster_view
 from openrld.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable, Unauthorized, UnsupportedMediaType
 
 
-async def push_pull(services: Services) -> Response:
+async def push_pull(services: Services) -> Reply:
     """A peer's push-pull frame in, this node's frame out (the membership codec's bytes, not JSON)."""
     if services.cluster is None:
         raise NotFound("this node has no cluster_secret, so it is in no cluster and has no peer API")
@@ -57,13 +58,13 @@ async def push_pull(services: Services) -> Response:
         raise Forbidden(f"push-pull refused: {exc}") from exc
     except NotRunning as exc:
         raise ServiceUnavailable(f"{exc}; try another member") from exc
-    return Response(answer, status=200, content_type=CONTENT_TYPE, headers={TAG_HEADER: answer_tag})
+    return Reply(answer, content_type=CONTENT_TYPE, headers=((TAG_HEADER.lower().encode(), answer_tag.encode()),))
 
 
-async def cluster(services: Services) -> Response:
+async def cluster(services: Services) -> Reply:
     caller(services)
     membership = services.cluster.membership if services.cluster is not None else None
-    return json_response(cluster_view(membership, services.config.node_name or ""))
+    return json_reply(cluster_view(membership, services.config.node_name or ""))
 
 
 T = TypeVar("T")
@@ -87,22 +88,22 @@ def _members(services: Services) -> SpanMembers:
     return services.spans
 
 
-async def span_start(services: Services) -> Response:
+async def span_start(services: Services) -> Reply:
     """A home asks this node to hold its devices and start its ranks of a job's trainer."""
     order = await _span_body(services, SpanOrder)
-    return json_response(_members(services).start(order))
+    return json_reply(_members(services).start(order))
 
 
-async def span_stop(services: Services) -> Response:
+async def span_stop(services: Services) -> Reply:
     """A home ended a job: this node's ranks of it stop, and its devices are freed."""
     stop = await _span_body(services, SpanStop)
     await _members(services).stop(stop.job)
-    return json_response({})
+    return json_reply({})
 
 
-async def span_ended(services: Services) -> Response:
+async def span_ended(services: Services) -> Reply:
     """A member's ranks of a job this node is home to ended: the job is lost."""
     ended = await _span_body(services, SpanEnded)
     if not services.groups.span_ended(ended.job, ended.node, ended.detail):
         raise NotFound(f"no job {ended.job} spans node {ended.node} from here")
-    return json_response({})
+    return json_reply({})

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 from typing import cast
 
-from quart import Response, request
+from quart import request
 
 from openrld import ids
 from openrld.actors.checkpoints import CheckpointWriter
 from openrld.api import wire
-from openrld.api.app import Services, caller, json_response, request_body
+from openrld.api.app import Services, caller, request_body
+from openrld.api.asgi import Reply, json_reply
 from openrld.errors import BadRequest, NotFound
 from openrld.store import CheckpointRow, RunRow
 
 # ---------------------------------------------------------------- routes
 
 
-async def list_training_runs(services: Services) -> Response:
+async def list_training_runs(services: Services) -> Reply:
     user = caller(services)
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 10**9)
     runs, total = services.records.list_runs(user, limit, offset, accessible=_access_scope() == "accessible")
-    return json_response(
+    return json_reply(
         wire.TrainingRunsResponse(
             training_runs=[training_run(services.checkpoints, r, user) for r in runs],
             cursor=wire.Cursor(offset=offset, limit=limit, total_count=total),
@@ -36,16 +37,16 @@ async def list_training_runs(services: Services) -> Response:
     )
 
 
-async def get_training_run(services: Services, run_id: str) -> Response:
+async def get_training_run(services: Services, run_id: str) -> Reply:
     user = caller(services)
     run = await (accessible_run if _access_scope() == "accessible" else own_run)(services, user, run_id)
-    return json_response(training_run(services.checkpoints, run, user))
+    return json_reply(training_run(services.checkpoints, run, user))
 
 
-async def list_checkpoints(services: Services, run_id: str) -> Response:
+async def list_checkpoints(services: Services, run_id: str) -> Reply:
     await own_run(services, caller(services), run_id)
     rows = services.checkpoints.of_run(run_id)
-    return json_response(
+    return json_reply(
         wire.CheckpointsListResponse(
             checkpoints=[checkpoint(r) for r in rows],
             cursor=wire.Cursor(offset=0, limit=len(rows), total_count=len(rows)),
@@ -53,19 +54,19 @@ async def list_checkpoints(services: Services, run_id: str) -> Response:
     )
 
 
-async def delete_checkpoint(services: Services, run_id: str, kind: str, name: str) -> Response:
+async def delete_checkpoint(services: Services, run_id: str, kind: str, name: str) -> Reply:
     user = caller(services)
     await own_run(services, user, run_id)
     await services.checkpoints.delete_as(user, ids.TinkerPath.of(run_id, kind, name))
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def list_user_checkpoints(services: Services) -> Response:
+async def list_user_checkpoints(services: Services) -> Reply:
     user = caller(services)
     limit = int_arg("limit", 100, 1, 10000)
     offset = int_arg("offset", 0, 0, 10**9)
     rows, total = services.checkpoints.of_owner(user, limit, offset)
-    return json_response(
+    return json_reply(
         wire.CheckpointsListResponse(
             checkpoints=[checkpoint(r) for r in rows],
             cursor=wire.Cursor(offset=offset, limit=limit, total_count=total),
@@ -73,7 +74,7 @@ async def list_user_checkpoints(services: Services) -> Response:
     )
 
 
-async def weights_info(services: Services) -> Response:
+async def weights_info(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.WeightsInfoRequest)
     path = ids.parse_tinker_path(req.tinker_path)
@@ -81,7 +82,7 @@ async def weights_info(services: Services) -> Response:
     run = services.records.run(path.run_id)
     assert run is not None
     lora = run.lora or {}
-    return json_response(
+    return json_reply(
         wire.WeightsInfoResponse(
             base_model=run.base_model,
             is_lora=run.is_lora,
@@ -94,18 +95,18 @@ async def weights_info(services: Services) -> Response:
     )
 
 
-async def list_sessions(services: Services) -> Response:
+async def list_sessions(services: Services) -> Reply:
     user = caller(services)
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 10**9)
     sessions = services.records.list_sessions(user, limit, offset)
-    return json_response(wire.ListSessionsResponse(sessions=[s.session_id for s in sessions]))
+    return json_reply(wire.ListSessionsResponse(sessions=[s.session_id for s in sessions]))
 
 
-async def get_session(services: Services, session_id: str) -> Response:
+async def get_session(services: Services, session_id: str) -> Reply:
     row = services.records.own_session(caller(services), session_id)
     run_ids, sampler_ids = services.records.session_members(session_id)
-    return json_response(
+    return json_reply(
         wire.GetSessionResponse(
             training_run_ids=run_ids,
             sampler_ids=sampler_ids,

@@ -45,7 +45,7 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
 
     method: str
     path: str  # a werkzeug rule: `<name>` is one segment, `<path:name>` the rest of the path
-    # `async def (services, **path_params) -> quart Response`, or for a hot route
+    # `async def (services, **path_params) -> asgi.Reply` (quart carries it), or for a hot route
     # `async def (services, fastpath.Call) -> asgi.Reply`; None: answered before the app (the relay's locate).
     handler: Callable[..., Any] | None
     request: type | None = None  # the JSON body's Struct

@@ -20,13 +20,12 @@ import logging
 from typing import cast
 
 import msgspec
-from quart import Response
 
 from openrld import __version__, sdk_support
 from openrld.actors.futures import Completed, Failed
 from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.api import forward_json, media, result_json, wire
-from openrld.api.app import Services, caller, json_response, request_body
+from openrld.api.app import Services, caller, request_body
 from openrld.api.asgi import Reply, json_reply
 from openrld.api.fastpath import Call
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
@@ -49,7 +48,7 @@ SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
 # ---------------------------------------------------------------- bootstrap
 
 
-async def client_config(services: Services) -> Response:
+async def client_config(services: Services) -> Reply:
     caller(services)
     req = await request_body(services, wire.ClientConfigRequest)
     # SDKs 0.21 to 0.24 are told to send forward_backward as protobuf, and forward as a
@@ -57,19 +56,19 @@ async def client_config(services: Services) -> Response:
     # know only JSON). Every other flag stays at the SDK's default, which is what openrld
     # serves: chunks in parallel and uncompressed, custom losses client-side, no join_sampling_session.
     legacy_proto = sdk_support.wants_proto_write_flag(req.sdk_version)
-    return json_response(
+    return json_reply(
         wire.ClientConfigResponse(
             pjwt_auth_enabled=services.auth.jwt_enabled, proto_write_fwdbwd=legacy_proto, fwd_via_fwdbwd=legacy_proto
         )
     )
 
 
-async def dynamic_config(services: Services) -> Response:
+async def dynamic_config(services: Services) -> Reply:
     caller(services)
-    return json_response(wire.ClientDynamicConfigResponse(sample_cancel_enabled=True))
+    return json_reply(wire.ClientDynamicConfigResponse(sample_cancel_enabled=True))
 
 
-async def create_session(services: Services) -> Response:
+async def create_session(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.CreateSessionRequest)
     session_id = await services.sessions.create(
@@ -77,34 +76,34 @@ async def create_session(services: Services) -> Response:
         sdk_version=req.sdk_version or "", project_id=req.project_id, display_name=req.display_name,
     )
     logger.info("session created session_id=%s sdk_version=%s", session_id, req.sdk_version)
-    return json_response(wire.CreateSessionResponse(session_id=session_id))
+    return json_reply(wire.CreateSessionResponse(session_id=session_id))
 
 
-async def session_heartbeat(services: Services) -> Response:
+async def session_heartbeat(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SessionHeartbeatRequest)
     services.sessions.heartbeat(user, req.session_id)
-    return json_response(wire.SessionHeartbeatResponse())
+    return json_reply(wire.SessionHeartbeatResponse())
 
 
-async def finish_session(services: Services, session_id: str) -> Response:
+async def finish_session(services: Services, session_id: str) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SessionFinishRequest)
     services.jobs.finish_session(user, session_id, req.reason.type, req.detail)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def telemetry(services: Services) -> Response:
+async def telemetry(services: Services) -> Reply:
     caller(services)
     await request_body(services, wire.TelemetryRequest)
-    return json_response(wire.TelemetryResponse())
+    return json_reply(wire.TelemetryResponse())
 
 
-async def healthz(services: Services) -> Response:
-    return json_response(wire.HealthResponse(version=__version__))
+async def healthz(services: Services) -> Reply:
+    return json_reply(wire.HealthResponse(version=__version__))
 
 
-async def get_server_capabilities(services: Services) -> Response:
+async def get_server_capabilities(services: Services) -> Reply:
     caller(services)
     models = [
         wire.SupportedModel(
@@ -113,13 +112,13 @@ async def get_server_capabilities(services: Services) -> Response:
         )
         for m in services.catalog.listed()
     ]
-    return json_response(wire.GetServerCapabilitiesResponse(supported_models=models))
+    return json_reply(wire.GetServerCapabilitiesResponse(supported_models=models))
 
 
 # ---------------------------------------------------------------- training
 
 
-async def create_model(services: Services) -> Response:
+async def create_model(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.CreateModelRequest)
     wire.optimizer_family(req.optimizer_config)
@@ -130,14 +129,14 @@ async def create_model(services: Services) -> Response:
         user_metadata=_str_dict(req.user_metadata, "user_metadata"),
         optimizer_config=dict(req.optimizer_config),
     )
-    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
+    return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
 
 
-async def get_info(services: Services) -> Response:
+async def get_info(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.GetInfoRequest)
     info = services.jobs.job_info(user, req.model_id)
-    return json_response(
+    return json_reply(
         wire.GetInfoResponse(
             model_id=info.model_id,
             model_data=wire.ModelData(arch=info.arch, model_name=info.base_model, tokenizer_id=info.tokenizer_id),
@@ -149,7 +148,7 @@ async def get_info(services: Services) -> Response:
     )
 
 
-async def save_weights(services: Services) -> Response:
+async def save_weights(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SaveWeightsRequest)
     if req.path is None:
@@ -158,10 +157,10 @@ async def save_weights(services: Services) -> Response:
         user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
         ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
     )
-    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+    return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
-async def save_weights_for_sampler(services: Services) -> Response:
+async def save_weights_for_sampler(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SaveWeightsForSamplerRequest)
     request_id = services.jobs.save_weights_for_sampler(
@@ -169,10 +168,10 @@ async def save_weights_for_sampler(services: Services) -> Response:
         kind=req.kind, ttl_seconds=req.ttl_seconds,
         user_metadata=_str_dict(req.user_metadata, "user_metadata"),
     )
-    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+    return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
-async def save_weights_external(services: Services) -> Response:
+async def save_weights_external(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.SaveWeightsExternalRequest)
     if req.age_encryption_recipients:
@@ -180,10 +179,10 @@ async def save_weights_external(services: Services) -> Response:
     request_id = services.jobs.save_weights_external(
         user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
     )
-    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+    return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
-async def load_weights(services: Services) -> Response:
+async def load_weights(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.LoadWeightsRequest)
     with_optimizer = bool(req.optimizer)
@@ -197,17 +196,17 @@ async def load_weights(services: Services) -> Response:
             user, session_id=req.session_id, model_seq_id=req.model_seq_id, path=req.path,
             with_optimizer=with_optimizer, optimizer_config=req.optimizer_config,
         )
-        return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
+        return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=model_id))
     if req.seq_id is None:
         raise BadRequest("load_weights with model_id needs seq_id")
     request_id = services.jobs.load_weights(user, req.model_id, req.seq_id, path=req.path, with_optimizer=with_optimizer)
-    return json_response(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
+    return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
 # ---------------------------------------------------------------- sampling
 
 
-async def create_sampling_session(services: Services) -> Response:
+async def create_sampling_session(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.CreateSamplingSessionRequest)
     if req.model_path is not None:
@@ -216,25 +215,25 @@ async def create_sampling_session(services: Services) -> Response:
         user, session_id=req.session_id, sampling_session_seq_id=req.sampling_session_seq_id,
         base_model=req.base_model, model_path=req.model_path,
     )
-    return json_response(wire.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
+    return json_reply(wire.CreateSamplingSessionResponse(sampling_session_id=sampler_id))
 
 
-async def get_sampler(services: Services, sampler_id: str) -> Response:
+async def get_sampler(services: Services, sampler_id: str) -> Reply:
     user = caller(services)
     info = services.sampling.info(user, sampler_id)
-    return json_response(
+    return json_reply(
         wire.GetSamplerResponse(sampler_id=info.sampler_id, base_model=info.base_model, model_path=info.model_path)
     )
 
 
-async def cancel_future(services: Services) -> Response:
+async def cancel_future(services: Services) -> Reply:
     user = caller(services)
     req = await request_body(services, wire.CancelFutureRequest)
     services.sampling.cancel(user, req.request_id)
-    return json_response(wire.EmptyResponse())
+    return json_reply(wire.EmptyResponse())
 
 
-async def create_custom_loss(services: Services) -> Response:
+async def create_custom_loss(services: Services) -> Reply:
     # refused, not run. The SDK uploads only when the client config says
     # custom_loss_server_side=true, which this server never does; a client that uploads
     # anyway is told what works instead.

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from quart import Response
 from quart_trio import QuartTrio
 
 from openrld import __version__
 from openrld.api import tinker
 from openrld.api.app import Services
+from openrld.api.asgi import Reply
 from openrld.api.auth import Authenticator
 from openrld.config import NodeConfig
 from openrld.errors import BadRequest, Unauthorized
@@ -49,8 +49,8 @@ async def answer(handler, node: Services, body: bytes = b"", headers: dict[str, 
     app = QuartTrio("test")
     headers = {"Content-Type": "application/json", **(headers or {})}
     async with app.test_request_context("/", method="POST", data=body, headers=headers):
-        response: Response = await handler(node)
-        return response.status_code, await response.get_data()
+        reply: Reply = await handler(node)
+        return reply.status, reply.body
 
 
 async def test_client_config_tells_sdk_0_21_to_0_24_to_send_forward_backward_as_protobuf() -> None:
