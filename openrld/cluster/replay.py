@@ -23,7 +23,9 @@ failed) is held until the adopter shows and answered from there.
 
 Sampling follows its weights. An unnamed sampling session whose
 `save_weights_for_sampler` is kept (after the auto-save) is made again on the
-adopter by that request's replay, with the same weights; one made from a
+adopter by that request's replay, with the same weights, and a sample for it
+is sent there only once that save has run (as the SDK samples only after a
+save's result; sooner, the weights are not there yet); one made from a
 checkpoint path or a base model (`create_sampling_session`, kept too) is made
 again wherever its checkpoint's run lives now. A sample still unread when its
 sampler's node died is sent again to the sampler's new home (it draws anew, as
@@ -371,6 +373,9 @@ class Replay:
                 return None
             if save.lost is not None:
                 return save.lost
+            failed = await self._saved(save)
+            if failed is not None:
+                return failed
         elif (creation := self.journal.creation(sampler_id)) is not None and self._recreate is not None:
             answer = await self._recreate(creation)
             if answer is None:
@@ -388,6 +393,31 @@ class Replay:
             "there (saved before its training job's last auto-save): they were lost. Save weights for sampling "
             "again (save_weights_and_get_sampling_client) and sample from the new session"
         )
+
+    async def _saved(self, save: Kept) -> str | None:
+        """Wait until the replayed save that makes a sampling session has run at its new home, as the SDK waits
+        for a save's result before it samples: a sample sent sooner finds the session's weights not yet there,
+        and fails. None once it has run; why the session is lost if the save failed or did not answer within
+        ADOPTION_HOLD_S."""
+        member = self._directory.member(save.target)
+        if save.target_id is None or member is None:
+            return None  # it was not replayed (this node never sent it on): nothing to wait for
+        poll = _retrieve_call(save.call, save.target_id)
+        deadline = trio.current_time() + ADOPTION_HOLD_S
+        while trio.current_time() < deadline:
+            answer = await self._send(member, poll, save.model_id)
+            if _is_final(answer):
+                body = _json(answer)
+                if answer.status == 200 and (body is None or "error" not in body):
+                    return None
+                why = body.get("error") if body is not None and isinstance(body.get("error"), str) else None
+                return (
+                    f"sampling session {save.sampler_id} could not be made again on node {save.target}: the save of "
+                    f"its weights failed there ({why or _detail_of(answer)})"
+                )
+            if answer.status != 200:  # its node is not answering yet (a long poll's 'try again' comes back at once)
+                await trio.sleep(ADOPTION_POLL_S)
+        return f"sampling session {save.sampler_id}: the save of its weights on node {save.target} did not finish in time"
 
     async def _recover_sample(self, kept: Kept) -> bool:
         """A sample whose sampler's home died: sent again to the sampler's new home; True once it has a new
@@ -455,6 +485,10 @@ class Replay:
         if request_id is not None:
             self.journal.moved(kept, adopter, request_id)
             self._counters.replayed += 1
+            # One line a request: what the adopter computes again (an optim_step: a step recomputed).
+            logger.info(
+                "replayed model_id=%s seq_id=%d path=%s to=%s", kept.model_id, kept.seq_id, kept.call.scope["path"], adopter
+            )
             if kept.sampler_id is not None:
                 self._directory.record(kept.sampler_id, adopter)
             return
@@ -561,6 +595,13 @@ def _is_final(answer: Reply) -> bool:
 
 def _future_answer(request_id: str, model_id: str) -> Reply:
     return json_reply({"request_id": request_id, "model_id": model_id})
+
+
+def _retrieve_call(call: Call, request_id: str) -> Call:
+    """A retrieve_future call for `request_id`, with `call`'s credentials."""
+    headers = [(k, v) for k, v in call.scope["headers"] if k.lower() not in (b"content-encoding", b"content-length")]
+    scope = {**call.scope, "path": RETRIEVE_PATH, "raw_path": RETRIEVE_PATH.encode(), "query_string": b"", "headers": headers}
+    return replace(call, scope=scope, headers=dict(headers), body=msgspec.json.encode({"request_id": request_id}), params={})
 
 
 def _with_request_id(call: Call, request_id: str) -> Call:

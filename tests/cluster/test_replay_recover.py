@@ -127,3 +127,59 @@ async def test_a_result_the_auto_save_covers_but_nobody_read_is_reported_lost() 
     assert f"the result of model {MODEL}'s request of seq_id 2 (/api/v1/optim_step) was lost" in detail
     assert "the job goes on at node c" in detail
     assert (counters.replayed, counters.unreplayable) == (0, 1)
+
+
+SAMPLER = "s-1:sample:5"  # the sampling session an unnamed save_weights_for_sampler of MODEL makes
+
+
+class SamplingNetwork(Network):
+    """As Network, with a save for sampling at seq_id 3 whose replay on c takes two polls to finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls_left = 2
+
+    async def forward(self, call: Call, member: Member, what: str, connect_timeout_s: float = 5.0) -> Reply:
+        path = call.scope["path"]
+        if path == "/api/v1/asample":
+            self.sent.append((member.name, path, None))
+            if not self.alive[member.name]:
+                return detail_reply(503, f"{what} lives on node {member.name}, which did not answer (ConnectError)")
+            return json_reply({"request_id": f"{member.name}-sample"})
+        if path == "/api/v1/retrieve_future" and member.name == "c":
+            self.sent.append((member.name, path, None))
+            self.polls_left -= 1
+            if self.polls_left > 0:
+                return json_reply({"type": "try_again", "request_id": "c-3", "queue_state": "active"})
+            return json_reply({"path": None, "sampling_session_id": SAMPLER})
+        return await super().forward(call, member, what, connect_timeout_s)
+
+
+class SamplingDirectory(Directory):
+    def sampler(self, sampler_id: str) -> Home:
+        return self.model(MODEL)
+
+
+async def test_a_sample_for_a_session_made_again_by_a_replayed_save_waits_for_that_save() -> None:
+    network = SamplingNetwork()
+    replay = Replay(
+        reach=network, directory=SamplingDirectory(network), counters=RelayCounters(), root=None  # type: ignore[arg-type]
+    )
+    home = Home(Where.REMOTE, member("b"))
+    save = call("/api/v1/save_weights_for_sampler", {"model_id": MODEL, "seq_id": 3, "sampling_session_seq_id": 5})
+    await replay.send(save, Ids(model_id=MODEL, seq_id=3, sampling_session_seq_id=5), home)
+    kept = replay.journal.lookup("b-3")
+    assert kept is not None
+    replay.journal.read(kept)  # the client had the save's result, made its sampling client, and samples
+    network.alive["b"] = False
+    network.alive["c"] = network.adopted = True
+    network.sent.clear()
+    answer = await replay.send_sample(call("/api/v1/asample", {"sampling_session_id": SAMPLER}), SAMPLER, home)
+    assert msgspec.json.decode(answer.body) == {"request_id": "c-sample"}
+    # The save is replayed on c, and the sample goes there only once the save's result is final.
+    assert network.sent == [
+        ("b", "/api/v1/asample", None),
+        ("c", "/api/v1/save_weights_for_sampler", 3),
+        ("c", "/api/v1/retrieve_future", None), ("c", "/api/v1/retrieve_future", None),
+        ("c", "/api/v1/asample", None),
+    ]
