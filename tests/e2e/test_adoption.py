@@ -11,25 +11,36 @@ recomputed. First with a step's forward_backward and optim_step in flight; then
 an RL-shaped loop (save weights for sampling, sample, train on the samples) with
 the kill landing while its samples are drawn: the sampling session is made again
 on the adopter from the replayed save, and the samples are drawn again there.
+Then the issue's chaos run: tinker-cookbook's RL loop on math_rl's arithmetic
+environment and the quickstart, each in a process of its own through A, their
+jobs on one node, killed at a seeded random time; and two jobs held on their
+home by the workers' test hooks (chaos_serve.py), one mid-optim_step and one
+mid-save with its auto-save half copied, killed at once.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import tinker
 from conftest import Daemon, ready_all, write_config
 from tinker import types
 from waits import wait_for
 
-from openrld.autosave import latest_autosave
+from openrld.autosave import job_dir, job_ids, latest_autosave, step_dir_name
 from openrld.cluster.relay import RELAYED_HEADER
-from openrld.store.job_claims import latest_claim
+from openrld.store.job_claims import claims_dir, latest_claim
 
 SECRET = "test-adoption-secret"
 KEY = "tml-test"
@@ -38,7 +49,10 @@ HERE_ONLY = {**HEADERS, RELAYED_HEADER: "test"}  # a node answers about itself o
 ADAM = types.AdamParams(learning_rate=1e-2)
 STEPS = 6
 KILL_AT = 3  # the step in flight when the home is killed (its auto-save of step KILL_AT has landed)
-WORKERS = ["node-b", "node-c", "node-d"]  # the nodes that take jobs; each test kills one
+# The nodes that take jobs; each test kills one, and the chaos run leaves two survivors to notice it.
+WORKERS = ["node-b", "node-c", "node-d", "node-e", "node-f"]
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
 NO_AUTOSAVE = {"openrl.autosave_steps": "0"}  # a reference run: nothing adopts it
 AUTOSAVE_EVERY_STEP = {"openrl.autosave_steps": "1"}
 # Both daemons run the same code on the same CPU with the same thread count: a step recomputed on
@@ -68,14 +82,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     root = tmp_path_factory.mktemp("adoption")
     shared = root / "checkpoints"
     shared.mkdir()
+    chaos_dir(shared).mkdir()
+    # Copies of the tiny Llama under names of their own: no node has their group yet, so a test's
+    # jobs of one of them all go where its first job went (a job joins its base model's group).
+    models = {"tiny-llama": tiny_llama}
+    for alias in ("tiny-chaos", "tiny-held"):
+        models[alias] = Path(shutil.copytree(tiny_llama, root / alias))
     extra = f'checkpoint_root = "{shared}"\n'
     daemons: dict[str, Daemon] = {}
-    for name, more in (("node-a", "accept_jobs = false\n"), ("node-b", ""), ("node-c", ""), ("node-d", "")):
-        seeds = [daemons["node-a"].url.removeprefix("http://")] if daemons else []
-        config = write_config(root / f"{name}.toml", root / name, {"tiny-llama": tiny_llama}, node_config(name, seeds, extra + more))
-        daemons[name] = Daemon(root / name, config, root / f"{name}.log").launch()
-        if not seeds:
-            daemons[name].ready()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OPENRLD_CHAOS_DIR", str(chaos_dir(shared)))  # the workers' hooks (chaos_serve.py)
+        for name in ["node-a", *WORKERS]:
+            seeds = [daemons["node-a"].url.removeprefix("http://")] if daemons else []
+            more = "accept_jobs = false\n" if name == "node-a" else ""
+            config = write_config(root / f"{name}.toml", root / name, models, node_config(name, seeds, extra + more))
+            entry = ("-m", "openrld.cli") if name == "node-a" else (str(HERE / "chaos_serve.py"),)
+            daemons[name] = Daemon(root / name, config, root / f"{name}.log", entry=entry).launch()
+            if not seeds:
+                daemons[name].ready()
     ready_all(daemons.values())
     try:
         wait_for(lambda: seen_alive(daemons["node-a"].url, WORKERS), timeout_s=15.0)
@@ -83,6 +107,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
     finally:
         for daemon in daemons.values():
             daemon.stop()
+
+
+def chaos_dir(shared: Path) -> Path:
+    """Where the workers' hooks look (chaos_serve.py)."""
+    return shared.parent / "chaos"
 
 
 def seen_alive(url: str, names: list[str]) -> bool:
@@ -243,3 +272,188 @@ def test_an_rl_loop_goes_on_when_its_jobs_home_is_killed_while_it_samples(cluste
     claim = latest_claim(shared, model_id)
     assert claim is not None and (claim.adopter, claim.previous_home, claim.step) == (adopter, victim, KILL_AT)
     assert metric(a, 'openrld_replayed_requests_total{outcome="replayed"}') >= 2
+
+
+# ---------------------------------------------------------------- the chaos run: the cookbook's loop and the quickstart
+
+CHAOS_MODEL = "tiny-chaos"
+COOKBOOK_STEPS = 4
+QUICKSTART_STEPS = 12
+# The quickstart's own arguments, small. On the tiny Llama a group's rewards mostly all match, and a
+# step that finds no group whose rewards differ trains nothing; with this seed its first step
+# trains, so its job has an auto-save early (a job is adopted from its auto-save, none before).
+QUICKSTART_ARGS = ["--problems-per-step", "2", "--group-size", "8", "--max-tokens", "8", "--seed", "4"]
+KILL_WINDOW_S = 1.0  # the kill lands this long at most after both loops go on from their first auto-saves
+
+
+def launch(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """A researcher's script, in a process of its own, from the repository root."""
+    return subprocess.Popen(argv, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def new_job(shared: Path, known: set[str]) -> str:
+    """The model id of a job not in `known` that has a complete auto-save (waits for it)."""
+    found: list[str] = []
+
+    def saved() -> bool:
+        found[:] = [m for m in job_ids(shared) if m not in known and latest_autosave(shared, m) is not None]
+        return bool(found)
+
+    wait_for(saved, timeout_s=240.0, poll_s=0.02)  # the cookbook imports for tens of seconds on a busy machine
+    return found[0]
+
+
+def replayed_optim_steps(log: str, model_id: str) -> int:
+    """The optim_steps of `model_id` that a node's log says it replayed on an adopter (replay.py)."""
+    return sum(
+        1 for line in log.splitlines()
+        if f"replayed model_id={model_id} seq_id=" in line and "path=/api/v1/optim_step " in line
+    )
+
+
+def steps_logged(path: Path, rows_of_a_step: str) -> list[int]:
+    """The `step` of each row of a JSONL log that has the key `rows_of_a_step`."""
+    rows = [msgspec.json.decode(line) for line in path.read_text().splitlines()]
+    return [row["step"] for row in rows if rows_of_a_step in row]
+
+
+def test_the_cookbooks_loop_and_the_quickstart_finish_every_step_when_their_jobs_home_is_killed(
+    cluster, tmp_path: Path
+) -> None:
+    daemons, shared = cluster
+    a = daemons["node-a"].url
+    # A failure names its seed; OPENRLD_CHAOS_SEED=<it> kills as long after both auto-saves again.
+    seed = int(os.environ.get("OPENRLD_CHAOS_SEED", random.randrange(1 << 32)))
+    print(f"chaos seed {seed}")
+    delay_s = random.Random(seed).uniform(0.0, KILL_WINDOW_S)
+    tokenizer = shared.parent / CHAOS_MODEL
+    known = set(job_ids(shared))
+    cookbook = launch(
+        [sys.executable, str(HERE / "cookbook_arithmetic.py"), a, CHAOS_MODEL, str(tokenizer), str(tmp_path / "cookbook"),
+         str(COOKBOOK_STEPS)],
+        tmp_path / "cookbook.out",
+    )
+    quickstart = None
+    try:
+        cookbook_job = new_job(shared, known)
+        # The cookbook's loop starts far slower than the quickstart (its imports): it waits, stopped
+        # where it is, until the quickstart has an auto-save too, so that the kill finds both mid-run.
+        cookbook.send_signal(signal.SIGSTOP)
+        quickstart = launch(
+            [sys.executable, "-m", "recipes.quickstart", "--url", a, "--api-key", KEY, "--base-model", CHAOS_MODEL,
+             "--tokenizer", str(tokenizer), "--steps", str(QUICKSTART_STEPS), *QUICKSTART_ARGS,
+             "--out", str(tmp_path / "quickstart")],
+            tmp_path / "quickstart.out",
+        )
+        quickstart_job = new_job(shared, known | {cookbook_job})
+        cookbook.send_signal(signal.SIGCONT)
+        jobs = [cookbook_job, quickstart_job]
+        [victim] = home_of(daemons, cookbook_job)
+        assert home_of(daemons, quickstart_job) == [victim]
+        survivors = [n for n in WORKERS if n != victim and daemons[n].proc is not None]
+        assert len(survivors) == 2
+        adoptions = sum(metric(daemons[n].url, "openrld_adoptions_total") for n in survivors)
+        for model_id in jobs:
+            wait_for(lambda m=model_id: adoptable_in_gossip(a, victim, m), timeout_s=10.0)
+        time.sleep(delay_s)
+        assert cookbook.poll() is None and quickstart.poll() is None, f"seed {seed}: a loop ended before the kill"
+        daemons[victim].kill()
+        # Both survivors notice the death; each job gets one claim, by one of them.
+        for name in survivors:
+            wait_for(lambda u=daemons[name].url: member_state(u, victim) == "dead", timeout_s=20.0)
+        assert cookbook.wait(180.0) == 0, f"seed {seed}: " + (tmp_path / "cookbook.out").read_text()[-3000:]
+        assert quickstart.wait(180.0) == 0, f"seed {seed}: " + (tmp_path / "quickstart.out").read_text()[-3000:]
+    finally:
+        for loop in (cookbook, quickstart):
+            if loop is not None and loop.poll() is None:
+                loop.kill()
+
+    # Every step once, in order: no gap, none twice.
+    assert steps_logged(tmp_path / "cookbook" / "metrics.jsonl", "env/all/reward/total") == list(range(COOKBOOK_STEPS))
+    quickstart_steps = steps_logged(tmp_path / "quickstart" / "rewards.jsonl", "mean_reward")
+    assert quickstart_steps == list(range(QUICKSTART_STEPS)), seed
+    trained = [row for row in (tmp_path / "quickstart" / "rewards.jsonl").read_text().splitlines() if '"groups_used":0' not in row]
+    for model_id, optim_steps in ((cookbook_job, COOKBOOK_STEPS), (quickstart_job, len(trained))):
+        assert sorted(p.name for p in claims_dir(shared, model_id).iterdir()) == ["000000001.json"], seed  # one adopter
+        claim = latest_claim(shared, model_id)
+        assert claim is not None and claim.previous_home == victim and claim.adopter in survivors, seed
+        status = httpx.get(f"{a}/openrl/v1/models/{model_id}/status", headers=HEADERS, timeout=10).json()
+        assert status["adopted_from"]["detail"] == f"adopted from node {victim} at step {claim.step}", seed
+        assert status["step"] == optim_steps, seed  # the job's steps, each applied once in its line
+        # Every step the adopter computed again is one that A replayed to it: at most one.
+        assert replayed_optim_steps(daemons["node-a"].log(), model_id) <= 1, seed
+    assert sum(metric(daemons[n].url, "openrld_adoptions_total") for n in survivors) == adoptions + 2
+
+
+def member_state(url: str, name: str) -> str | None:
+    members = {m["name"]: m for m in httpx.get(f"{url}/openrl/v1/cluster", headers=HEADERS, timeout=10).json()["members"]}
+    return members[name]["state"] if name in members else None
+
+
+# ---------------------------------------------------------------- killed mid-optim_step and mid-save
+
+
+def arm(shared: Path, hook: str, model_id: str) -> None:
+    """The next `hook` of `model_id` on its home holds there (chaos_serve.py)."""
+    (chaos_dir(shared) / f"{hook}-{model_id}").touch()
+
+
+def held(shared: Path, marker: str, model_id: str) -> bool:
+    return (chaos_dir(shared) / f"{marker}-{model_id}").exists()
+
+
+def test_jobs_killed_mid_optim_step_and_mid_save_resume_from_their_newest_complete_auto_save(cluster, reference) -> None:
+    daemons, shared = cluster
+    a = daemons["node-a"].url
+    service = tinker.ServiceClient(base_url=a, api_key=KEY)
+    jobs = [
+        service.create_lora_training_client(base_model="tiny-held", rank=4, seed=0, user_metadata=AUTOSAVE_EVERY_STEP).result()
+        for _ in range(2)
+    ]
+    in_optim, in_save = jobs
+    [victim] = home_of(daemons, in_optim.model_id)
+    assert home_of(daemons, in_save.model_id) == [victim]
+    losses = {job.model_id: [step(job, i) for i in range(KILL_AT)] for job in jobs}
+    for job in jobs:
+        wait_for(lambda m=job.model_id: (s := latest_autosave(shared, m)) is not None and s.manifest.step == KILL_AT, timeout_s=20.0)
+        wait_for(lambda m=job.model_id: adoptable_in_gossip(a, victim, m), timeout_s=10.0)
+
+    # One job's next step is answered, and its auto-save is then copied into place half-way and held there.
+    arm(shared, "slow-save", in_save.model_id)
+    losses[in_save.model_id].append(step(in_save, KILL_AT))
+    wait_for(lambda: held(shared, "save-held", in_save.model_id), timeout_s=20.0)
+    half_written = job_dir(shared, in_save.model_id) / step_dir_name(KILL_AT + 1)
+    assert half_written.is_dir()
+    # The other's forward_backward is answered; its optim_step is applied on the home, which holds its answer.
+    arm(shared, "slow-optim", in_optim.model_id)
+    failures: list[BaseException] = []
+
+    def rest_of_the_loop() -> None:
+        try:
+            forward_backward = in_optim.forward_backward(data(KILL_AT), "cross_entropy")
+            losses[in_optim.model_id].append(forward_backward.result().metrics["loss:sum"])
+            in_optim.optim_step(ADAM).result()
+            losses[in_optim.model_id].extend(step(in_optim, i) for i in range(KILL_AT + 1, STEPS))
+        except BaseException as error:  # reported by the test's thread
+            failures.append(error)
+
+    loop = threading.Thread(target=rest_of_the_loop)
+    loop.start()
+    wait_for(lambda: held(shared, "optim-held", in_optim.model_id), timeout_s=20.0)
+    assert latest_autosave(shared, in_save.model_id).manifest.step == KILL_AT  # the half-written one is not taken
+    daemons[victim].kill()
+    losses[in_save.model_id].extend(step(in_save, i) for i in range(KILL_AT + 1, STEPS))
+    loop.join(120.0)
+    assert not loop.is_alive() and failures == [], failures
+
+    for job in jobs:
+        assert losses[job.model_id] == pytest.approx(reference, rel=LOSS_TOLERANCE), job.model_id
+        [adopter] = home_of(daemons, job.model_id)
+        claim = latest_claim(shared, job.model_id)
+        # Each resumed from its newest complete auto-save, the step before the one held: one step recomputed.
+        assert claim is not None and (claim.adopter, claim.previous_home, claim.step) == (adopter, victim, KILL_AT)
+        assert replayed_optim_steps(daemons["node-a"].log(), job.model_id) == 1
+        status = httpx.get(f"{a}/openrl/v1/models/{job.model_id}/status", headers=HEADERS, timeout=10).json()
+        assert status["step"] == STEPS
+    # The adopter's auto-save of the recomputed step took the half-written one's place, and the later ones followed.
+    wait_for(lambda: latest_autosave(shared, in_save.model_id).manifest.step == STEPS, timeout_s=20.0)
