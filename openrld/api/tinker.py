@@ -341,7 +341,12 @@ def _outcome_reply(
     every other reply has only a JSON form.
     """
     if outcome is None:
-        return json_reply(wire.TryAgainResponse(request_id=request_id, queue_state=cast("wire.QueueState", queue_state)))
+        # A 408 with the try_again body: every SDK release served (0.16.1 to 0.38.0) polls again at
+        # once on either form and reads queue_state from both, but on a 200 try_again each logs a
+        # warning to the user's terminal, one a pending future a long-poll.
+        return json_reply(
+            wire.TryAgainResponse(request_id=request_id, queue_state=cast("wire.QueueState", queue_state)), status=408
+        )
     if isinstance(outcome, Failed):
         return json_reply(wire.RequestFailedResponse(error=outcome.detail, category=cast("wire.FailureCategory", outcome.category)))
     value = outcome.value

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import tinker
+from conftest import Daemon, write_config
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -90,11 +91,33 @@ def test_retried_seq_id_returns_the_first_future(http, model_id):
     assert retry["request_id"] == first["request_id"]
 
 
-def test_pending_future_answers_try_again_after_the_long_poll(http, model_id):
+def test_pending_future_answers_408_try_again_after_the_long_poll(http, model_id):
     # seq 2 waits for seq 1, which never comes: the poll must come back, not hang.
     pending = _fb(http, model_id, 2, list(range(5, 15))).json()
     response = _post(http, "retrieve_future", {"request_id": pending["request_id"], "allow_metadata_only": True})
+    assert response.status_code == 408
     assert response.json() == {"type": "try_again", "request_id": pending["request_id"], "queue_state": "active"}
+
+
+def test_the_sdk_polls_through_408s_without_a_warning(tmp_path, tiny_llama, caplog):
+    # A node whose long-poll lets go after 10 ms: every future outlives several polls. The SDK
+    # logs a warning for each 200 try_again it polls through; a 408 it re-polls in silence.
+    config = write_config(tmp_path / "openrld.toml", tmp_path / "data", {"tiny-llama": tiny_llama}, "longpoll_s = 0.01")
+    daemon = Daemon(tmp_path / "data", config, tmp_path / "daemon.log").start()
+    try:
+        service = tinker.ServiceClient(base_url=daemon.url, api_key=HEADERS["X-API-Key"])
+        with caplog.at_level("WARNING", logger="tinker"):
+            training = service.create_lora_training_client(base_model="tiny-llama", rank=4).result()
+            tokens = list(range(5, 105))
+            datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+            loss = training.forward_backward([datum] * 8, "cross_entropy").result().metrics["loss:sum"]
+        polled = [line for line in httpx.get(f"{daemon.url}/metrics", timeout=10).text.splitlines()
+                  if line.startswith("openrld_http_requests_total") and "retrieve_future" in line and 'status="408"' in line]
+    finally:
+        daemon.stop()
+    assert [r.getMessage() for r in caplog.records if "try_again" in r.getMessage()] == []
+    assert len(polled) == 1 and float(polled[0].split()[-1]) >= 1  # it did poll through 408s
+    assert loss > 0.0
 
 
 def test_bad_loss_input_fails_the_future_and_the_next_seq_id_still_runs(http, model_id):

@@ -100,8 +100,9 @@ def test_asample_past_the_queue_limit_is_429_with_retry_after(client: httpx.Clie
 
 def test_try_again_of_a_running_sample_says_the_queue_is_active(client: httpx.Client, sampler_id: str) -> None:
     request_id = asample(client, sampler_id, 200, LONG).json()["request_id"]
-    pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
-    assert pending == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    pending = client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+    assert pending.status_code == 408
+    assert pending.json() == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
     client.post("/api/v1/cancel_future", json={"request_id": request_id})
 
 
