@@ -9,8 +9,9 @@ of its plan is a member. The home asks each member over the peer API
 - starts its torchrun (`launch`, given by the daemon: `worker/launchers/torchrun.py`
   `member_command`), whose ranks join the home's rendezvous and follow rank 0;
 - watches it: when it exits (a rank died, the home's ranks are gone) or the home
-  node is declared dead, its devices are freed, and the home is told
-  (`SpanEnded`), so that the job ends on every node;
+  node is declared dead (its ranks are then killed at once: cut off from the home,
+  a graceful stop waits on the network), its devices are freed, and the home is
+  told (`SpanEnded`), so that the job ends on every node;
 - stops it when the home says the job has ended (`stop`).
 
 It never imports torch and never speaks the worker protocol: a member's ranks
@@ -68,6 +69,7 @@ class Ranks(Protocol):
 
     def poll(self) -> int | None: ...
     def stop(self, timeout: float) -> None: ...
+    def kill(self) -> None: ...
     def describe(self) -> str: ...
 
 
@@ -134,8 +136,8 @@ class SpanMembers:
             while (status := running.ranks.poll()) is None:
                 if not running.is_stopping and not self._is_alive(home):
                     running.is_stopping = True
-                    logger.warning("span ranks job=%s: home node %s is dead; stopping them", job, home)
-                    await trio.to_thread.run_sync(running.ranks.stop, 0.0)
+                    logger.warning("span ranks job=%s: home node %s is dead; killing them", job, home)
+                    await trio.to_thread.run_sync(running.ranks.kill)
                     continue
                 await trio.sleep(WATCH_S)
         finally:

@@ -34,6 +34,7 @@ from openrld.worker.client import RemoteSampler, RemoteTrainer, WorkerTimeouts
 from openrld.worker.launchers import Launcher, Mount, WorkerSpec, socket_directory, start_worker
 from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.launchers.torchrun import (
+    SPAN_BYE_S,
     SPAN_DEVICE_ENV,
     SpanRendezvous,
     TorchrunGroup,
@@ -119,7 +120,8 @@ class WorkerHosting:
         argv, env = member_command(self.automodel_python, span, len(devices), group_device(devices), model_dir)
         # A session of its own, as the home's torchrun: stop() reaches its whole process group.
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=2, env=env, start_new_session=True)
-        return TorchrunGroup(process, env[SPAN_DEVICE_ENV], f"openrld-trainer ranks of job {span.run_id}", len(devices))
+        name = f"openrld-trainer ranks of job {span.run_id}"
+        return TorchrunGroup(process, env[SPAN_DEVICE_ENV], name, len(devices), bye_s=SPAN_BYE_S)
 
     def start(
         self, launcher: Launcher, *, role: Role, kind: str, model_name: str, model_dir: str, device: str,

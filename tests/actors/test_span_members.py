@@ -15,11 +15,11 @@ ORDER = SpanOrder(job="s-1:train:0", home="node-a", base_model="tiny-llama", dev
 
 
 class FakeRanks:
-    """A torchrun that runs until `exit` (a rank died) or `stop`."""
+    """A torchrun that runs until `exit` (a rank died), `stop` or `kill`."""
 
     def __init__(self) -> None:
         self.status: int | None = None
-        self.stops: list[float] = []
+        self.stops: list[float | str] = []  # each stop's grace, or "kill"
 
     def poll(self) -> int | None:
         return self.status
@@ -28,6 +28,11 @@ class FakeRanks:
         self.stops.append(timeout)
         if self.status is None:
             self.status = -15
+
+    def kill(self) -> None:
+        self.stops.append("kill")
+        if self.status is None:
+            self.status = -9
 
     def describe(self) -> str:
         return "torchrun pid 1, 2 ranks"
@@ -69,13 +74,14 @@ async def test_ranks_that_exit_free_the_devices_and_tell_the_home(autojump_clock
         assert node.told == [("node-a", SpanEnded(ORDER.job, "node-b", "its ranks on node node-b exited (status 1)"))]
 
 
-async def test_a_dead_home_stops_the_ranks_without_telling_it(autojump_clock):
+async def test_a_dead_home_kills_the_ranks_at_once_without_telling_it(autojump_clock):
+    # Cut off from the home (a partition), torchrun's own stop waits on its rendezvous: no grace.
     async with trio.open_nursery() as nursery:
         node = Node(nursery)
         node.members.start(ORDER)
         node.alive["node-a"] = False
         await trio.sleep(1.0)
-        assert (node.held(), node.told, node.ranks.stops[0]) == ([], [], 0.0)
+        assert (node.held(), node.told, node.ranks.stops[0]) == ([], [], "kill")
 
 
 async def test_the_homes_stop_frees_the_devices_without_telling_it(autojump_clock):

@@ -27,6 +27,7 @@ from openrld.worker.launchers.process import ProcessLauncher
 from openrld.worker.launchers.torchrun import TorchrunGroup, TorchrunLauncher, group_devices
 from openrld.worker.protocol import Start
 from openrld.worker.ranks import rank_device
+from tests.processes import running
 
 RANK_WORKER = Path(__file__).with_name("rank_worker.py")
 # Two interpreters importing torch on two shared cores: seconds, not the default's minutes.
@@ -49,10 +50,6 @@ def group_pids(group: TorchrunGroup) -> list[int]:
     ranks = group.rank_pids()
     assert len(ranks) == 2, f"torchrun runs {ranks}, not 2 ranks"
     return [group.process.pid, *ranks]
-
-
-def running(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +162,35 @@ def test_stop_of_a_group_that_runs_on_ends_torchrun_and_every_rank(socket_root):
     group.stop(0.0)  # no Bye: SIGTERM to torchrun, which stops its ranks and exits 1
     assert group.poll() == 1
     assert running(pids) == []
+
+
+def test_kill_ends_torchrun_and_every_rank_with_sigkill_and_no_grace(socket_root):
+    # A member whose span's home is gone: torchrun's SIGTERM would wait on the home's rendezvous.
+    _, group = start_group(socket_directory(socket_root))
+    pids = group_pids(group)
+    group.kill()
+    assert group.poll() == -signal.SIGKILL
+    assert running(pids) == []
+
+
+class ExitedTorchrun:
+    """A torchrun that has exited by the time `stop` first waits for it; records that wait."""
+
+    pid = 0
+
+    def __init__(self) -> None:
+        self.waits: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waits.append(timeout)
+        return 0
+
+
+@pytest.mark.parametrize(("bye_s", "waited"), [(None, 10.0), (2.0, 2.0), (30.0, 10.0)])
+def test_a_spans_group_waits_for_its_bye_at_most_its_bye_s(bye_s, waited):
+    torchrun = ExitedTorchrun()
+    TorchrunGroup(torchrun, "cpu", "rank group", 2, bye_s=bye_s).stop(10.0)  # type: ignore[arg-type]
+    assert torchrun.waits == [waited]
 
 
 def test_the_daemons_end_of_the_connection_while_idle_stops_every_rank_in_order(socket_root):

@@ -31,7 +31,10 @@ daemon runs one torchrun for its own ranks, `--nnodes K --rdzv-backend c10d
 node; a member's get no socket and no token (`member_command`): they follow
 global rank 0, which is the home's (`worker/ranks.py` renumbers them). The ports
 the ranks use besides the rendezvous (torchrun's store, gloo's and NCCL's
-connections) are ephemeral: docs/deploy.md says what to open.
+connections) are ephemeral: docs/deploy.md says what to open. A node cut off
+from the others leaves a span's Bye and torchrun's own SIGTERM handling (which
+closes the rendezvous) waiting on the network, so a span's group waits at most
+`SPAN_BYE_S` for its Bye, and a member whose home is gone `kill`s its ranks at once.
 
 Why by hand: torchrun has no API for its process tree, and /proc/<pid>/task/*/children
 needs a kernel option that not every kernel has; the ranks are found by their
@@ -61,6 +64,9 @@ SPAN_HOME_ENV = "OPENRLD_SPAN_HOME"  # "1" on the home node's ranks, "0" on a me
 SPAN_DEVICE_ENV = "OPENRLD_SPAN_DEVICE"  # a member node's ranks: their group device, as rank 0's Start names its own
 SPAN_MODEL_DIR_ENV = "OPENRLD_SPAN_MODEL_DIR"  # a member node's ranks: the model's directory on that node
 TERM_GRACE_S = 5.0  # after SIGTERM: torchrun stops its ranks (a second at most here), then exits
+# A span's group after Bye: its ranks pass it on over the network, which takes milliseconds, or,
+# with a node cut off, forever (gloo has no peer to answer); past this, SIGTERM.
+SPAN_BYE_S = 2.0
 
 
 def group_devices(device: str, nproc: int, inherited: str | None = None) -> tuple[str, str | None]:
@@ -114,11 +120,14 @@ def member_command(python: str, span: SpanRendezvous, nproc: int, device: str, m
 class TorchrunGroup:
     """A running torchrun and its ranks."""
 
-    def __init__(self, process: subprocess.Popen, device: str, name: str, nproc: int) -> None:
+    def __init__(
+        self, process: subprocess.Popen, device: str, name: str, nproc: int, bye_s: float | None = None
+    ) -> None:
         self.process = process
         self.device = device
         self.name = name
         self.nproc = nproc
+        self.bye_s = bye_s  # a span's: the most `stop` waits for torchrun to exit by itself
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -128,6 +137,8 @@ class TorchrunGroup:
         return _children(self.process.pid)
 
     def stop(self, timeout: float) -> None:
+        if self.bye_s is not None:
+            timeout = min(timeout, self.bye_s)
         try:
             self.process.wait(timeout)
             return  # torchrun ends only once its ranks have ended
@@ -142,10 +153,7 @@ class TorchrunGroup:
                 self.process.wait(TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 logger.warning("worker %s: torchrun did not stop in %.0f s; killing the group", self.name, TERM_GRACE_S)
-                _signal_group(self.process.pid, signal.SIGKILL)
-                for fd in ranks:
-                    _pidfd_kill(fd)
-                self.process.wait()
+                self._kill(ranks)
             for fd in ranks:
                 if not select.select([fd], [], [], TERM_GRACE_S)[0]:  # readable once the rank has ended
                     _pidfd_kill(fd)
@@ -153,6 +161,24 @@ class TorchrunGroup:
         finally:
             for fd in ranks:
                 os.close(fd)
+
+    def kill(self) -> None:
+        """SIGKILL torchrun and every rank now, and return once all are gone: for ranks whose job is lost
+        with a node, where torchrun's SIGTERM would wait on a rendezvous it cannot reach."""
+        ranks = _pidfds(self.rank_pids())
+        try:
+            self._kill(ranks)
+            for fd in ranks:
+                select.select([fd], [], [], TERM_GRACE_S)  # readable once the rank has ended
+        finally:
+            for fd in ranks:
+                os.close(fd)
+
+    def _kill(self, ranks: list[int]) -> None:
+        _signal_group(self.process.pid, signal.SIGKILL)
+        for fd in ranks:
+            _pidfd_kill(fd)
+        self.process.wait()
 
     def describe(self) -> str:
         return f"torchrun pid {self.process.pid}, {self.nproc} ranks"
@@ -188,7 +214,7 @@ class TorchrunLauncher:
             [self.python, "-m", "torch.distributed.run", *arguments, *self.command],
             stdin=subprocess.DEVNULL, stdout=2, env=env, start_new_session=True,
         )
-        return TorchrunGroup(process, device, spec.name, self.nproc)
+        return TorchrunGroup(process, device, spec.name, self.nproc, bye_s=SPAN_BYE_S if self.span else None)
 
     def reap(self) -> int:
         return 0  # rank 0 exits when its daemon's end of the connection closes, and torchrun ends the rest
