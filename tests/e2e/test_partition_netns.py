@@ -18,7 +18,13 @@ bridge cannot be made (CI containers without CAP_NET_ADMIN), it is skipped,
 naming what failed. Names carry this process's pid, and the namespaces,
 bridge and links are removed in a `finally` whatever happens.
 
-The tests share one cluster and run in file order: converge, partition, heal.
+The tests share one cluster and run in file order: converge, partition, heal; then, where
+the Automodel environment is built, a trainer that spans A and B (issue 40, as in
+test_spanning_trainer.py) is cut in two by a partition of B: the job ends on both sides
+(A declares B dead, B declares A dead), every device of both is free, no rank is left,
+and the client gets the 410 of a lost job. A and B have two CPU devices each for it; each
+daemon's ranks bind gloo to its namespace's interface (GLOO_SOCKET_IFNAME), since the
+hostname resolves to 127.0.0.1 here, which gloo would otherwise take and tell the others.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import tinker
 from conftest import Daemon, write_api_keys, write_config  # the suite's real-daemon helpers
+from tinker import types
 
 from openrld.cluster.membership.config import (
     MembershipConfig,
@@ -44,6 +52,7 @@ from openrld.cluster.membership.config import (
     suspicion_max_s,
     suspicion_min_s,
 )
+from tests.processes import children, running, torchruns
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +75,9 @@ POLL_S = 0.05
 SLACK_S = 0.25
 # An Ethernet address that no interface has (locally administered, unicast).
 NOBODY_MAC = "02:00:00:0d:ea:d0"
+AUTOMODEL_PYTHON = Path(__file__).resolve().parents[2] / ".venv-automodel" / "bin" / "python"
+SPANNED = ("node-a", "node-b")  # two CPU devices each: the span test's job takes all four
+SPAN = {"openrl.trainer_backend": "automodel", "openrl.trainer_gpus": "4", "openrl.exclusive": "true"}
 # Each namespace is new and empty, so every daemon can take the same fixed port,
 # and each can be given the others' addresses as seeds before any has started.
 HTTP_PORT = 8000
@@ -212,10 +224,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Itera
                 f'node_name = "{name}"\ncluster_secret = "{SECRET}"\ngossip_port = 0\n'
                 f'gossip_timing = "local"\njoin = [{seeds}]\n'
             )
+            prefix = network.exec_prefix(name)
+            if name in SPANNED and AUTOMODEL_PYTHON.exists():
+                extra += f'devices = ["cpu:0", "cpu:1"]\n\n[workers]\nautomodel_python = "{AUTOMODEL_PYTHON}"\n'
+                prefix += ("env", f"GLOO_SOCKET_IFNAME={network.node_veth[name]}")
             config = write_config(root / f"{name}.toml", root / name, {"tiny-llama": tiny_llama}, extra)
-            daemons[name] = Daemon(
-                root / name, config, root / f"{name}.log", command_prefix=network.exec_prefix(name), port=HTTP_PORT
-            )
+            daemons[name] = Daemon(root / name, config, root / f"{name}.log", command_prefix=prefix, port=HTTP_PORT)
         # All start side by side (each start is seconds of imports and a model load); a node
         # whose seeds are not up yet retries them every push-pull round.
         with ThreadPoolExecutor(len(NODES)) as pool:
@@ -394,3 +408,57 @@ def test_healed_partition_lists_everyone_alive_and_the_isolated_node_refuted(clu
     now = {name: observe(daemon) for name, daemon in cluster.daemons.items()}
     assert now[ISOLATED].refutations == cluster.refutations_before + 1
     assert {name: now[name].incarnations[ISOLATED] for name in NODES} == dict.fromkeys(NODES, cluster.dead_incarnation + 1)
+
+
+def free_devices(daemon: Daemon, node: str) -> int:
+    """How many of `node`'s devices hold no group, as `daemon` sees it."""
+    members = httpx.get(f"{daemon.url}/openrl/v1/cluster", headers=HEADERS, timeout=5, trust_env=False).json()["members"]
+    return sum(1 for d in next(m for m in members if m["name"] == node)["devices"] if d["groups"] == 0)
+
+
+def span_processes(daemon: Daemon) -> list[int]:
+    """A daemon's torchruns, each followed by its ranks."""
+    assert daemon.proc is not None
+    return [pid for torchrun in torchruns(daemon.proc.pid) for pid in (torchrun, *(rank for rank, _ in children(torchrun)))]
+
+
+def span_ended(a: Daemon, b: Daemon, groups: dict[str, list[int]]) -> bool:
+    """Each side sees its own devices free, and no torchrun or rank of the span is left."""
+    left = running([pid for pids in groups.values() for pid in pids])
+    return free_devices(a, "node-a") == 2 and free_devices(b, "node-b") == 2 and not left
+
+
+@pytest.mark.skipif(not AUTOMODEL_PYTHON.exists(), reason="no Automodel environment: `make automodel-env` builds it")
+def test_a_span_cut_in_two_by_a_partition_ends_on_both_sides_and_frees_every_device(cluster: Cluster) -> None:
+    a, b = (cluster.daemons[name] for name in SPANNED)
+    everyone = dict.fromkeys(NODES, "alive")
+    before = wait_for_views(cluster.daemons, dict.fromkeys(NODES, everyone), CONVERGE_TIMEOUT_S)
+    service = tinker.ServiceClient(base_url=a.url, api_key=API_KEY)
+    training = service.create_lora_training_client(base_model="tiny-llama", rank=4, seed=3, user_metadata=SPAN).result()
+    tokens = list(range(5, 21))
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    trained = training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+    groups = {name: span_processes(daemon) for name, daemon in zip(SPANNED, (a, b), strict=True)}
+    # A declares B dead as a survivor does; B, cut off from all, as the isolated node does (its rounds stretch).
+    bound_s = max(
+        detection_bound(LOCAL, len(NODES)).total_s, isolated_node_bound_s(LOCAL, len(NODES), before["node-b"].awareness_score)
+    )
+
+    cut_s = time.monotonic()
+    cluster.network.cut_off("node-b")
+    while not span_ended(a, b, groups) and time.monotonic() - cut_s < bound_s + 30.0:
+        time.sleep(POLL_S)
+    took_s = time.monotonic() - cut_s
+    with pytest.raises(tinker.APIStatusError) as lost:
+        training.forward_backward([datum], "cross_entropy").result()
+    service.close("success").result()
+
+    logger.info("span cut in two: ended on both sides in %.2f s; bound %.2f s", took_s, bound_s)
+    assert trained > 0 and [len(pids) for pids in groups.values()] == [3, 3]  # a torchrun and two ranks each
+    assert span_ended(a, b, groups), {"A free": free_devices(a, "node-a"), "B free": free_devices(b, "node-b"), "left": groups}
+    assert took_s <= bound_s + 10.0, (took_s, bound_s)  # as test_spanning_trainer: the span's watchers and its stop
+    assert lost.value.status_code == 410
+    assert "node node-b, which held ranks of its trainer, was declared dead by the cluster" in str(lost.value)
