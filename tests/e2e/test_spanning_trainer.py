@@ -40,6 +40,7 @@ from openrld.actors.span_members import SpanEnded
 from openrld.cluster.membership.config import MembershipConfig, detection_bound
 from openrld.cluster.peer_client import relay_key, sign
 from openrld.cluster.placement.span_peers import SPAN_ENDED_PATH, SPAN_START_PATH, SPAN_TAG_HEADER
+from tests.processes import children, running, torchruns
 from tests.waits import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,34 +123,6 @@ def _train(training: tinker.TrainingClient) -> tuple[list[float], list[float]]:
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     logprobs = training.forward([_datum(TOKENS)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     return losses, logprobs
-
-
-def _children(pid: int) -> list[int]:
-    """The child processes of `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _torchruns(daemon: Daemon) -> list[int]:
-    """The torchrun children of a daemon: what holds its devices for a trainer (its ranks are theirs)."""
-    return [pid for pid in _children(daemon.proc.pid) if b"torch.distributed.run" in _cmdline(pid)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
 
 
 def test_a_job_wider_than_the_clusters_free_devices_is_refused_naming_the_setting(cluster):
@@ -280,18 +253,18 @@ def test_a_rank_that_exits_on_a_member_node_ends_the_job_on_every_node_and_frees
 ):
     a, b = cluster["node-a"], cluster["node-b"]
     saved = full_span.spanning.save_state("before-the-kill").result().path
-    torchruns = {"node-a": _torchruns(a), "node-b": _torchruns(b)}
-    ranks = [rank for pids in torchruns.values() for torchrun in pids for rank in _children(torchrun)]
-    member_ranks = [rank for torchrun in torchruns["node-b"] for rank in _children(torchrun)]
+    groups = {"node-a": torchruns(a.proc.pid), "node-b": torchruns(b.proc.pid)}
+    ranks = [rank for pids in groups.values() for torchrun in pids for rank, _ in children(torchrun)]
+    member_ranks = [rank for torchrun in groups["node-b"] for rank, _ in children(torchrun)]
 
     os.kill(member_ranks[0], signal.SIGKILL)
     bound = detection_bound(MembershipConfig.local(), 3)
     took = wait_for(lambda: _free(a.url, "node-a") == 2 and _free(a.url, "node-b") == 2, timeout_s=bound.total_s + 30.0)
     with pytest.raises(tinker.APIStatusError) as lost:
         full_span.spanning.forward_backward([_datum(TOKENS)], "cross_entropy").result()
-    wait_for(lambda: not _alive(ranks + torchruns["node-a"] + torchruns["node-b"]), timeout_s=30.0)
+    wait_for(lambda: not running(ranks + groups["node-a"] + groups["node-b"]), timeout_s=30.0)
 
-    assert [len(pids) for pids in torchruns.values()] == [1, 1] and len(ranks) == 4
+    assert [len(pids) for pids in groups.values()] == [1, 1] and len(ranks) == 4
     assert took <= bound.total_s + 10.0, (took, bound)
     assert lost.value.status_code == 410
     assert "its ranks on node node-b exited" in str(lost.value)
@@ -305,14 +278,14 @@ def test_a_four_rank_job_spans_two_nodes_trains_as_one_process_and_ends_when_a_m
     spanned_losses, spanned_logprobs = _train(spanning)
     alone_losses, alone_logprobs = _train(alone)
     status = httpx.get(f"{a.url}/openrl/v1/models/{spanning.model_id}/status", headers=HEADERS, timeout=30).json()
-    member_ranks = _torchruns(b)
+    member_ranks = torchruns(b.proc.pid)
 
     b.kill()
     bound = detection_bound(MembershipConfig.local(), 3)
     took = wait_for(lambda: _free(a.url, "node-a") == 2, timeout_s=bound.total_s + 15.0)
     with pytest.raises(tinker.APIStatusError) as lost:
         spanning.forward_backward([_datum(TOKENS)], "cross_entropy").result()
-    wait_for(lambda: not _alive(member_ranks), timeout_s=30.0)
+    wait_for(lambda: not running(member_ranks), timeout_s=30.0)
     service.close("success").result()
 
     assert spanned_losses == pytest.approx(alone_losses, abs=1e-5, rel=0)
