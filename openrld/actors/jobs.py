@@ -111,7 +111,9 @@ class JobTable:
         has_automodel: bool = False,
         lora_sampler: model_families.Engine = model_families.Engine.TORCH_SAMPLER,
         checkpoints: CheckpointWriter | None = None,
+        on_adopted: Callable[[str, int], None] | None = None,
     ) -> None:
+        self._on_adopted = on_adopted  # (model id, step) of a job adopted here: its curve goes on from its step
         self._checkpoints = checkpoints  # adopting a run's checkpoints from a shared root, files in its threads
         self._lora_sampler = lora_sampler  # the node's sampler_backend: what samples its LoRA groups
         self._has_automodel = has_automodel  # [workers] automodel_python is set: Automodel jobs run here
@@ -393,6 +395,7 @@ class JobTable:
         job.adoption = claim
         if self._store.adoption.insert_job_run(manifest.run) is None:
             raise Conflict(f"model {model_id}: this node holds a run of that id of another owner")
+        self._sessions.mirror_adopted(manifest.run.session_id, manifest.run.owner)
         if self._checkpoints is not None:
             await self._checkpoints.adopt_run(model_id)  # its checkpoints on the root, for its status and restores
         await self._commits.durable()
@@ -422,6 +425,8 @@ class JobTable:
         # The auto-save's own seq_id is not remembered: a request of it replayed here (replay.py) is refused
         # as already applied, never answered with the load's future.
         self._lost.pop(model_id, None)
+        if self._on_adopted is not None:
+            self._on_adopted(model_id, manifest.step)
         self._jobs.add(job)
         outcome = None
         while outcome is None:

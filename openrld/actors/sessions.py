@@ -21,6 +21,9 @@ from openrld.actors.durable_commits import DurableCommits
 from openrld.errors import Gone, NotFound
 from openrld.store import SessionRow, Store
 
+# The sdk_version of a session recorded by adoption, which knew only its id and owner (no SDK sends it).
+ADOPTED_SESSION = "unknown (recorded by adoption)"
+
 
 class SessionSnapshot(msgspec.Struct, frozen=True):
     """A session as its home node sends it with a relayed request, for the node the job is placed on."""
@@ -88,12 +91,23 @@ class SessionTable:
     def snapshot(self, session_id: str) -> SessionSnapshot | None:
         """This node's session `session_id`, to send along with a request relayed to another node."""
         row = self._store.sessions.get(session_id)
-        if row is None:
+        if row is None or row.sdk_version == ADOPTED_SESSION:
             return None
         return SessionSnapshot(
             session_id=row.session_id, owner=row.owner, tags=list(row.tags), user_metadata=dict(row.user_metadata),
             sdk_version=row.sdk_version, project_id=row.project_id, display_name=row.display_name,
         )
+
+    def mirror_adopted(self, session_id: str, owner: str) -> None:
+        """Record the session of a job this node adopted, if it holds no record of it: the id and owner
+        are all the job's run says, enough for its finish to reach the job here (the home finishes it on
+        every member holding its jobs). The home's first relayed account of it fills in the rest; until
+        then, this record is never sent on as the session's account (`snapshot`)."""
+        if self._store.sessions.get(session_id) is None:
+            self._store.sessions.create(
+                session_id, owner=owner, tags=[], user_metadata={}, sdk_version=ADOPTED_SESSION,
+                project_id=None, display_name=None,
+            )
 
     def mirror(self, snapshot: SessionSnapshot) -> None:
         """Record another node's session here, so that jobs and samplers placed here can belong to it.
@@ -101,7 +115,14 @@ class SessionTable:
         The home node keeps the heartbeats and the finish; the mirror carries
         what settings and ownership need (tags, user_metadata, owner).
         """
-        if self._store.sessions.get(snapshot.session_id) is not None:
+        row = self._store.sessions.get(snapshot.session_id)
+        if row is not None:
+            if row.sdk_version == ADOPTED_SESSION and row.owner == snapshot.owner:
+                # A mirror made by adoption knew only the id and owner: the home's account replaces it.
+                self._store.sessions.refresh(
+                    snapshot.session_id, snapshot.tags, snapshot.user_metadata, snapshot.sdk_version,
+                    snapshot.project_id, snapshot.display_name,
+                )
             return
         self._store.sessions.create(
             snapshot.session_id, owner=snapshot.owner, tags=snapshot.tags, user_metadata=snapshot.user_metadata,

@@ -94,6 +94,27 @@ class SessionRepository(Repository):
             raise NotFound(f"session {session_id!r} not found")
         return updated == 1
 
+    def refresh(
+        self,
+        session_id: str,
+        tags: builtins.list[str],
+        user_metadata: dict[str, str],
+        sdk_version: str,
+        project_id: str | None,
+        display_name: str | None,
+    ) -> None:
+        """Replace what a mirrored session says of itself with its home's newer account. Raises NotFound."""
+        updated = self._db.conn.execute(
+            "UPDATE sessions SET tags = ?, user_metadata = ?, sdk_version = ?, project_id = ?, display_name = ?"
+            " WHERE session_id = ?",
+            (
+                db.json(list(tags)), db.user_metadata(user_metadata, "session"), sdk_version, project_id,
+                display_name, session_id,
+            ),
+        ).rowcount  # fmt: skip
+        if updated == 0:
+            raise NotFound(f"session {session_id!r} not found")
+
     def set_project(self, session_id: str, project_id: str) -> None:
         """Move a session (and so its runs and checkpoints) into a project. Raises NotFound."""
         updated = self._db.conn.execute(

@@ -103,3 +103,36 @@ async def test_mirroring_a_session_already_known_here_leaves_it_as_it_is(session
 
 def test_an_unknown_session_is_neither_finished_nor_home_here(sessions):
     assert (sessions.is_finished("s-none"), sessions.is_home_to("s-none")) == (False, False)
+
+
+def test_an_adopted_jobs_session_is_recorded_with_its_owner_so_its_finish_reaches_the_job_here(sessions):
+    sessions.mirror_adopted("s-home", "alice")
+    sessions.finish("alice", "s-home", "user_requested", None)
+    assert (sessions.owned("alice", "s-home").owner, sessions.is_finished("s-home")) == ("alice", True)
+
+
+def test_a_session_recorded_by_adoption_is_never_sent_on_as_the_sessions_account(sessions):
+    sessions.mirror_adopted("s-home", "alice")
+    assert sessions.snapshot("s-home") is None
+
+
+def test_the_homes_account_replaces_a_session_recorded_by_adoption(sessions):
+    sessions.mirror_adopted("s-home", "alice")
+    told = SessionSnapshot("s-home", "alice", ["openrl.exclusive=true"], {"note": "x"}, "0.38.0", None, "run 7")
+    sessions.mirror(told)
+    assert sessions.snapshot("s-home") == told
+
+
+async def test_adoption_leaves_a_session_known_here_as_it_is(sessions):
+    session_id = await create(sessions, tags=["openrl.exclusive=true"])
+    sessions.mirror_adopted(session_id, "alice")
+    assert sessions.snapshot(session_id) == SessionSnapshot(
+        session_id, "alice", ["openrl.exclusive=true"], {"note": "x"}, "0.38.0", None, None
+    )
+
+
+def test_another_owners_account_leaves_a_session_recorded_by_adoption_as_it_is(sessions, store):
+    sessions.mirror_adopted("s-home", "alice")
+    sessions.mirror(SessionSnapshot("s-home", "mallory", ["openrl.exclusive=true"], {}, "0.38.0", None, None))
+    row = store.sessions.get("s-home")
+    assert (row.owner, row.tags) == ("alice", ())
