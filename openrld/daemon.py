@@ -248,6 +248,7 @@ async def serve(
                 registry=job_registry, sampling=sampling, max_lora_rank=config.max_lora_rank, usage=usage,
                 allowed_images=config.workers.allowed_images, has_automodel=bool(config.workers.automodel_python),
                 commits=commits, id_tag=id_tag, lora_sampler=lora_sampler, checkpoints=checkpoints,
+                on_adopted=history.resume,
             )
             # TTL expiry and usage flushes; cancelled with the nursery at shutdown (it flushes once more).
             await nursery.start(partial(run_maintenance, store, usage, checkpoints, interval_s=config.maintenance_interval_s))

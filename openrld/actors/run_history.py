@@ -149,6 +149,11 @@ class RunHistory:
             self._dropped += 1
         return point
 
+    def resume(self, run_id: str, step: int) -> None:
+        """Run `run_id` goes on here after `step` optim_steps made elsewhere (an adopted job,
+        cluster/adoption.py): its next point is step + 1, whatever this node held of it."""
+        self._run(run_id).step = step
+
     def sampled(self, run_id: str, tokens: int, sequences: int, now_s: float) -> SamplingBucket:
         run = self._run(run_id)
         start = now_s // SAMPLING_BUCKET_S * SAMPLING_BUCKET_S
@@ -229,6 +234,11 @@ class HistoryRecorder:
             if run_id is not None:
                 tokens = sum(len(s.tokens) for s in value.sequences)
                 self.history.sampled(run_id, tokens, len(value.sequences), self._now())
+
+    def resume(self, run_id: str, step: int) -> None:
+        """A job adopted here at `step` (actors/jobs.py): its points go on numbered by the job's own steps.
+        Those it made on the dead node lived in that node's store and are not here."""
+        self.history.resume(run_id, step)
 
     def _run_of_sampler(self, sampler_id: str) -> str | None:
         if sampler_id not in self._sampler_runs:

@@ -192,3 +192,11 @@ async def test_recorder_writes_what_is_left_when_cancelled(tmp_path: Path):
             nursery.cancel_scope.cancel()
     assert table.row_counts([RUN]) == {RUN: (2, 0)}
     store.close()
+
+
+def test_an_adopted_run_numbers_its_points_by_the_jobs_steps():
+    history = RunHistory(lambda run_id: (2, 2))  # this node held two points of the run before it moved away
+    history.resume(RUN, 7)  # adopted back at the job's step 7
+    history.forward_backward(RUN, {"loss:sum": 2.0})
+    point = history.optim_step(RUN, {}, now_s=100.0)
+    assert (point.seq, point.step) == (2, 8)

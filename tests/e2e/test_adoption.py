@@ -382,6 +382,10 @@ def test_the_cookbooks_loop_and_the_quickstart_finish_every_step_when_their_jobs
         assert status["step"] == optim_steps, seed  # the job's steps, each applied once in its line
         # Every step the adopter computed again is one that A replayed to it: at most one.
         assert replayed_optim_steps(daemons["node-a"].log(), model_id) <= 1, seed
+        # The console's curve goes on from the step the job was adopted at, each step once; the points
+        # of the steps before lived in the dead node's store.
+        curves = httpx.get(f"{a}/openrl/v1/runs/{model_id}/curves", headers=HEADERS, timeout=10).json()
+        assert [p["step"] for p in curves["points"]] == list(range(claim.step + 1, optim_steps + 1)), seed
     assert sum(metric(daemons[n].url, "openrld_adoptions_total") for n in survivors) == adoptions + 2
 
 
