@@ -74,6 +74,7 @@ class _Adapter:
         self.params = params  # peft state-dict key (no adapter name) -> parameter
         self.family = family  # fixed for the adapter's life
         self.optimizer = optimizer_for(family, params, spec.rank)
+        self.snapshot_layouts = state_snapshot.Layouts()  # kept between auto-saves' snapshots
 
 
 class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
@@ -101,7 +102,7 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         self._active: str | None = None
         self._passes = train_steps.TrainingPasses(self._model, device, config)
         # Parked while the time-slicer gives the device to another.
-        self._slot = offload.ParkSlot("trainer", device, self._device_state)
+        self._slot = offload.ParkSlot("trainer", device, self._device_state, drop_caches=self._drop_snapshot_layouts)
 
     # ------------------------------------------------------------ adapters
 
@@ -220,11 +221,12 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         adapter's tensors and its optimizer's, one copy each, for a writer off the engine thread."""
         adapter = self._get(name)
         files = [
-            state_snapshot.tensors_file(lora_io.ADAPTER_WEIGHTS, adapter.params),  # peft's state-dict keys
+            adapter.snapshot_layouts.tensors_file(lora_io.ADAPTER_WEIGHTS, adapter.params),  # peft's state-dict keys
             state_snapshot.json_file(lora_io.ADAPTER_META, lora_io.adapter_meta(adapter.spec)),
         ]
         if with_optimizer:
-            files.append(state_snapshot.tensors_file(checkpoint.OPTIMIZER_FILE, dict(adapter.optimizer.state_items())))
+            optimizer_state = dict(adapter.optimizer.state_items())
+            files.append(adapter.snapshot_layouts.tensors_file(checkpoint.OPTIMIZER_FILE, optimizer_state))
         state = checkpoint.lora_state(adapter.spec, adapter.family, adapter.optimizer.steps_done, with_optimizer)
         files.append(state_snapshot.json_file(checkpoint.STATE_FILE, state))
         return StateSnapshot(files)
@@ -283,6 +285,14 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
         for adapter in self._adapters.values():
             state += adapter.optimizer.live_state()
         return state
+
+    def _drop_snapshot_layouts(self) -> int:
+        """Before a park: the snapshot layouts' views would keep the moved tensors' device memory
+        alive. On the CPU a park moves nothing, so they stay. Frees no bytes of its own."""
+        if self.device.type != "cpu":
+            for adapter in self._adapters.values():
+                adapter.snapshot_layouts.clear()
+        return 0
 
     def _check_unembed(self, spec: LoraSpec) -> None:
         if spec.train_unembed and self._unembed_refusal is not None:

@@ -344,6 +344,24 @@ def test_a_state_snapshot_writes_what_save_state_wrote_at_that_step_after_the_ne
     assert len(files) == 4
 
 
+def test_a_state_snapshot_after_the_optimizer_state_was_loaded_writes_what_save_state_writes(
+    trainer, sft_data, tmp_path
+):
+    trainer.add_adapter("job", SPEC)
+    train(trainer, "job", sft_data, steps=1)
+    first, saved, copied = tmp_path / "first", tmp_path / "saved", tmp_path / "copied"
+    for directory in (first, saved, copied):
+        directory.mkdir()
+    trainer.save_state("job", first)
+    trainer.snapshot_state("job", with_optimizer=True)  # the snapshot layouts are kept from here
+    train(trainer, "job", sft_data, steps=1)
+    trainer.load_state("job", first, SPEC, with_optimizer=True)  # new optimizer tensors: the layout is made anew
+    snapshot = trainer.snapshot_state("job", with_optimizer=True)
+    trainer.save_state("job", saved)
+    write_snapshot(snapshot, copied)
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == {p.name: p.read_bytes() for p in saved.iterdir()}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_state_snapshot_on_a_gpu_is_copied_to_the_host_and_writes_what_save_state_wrote(
