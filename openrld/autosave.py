@@ -151,8 +151,8 @@ def commit_autosave(files: CheckpointDirs, staging: Path, manifest: AutosaveMani
 
 def commit_snapshot(files: CheckpointDirs, snapshot: StateSnapshot, manifest: AutosaveManifest) -> Path:
     """Write `snapshot` (`TrainerEngine.snapshot_state`) into a fresh staging dir, then commit it
-    as `commit_autosave` does; returns its directory. The staging is removed if either fails.
-    Blocks: a worker thread, off the engine's.
+    as `commit_autosave` does (which fsyncs what was written); returns its directory. The staging
+    is removed if either fails. Blocks: a worker thread, off the engine's.
 
     Raises:
         ServerError: a file name that is not a plain name of its own (a worker's engine sent it).
@@ -167,8 +167,13 @@ def commit_snapshot(files: CheckpointDirs, snapshot: StateSnapshot, manifest: Au
 
 
 def write_snapshot(snapshot: StateSnapshot, directory: Path) -> int:
-    """Write each file of `snapshot` into the existing, empty `directory`, each fsynced, then the
-    directory: the files `save_state` writes, byte for byte. Returns the bytes written.
+    """Write each file of `snapshot` into the existing, empty `directory`: the files `save_state`
+    writes, byte for byte. Returns the bytes written.
+
+    Nothing is fsynced here: `commit_autosave` (`CheckpointFiles.commit_dir`) fsyncs every file
+    of the staging dir, and the dir, before the rename that makes it an auto-save, so fsyncing
+    here too would only flush them twice (on ext4 each fsync is a journal commit, or a disk
+    cache flush when there is nothing to commit).
 
     Raises:
         ServerError: a file name with a '/', '.' or '..', the manifest's, or one named twice.
@@ -182,13 +187,6 @@ def write_snapshot(snapshot: StateSnapshot, directory: Path) -> int:
             out.write(file.head)
             if file.body is not None:
                 out.write(file.body.data)  # the host copy's bytes, as they are
-            out.flush()
-            os.fsync(out.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the new entries, not only the files' contents
-    finally:
-        os.close(fd)
     return snapshot.nbytes
 
 

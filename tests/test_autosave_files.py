@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from openrld.actors.autosaves import AutosaveStore
@@ -22,6 +23,7 @@ from openrld.autosave import (
     AUTOSAVE_MANIFEST,
     AutosaveManifest,
     commit_autosave,
+    commit_snapshot,
     job_dir,
     job_ids,
     latest_autosave,
@@ -225,3 +227,29 @@ def test_a_snapshot_file_that_is_not_a_plain_name_of_its_own_is_refused(tmp_path
     with pytest.raises(ServerError, match="not a file of its own"):
         write_snapshot(StateSnapshot([SnapshotFile(name, b"{}")]), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_each_file_of_a_snapshot_and_its_dir_are_fsynced_once_before_the_rename_that_commits_it(
+    store: Store, root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    snapshot = StateSnapshot([SnapshotFile("state.json", b"{}"), SnapshotFile("adapter.safetensors", b"h", np.ones(4, np.uint8))])
+    synced: list[str] = []
+    renamed_at: list[int] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(source: str | Path, destination: str | Path) -> None:
+        if Path(destination).name == step_dir_name(4):
+            renamed_at.append(len(synced))
+        real_rename(source, destination)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    directory = commit_snapshot(store.files, snapshot, manifest(store, 4, seq_id=8))
+    (before_rename,) = renamed_at
+    staging_name = synced[before_rename - 1]  # the staging dir itself, last
+    assert staging_name.startswith("staging-")
+    assert sorted(synced[: before_rename - 1]) == sorted(os.listdir(directory))
