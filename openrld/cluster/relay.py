@@ -24,8 +24,9 @@ as its ids (`body_ids.py`), so the body is decoded once, by the route of the
 node that serves it.
 
 What is not finding homes lives elsewhere in `cluster/`: going to a home and
-back, and the 410 of a lost one, in `reach.py`; which node a new job is
-offered to, and the offers, in `placement/`; calls to other members in
+back, and the 410 of a lost one, in `reach.py`; a job-creating request's
+needs and its offers to the ranked nodes in `job_creation.py`, which node
+a new job is offered to in `placement/`; calls to other members in
 `peer_client.py`; the list routes' merge in `list_fanout.py`; the signed
 session a creating request carries in `relayed_session.py`.
 This module holds no state of its own; the directory and the placer own it.
@@ -41,19 +42,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-import msgspec
 import trio
 
-from openrld import ids, settings as job_settings
+from openrld import ids
 from openrld.actors.model_status import lost_status
-from openrld.api import wire
 from openrld.api.asgi import Reply, Unread, detail_reply, json_reply, read_body, replay, send_whole
 from openrld.api.auth import user_in
-from openrld.api.fastpath import NO_CAPACITY_HEADER, error_reply, until_disconnect
+from openrld.api.fastpath import error_reply, until_disconnect
 from openrld.cluster.body_ids import Call, Ids, body_ids, header as _header
 from openrld.cluster.directory import Directory, Home, Where
+from openrld.cluster.job_creation import JobCreation
 from openrld.cluster.list_fanout import fan_out
-from openrld.cluster.membership.table import Member
 from openrld.cluster.peer_client import (
     LOCATE_PATH as LOCATE_PATH,
     LOCATE_TAG_HEADER as LOCATE_TAG_HEADER,
@@ -63,7 +62,7 @@ from openrld.cluster.peer_client import (
     RelayCounters,
     answer_locate,
 )
-from openrld.cluster.placement import ClusterPlacer, JobNeeds, Reply as Offered, needs_of_note, needs_of_settings
+from openrld.cluster.placement import ClusterPlacer
 from openrld.cluster.reach import Reach, is_adoptable
 from openrld.cluster.relayed_session import (
     SESSION_HEADER as SESSION_HEADER,
@@ -139,13 +138,14 @@ class Relay:
             reach=self._reach, directory=directory, counters=counters, root=checkpoint_root, spawn=spawn, journal=journal,
             recreate=self._recreate_sampler,
         )
-        self._placement = placement  # offers job-creating requests to the ranked nodes
+        # Job-creating requests offered to the ranked nodes (job_creation.py)
+        self._creation = JobCreation(
+            reach=self._reach, directory=directory, placement=placement, session_snapshot=session_snapshot,
+            resolve_model=resolve_model, accept_jobs=accept_jobs,
+        )
         self._key = key  # relay_key(cluster secret): checks relayed sessions and locate queries
         self._user_for = user_for
-        self._session_snapshot = session_snapshot
         self._mirror_session = mirror_session
-        self._resolve_model = resolve_model
-        self._accept_jobs = accept_jobs
         self._max_body_bytes = max_body_bytes
 
     # ------------------------------------------------------------ ASGI
@@ -267,11 +267,13 @@ class Relay:
             return None
         call = replace(call, session_id=ref.session_id)
         sampler_id = ids.sampling_session_id(ref.session_id, ref.sampling_session_seq_id)
-        if ref.model_path is None:
-            return await self._base_model_sampler(call, ref, sampler_id)
-        answer = await self._to_run_of(call, ref.model_path, lost_here=True)
+        if ref.model_path is None:  # a base model's: here, or placed when this node takes no jobs
+            answer = await self._creation.base_model_sampler(call, ref, sampler_id)
+        else:
+            answer = await self._to_run_of(call, ref.model_path, lost_here=True)
         if answer is not None and answer.status == 200:
-            self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
+            if ref.model_path is not None:
+                self._directory.record(sampler_id, self._home_name(_run_of(ref.model_path) or ""))
             self._replay.created(sampler_id, call)  # made again elsewhere if that node dies (replay.py)
         return answer
 
@@ -401,75 +403,20 @@ class Relay:
         home = await self._home("sampler", sampler_id, self._directory.sampler)
         return await self._reach.to(call, home, sampler_id)
 
-    # ------------------------------------------------------------ creating requests: placed (placement/)
-
-    async def _place(self, call: Call) -> Reply | None:
-        """create_model: offer the job to the ranked nodes until one takes it."""
-        try:
-            req = msgspec.json.decode(call.body, type=wire.CreateModelRequest)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None  # this node's app says what is wrong with it
-        call = replace(call, session_id=req.session_id)
-        session = self._session_snapshot(req.session_id)
-        if session is None:
-            return await self._reach.to(call, self._directory.tagged(req.session_id), req.session_id)
-        try:
-            settings, _ = job_settings.parse_settings(
-                session.tags, session.user_metadata, {str(k): str(v) for k, v in (req.user_metadata or {}).items()}
-            )
-            base_model = self._resolve_model(req.base_model)
-        except UserError:
-            return None  # this node's app refuses it with the same message, before placing anything
-        needs = needs_of_settings(settings, base_model)
-        refusal = self._placement.too_large(needs)
-        if refusal is not None:
-            return detail_reply(400, refusal)
-        return await self._offer(call, needs, ids.model_id(req.session_id, req.model_seq_id))
-
-    async def _base_model_sampler(self, call: Call, ref: Ids, sampler_id: str) -> Reply | None:
-        """A sampling session of a base model: here, unless this node takes no jobs; then placed like a LoRA job."""
-        if self._accept_jobs or ref.base_model is None:
-            return None
-        try:
-            base_model = self._resolve_model(ref.base_model)
-        except UserError:
-            return None
-        answer = await self._offer(call, JobNeeds(base_model=base_model, own_group=False, is_exclusive=False), sampler_id)
-        if answer is not None and answer.status == 200:
-            self._replay.created(sampler_id, call)  # placed again if that node dies (replay.py)
-        return answer
+    # ------------------------------------------------------------ creating requests: placed (job_creation.py)
 
     async def _restore(self, call: Call, ref: Ids) -> Reply | None:
-        """create_training_client_from_state: where the checkpoint's run lives; if that node is lost,
-        placed anew like create_model (the node that takes it reads the checkpoint from the shared root)."""
+        """create_training_client_from_state: where the checkpoint's run lives; if that node is lost, placed anew."""
         run_id = _run_of(ref.path or "")
         if run_id is None or ref.session_id is None or ref.model_seq_id is None:
             return None
         home = await self._model_home(run_id)
         if home.where is not Where.LOST:
             return await self._reach.to(call, home, run_id)
-        if self._session_snapshot(ref.session_id) is None:
-            return await self._reach.to(call, self._directory.tagged(ref.session_id), ref.session_id)
-        return await self._offer(call, needs_of_note(home.note), ids.model_id(ref.session_id, ref.model_seq_id))
+        return await self._creation.restore(call, ref.session_id, ref.model_seq_id, home.note)
 
-    async def _offer(self, call: Call, needs: JobNeeds, created_id: str) -> Reply | None:
-        """Offer a job-creating request to the ranked nodes in turn; the first that has room answers."""
-
-        async def ask(member: Member) -> tuple[Offered, Reply]:
-            if member.name == self._directory.local_name:
-                answer = await self._reach.local(call.scope, call.body)
-            else:
-                answer = await self._reach.forward(call, member, created_id)
-            if answer.header(NO_CAPACITY_HEADER) is not None:
-                return Offered.NO_ROOM, answer
-            return (Offered.TAKEN if answer.status == 200 else Offered.FAILED), answer
-
-        answer = await self._placement.offer(needs, created_id, ask)
-        if answer is not None or self._accept_jobs:
-            return answer
-        return detail_reply(
-            503, f"no node of the cluster can take {created_id} ({needs.base_model}) now: none has a free or shareable device"
-        )
+    async def _place(self, call: Call) -> Reply | None:
+        return await self._creation.create_model(call)
 
     def _lost_status(self, call: Call, model_id: str, home: Home) -> Reply:
         user = user_in(call.scope, _header(call.headers, b"x-api-key"), self._user_for)
