@@ -20,12 +20,18 @@ with each round's ratios, the size of one auto-save, and the step of the newest 
 the step for the same cores, so the CPU ratio is what it costs there; it also moves far less than
 the wall-clock ratio on a machine that other work shares.
 
-With `--engine-thread`, it also measures in this process what an auto-save holds the engine thread
-for, against the step it follows: openrld's LoRA trainer on the same batch (the daemon's thread
-count), each round one step (forward_backward, optim_step), then `snapshot_state` (what the
-engine thread does now), `save_state` (what it did before: serialise, write, fsync) and the
-snapshot's write (off the engine thread now). Printed: each round's seconds, and the minimum and
-median of each over the rounds as a share of the step's.
+Each round's pair of medians is taken minutes apart at most, so its ratio sees about the same load
+on both sides; the median of the rounds' ratios is printed beside the pooled one. The last line of
+each model is its result, as `RESULT <model>: ...`.
+
+With `--engine-thread`, it also measures in this process what one auto-save costs, against the
+step it follows: openrld's LoRA trainer on the same batch (the daemon's thread count), each round
+one step (forward_backward, optim_step), then `snapshot_state` (what the engine thread does),
+`save_state` (what it did before: serialise, write, fsync) and the snapshot's commit
+(`autosave.commit_snapshot` into a shared root of its own: write, fsync, rename, prune the one
+before; off the engine thread in the daemon). Printed: each round's wall and CPU seconds, and
+the medians over the rounds, with the CPU of snapshot and commit together as a share of the
+step's CPU: the work an auto-save adds to a step on a CPU node, free of the noise of a shared machine.
 
 Run: `.venv/bin/python bench/autosave_cost.py` (`--models tiny-llama`, `--rounds N`, `--steps N`,
 `--engine-thread`).
@@ -41,6 +47,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,9 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import bench_models, child, cpu_seconds, daemon_process, match_daemon_threads, vocab_size
 from _workload import LR, RANK, batch_tokens
 
-from openrld.autosave import AUTOSAVE_DIR, latest_autosave
+from openrld.autosave import AUTOSAVE_DIR, AUTOSAVE_FORMAT, AutosaveManifest, latest_autosave, step_dir_name
+from openrld.checkpoint_manifest import MANIFEST_FORMAT, CheckpointManifest
+from openrld.ids import CheckpointKind
 
 EVERY_STEP = {"openrl.autosave_steps": "1"}  # a LoRA job's default on a shared root, said outright
+BENCH_JOB = "s-0123456789abcdef:train:0"  # the in-process job's model id (--engine-thread)
 
 
 def load() -> str:
@@ -77,12 +88,13 @@ def main() -> None:
 
 
 def engine_thread(name: str, directory: Path, args: argparse.Namespace) -> None:
-    """What one auto-save holds the engine thread for, against one step, in this process."""
+    """What one auto-save costs the engine thread and the node's CPU, against one step, in this process."""
     import torch  # openrld's engine, as the daemon runs it: not a baseline
 
-    from openrld.autosave import write_snapshot
+    from openrld.autosave import commit_snapshot
     from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
     from openrld.gpu.torch_trainer import TorchTrainer
+    from openrld.store.checkpoint_files import CheckpointFiles
 
     threads = match_daemon_threads()
     trainer = TorchTrainer(directory, torch.device("cpu"))
@@ -90,40 +102,63 @@ def engine_thread(name: str, directory: Path, args: argparse.Namespace) -> None:
     rows = batch_tokens(args.rows, args.tokens, vocab_size(directory))
     data = [TrainDatum(tokens=row[:-1], inputs={"target_tokens": row[1:]}) for row in rows]
     batch = ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
-    print(f"{name}: the engine thread's share of an auto-save, in-process ({threads} torch threads)")
+    print(f"{name}: one auto-save against one step, in-process ({threads} torch threads)")
     print(f"  before: {load()}", flush=True)
-    seconds: dict[str, list[float]] = {"step": [], "snapshot_state": [], "save_state": [], "write (off-thread)": []}
+    wall: dict[str, list[float]] = {"step": [], "snapshot_state": [], "save_state": [], "commit (off-thread)": []}
+    cpu: dict[str, list[float]] = {key: [] for key in wall}
     with tempfile.TemporaryDirectory(prefix="openrld-bench-states-") as tmp:
+        for side in ("root", "node"):
+            (Path(tmp) / side).mkdir()
+        files = CheckpointFiles.open(Path(tmp) / "node", Path(tmp) / "root")  # a shared root, as the daemon's
         for round_number in range(args.rounds + 1):
-            timed = {}
-            start = time.perf_counter()
-            trainer.forward_backward("job", batch)
-            trainer.optim_step("job", AdamParams(learning_rate=LR))
-            timed["step"] = time.perf_counter() - start
-            start = time.perf_counter()
-            snapshot = trainer.snapshot_state("job", True)
-            timed["snapshot_state"] = time.perf_counter() - start
-            saved, written = Path(tmp) / f"saved-{round_number}", Path(tmp) / f"written-{round_number}"
-            saved.mkdir(), written.mkdir()
-            start = time.perf_counter()
-            trainer.save_state("job", saved, True)
-            timed["save_state"] = time.perf_counter() - start
-            start = time.perf_counter()
-            write_snapshot(snapshot, written)
-            timed["write (off-thread)"] = time.perf_counter() - start
+            timed: dict[str, tuple[float, float]] = {}
+            with timing(timed, "step"):
+                trainer.forward_backward("job", batch)
+                trainer.optim_step("job", AdamParams(learning_rate=LR))
+            with timing(timed, "snapshot_state"):
+                snapshot = trainer.snapshot_state("job", True)
+            saved = Path(tmp) / f"saved-{round_number}"
+            saved.mkdir()
+            with timing(timed, "save_state"):
+                trainer.save_state("job", saved, True)
+            with timing(timed, "commit (off-thread)"):
+                commit_snapshot(files, snapshot, bench_manifest(round_number + 1))
             label = "warm-up" if round_number == 0 else f"round {round_number}"
-            print(f"  {label}: " + ", ".join(f"{key} {value:.3f} s" for key, value in timed.items()), flush=True)
+            print(f"  {label}: " + ", ".join(f"{key} {w:.3f} s ({c:.3f} CPU)" for key, (w, c) in timed.items()), flush=True)
             if round_number > 0:
-                for key, value in timed.items():
-                    seconds[key].append(value)
+                for key, (w, c) in timed.items():
+                    wall[key].append(w)
+                    cpu[key].append(c)
     print(f"  after: {load()}; state {snapshot.nbytes / 1e6:.2f} MB")
-    step_min, step_median = min(seconds["step"]), statistics.median(seconds["step"])
-    for key in ("snapshot_state", "save_state", "write (off-thread)"):
-        low, middle = min(seconds[key]), statistics.median(seconds[key])
-        print(
-            f"  {key}: min {low:.3f} s = {low / step_min:.4f} of the fastest step; "
-            f"median {middle:.3f} s = {middle / step_median:.4f} of the median step"
-        )
+    median = {key: (statistics.median(wall[key]), statistics.median(cpu[key])) for key in wall}
+    for key, (w, c) in median.items():
+        print(f"  {key}: median {w:.3f} s, {c:.3f} CPU s = {c / median['step'][1]:.4f} of the step's CPU")
+    added = median["snapshot_state"][1] + median["commit (off-thread)"][1]
+    print(
+        f"RESULT {name} in-process: an auto-save adds {added:.3f} CPU s to a step of {median['step'][1]:.3f} "
+        f"(x{1 + added / median['step'][1]:.4f}); the engine thread waits {median['snapshot_state'][0]:.3f} s of "
+        f"{median['step'][0]:.3f} (x{1 + median['snapshot_state'][0] / median['step'][0]:.4f})"
+    )
+
+
+@contextlib.contextmanager
+def timing(timed: dict[str, tuple[float, float]], key: str) -> Iterator[None]:
+    """Wall and CPU seconds (this process's, every thread) of the block, into timed[key]."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    timed[key] = (time.perf_counter() - wall, time.process_time() - cpu)
+
+
+def bench_manifest(step: int) -> AutosaveManifest:
+    """An auto-save's manifest for the in-process job: what a trainer writes beside its files."""
+    now = datetime.now(UTC)
+    run = CheckpointManifest(
+        format=MANIFEST_FORMAT, run_id=BENCH_JOB, kind=CheckpointKind.WEIGHTS, name=step_dir_name(step), owner="bench",
+        session_id="s-0000000000000000", base_model="bench", model_dir="", lora={"rank": RANK}, settings={},
+        optimizer_config={}, run_user_metadata={}, run_created_at=now, user_metadata={}, size_bytes=None,
+        created_at=now, expires_at=None, public=False,
+    )
+    return AutosaveManifest(format=AUTOSAVE_FORMAT, model_id=BENCH_JOB, step=step, seq_id=step, run=run, created_at=now)
 
 
 def run(name: str, directory: Path, args: argparse.Namespace) -> None:
@@ -139,6 +174,8 @@ def run(name: str, directory: Path, args: argparse.Namespace) -> None:
         sides = {"autosave": (saving, saving_pid), "none": (plain, plain_pid)}
         times: dict[str, list[float]] = {"autosave": [], "none": []}
         cpu: dict[str, float] = {"autosave": 0.0, "none": 0.0}  # daemon CPU seconds over the timed rounds
+        round_ratios: dict[str, list[float]] = {"wall": [], "CPU": []}  # each timed round's, with / without
+        load_before = load()
         for round_number in range(args.rounds + 1):
             order = ["autosave", "none"] if round_number % 2 == 0 else ["none", "autosave"]
             medians, cpu_per_step = {}, {}
@@ -151,6 +188,9 @@ def run(name: str, directory: Path, args: argparse.Namespace) -> None:
                 if round_number > 0:
                     times[side] += steps
                     cpu[side] += used
+            if round_number > 0:
+                round_ratios["wall"].append(medians["autosave"] / medians["none"])
+                round_ratios["CPU"].append(cpu_per_step["autosave"] / cpu_per_step["none"])
             label = "warm-up" if round_number == 0 else f"round {round_number}"
             print(
                 f"  {label}: {medians['autosave']:.3f} s/step with, {medians['none']:.3f} without, "
@@ -160,11 +200,21 @@ def run(name: str, directory: Path, args: argparse.Namespace) -> None:
             )
         report_autosaves(shared, (args.rounds + 1) * args.steps)
     with_saves, without = statistics.median(times["autosave"]), statistics.median(times["none"])
-    print(f"  after: {load()}")
-    print(f"  cost ratio = {with_saves:.3f} / {without:.3f} s per step = {with_saves / without:.3f} (target <= 1.02)")
+    load_after = load()
+    print(f"  after: {load_after}")
+    wall_ratio = with_saves / without
+    print(f"  cost ratio = {with_saves:.3f} / {without:.3f} s per step = {wall_ratio:.3f} (target <= 1.02)")
     steps_timed = args.rounds * args.steps
     cpu_with, cpu_without = cpu["autosave"] / steps_timed, cpu["none"] / steps_timed
-    print(f"  CPU ratio = {cpu_with:.3f} / {cpu_without:.3f} CPU s per step = {cpu_with / cpu_without:.3f}")
+    cpu_ratio = cpu_with / cpu_without
+    print(f"  CPU ratio = {cpu_with:.3f} / {cpu_without:.3f} CPU s per step = {cpu_ratio:.3f}")
+    for kind, ratios in round_ratios.items():
+        print(f"  {kind} ratio, round by round: median {statistics.median(ratios):.3f}, from {min(ratios):.3f} to {max(ratios):.3f}")
+    print(
+        f"RESULT {name}: auto-save after every step costs x{wall_ratio:.3f} wall (target <= 1.02), x{cpu_ratio:.3f} CPU "
+        f"per step ({args.rounds} rounds of {args.steps} steps a side; before: {load_before}; after: {load_after})",
+        flush=True,
+    )
 
 
 def report_autosaves(shared: Path, steps_taken: int) -> None:

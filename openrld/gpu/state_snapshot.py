@@ -20,9 +20,10 @@ never written over.
 
 Measured on SmolLM2-135M's rank-8 LoRA state (11 MB of adapter, 23 MB of AdamW state, 1,688
 tensors), on 2 shared CPU cores: `save_state` took about 190 ms (27 ms of it peft's state dict,
-35 ms of clones, 87 ms of safetensors serialising, 27 ms of writes and 25 ms of fsyncs); a
-snapshot that made its layout each time, about 26 ms of CPU (18 of it the per-tensor Python:
-views, file order, header); one from a kept layout, about 10 ms.
+35 ms of clones, 87 ms of safetensors serialising, 27 ms of writes and 25 ms of fsyncs). Under
+a load of 7-13 on them: a snapshot that made its layout each time, about 26 ms of CPU; one from
+a kept layout, 16-17 ms, about 10 of it the copy into a new buffer (into a reused one, about 4:
+not worth a buffer the writer might still hold).
 
 What it does not do: write files (`openrld/autosave.py` `write_snapshot`, in a thread of the
 daemon's), or copy a full fine-tuning job's state (the whole model and twice it again: those
