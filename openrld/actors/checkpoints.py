@@ -193,6 +193,12 @@ class CheckpointWriter:
                 await self.adopt_checkpoint(path)
         return self._runs.get(run_id)
 
+    def written_after(self, run_id: str, since: datetime) -> set[tuple[str, str]]:
+        """(kind, name) of the run's checkpoints written after `since`. For an adopter, `since` is the
+        auto-save it resumed from (the dead home's clock, as are the adopted rows): those saves were of
+        steps it recomputes, and the replay of each save writes it again."""
+        return {(row.kind.value, row.name) for row in self._rows.of_run(run_id) if row.created_at > since}
+
     # ------------------------------------------------------------ what the routes ask of checkpoints
 
     def _audit(self, user: str, event: str, row: CheckpointRow, **extra: str) -> None:

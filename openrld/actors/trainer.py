@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -346,8 +346,12 @@ class TrainerHandle:
     def __init__(self, actor: TrainerActor) -> None:
         self._actor = actor
 
-    def open_job(self, model_id: str, next_seq: int = 0) -> None:
+    def open_job(self, model_id: str, next_seq: int = 0, rewritten: Collection[tuple[str, str]] = ()) -> None:
+        """`rewritten`: (kind, name) of checkpoints an adopted job's dead home wrote past the auto-save it
+        resumes from; the replay of each save writes it again, as if with overwrite=True."""
         self._actor.queues.open_job(model_id, next_seq)
+        if rewritten:
+            self._actor.rewritten[model_id] = set(rewritten)
 
     def fail_pending(self, error: OpenrldError) -> None:
         """Fail every op the trainer still holds with `error` (its group ended)."""
@@ -412,6 +416,8 @@ class TrainerActor:
         self._autosave_every: dict[str, int] = {}  # model_id -> optim_steps between its auto-saves; 0: none
         # model_id -> the names it last published sampler weights under: (tinker:// paths, sampling session ids)
         self._published: dict[str, tuple[deque[str], deque[str]]] = {}
+        # model_id -> (kind, name) of checkpoints its next saves write again (an adopted job's recomputed steps)
+        self.rewritten: dict[str, set[tuple[str, str]]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
@@ -716,7 +722,8 @@ class TrainerActor:
         """Write into a staging directory, then rename into place: a crash leaves no half checkpoint."""
         engine = self._engine
         assert engine is not None, "_execute checks the engine first"
-        staging, final = await self._checkpoints.prepare(op.model_id, op.kind, op.name, op.overwrite)
+        overwrite = op.overwrite or self._rewrites(op)
+        staging, final = await self._checkpoints.prepare(op.model_id, op.kind, op.name, overwrite)
         if op.kind == "weights":
             size = await self._in_thread(engine.save_state, op.model_id, staging, True)
         elif op.kind == "external_weights":
@@ -729,9 +736,17 @@ class TrainerActor:
         )
         # Shielded: once the files are written, the rename and the row land together or not at all.
         with trio.CancelScope(shield=True):
-            await self._checkpoints.commit(staging, final, op.overwrite, manifest)
+            await self._checkpoints.commit(staging, final, overwrite, manifest)
             uri = await self._checkpoints.record(manifest)
         return Saved(path=uri)
+
+    def _rewrites(self, op: SaveState) -> bool:
+        """Whether `op` writes again a checkpoint its job's dead home wrote in a step recomputed here (once)."""
+        names = self.rewritten.get(op.model_id)
+        if names is None or (op.kind, op.name) not in names:
+            return False
+        names.discard((op.kind, op.name))
+        return True
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(

@@ -18,9 +18,10 @@ import trio
 
 from openrld.actors.autosaves import AutosaveSlots, _Write
 from openrld.actors.futures import Completed, FutureTable
-from openrld.actors.trainer import CreateAdapter, ForwardBackward, OptimStep, TrainerActor
+from openrld.actors.trainer import CreateAdapter, ForwardBackward, OptimStep, SaveState, TrainerActor
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec
 from openrld.engine_types import SnapshotFile, StateSnapshot
+from openrld.errors import Conflict
 from tests.actors.test_sampler_replicas import MemoryLog
 from tests.waits import wait_until
 
@@ -187,3 +188,67 @@ def test_a_newer_write_replaces_the_one_waiting_for_its_jobs_commit(other_job_fi
     assert slots.done("m") == _write("m", 3)
     assert slots.done("m") is None
     assert slots.offer(_write("m", 4)) == (_write("m", 4), None)  # the job was idle again
+
+
+class RecordingCheckpoints:
+    """The node's checkpoints as a save sees them: the names held, refusing one that exists without overwrite."""
+
+    def __init__(self, tmp: Path, held: set[str]) -> None:
+        self._tmp = tmp
+        self.held = set(held)
+        self.overwrites: list[tuple[str, bool]] = []
+
+    async def prepare(self, model_id: str, kind: str, name: str, overwrite: bool) -> tuple[Path, Path]:
+        if name in self.held and not overwrite:
+            raise Conflict(f"checkpoint tinker://{model_id}/{kind}/{name} already exists; pass overwrite=True")
+        self.overwrites.append((name, overwrite))
+        staging = self._tmp / f"staging-{len(self.overwrites)}"
+        staging.mkdir()
+        return staging, self._tmp / name
+
+    def describe(self, model_id: str, kind: str, name: str, **_: Any) -> Any:
+        return SimpleNamespace(name=name)
+
+    async def commit(self, staging: Path, final: Path, overwrite: bool, manifest: Any) -> None:
+        self.held.add(manifest.name)
+
+    async def record(self, manifest: Any) -> str:
+        return f"tinker://m/weights/{manifest.name}"
+
+
+async def _saves(
+    tmp_path: Path, held: set[str], rewritten: set[tuple[str, str]], names: list[str]
+) -> tuple[list[Any], RecordingCheckpoints]:
+    """Named save_states of job "m", opened with `rewritten`, one after the other: each one's outcome."""
+    checkpoints = RecordingCheckpoints(tmp_path, held)
+    futures = FutureTable(MemoryLog())
+    actor = TrainerActor(
+        name="t", build_engine=lambda: RecordingEngine(), limiter=trio.CapacityLimiter(1), futures=futures,
+        checkpoints=checkpoints, sampler=None, max_combined_tokens=0,  # type: ignore[arg-type]
+    )
+    outcomes = []
+    async with trio.open_nursery() as nursery:
+        handle = await nursery.start(actor.run)
+        handle.open_job("m", next_seq=7, rewritten=rewritten)
+        for seq, name in enumerate(names, start=7):
+            futures.create(f"r{seq}", model_id="m", kind="op", owner="u")
+            handle.submit_nowait(SaveState("m", seq, f"r{seq}", "weights", name))
+            done = await futures.wait(f"r{seq}", owner="u", hold_s=10)
+            outcomes.append(done.value.path if isinstance(done, Completed) else done.detail)
+        nursery.cancel_scope.cancel()
+    return outcomes, checkpoints
+
+
+async def test_an_adopted_jobs_replayed_save_writes_again_a_checkpoint_its_dead_home_wrote_past_the_auto_save(tmp_path: Path):
+    outcomes, checkpoints = await _saves(tmp_path, {"step-8"}, {("weights", "step-8")}, ["step-8"])
+    assert (outcomes, checkpoints.overwrites) == (["tinker://m/weights/step-8"], [("step-8", True)])
+
+
+async def test_a_checkpoint_written_before_the_auto_save_is_still_refused_without_overwrite(tmp_path: Path):
+    outcomes, _ = await _saves(tmp_path, {"step-2", "step-8"}, {("weights", "step-8")}, ["step-2"])
+    assert outcomes == ["checkpoint tinker://m/weights/step-2 already exists; pass overwrite=True"]
+
+
+async def test_a_rewritten_checkpoint_is_written_again_once_and_a_later_save_of_its_name_is_refused(tmp_path: Path):
+    outcomes, _ = await _saves(tmp_path, {"step-8"}, {("weights", "step-8")}, ["step-8", "step-8"])
+    assert outcomes == ["tinker://m/weights/step-8", "checkpoint tinker://m/weights/step-8 already exists; pass overwrite=True"]
