@@ -312,7 +312,7 @@ async def serve(
                         # A survivor takes over the auto-saved jobs of a dead member (cluster/adoption.py).
                         adoption = AdoptionWatcher(
                             local_name=membership.node.name, root=store.files.root, members=membership.node.members,
-                            host=jobs, published=lambda: membership.node.set_payload(payload()), counters=relays,
+                            host=jobs.adoption, published=lambda: membership.node.set_payload(payload()), counters=relays,
                         )
                         await nursery.start(adoption.run)
                 # What exists now (imported modules, the config, the store) lives as long as the

@@ -8,8 +8,9 @@ makes a retried submission answer with its first future (the last
 images, and the optimizer a new or restored job trains with.
 
 It is pure: sync, no trio, no store, no I/O; time is passed in (`now`). The job
-table (actors/jobs.py) records runs in the store, submits ops to groups and
-explains a missing job (404 or 410); this module only answers what it holds.
+table (actors/jobs.py) submits ops to groups, `JobOpening` (actors/job_opening.py)
+records runs in the store, `GoneJobs` (actors/gone_jobs.py) explains a missing
+job (404 or 410); this module only answers what it holds.
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ class HistoryRecorder:
                 self.history.sampled(run_id, tokens, len(value.sequences), self._now())
 
     def resume(self, run_id: str, step: int) -> None:
-        """A job adopted here at `step` (actors/jobs.py): its points go on numbered by the job's own steps.
+        """A job adopted here at `step` (actors/job_adoption.py): its points go on numbered by the job's own steps.
         Those it made on the dead node lived in that node's store and are not here."""
         self.history.resume(run_id, step)
 

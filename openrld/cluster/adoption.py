@@ -22,7 +22,7 @@ node is the one to adopt it:
   node checks that it can hold the job (`JobHost.refusal`: its base model,
   its engines), so a claim is never made by a node that must then give it up.
 - **Adopt.** The winner creates the trainer from the newest auto-save, takes
-  over the job's model id, step and seq_id (`JobHost.adopt`, actors/jobs.py),
+  over the job's model id, step and seq_id (`JobHost.adopt`, actors/job_adoption.py),
   and publishes its gossip payload at once, so that the directory of every
   member sends the job's later calls to it (`directory.py`).
 
@@ -63,7 +63,7 @@ _GONE = (MemberState.DEAD, MemberState.LEFT)
 
 
 class JobHost(Protocol):
-    """What the watcher needs of this node's job table (actors/jobs.py)."""
+    """What the watcher needs of this node's jobs: their adoption (actors/job_adoption.py)."""
 
     def is_running(self, model_id: str) -> bool: ...
     def refusal(self, autosave: Autosave) -> str | None: ...
