@@ -11,6 +11,15 @@ from openrld.actors.device_pool import DevicePool
 from openrld.actors.span_members import SpanEnded, SpanMembers, SpanOrder, SpanStarted
 from openrld.errors import BadRequest
 
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    """pytest-trio's, but jumping only once every task has been blocked 50 ms of real time: the
+    watcher stops and frees the ranks in a thread, which the clock does not count as work, so with
+    no threshold the test's sleep could end before that thread has run (flaky on a loaded machine)."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
 ORDER = SpanOrder(job="s-1:train:0", home="node-a", base_model="tiny-llama", devices=2, nodes=2, endpoint="10.0.0.5:29400")
 
 
