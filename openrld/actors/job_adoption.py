@@ -22,19 +22,13 @@ import msgspec
 
 from openrld import settings as job_settings
 from openrld.actors.checkpoints import CheckpointWriter
-from openrld.actors.durable_commits import DurableCommits
-from openrld.actors.futures import Failed, FutureTable
-from openrld.actors.gone_jobs import GoneJobs
-from openrld.actors.groups import GroupTable
-from openrld.actors.job_opening import JobOpening
-from openrld.actors.job_registry import Job, JobRegistry, optimizer_family
-from openrld.actors.sessions import SessionTable
+from openrld.actors.futures import Failed
+from openrld.actors.job_opening import JobOpening, NodeTables
+from openrld.actors.job_registry import Job, optimizer_family
 from openrld.actors.trainer import LoadState
 from openrld.autosave import Autosave, AutosaveManifest
 from openrld.batches import LoraSpec
 from openrld.errors import Conflict, Gone, UserError
-from openrld.model_catalog import ModelCatalog
-from openrld.store import Store
 from openrld.store.job_claims import Claim
 
 logger = logging.getLogger(__name__)
@@ -45,36 +39,20 @@ class JobAdoption:
 
     def __init__(
         self,
+        node: NodeTables,
         *,
-        store: Store,
-        catalog: ModelCatalog,
-        groups: GroupTable,
-        futures: FutureTable,
-        sessions: SessionTable,
-        registry: JobRegistry,
         opening: JobOpening,
-        gone: GoneJobs,
-        commits: DurableCommits,
-        new_request: Callable[[str, str, str], str],
         checkpoints: CheckpointWriter | None = None,
         on_adopted: Callable[[str, int], None] | None = None,
     ) -> None:
-        self._store = store
-        self._catalog = catalog
-        self._groups = groups
-        self._futures = futures
-        self._sessions = sessions
-        self._jobs = registry
+        self._node = node
         self._opening = opening  # shapes the job and books its own group, as a create would
-        self._gone = gone  # a superseded or failed adoption ends here
-        self._commits = commits
-        self._new_request = new_request  # (owner, model id, kind) -> a new request id with its future
         self._checkpoints = checkpoints  # adopting a run's checkpoints from a shared root, files in its threads
         self._on_adopted = on_adopted  # (model id, step) of a job adopted here: its curve goes on from its step
 
     def is_running(self, model_id: str) -> bool:
         """Whether the job `model_id` runs on this node now."""
-        return self._jobs.is_running(model_id)
+        return self._node.registry.is_running(model_id)
 
     def refusal(self, autosave: Autosave) -> str | None:
         """Why this node cannot hold the job of `autosave` (its base model, its engines); None if it can."""
@@ -93,7 +71,7 @@ class JobAdoption:
         run = manifest.run
         settings = job_settings.settings_from_dict(run.settings)
         lora = msgspec.convert(run.lora, LoraSpec) if run.lora is not None else None
-        model = self._catalog.resolve(run.base_model)
+        model = self._node.catalog.resolve(run.base_model)
         return self._opening.shaped(manifest.model_id, run.owner, model, lora, settings)
 
     async def adopt(self, autosave: Autosave, claim: Claim) -> None:
@@ -109,19 +87,19 @@ class JobAdoption:
         model_id = manifest.model_id
         job = self._adopted_job(manifest)
         job.adoption = claim
-        if self._store.adoption.insert_job_run(manifest.run) is None:
+        if self._node.store.adoption.insert_job_run(manifest.run) is None:
             raise Conflict(f"model {model_id}: this node holds a run of that id of another owner")
-        self._sessions.mirror_adopted(manifest.run.session_id, manifest.run.owner)
+        self._node.sessions.mirror_adopted(manifest.run.session_id, manifest.run.owner)
         if self._checkpoints is not None:
             await self._checkpoints.adopt_run(model_id)  # its checkpoints on the root, for its status and restores
-        await self._commits.durable()
+        await self._node.commits.durable()
         own_group = job.group_job is not None
         if own_group:
             self._opening.book_own_group(job)
         try:
-            group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
+            group = await self._node.groups.get(job.model, job.group_job, job.full_sync or "delta")
             await group.sampler.ensure_replicas(job.sampler_replicas)
-            request_id = self._new_request(job.owner, model_id, "load_weights")
+            request_id = self._node.new_request(job.owner, model_id, "load_weights")
             group.trainer.open_job(model_id, next_seq=manifest.seq_id)
             group.trainer.submit_nowait(
                 LoadState(
@@ -133,29 +111,29 @@ class JobAdoption:
             )
         except BaseException:
             if own_group:
-                self._groups.end(job.model, model_id, f"model {model_id} could not be adopted")
+                self._node.groups.end(job.model, model_id, f"model {model_id} could not be adopted")
             raise
         # The auto-save's own seq_id is not remembered: a request of it replayed here (replay.py) is refused
         # as already applied, never answered with the load's future.
-        self._gone.forget(model_id)
+        self._node.gone.forget(model_id)
         if self._on_adopted is not None:
             self._on_adopted(model_id, manifest.step)
-        self._jobs.add(job)
+        self._node.registry.add(job)
         outcome = None
         while outcome is None:
-            outcome = await self._futures.wait(request_id, owner=job.owner, hold_s=60.0)
+            outcome = await self._node.futures.wait(request_id, owner=job.owner, hold_s=60.0)
         if isinstance(outcome, Failed):
-            self._gone.drop(job, f"model {model_id} could not be adopted from its auto-save: {outcome.detail}")
+            self._node.gone.drop(job, f"model {model_id} could not be adopted from its auto-save: {outcome.detail}")
             raise Gone(outcome.detail)
         logger.info("adopted model_id=%s %s generation=%d", model_id, claim.detail, claim.generation)
 
     def claimed_jobs(self) -> list[tuple[str, int]]:
         """(model id, the generation of the claim this node holds it by) of its jobs that auto-save."""
-        return [(job.model_id, job.claim_generation) for job in self._jobs if job.autosave_steps > 0]
+        return [(job.model_id, job.claim_generation) for job in self._node.registry if job.autosave_steps > 0]
 
     def superseded(self, model_id: str, claim: Claim) -> None:
         """Another node has claimed job `model_id` (this node was declared dead): it stops here; its later
         calls here fail naming its new home."""
-        job = self._jobs.get(model_id)
+        job = self._node.registry.get(model_id)
         if job is not None:
-            self._gone.drop(job, f"model {model_id} moved to node {claim.adopter} ({claim.detail}): its calls go there now")
+            self._node.gone.drop(job, f"model {model_id} moved to node {claim.adopter} ({claim.detail}): its calls go there now")

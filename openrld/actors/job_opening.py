@@ -17,6 +17,7 @@ gone_jobs.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -49,38 +50,37 @@ from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import SessionRow, Store
 
 
+@dataclass(frozen=True)
+class NodeTables:
+    """The node's tables a job is opened and adopted with; the job table builds it once (jobs.py)."""
+
+    store: Store
+    catalog: ModelCatalog
+    groups: GroupTable
+    futures: FutureTable
+    sessions: SessionTable
+    registry: JobRegistry  # the resident jobs
+    gone: GoneJobs  # why a job ended here; a job whose own group is lost ends there
+    commits: DurableCommits
+    new_request: Callable[[str, str, str], str]  # (owner, model id, kind) -> a new request id with its future
+
+
 class JobOpening:
     """Creates jobs and restores them from checkpoints; see the module docstring."""
 
     def __init__(
         self,
+        node: NodeTables,
         *,
         nursery: trio.Nursery,
-        store: Store,
-        catalog: ModelCatalog,
-        groups: GroupTable,
-        futures: FutureTable,
-        sessions: SessionTable,
-        registry: JobRegistry,
-        gone: GoneJobs,
-        commits: DurableCommits,
-        new_request: Callable[[str, str, str], str],
         changed: Callable[[], None],
         max_lora_rank: int,
         allowed_images: tuple[str, ...],
         has_automodel: bool,
         lora_sampler: model_families.Engine,
     ) -> None:
+        self._node = node
         self._nursery = nursery  # each job starts in a task of its own
-        self._store = store
-        self._catalog = catalog
-        self._groups = groups
-        self._futures = futures
-        self._sessions = sessions
-        self._jobs = registry
-        self._gone = gone  # a job whose own group is lost ends there
-        self._commits = commits
-        self._new_request = new_request  # (owner, model id, kind) -> a new request id with its future
         self._changed = changed  # a clustered node gossips a new job at once
         self._max_lora_rank = max_lora_rank
         self._allowed_images = allowed_images  # [workers] allowed_images: which trainer images a job may name
@@ -96,7 +96,7 @@ class JobOpening:
         session, model_id, first = self._created(owner, session_id, model_seq_id)
         if first is not None:
             return first, model_id
-        if self._store.runs.get(model_id) is not None:
+        if self._node.store.runs.get(model_id) is not None:
             raise Conflict(f"model {model_id} already exists")
         job_settings_value, _client_metadata = job_settings.parse_settings(
             session.tags, session.user_metadata, user_metadata
@@ -112,7 +112,7 @@ class JobOpening:
         else:
             lora = None  # the SDK always sends a lora_config; a full job has no adapter
             require_full_optimizer(optimizer_config)
-        model = self._catalog.resolve(base_model)
+        model = self._node.catalog.resolve(base_model)
         self._check_engines(model, lora, full_sync is not None, automodel is not None, images)
         job = Job(
             model_id, owner, model, lora, job_settings_value.sampler_replicas, full_sync, job_settings_value.exclusive,
@@ -121,7 +121,7 @@ class JobOpening:
         job.autosave_steps = self._autosave_steps(job_settings_value)
         request_id = self._open_job(
             job, "create_model",
-            lambda: self._store.runs.create(
+            lambda: self._node.store.runs.create(
                 model_id, session_id=session_id, owner=owner, base_model=base_model, model_dir=model.directory,
                 lora=msgspec.to_builtins(lora) if lora is not None else None,
                 settings=job_settings.settings_to_dict(job_settings_value),
@@ -139,11 +139,11 @@ class JobOpening:
         _, model_id, first = self._created(owner, session_id, model_seq_id)
         if first is not None:
             return first, model_id
-        tinker_path, source_dir, source_run = readable_checkpoint(self._store, owner, path)
+        tinker_path, source_dir, source_run = readable_checkpoint(self._node.store, owner, path)
         if tinker_path.kind is not ids.CheckpointKind.WEIGHTS and with_optimizer:
             raise BadRequest(f"{path}: checkpoint has no optimizer state; load a weights/ path or pass optimizer=false")
         lora = msgspec.convert(source_run.lora, LoraSpec) if source_run.lora is not None else None
-        model = self._catalog.resolve(source_run.base_model)
+        model = self._node.catalog.resolve(source_run.base_model)
         resumed_config = resumed_optimizer_config(path, source_run.optimizer_config, optimizer_config, with_optimizer)
         # A restore takes the checkpoint's fine_tuning_type (and, for full, its weight_sync).
         source_settings = job_settings.settings_from_dict(source_run.settings)
@@ -152,7 +152,7 @@ class JobOpening:
         job = self.shaped(model_id, owner, model, lora, source_settings)
         request_id = self._open_job(
             job, "load_weights",
-            lambda: self._store.runs.create(
+            lambda: self._node.store.runs.create(
                 model_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
                 model_dir=model.directory, lora=source_run.lora, settings=source_run.settings,
                 user_metadata=dict(source_run.user_metadata), optimizer_config=resumed_config,
@@ -187,14 +187,14 @@ class JobOpening:
         engine is lost, the job ends (gone_jobs.py)."""
         # An Automodel trainer that is not exclusive takes turns on its devices with other groups,
         # parking every rank's FSDP shards together (actors/group_lease.py, gpu/automodel_park.py).
-        self._groups.reserve(
+        self._node.groups.reserve(
             job.model, job.model_id, full_sync=job.full_sync, exclusive=job.is_exclusive,
-            images=job.images, automodel=job.automodel, on_lost=partial(self._gone.own_group_lost, job),
+            images=job.images, automodel=job.automodel, on_lost=partial(self._node.gone.own_group_lost, job),
         )
 
     def _autosave_steps(self, settings: job_settings.JobSettings) -> int:
         """Steps between the job's auto-saves: its openrl.autosave_steps, none without a shared root."""
-        return settings.autosave_interval if self._store.files.is_shared else 0
+        return settings.autosave_interval if self._node.store.files.is_shared else 0
 
     def _check_engines(
         self, model: ModelEntry, lora: LoraSpec | None, is_full: bool, is_automodel: bool, images: Images
@@ -222,11 +222,11 @@ class JobOpening:
             record_run()
         except BaseException:
             if own_group:  # no job, so no booking
-                self._groups.end(job.model, job.model_id, f"model {job.model_id} could not be created")
+                self._node.groups.end(job.model, job.model_id, f"model {job.model_id} could not be created")
             raise
-        request_id = self._new_request(job.owner, job.model_id, kind)
+        request_id = self._node.new_request(job.owner, job.model_id, kind)
         job.remember(0, request_id)
-        self._jobs.add(job)
+        self._node.registry.add(job)
         self._changed()
         self._nursery.start_soon(self._open_and_submit, job, first_op(request_id))
         return request_id
@@ -238,9 +238,9 @@ class JobOpening:
         Raises:
             NotFound: no such session of `owner`'s.  Gone: a job to create in a finished session.
         """
-        session = self._sessions.owned(owner, session_id)
+        session = self._node.sessions.owned(owner, session_id)
         model_id = ids.model_id(session_id, model_seq_id)
-        job = self._jobs.get(model_id)
+        job = self._node.registry.get(model_id)
         first = job.first_request(0) if job is not None else None
         if first is None:
             _refuse_finished(session)
@@ -248,18 +248,18 @@ class JobOpening:
 
     async def _open_and_submit(self, job: Job, first_op: TrainOp) -> None:
         try:
-            await self._commits.durable()  # the run's row, before its first op can answer
-            self._gone.resident(job.owner, job.model_id)  # Gone if its session finished meanwhile: start no group for it
-            group = await self._groups.get(job.model, job.group_job, job.full_sync or "delta")
+            await self._node.commits.durable()  # the run's row, before its first op can answer
+            self._node.gone.resident(job.owner, job.model_id)  # Gone if its session finished meanwhile: start no group for it
+            group = await self._node.groups.get(job.model, job.group_job, job.full_sync or "delta")
             # Before the job's first op, so that its sampler replicas serve once create_model answers.
             await group.sampler.ensure_replicas(job.sampler_replicas)
-            self._gone.resident(job.owner, job.model_id)  # again: it may have ended while the replicas started
+            self._node.gone.resident(job.owner, job.model_id)  # again: it may have ended while the replicas started
             group.trainer.open_job(job.model_id, next_seq=0)
             group.trainer.submit_nowait(first_op)
         except OpenrldError as error:
-            self._futures.fail(first_op.request_id, error)
+            self._node.futures.fail(first_op.request_id, error)
             if job.group_job is not None:  # its own group never served it: free the devices it booked
-                self._groups.end(job.model, job.model_id, f"model {job.model_id} failed to start: {error.detail}")
+                self._node.groups.end(job.model, job.model_id, f"model {job.model_id} failed to start: {error.detail}")
 
 
 def _refuse_finished(session: SessionRow) -> None:

@@ -38,7 +38,7 @@ from openrld.actors.futures import FutureTable
 from openrld.actors.gone_jobs import GoneJobs
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_adoption import JobAdoption
-from openrld.actors.job_opening import JobOpening
+from openrld.actors.job_opening import JobOpening, NodeTables
 from openrld.actors.job_registry import JobRegistry, optimizer_family, session_of
 from openrld.actors.model_status import GroupView, JobFacts, ModelStatus, adopted_from, build_status
 from openrld.actors.sampling_sessions import SamplingSessions
@@ -114,22 +114,20 @@ class JobTable:
         self._gone = GoneJobs(
             store=store, registry=registry, sessions=sessions, sampling=sampling, groups=groups, changed=changed
         )
+        node = NodeTables(
+            store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions, registry=registry,
+            gone=self._gone, commits=commits, new_request=self._new_request,
+        )
         # Jobs created here, or restored from a checkpoint (job_opening.py)
         opening = JobOpening(
-            nursery=nursery, store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions,
-            registry=registry, gone=self._gone, commits=commits, new_request=self._new_request, changed=changed,
-            max_lora_rank=max_lora_rank, allowed_images=allowed_images, has_automodel=has_automodel,
-            lora_sampler=lora_sampler,
+            node, nursery=nursery, changed=changed, max_lora_rank=max_lora_rank, allowed_images=allowed_images,
+            has_automodel=has_automodel, lora_sampler=lora_sampler,
         )
         self.create_model = opening.create_model
         self.load_into_new_model = opening.load_into_new_model
         # A dead node's jobs taken over here, and ours another node took (job_adoption.py): the host
         # that cluster/adoption.py's watcher drives
-        self.adoption = JobAdoption(
-            store=store, catalog=catalog, groups=groups, futures=futures, sessions=sessions, registry=registry,
-            opening=opening, gone=self._gone, commits=commits, new_request=self._new_request,
-            checkpoints=checkpoints, on_adopted=on_adopted,
-        )
+        self.adoption = JobAdoption(node, opening=opening, checkpoints=checkpoints, on_adopted=on_adopted)
 
     # ------------------------------------------------------------ what this node holds
 
