@@ -90,8 +90,11 @@ class JobAdoption:
         if self._node.store.adoption.insert_job_run(manifest.run) is None:
             raise Conflict(f"model {model_id}: this node holds a run of that id of another owner")
         self._node.sessions.mirror_adopted(manifest.run.session_id, manifest.run.owner)
+        rewritten: set[tuple[str, str]] = set()
         if self._checkpoints is not None:
             await self._checkpoints.adopt_run(model_id)  # its checkpoints on the root, for its status and restores
+            # Saves of the steps recomputed here: their replays write them again instead of being refused.
+            rewritten = self._checkpoints.written_after(model_id, manifest.created_at)
         await self._node.commits.durable()
         own_group = job.group_job is not None
         if own_group:
@@ -100,7 +103,7 @@ class JobAdoption:
             group = await self._node.groups.get(job.model, job.group_job, job.full_sync or "delta")
             await group.sampler.ensure_replicas(job.sampler_replicas)
             request_id = self._node.new_request(job.owner, model_id, "load_weights")
-            group.trainer.open_job(model_id, next_seq=manifest.seq_id)
+            group.trainer.open_job(model_id, next_seq=manifest.seq_id, rewritten=rewritten)
             group.trainer.submit_nowait(
                 LoadState(
                     model_id=model_id, request_id=request_id, source_dir=str(autosave.directory),

@@ -1,4 +1,4 @@
-"""`openrld serve` with two test hooks that hold a job's step where a kill is to land (test_adoption.py).
+"""`openrld serve` with three test hooks that hold a job's step where a kill is to land (test_adoption.py).
 
 Run as `python tests/e2e/chaos_serve.py serve ARGS...` (test_adoption.py starts its workers
 through conftest's Daemon) with OPENRLD_CHAOS_DIR naming a directory the test controls. For a
@@ -9,7 +9,9 @@ model id with a file of that name in it:
 - `slow-save-<model_id>`: its next auto-save is renamed into place as a filesystem whose rename
   is not atomic does it (GCS FUSE copies, then deletes): the manifest first, then the other
   files, the copy holding halfway through the first of them until the daemon is killed
-  (`save-held-<model_id>`).
+  (`save-held-<model_id>`);
+- `slow-named-save-<model_id>`: its next named save (`save_state`) is written and committed, and
+  its answer is never sent (`named-save-held-<model_id>`); the trainer goes on with other work.
 
 Each hook takes its file away when it fires, so that the job's adopter (which runs this script
 too) is not held. Without those files the daemon is the CLI, unchanged.
@@ -85,6 +87,17 @@ def main() -> int:
             files = _NonAtomicRename(files, manifest.model_id)
         return commit_autosave(files, staging, manifest)
 
+    from openrld.actors import trainer
+
+    settle = trainer.TrainerActor._settle
+
+    def held_settle(self, op, value):
+        if isinstance(op, trainer.SaveState) and _fires("slow-named-save", op.model_id):
+            (CHAOS_DIR / f"named-save-held-{op.model_id}").touch()
+            return  # the checkpoint is on the root and its row recorded; nothing answers it
+        settle(self, op, value)
+
+    trainer.TrainerActor._settle = held_settle
     train_steps.TrainsInPasses.optim_step = held_optim_step
     openrld.autosave.commit_autosave = held_commit_autosave
     return cli.main(sys.argv[1:])

@@ -364,6 +364,11 @@ def test_the_cookbooks_loop_and_the_quickstart_finish_every_step_when_their_jobs
         # Both survivors notice the death; each job gets one claim, by one of them.
         for name in survivors:
             wait_for(lambda u=daemons[name].url: member_state(u, victim) == "dead", timeout_s=20.0)
+        # Read while the loops run: once a loop's session finishes, its adopter removes the job's
+        # auto-saves, and the claims with them.
+        for model_id in jobs:
+            wait_for(lambda m=model_id: latest_claim(shared, m) is not None, timeout_s=60.0)
+        claims = {m: (sorted(p.name for p in claims_dir(shared, m).iterdir()), latest_claim(shared, m)) for m in jobs}
         assert cookbook.wait(180.0) == 0, f"seed {seed}: " + (tmp_path / "cookbook.out").read_text()[-3000:]
         assert quickstart.wait(180.0) == 0, f"seed {seed}: " + (tmp_path / "quickstart.out").read_text()[-3000:]
     finally:
@@ -377,8 +382,8 @@ def test_the_cookbooks_loop_and_the_quickstart_finish_every_step_when_their_jobs
     assert quickstart_steps == list(range(QUICKSTART_STEPS)), seed
     trained = [row for row in (tmp_path / "quickstart" / "rewards.jsonl").read_text().splitlines() if '"groups_used":0' not in row]
     for model_id, optim_steps in ((cookbook_job, COOKBOOK_STEPS), (quickstart_job, len(trained))):
-        assert sorted(p.name for p in claims_dir(shared, model_id).iterdir()) == ["000000001.json"], seed  # one adopter
-        claim = latest_claim(shared, model_id)
+        names, claim = claims[model_id]
+        assert names == ["000000001.json"], seed  # one adopter
         assert claim is not None and claim.previous_home == victim and claim.adopter in survivors, seed
         status = httpx.get(f"{a}/openrl/v1/models/{model_id}/status", headers=HEADERS, timeout=10).json()
         assert status["adopted_from"]["detail"] == f"adopted from node {victim} at step {claim.step}", seed
@@ -405,21 +410,33 @@ def arm(shared: Path, hook: str, model_id: str) -> None:
     (chaos_dir(shared) / f"{hook}-{model_id}").touch()
 
 
+def group_in_view(url: str, node: str, base_model: str) -> bool:
+    members = {m["name"]: m for m in httpx.get(f"{url}/openrl/v1/cluster", headers=HEADERS, timeout=10).json()["members"]}
+    return any(g["base_model"] == base_model for g in members[node]["groups"])
+
+
 def held(shared: Path, marker: str, model_id: str) -> bool:
     return (chaos_dir(shared) / f"{marker}-{model_id}").exists()
 
 
-def test_jobs_killed_mid_optim_step_and_mid_save_resume_from_their_newest_complete_auto_save(cluster, reference) -> None:
+def test_jobs_killed_mid_optim_step_mid_save_and_mid_named_save_resume_from_their_newest_complete_auto_save(
+    cluster, reference
+) -> None:
     daemons, shared = cluster
     a = daemons["node-a"].url
     service = tinker.ServiceClient(base_url=a, api_key=KEY)
-    jobs = [
-        service.create_lora_training_client(base_model="tiny-held", rank=4, seed=0, user_metadata=AUTOSAVE_EVERY_STEP).result()
-        for _ in range(2)
-    ]
-    in_optim, in_save = jobs
+    def new_job() -> tinker.TrainingClient:
+        return service.create_lora_training_client(
+            base_model="tiny-held", rank=4, seed=0, user_metadata=AUTOSAVE_EVERY_STEP
+        ).result()
+
+    in_optim = new_job()
     [victim] = home_of(daemons, in_optim.model_id)
+    # Once A's view holds the first job's group on its node, the second joins that group there.
+    wait_for(lambda: group_in_view(a, victim, "tiny-held"), timeout_s=20.0)
+    in_save = new_job()
     assert home_of(daemons, in_save.model_id) == [victim]
+    jobs = [in_optim, in_save]
     losses = {job.model_id: [step(job, i) for i in range(KILL_AT)] for job in jobs}
     for job in jobs:
         wait_for(lambda m=job.model_id: (s := latest_autosave(shared, m)) is not None and s.manifest.step == KILL_AT, timeout_s=20.0)
@@ -431,6 +448,10 @@ def test_jobs_killed_mid_optim_step_and_mid_save_resume_from_their_newest_comple
     wait_for(lambda: held(shared, "save-held", in_save.model_id), timeout_s=20.0)
     half_written = job_dir(shared, in_save.model_id) / step_dir_name(KILL_AT + 1)
     assert half_written.is_dir()
+    # Its named save then lands on the root, recorded, and its home never answers it.
+    arm(shared, "slow-named-save", in_save.model_id)
+    named_save = in_save.save_state("after-the-held-step")
+    wait_for(lambda: held(shared, "named-save-held", in_save.model_id), timeout_s=20.0)
     # The other's forward_backward is answered; its optim_step is applied on the home, which holds its answer.
     arm(shared, "slow-optim", in_optim.model_id)
     failures: list[BaseException] = []
@@ -452,6 +473,8 @@ def test_jobs_killed_mid_optim_step_and_mid_save_resume_from_their_newest_comple
     losses[in_save.model_id].extend(step(in_save, i) for i in range(KILL_AT + 1, STEPS))
     loop.join(120.0)
     assert not loop.is_alive() and failures == [], failures
+    # Replayed on the adopter after the recomputed step, the save writes its checkpoint again.
+    assert named_save.result(timeout=120).path == f"tinker://{in_save.model_id}/weights/after-the-held-step"
 
     for job in jobs:
         assert losses[job.model_id] == pytest.approx(reference, rel=LOSS_TOLERANCE), job.model_id
