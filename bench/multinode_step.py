@@ -93,8 +93,8 @@ from openrld.worker.hosting import WorkerHosting  # noqa: E402
 from openrld.worker.launchers.torchrun import SpanRendezvous  # noqa: E402
 from openrld.worker.protocol import Start  # noqa: E402
 
-# The shapes, rank, optimizer and timing of automodel_step.py and worker_launchers.py (not imported:
-# they reach the engine factory, which needs the gguf package the Automodel environment lacks).
+# The shapes, rank, optimizer and timing of automodel_step.py and worker_launchers.py, not imported:
+# automodel_step.py runs its whole bench when it is imported (it has no main guard).
 RANK = 8
 ADAM = AdamParams(learning_rate=1e-4)
 TINY_SHAPES = [(8, 128), (32, 256), (4, 1024)]
