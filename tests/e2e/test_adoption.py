@@ -181,7 +181,7 @@ def test_a_loop_goes_on_when_its_jobs_home_is_killed_mid_step(cluster, reference
     loop = threading.Thread(target=rest_of_the_loop)
     loop.start()
     assert sent.wait(30.0)
-    delay_s = random.uniform(0.0, 0.05)
+    delay_s = random.uniform(0.0, 0.01)
     time.sleep(delay_s)  # the step's forward_backward and optim_step are on their way, or running at the home
     daemons[victim].kill()
     loop.join(120.0)
@@ -191,10 +191,12 @@ def test_a_loop_goes_on_when_its_jobs_home_is_killed_mid_step(cluster, reference
     [adopter] = home_of(daemons, model_id)
     assert adopter != victim
     claim = latest_claim(shared, model_id)
-    # The adopter resumed from the auto-save of the step before the one in flight: one step was recomputed.
-    assert claim is not None and (claim.adopter, claim.previous_home, claim.step) == (adopter, victim, KILL_AT)
+    # The adopter resumed from the auto-save of the step before the one in flight (one step recomputed),
+    # or of that step itself when the step and its auto-save were done before the kill landed (none).
+    assert claim is not None and (claim.adopter, claim.previous_home) == (adopter, victim)
+    assert claim.step in (KILL_AT, KILL_AT + 1), (delay_s, claim.step)
     status = httpx.get(f"{a}/openrl/v1/models/{model_id}/status", headers=HEADERS, timeout=10).json()
-    assert status["adopted_from"]["detail"] == f"adopted from node {victim} at step {KILL_AT}"
+    assert status["adopted_from"]["detail"] == f"adopted from node {victim} at step {claim.step}"
     assert status["step"] == STEPS  # the step count goes on from the auto-save's
     assert metric(daemons[adopter].url, "openrld_adoptions_total") == 1
     assert metric(a, 'openrld_replayed_requests_total{outcome="replayed"}') >= 1
@@ -270,7 +272,10 @@ def test_an_rl_loop_goes_on_when_its_jobs_home_is_killed_while_it_samples(cluste
     assert [loss for _, loss in steps] == pytest.approx([loss for _, loss in reference], rel=LOSS_TOLERANCE), delay_s
     [adopter] = home_of(daemons, model_id)
     claim = latest_claim(shared, model_id)
-    assert claim is not None and (claim.adopter, claim.previous_home, claim.step) == (adopter, victim, KILL_AT)
+    # From the auto-save of the step before the one sampling, or, when that step was done and saved
+    # before the kill landed, of that step.
+    assert claim is not None and (claim.adopter, claim.previous_home) == (adopter, victim)
+    assert claim.step in (KILL_AT, KILL_AT + 1), (delay_s, claim.step)
     assert metric(a, 'openrld_replayed_requests_total{outcome="replayed"}') >= 2
 
 
