@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -134,6 +135,30 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"no {name} in /metrics")
 
 
+def kill_once_reached(victim: Daemon, rest_of_the_loop: Callable[[threading.Event], None], *, max_delay_s: float) -> float:
+    """Run `rest_of_the_loop` in a thread; once it sets its event, kill `victim` with SIGKILL up to
+    `max_delay_s` later (at random). The loop must then end, never restarted, without an error.
+    Returns the delay, for a failure's message."""
+    reached = threading.Event()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            rest_of_the_loop(reached)
+        except BaseException as error:  # reported by the test's thread
+            failures.append(error)
+
+    loop = threading.Thread(target=run)
+    loop.start()
+    assert reached.wait(30.0)
+    delay_s = random.uniform(0.0, max_delay_s)
+    time.sleep(delay_s)
+    victim.kill()
+    loop.join(120.0)
+    assert not loop.is_alive() and failures == [], (delay_s, failures)
+    return delay_s
+
+
 def step(training: tinker.TrainingClient, i: int, sent: threading.Event | None = None) -> float:
     """One step as an RL loop pipelines it: the optim_step is sent before the forward_backward's result is read."""
     forward_backward = training.forward_backward(data(i), "cross_entropy")
@@ -168,24 +193,12 @@ def test_a_loop_goes_on_when_its_jobs_home_is_killed_mid_step(cluster, reference
     wait_for(lambda: (s := latest_autosave(shared, model_id)) is not None and s.manifest.step == KILL_AT, timeout_s=20.0)
     wait_for(lambda: adoptable_in_gossip(a, victim, model_id), timeout_s=10.0)
 
-    sent = threading.Event()
-    failures: list[BaseException] = []
+    def rest_of_the_loop(sent: threading.Event) -> None:
+        losses.append(step(training, KILL_AT, sent))
+        losses.extend(step(training, i) for i in range(KILL_AT + 1, STEPS))
 
-    def rest_of_the_loop() -> None:
-        try:
-            losses.append(step(training, KILL_AT, sent))
-            losses.extend(step(training, i) for i in range(KILL_AT + 1, STEPS))
-        except BaseException as error:  # reported by the test's thread
-            failures.append(error)
-
-    loop = threading.Thread(target=rest_of_the_loop)
-    loop.start()
-    assert sent.wait(30.0)
-    delay_s = random.uniform(0.0, 0.01)
-    time.sleep(delay_s)  # the step's forward_backward and optim_step are on their way, or running at the home
-    daemons[victim].kill()
-    loop.join(120.0)
-    assert not loop.is_alive() and failures == [], (delay_s, failures)
+    # The step's forward_backward and optim_step are on their way, or running at the home, when it dies.
+    delay_s = kill_once_reached(daemons[victim], rest_of_the_loop, max_delay_s=0.01)
 
     assert losses == pytest.approx(reference, rel=LOSS_TOLERANCE), delay_s
     [adopter] = home_of(daemons, model_id)
@@ -249,24 +262,12 @@ def test_an_rl_loop_goes_on_when_its_jobs_home_is_killed_while_it_samples(cluste
     wait_for(lambda: (s := latest_autosave(shared, model_id)) is not None and s.manifest.step == KILL_AT, timeout_s=20.0)
     wait_for(lambda: adoptable_in_gossip(a, victim, model_id), timeout_s=10.0)
 
-    sampling = threading.Event()
-    failures: list[BaseException] = []
+    def rest_of_the_loop(sampling: threading.Event) -> None:
+        steps.append(rl_step(training, KILL_AT, sampling))
+        steps.extend(rl_step(training, i) for i in range(KILL_AT + 1, STEPS))
 
-    def rest_of_the_loop() -> None:
-        try:
-            steps.append(rl_step(training, KILL_AT, sampling))
-            steps.extend(rl_step(training, i) for i in range(KILL_AT + 1, STEPS))
-        except BaseException as error:  # reported by the test's thread
-            failures.append(error)
-
-    loop = threading.Thread(target=rest_of_the_loop)
-    loop.start()
-    assert sampling.wait(30.0)
-    delay_s = random.uniform(0.0, 0.02)
-    time.sleep(delay_s)  # the samples are being drawn at the home
-    daemons[victim].kill()
-    loop.join(120.0)
-    assert not loop.is_alive() and failures == [], (delay_s, failures)
+    # The samples are being drawn at the home when it dies.
+    delay_s = kill_once_reached(daemons[victim], rest_of_the_loop, max_delay_s=0.02)
 
     assert [seqs for seqs, _ in steps] == [seqs for seqs, _ in reference], delay_s  # the same draws, redrawn
     assert [loss for _, loss in steps] == pytest.approx([loss for _, loss in reference], rel=LOSS_TOLERANCE), delay_s
