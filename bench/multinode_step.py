@@ -1,12 +1,14 @@
 """The step of an Automodel trainer that spans nodes, on the CPU: 4 gloo ranks over 2 torchruns (two
-"nodes" on loopback) against 4 ranks in one torchrun and 2 ranks in one, with the single-process
-trainer as the baseline.
+"nodes" on loopback) against 4 ranks in one torchrun and 2 ranks in one: openrld's layouts against each other, with
+openrld's single-process trainer beside them for scale.
 
 One LoRA training step (`forward_backward_then_step`, summed cross-entropy, rank 8, AdamW) on the
 tiny Llama at the shapes of `automodel_step.py`, and on SmolLM2-135M-Instruct at 8x128 (as
 `worker_launchers.py`), by four engines on this machine's cores:
 
-- torch:             the default trainer engine (`lora_trainer`) in this process: the baseline;
+- torch:             the default trainer engine (`lora_trainer`) in this process: a reference for
+                     scale, openrld's own engine, not a researcher's loop (no span has one: the
+                     bench prices where a group's ranks run, not openrld against a user's code);
 - 2 ranks:           openrl.trainer_gpus=2 on one node: one torchrun (`--standalone`) of 2 ranks;
 - 4 ranks:           openrl.trainer_gpus=4 on one node: one torchrun of 4 ranks;
 - 4 ranks, 2 nodes:  openrl.trainer_gpus=4 over two nodes as the daemons run it: the home's
