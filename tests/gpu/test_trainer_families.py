@@ -21,6 +21,7 @@ import transformers
 # The same GRPO-shaped request and trainers (LoraSpec(rank=4, seed=7), or AdamW on every weight).
 from test_shared_prefix import grpo_request, new_trainer, trained
 
+from openrld.autosave import write_snapshot
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.scoring import TrainerConfig
@@ -187,3 +188,23 @@ def test_an_exported_adapter_loads_in_peft_with_the_trainers_logprobs(
     targets = torch.as_tensor(datum.inputs["target_tokens"])
     got = logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].numpy()
     np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_auto_saves_state_snapshot_writes_what_save_state_writes(
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str, tmp_path: Path
+) -> None:
+    # The snapshot keeps each file's layout from one step to the next (MoE experts' 3-D adapters,
+    # Gemma 4's layers without k/v of their own among them): the second one, after a step, is the
+    # one that reuses it.
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("job", SPEC)
+    sft_losses(trainer, sft_batch, lr=5e-3, steps=1)
+    trainer.snapshot_state("job", with_optimizer=True)
+    sft_losses(trainer, sft_batch, lr=5e-3, steps=1)
+    snapshot = trainer.snapshot_state("job", with_optimizer=True)
+    saved, copied = tmp_path / "saved", tmp_path / "copied"
+    saved.mkdir(), copied.mkdir()
+    trainer.save_state("job", saved)
+    write_snapshot(snapshot, copied)
+    assert {p.name: p.read_bytes() for p in copied.iterdir()} == {p.name: p.read_bytes() for p in saved.iterdir()}
