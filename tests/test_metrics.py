@@ -104,6 +104,11 @@ def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
         openrld_weight_syncs_total{{{label}}} 0
         openrld_weight_sync_bytes_total{{{label}}} 0
         openrld_weight_sync_changed_fraction{{{label}}} 0
+        openrld_engine_host_memory_bytes{{{label},worker="trainer",part="parked_state"}} 0
+        openrld_engine_host_memory_bytes{{{label},worker="trainer",part="engine_state"}} 0
+        openrld_engine_host_memory_bytes{{{label},worker="sampler",part="prefix_cache"}} 0
+        openrld_engine_host_memory_bytes{{{label},worker="sampler",part="parked_state"}} 0
+        openrld_engine_host_memory_bytes{{{label},worker="sampler",part="engine_state"}} 0
         """
     ).splitlines()
     assert [line for line in text.splitlines() if "base_model=" in line] == expected
@@ -274,6 +279,13 @@ def test_a_fresh_node_outside_a_cluster_exports_every_counter_and_its_fixed_labe
         "openrld_store_checkpoints 0",
         "openrld_store_checkpoint_bytes 0",
         "openrld_store_pending_requests 0",
+        "openrld_host_memory_budget_bytes 0",
+        "openrld_host_memory_rss_bytes 0",
+        'openrld_host_memory_bytes{part="prefix_cache"} 0',
+        'openrld_host_memory_bytes{part="parked_state"} 0',
+        'openrld_host_memory_bytes{part="engine_state"} 0',
+        "openrld_host_memory_prefix_cache_share_bytes 0",
+        "openrld_host_memory_over_budget_parks_total 0",
         "openrld_stability_records 0",
         "openrld_stability_recorded_tokens 0",
         'openrld_stability_records_dropped_total{reason="expired"} 0',

@@ -1,4 +1,5 @@
-"""What the console shows: runs with their state, a run's checkpoints and curves, this node's devices.
+"""What the console shows: runs with their state, a run's checkpoints and curves, this node's devices
+and host memory.
 
 This module owns the bodies of the console's read-only routes
 (`GET /openrl/v1/runs`, `/openrl/v1/runs/{run_id}`, `/openrl/v1/runs/{run_id}/curves`
@@ -17,6 +18,7 @@ import msgspec
 
 from openrld.actors.device_pool import DeviceUse
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.host_memory import NO_HOST_MEMORY, HostMemoryStatistics
 from openrld.actors.jobs import JobTable
 from openrld.actors.model_status import ModelStatus
 from openrld.actors.run_history import HistoryRecorder, RunCurves
@@ -91,6 +93,9 @@ class GroupView(msgspec.Struct, frozen=True):
     sampler_waiting: int
     sampler_running: int
     sampler_replicas: int
+    prefix_cache_bytes: int  # KV its sampler's prefix caches hold now
+    parked_bytes: int  # its trainer's and sampler's device state parked in host memory
+    engine_state_bytes: int  # its engines' state in host memory (CPU devices): weights, adapters, optimizer
 
 
 class NodeView(msgspec.Struct, frozen=True):
@@ -99,6 +104,7 @@ class NodeView(msgspec.Struct, frozen=True):
     node: str
     devices: list[DeviceView]
     groups: list[GroupView]
+    host_memory: HostMemoryStatistics  # the budget and what holds it, node-wide (actors/host_memory.py)
 
 
 def _time(value: datetime) -> str:
@@ -120,8 +126,10 @@ def node_view(
     uses: list[DeviceUse],
     slicers: list[DeviceStatistics],
     groups: list[GroupStatistics],
+    host_memory: HostMemoryStatistics | None = None,
 ) -> NodeView:
-    """This node's devices and worker groups, from the device pool's, the time-slicers' and the groups' statistics.
+    """This node's devices, worker groups and host memory, from the device pool's, the time-slicers', the
+    groups' and the host-memory ledger's statistics (None: the node keeps no budget, all zero).
 
     Args:
         device_kinds: device name -> (kind, memory bytes), as the daemon resolved them.
@@ -147,9 +155,13 @@ def node_view(
                 base_model=g.base_model, jobs=list(g.trainer.jobs), trainer_device=g.trainer.device,
                 sampler_device=g.sampler.device, trainer_busy=g.trainer.busy, sampler_waiting=g.sampler.waiting,
                 sampler_running=g.sampler.running, sampler_replicas=g.sampler.replicas,
+                prefix_cache_bytes=g.sampler.memory.prefix_cache_bytes,
+                parked_bytes=g.trainer.memory.parked_bytes + g.sampler.memory.parked_bytes,
+                engine_state_bytes=g.trainer.memory.state_bytes + g.sampler.memory.state_bytes,
             )
             for g in groups
         ],
+        host_memory=host_memory if host_memory is not None else NO_HOST_MEMORY,
     )
 
 

@@ -49,6 +49,7 @@ import trio
 from openrld.actors.device_pool import NodeDevices, Placement
 from openrld.actors.futures import FutureTable
 from openrld.actors.group_lease import GroupLease
+from openrld.actors.host_memory import HostMemory
 from openrld.actors.job_registry import NO_IMAGES, Automodel, Images
 from openrld.actors.sampler import (
     MAX_HOST_VERSIONS,
@@ -157,8 +158,12 @@ class GroupTable:
         devices: NodeDevices | None = None,
         sampler_routing: Routing = "prefix",
         rendezvous_port: int = 29400,
+        host_memory: HostMemory | None = None,
     ) -> None:
         self._nursery = nursery
+        # The node's host-memory budget, which every group's sampler and trainer report to and the
+        # samplers' prefix caches keep within (actors/host_memory.py); None: no budget, no accounting.
+        self.host_memory = host_memory
         # The node's devices: placement, time-slicers, a limiter each. None: one device, `limiter`, no turns.
         self._devices = devices
         self._own: dict[str, OwnGroup] = {}  # group key -> how the job's own group is made
@@ -401,6 +406,7 @@ class GroupTable:
                 futures=self._futures,
                 queue_limit=self._sample_queue_limit,
                 stability=self.stability,
+                host_memory=self.host_memory,
                 routing=self._sampler_routing,
                 max_loaded_versions=FULL_LOADED_VERSIONS if is_full else MAX_LOADED_VERSIONS,
                 max_host_versions=FULL_HOST_VERSIONS if is_full else MAX_HOST_VERSIONS,
@@ -429,6 +435,7 @@ class GroupTable:
                 checkpoints=self._checkpoints,
                 autosaves=self._checkpoints.autosaves,
                 sampler=sampler,
+                host_memory=self.host_memory,
                 on_engine_lost=_detail_to(own.on_lost) if own is not None and own.on_lost is not None else None,
             ).run
         )

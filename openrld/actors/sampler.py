@@ -63,6 +63,13 @@ lets running requests finish: it parks only between requests, since parking
 drops the KV cache. When its group ends (`fail_pending`), every request it
 holds fails, and the lease is given back as the actor stops.
 
+Host memory: with the node's `HostMemory` ledger (actors/host_memory.py), each
+replica's prefix cache holds at most the share the node's budget gives it now
+(`bound_prefix_cache`, applied in the engine's thread before its next call and
+after each steps call, so a share that shrank while the sampler was idle is
+applied at once), and the ledger learns what the caches hold, what a park
+copied to host memory, and what the engines hold in host memory on a CPU.
+
 It never imports torch nor anything of `gpu/` (it knows its engines by the
 torch-free `engine_types.SamplerEngine`), and never reaches into another actor.
 """
@@ -82,6 +89,7 @@ import trio
 
 from openrld.actors.engine_thread import EngineThread
 from openrld.actors.futures import Completed, FutureTable
+from openrld.actors.host_memory import EngineMemory, HostMemory
 from openrld.actors.prefix_routing import PrefixRouter, prefix_block_hashes
 from openrld.actors.stability import StabilityRecord, StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
@@ -165,6 +173,7 @@ class SamplerStatistics(msgspec.Struct, frozen=True):
     routed_prefix_tokens: int = 0  # prompt tokens those replicas had served (the router's guess of the hits)
     prompt_tokens: int = 0  # prompt tokens of the requests taken into engines
     prompt_cache_hit_tokens: int = 0  # of those, the tokens the engines reported reused from a cache
+    memory: EngineMemory = EngineMemory()  # its host memory by part (actors/host_memory.py)
 
 
 # ---------------------------------------------------------------------------
@@ -346,6 +355,7 @@ class _Worker:
         self.taking = 0  # requests taken from the queue and being admitted (their versions loading)
         self.busy = False
         self.requests_done = 0
+        self.prefix_bound: int | None = None  # the prefix cache bound applied to its engine last
         self.wake = trio.Event()  # set when there may be work for it
 
 
@@ -365,6 +375,7 @@ class SamplerActor:
         eager_versions: bool = False,
         lease_from: Callable[[Parkable], DeviceLease] | None = None,
         routing: Routing = "prefix",
+        host_memory: HostMemory | None = None,
     ) -> None:
         assert 1 <= replicas <= MAX_REPLICAS, f"replicas must be in 1..{MAX_REPLICAS}, got {replicas}"
         assert routing in ("prefix", "least_loaded"), f"routing must be 'prefix' or 'least_loaded', got {routing!r}"
@@ -403,6 +414,9 @@ class SamplerActor:
         self._head_blocks: tuple[tuple[str, str | None], tuple[bytes, ...]] | None = None
         self._prompt_tokens = 0
         self._prompt_cache_hit_tokens = 0
+        # The node's budget; None: the engines keep the prefix cache bound they were built with.
+        self._memory = host_memory
+        self._memory_key = ("sampler", name)
 
     # -- called from the API's event loop ----------------------------------
 
@@ -460,7 +474,33 @@ class SamplerActor:
         worker = _Worker(engine, thread, self._router.add_replica(), self._max_loaded)
         assert worker.index == len(self._workers), (worker.index, len(self._workers))
         self._workers.append(worker)
+        if self._memory is not None:
+            self._memory.set_prefix_caches(self._memory_key, len(self._workers), self._wake_all)
+            await self._measure_state()
+            await self._bound_prefix_cache(worker)
         return worker
+
+    async def _measure_state(self) -> None:
+        """Tell the ledger what the engines hold in host memory (on a CPU device; 0 elsewhere)."""
+        assert self._memory is not None
+        total = 0
+        for worker in self._workers:
+            measure = getattr(worker.engine, "host_state_bytes", None)  # None: a worker in another process
+            if measure is not None:
+                total += await worker.thread.call(measure)
+        self._memory.state(self._memory_key, total)
+
+    async def _bound_prefix_cache(self, worker: _Worker) -> None:
+        """Apply the node's current prefix cache share to `worker`'s engine, in its thread."""
+        assert self._memory is not None
+        share = self._memory.prefix_cache_share()
+        bound = getattr(worker.engine, "bound_prefix_cache", None)  # None: an engine with no prefix cache
+        worker.prefix_bound = share
+        if bound is not None:
+            self._memory.prefix_cache_held(self._memory_key, worker.index, await worker.thread.call(bound, share))
+
+    def _bound_is_stale(self, worker: _Worker) -> bool:
+        return self._memory is not None and worker.prefix_bound != self._memory.prefix_cache_share()
 
     async def _in_thread(self, worker: _Worker, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the worker's engine thread, in the device's turn."""
@@ -486,6 +526,8 @@ class SamplerActor:
                 task_status.started(SamplerHandle(self))
         finally:
             self._lease.close()  # a stopped worker takes no more turns
+            if self._memory is not None:
+                self._memory.forget(self._memory_key)
             # Shielded: a stopping group still frees what its engines hold (vLLM's engine process).
             with trio.CancelScope(shield=True):
                 for worker in self._workers:
@@ -509,6 +551,8 @@ class SamplerActor:
                 worker.engine.cancel(request_id)
                 worker.live.discard(request_id)
                 self._recording.pop(request_id, None)
+            if self._bound_is_stale(worker):  # the node's share changed: evict now, not at the next request
+                await self._bound_prefix_cache(worker)
             if not self._wants_device(worker):
                 await worker.wake.wait()
                 worker.wake = trio.Event()
@@ -552,8 +596,14 @@ class SamplerActor:
         # From the worker thread, without waiting: the callbacks run in order, before the
         # call's own return (trio reports a thread's result through the same queue).
         settle = lambda finished: token.run_sync_soon(self._settle, worker, finished)  # noqa: E731
+        share = self._memory.prefix_cache_share() if self._memory is not None else None
         try:
-            await self._in_thread(worker, run_steps, worker.engine, lambda: self._arrivals != seen, settle)
+            held = await self._in_thread(
+                worker, run_steps, worker.engine, lambda: self._arrivals != seen, settle, STEPS_CALL_S, share
+            )
+            if self._memory is not None and held is not None:  # the steps may have cached prefixes
+                worker.prefix_bound = share
+                self._memory.prefix_cache_held(self._memory_key, worker.index, held)
         except EngineLost as error:  # a worker that died or broke the protocol: its requests fail, another takes over
             self._fail_all(worker, error)
             await self._replace_engine(worker, error)
@@ -579,6 +629,7 @@ class SamplerActor:
             logger.exception("sampler engine rebuild failed group=%s", self.name)
             return
         worker.versions = VersionCache(self._max_loaded)
+        worker.prefix_bound = None  # the new engine has the bound it was built with until told the node's share
         self._router.forget(worker.index)
         if worker in self._parked_workers:  # the new engine is resident
             self._parked_workers.remove(worker)
@@ -608,11 +659,17 @@ class SamplerActor:
     async def park(self) -> bool:
         if any(worker.live for worker in self._workers):
             return False  # requests mid-decode would lose their KV cache; they finish first
+        parked = 0
         for worker in self._workers:
             if worker not in self._parked_workers:
-                await self._in_thread(worker, worker.engine.park)
+                report = await self._in_thread(worker, worker.engine.park)
+                parked += report.bytes_moved
                 self._parked_workers.append(worker)
                 self._router.forget(worker.index)  # parking drops the engine's caches, its prefix cache too
+                if self._memory is not None:
+                    self._memory.prefix_cache_held(self._memory_key, worker.index, 0)
+        if self._memory is not None:
+            self._memory.parked(self._memory_key, parked)
         return True
 
     async def resume(self) -> None:
@@ -621,6 +678,8 @@ class SamplerActor:
             worker = self._parked_workers[0]
             await self._in_thread(worker, worker.engine.resume)
             self._parked_workers.pop(0)
+        if self._memory is not None:
+            self._memory.parked(self._memory_key, 0)
 
     def _least_loaded(self, worker: _Worker) -> bool:
         # Spread requests over replicas: only a worker holding no more than any other admits.
@@ -779,6 +838,7 @@ class SamplerActor:
             routed_prefix_tokens=routes.routed_prefix_tokens,
             prompt_tokens=self._prompt_tokens,
             prompt_cache_hit_tokens=self._prompt_cache_hit_tokens,
+            memory=self._memory.of(self._memory_key) if self._memory is not None else EngineMemory(),
         )
 
 
@@ -787,13 +847,18 @@ def run_steps(
     interrupted: Callable[[], bool],
     settle: Callable[[list[Finished]], None],
     seconds: float = STEPS_CALL_S,
-) -> None:
+    prefix_bound: int | None = None,
+) -> int | None:
     """Engine steps back to back in one worker-thread call (never in the event loop).
 
     What a step finished goes to `settle` at once, and the steps go on: the batch
     does not stand still while the event loop resolves a finished request. Stops when
     the engine ran out of work, `interrupted()` turned true (something arrived that
     the actor must hand the engine between steps), or `seconds` passed.
+
+    Returns:
+        With `prefix_bound` (the node's share) and an engine with a prefix cache: the bytes
+        its cache holds once held to that bound, in this same call; else None.
     """
     deadline = time.monotonic() + seconds
     while True:
@@ -801,5 +866,7 @@ def run_steps(
         if finished:
             settle(finished)
         if not engine.has_work() or interrupted() or time.monotonic() >= deadline:
-            return
+            break
+    bound = getattr(engine, "bound_prefix_cache", None) if prefix_bound is not None else None
+    return bound(prefix_bound) if bound is not None else None
 

@@ -57,6 +57,7 @@ from openrld.actors.autosaves import Autosaver, AutosaveStore, TakenState, take_
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.group_lease import GroupLease
+from openrld.actors.host_memory import EngineMemory, HostMemory
 from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.autosave import MAX_SAMPLER_NAMES
@@ -197,6 +198,7 @@ class TrainerStatistics(msgspec.Struct, frozen=True):
     progress: list[JobProgress] = []  # per job, for the model status API
     last_sync: SyncStats | None = None  # full fine-tuning: the trainer side of the last sync
     running_job: str | None = None  # the job whose ops run now, or wait for the device to run
+    memory: EngineMemory = EngineMemory()  # its host memory by part (actors/host_memory.py)
 
 
 class JobProgress(msgspec.Struct, frozen=True):
@@ -384,8 +386,13 @@ class TrainerActor:
         lease_from: Callable[[Parkable], DeviceLease | GroupLease] | None = None,
         on_engine_lost: Callable[[EngineLost], None] | None = None,
         autosaves: AutosaveStore | None = None,
+        host_memory: HostMemory | None = None,
     ) -> None:
         self.name = name
+        # The node's host-memory ledger: told what a park copied to the host and, on a CPU, what the
+        # engine holds (weights, adapters, grads, optimizer state), measured at build and after a job's first step.
+        self._memory = host_memory
+        self._memory_key = ("trainer", name)
         self._on_engine_lost = on_engine_lost  # set: one job's own group, ended (not rebuilt) when its engine is lost
         self.queues = TrainerQueues()
         self.mailbox: Mailbox[TrainOp] = Mailbox(f"trainer {name}", MAILBOX_CAPACITY)
@@ -427,6 +434,7 @@ class TrainerActor:
             # Loading the weights onto the device is a turn: another party on the device parks first.
             async with self._lease.hold(has_more=lambda: False):
                 self._engine = await self._in_thread(self._build_engine)
+            await self._measure_state()
             logger.info("trainer ready group=%s", self.name)
             async with trio.open_nursery() as nursery:
                 if self._autosaver is not None:
@@ -436,6 +444,8 @@ class TrainerActor:
                 await self._step_loop()
         finally:
             self._lease.close()  # a stopped worker takes no more turns
+            if self._memory is not None:
+                self._memory.forget(self._memory_key)
             await self._close_engine(self._engine)
             self._thread.stop()
 
@@ -466,6 +476,8 @@ class TrainerActor:
                 async with self._lease.hold(has_more=self.queues.has_ready):
                     if self._engine is not None and self._is_engine_op(run[0]):
                         await self._run_engine_ops(run)
+                        if self._is_first_step(run[-1]):  # a job's first step makes its optimizer's state
+                            await self._measure_state()
                         continue
                     for op in run:
                         await self._run_one(op)
@@ -595,12 +607,26 @@ class TrainerActor:
     # The time-slicer's calls (Parkable): the engine moves in this actor's worker thread.
     async def park(self) -> bool:
         if self._engine is not None:  # None: its first turn, the load, has not come yet
-            await self._in_thread(self._engine.park)
+            report = await self._in_thread(self._engine.park)
+            if self._memory is not None:
+                self._memory.parked(self._memory_key, report.bytes_moved)
         return True  # the trainer parks between ops, when nothing is in flight
 
     async def resume(self) -> None:
         if self._engine is not None:  # None: nothing to bring back; the engine is built in this turn
             await self._in_thread(self._engine.resume)
+            if self._memory is not None:
+                self._memory.parked(self._memory_key, 0)
+
+    def _is_first_step(self, op: TrainOp) -> bool:
+        progress = self._progress.get(op.model_id) if isinstance(op, OptimStep) else None
+        return progress is not None and progress.optim_steps == 1
+
+    async def _measure_state(self) -> None:
+        """Tell the ledger what the engine holds in host memory (on a CPU device; 0 elsewhere)."""
+        measure = getattr(self._engine, "host_state_bytes", None)  # None: a worker in another process
+        if self._memory is not None and measure is not None:
+            self._memory.state(self._memory_key, await self._in_thread(measure))
 
     async def _run_one(self, op: TrainOp) -> None:
         try:
@@ -755,6 +781,7 @@ class TrainerActor:
             lease=self._lease.statistics() if not isinstance(self._lease, NoLease) else None,
             progress=list(self._progress.values()), running_job=self._running_job,
             last_sync=self._last_sync,
+            memory=self._memory.of(self._memory_key) if self._memory is not None else EngineMemory(),
         )
 
 

@@ -13,7 +13,7 @@ Its routes answer what the console shows (actors/console_views.py):
 - `GET /openrl/v1/runs/{run_id}`: one run and its checkpoints;
 - `GET /openrl/v1/runs/{run_id}/curves?after=<seq>`: its training points newer
   than `after`, and its sampling throughput;
-- `GET /openrl/v1/node`: this node's devices, time-slicer turns and worker groups.
+- `GET /openrl/v1/node`: this node's devices, time-slicer turns, worker groups and host memory.
 A caller sees their own runs; the operator's key (api/auth.py) sees all. In a
 cluster the relay sends a run's routes to its home node, merges the run list
 from every live member, and sends `/openrl/v1/node?node=<name>` to that member.
@@ -114,6 +114,7 @@ async def console_node(services: Services) -> Reply:
             devices.pool.statistics() if devices is not None else [],
             devices.statistics() if devices is not None else [],
             services.groups.statistics(),
+            services.groups.host_memory.statistics() if services.groups.host_memory is not None else None,
         )
     )
 

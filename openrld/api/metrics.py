@@ -20,6 +20,7 @@ import msgspec
 
 from openrld.actors.futures import FutureStatistics
 from openrld.actors.groups import GroupStatistics
+from openrld.actors.host_memory import NO_HOST_MEMORY, HostMemoryStatistics
 from openrld.actors.stability import StabilityStatistics
 from openrld.api.sdk_versions import SdkVersionStatistics
 from openrld.cluster.membership.codec import DropReason
@@ -129,6 +130,8 @@ class NodeStatistics(msgspec.Struct, frozen=True):
     http: HttpStatistics | None = None  # the HTTP server's connections; None when no server counts them
     loop: LoopWatchStatistics | None = None  # slow event-loop steps; None unless loop_watch_ms is set
     sdk_versions: SdkVersionStatistics | None = None  # requests per tinker SDK release (api/sdk_versions.py)
+    # The node's host-memory budget and what holds it (actors/host_memory.py); zero where no ledger keeps it.
+    host_memory: HostMemoryStatistics = NO_HOST_MEMORY
 
 
 # ---------------------------------------------------------------- text format
@@ -273,6 +276,7 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *_family("openrld_store_checkpoint_bytes", "gauge", "Bytes of checkpoint files.", [((), store.checkpoint_bytes)]),
         *_family("openrld_store_pending_requests", "gauge", "Requests logged as pending in the store.",
                  [((), store.pending_requests)]),
+        *_host_memory_lines(stats.host_memory, stats.groups),
         *(_stability_lines(stats.stability) if stats.stability is not None else []),
         *(_gossip_lines(stats.membership) if stats.membership is not None else []),
         *_relay_lines(stats.relay),
@@ -281,6 +285,48 @@ def render_prometheus(stats: NodeStatistics) -> str:
         *(_sdk_lines(stats.sdk_versions) if stats.sdk_versions is not None else []),
     ]
     return "\n".join(lines) + "\n"
+
+
+# The parts of openrld_host_memory_bytes, always all three (at 0 until something is held).
+HOST_MEMORY_PARTS = ("prefix_cache", "parked_state", "engine_state")
+
+
+def _host_memory_lines(memory: HostMemoryStatistics, groups: list[GroupStatistics]) -> list[str]:
+    per_part = {
+        "prefix_cache": memory.prefix_cache_bytes, "parked_state": memory.parked_bytes, "engine_state": memory.state_bytes,
+    }
+    return [
+        *_family("openrld_host_memory_budget_bytes", "gauge",
+                 "The node's host-memory budget (host_memory_budget_bytes; with 0 there, half the machine's memory).",
+                 [((), memory.budget_bytes)]),
+        *_family("openrld_host_memory_rss_bytes", "gauge",
+                 "The daemon process's resident set at this scrape (/proc/self/statm): everything it holds, "
+                 "counted by the budget or not (Python, tokenizers, request bodies, allocator slack); "
+                 "worker processes are not in it.",
+                 [((), memory.rss_bytes)]),
+        *_family("openrld_host_memory_bytes", "gauge",
+                 "Host memory the budget counts, by part: prefix_cache (KV the torch samplers' prefix caches hold), "
+                 "parked_state (device state a park copied into host memory; 0 on a CPU device, where nothing moves), "
+                 "engine_state (weights, adapters, grads and optimizer state of engines on a CPU device, "
+                 "measured at build and after each job's first optim_step).",
+                 [((("part", part),), per_part[part]) for part in HOST_MEMORY_PARTS]),
+        *_family("openrld_host_memory_prefix_cache_share_bytes", "gauge",
+                 "The most one torch sampler engine's prefix cache may hold now: an equal share of the budget "
+                 "left after parked_state and engine_state, at most sampler_prefix_cache_bytes.",
+                 [((), memory.prefix_cache_share_bytes)]),
+        *_family("openrld_host_memory_over_budget_parks_total", "counter",
+                 "Parks that left parked_state and engine_state past the budget (parking is never refused).",
+                 [((), memory.over_budget_parks)]),
+        *_family("openrld_engine_host_memory_bytes", "gauge",
+                 "Host memory of each base model's workers, by worker (trainer, sampler) and part "
+                 "(prefix_cache, parked_state, engine_state, as openrld_host_memory_bytes).",
+                 [((("base_model", g.base_model), ("worker", worker), ("part", part)), value)
+                  for g in groups
+                  for worker, of in (("trainer", g.trainer.memory), ("sampler", g.sampler.memory))
+                  for part, value in (("prefix_cache", of.prefix_cache_bytes), ("parked_state", of.parked_bytes),
+                                      ("engine_state", of.state_bytes))
+                  if worker == "sampler" or part != "prefix_cache"]),
+    ]
 
 
 def _sdk_lines(sdk: SdkVersionStatistics) -> list[str]:

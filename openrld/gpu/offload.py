@@ -220,6 +220,13 @@ class Slot(Generic[Held]):
         if self._parked is not None:
             raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")
 
+    def host_state_bytes(self) -> int:
+        """Bytes of the engine's state that live in host memory because its device is the CPU (each
+        tensor once); 0 on a CUDA device, whose parked copies a park's report counts instead."""
+        if self._device.type != "cpu":
+            return 0
+        return sum(t.numel() * t.element_size() for t in unique_tensors(self._state(), self._device))
+
     def _refuse_second_park(self) -> None:
         if self._parked is not None:
             raise EngineParked(f"the {self._role} is already parked")
@@ -296,3 +303,7 @@ class ParksInSlot:
     @property
     def is_parked(self) -> bool:
         return self._slot.is_parked
+
+    def host_state_bytes(self) -> int:
+        """Bytes of the engine's state held in host memory on a CPU device (`Slot.host_state_bytes`)."""
+        return self._slot.host_state_bytes()

@@ -19,6 +19,9 @@ Guarantees:
   chain's tail before its head, and no cached block is ever unreachable.
 - `drop(key)` frees every block of one key (a dropped weight version) and
   `clear()` all of them (a park, a change of the base weights, close).
+- `resize(budget)` moves the bound at run time (the node's host-memory budget
+  shared among its samplers: actors/host_memory.py), evicting at once down to
+  it, and never past the bound it was built with (0 there: off for good).
 
 Why it is written here: prefix caching exists inside serving engines (vLLM's
 block pool, SGLang's radix tree), tied to their own paged KV layouts and
@@ -81,6 +84,7 @@ class PrefixCache:
     def __init__(self, budget_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         assert budget_bytes >= 0 and block_tokens >= 1, f"budget {budget_bytes}, block {block_tokens}"
         self.budget_bytes = budget_bytes
+        self.ceiling_bytes = budget_bytes  # what `resize` may raise the budget back to
         self.block_tokens = block_tokens
         self._blocks: collections.OrderedDict[int, _Block] = collections.OrderedDict()  # oldest use first
         self._by_key: dict[Hashable, set[int]] = {}
@@ -175,6 +179,14 @@ class PrefixCache:
         self._touch(chain)
         self._evict_to_budget()
         return added
+
+    def resize(self, budget_bytes: int) -> int:
+        """Hold at most `budget_bytes` (capped at the ceiling) from now on, least recently used
+        blocks out first; 0 turns caching off until a larger resize. The bytes held after."""
+        assert budget_bytes >= 0, f"budget {budget_bytes}"
+        self.budget_bytes = min(budget_bytes, self.ceiling_bytes)
+        self._evict_to_budget()
+        return self._bytes
 
     def drop(self, key: Hashable) -> int:
         """Free every block of `key`; the bytes freed."""

@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import tinker
 from tinker import types
@@ -193,7 +194,20 @@ def test_the_device_page_shows_the_group_on_the_nodes_device(browser, daemon: Da
     assert settled(lambda: [r.get_attribute("data-device") for r in css(browser, "#devices-table tbody tr")]) == ["cpu"]
     workers = settled(lambda: sorted(r.get_attribute("data-worker") for r in css(browser, "#workers-table tbody tr")))
     assert workers == ["tiny-llama sampler", "tiny-llama trainer"]
+    budget = httpx.get(daemon.url + "/openrl/v1/node", headers={"X-API-Key": BOB}, timeout=30).json()["host_memory"]
+    facts = settled(lambda: dict(zip((e.text for e in css(browser, "#host-memory dt")),
+                                     (e.text for e in css(browser, "#host-memory dd")))))
+    assert facts["Budget"] == shown_bytes(budget["budget_bytes"])
+    assert facts["Parked state"] == "0 B"  # on the CPU a park moves nothing
     shoot(browser, "devices")
+
+
+def shown_bytes(n: int) -> str:
+    """A byte count as the page's `bytes` writes it (1000-based units, one decimal)."""
+    units, value, i = ["B", "kB", "MB", "GB", "TB"], float(n), 0
+    while value >= 1000 and i < len(units) - 1:
+        value, i = value / 1000, i + 1
+    return (str(n) if i == 0 else f"{value:.1f}") + " " + units[i]
 
 
 @pytest.fixture(scope="module")

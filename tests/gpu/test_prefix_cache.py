@@ -96,3 +96,30 @@ def test_statistics_count_lookups_hits_and_hit_tokens() -> None:
     cache.match("v", [50] * 9, limit=8)
     stats = cache.statistics()
     assert (stats.lookups, stats.hits, stats.hit_tokens, stats.blocks_held) == (2, 1, 8, 2)
+
+
+def test_a_smaller_budget_evicts_the_least_recently_used_blocks_at_once() -> None:
+    cache = PrefixCache(4 * BLOCK_BYTES, BLOCK)
+    cache.insert("old", list(range(8)), kv(8))
+    cache.insert("new", list(range(8)), kv(8))
+    assert cache.resize(2 * BLOCK_BYTES) == 2 * BLOCK_BYTES
+    assert cache.match("old", list(range(9)), limit=8) == (0, None)
+    assert cache.match("new", list(range(9)), limit=8)[0] == 8
+    assert cache.statistics().evictions == 2
+
+
+def test_a_resize_never_raises_the_budget_past_what_the_cache_was_built_with() -> None:
+    cache = PrefixCache(2 * BLOCK_BYTES, BLOCK)
+    cache.resize(10 * BLOCK_BYTES)
+    assert cache.budget_bytes == 2 * BLOCK_BYTES
+    assert PrefixCache(0, BLOCK).resize(BLOCK_BYTES) == 0  # built off: stays off
+
+
+def test_a_budget_of_zero_turns_caching_off_until_a_larger_resize() -> None:
+    cache = PrefixCache(4 * BLOCK_BYTES, BLOCK)
+    cache.insert("v", list(range(8)), kv(8))
+    assert cache.resize(0) == 0
+    assert cache.insert("v", list(range(8)), kv(8)) == 0
+    cache.resize(4 * BLOCK_BYTES)
+    assert cache.insert("v", list(range(8)), kv(8)) == 2
+    assert cache.statistics().bytes_held == 2 * BLOCK_BYTES

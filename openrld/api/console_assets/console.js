@@ -343,6 +343,22 @@ function gossipFacts(stats) {
   return el("dl", { class: "facts", id: "gossip" }, facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
 }
 
+function hostMemoryFacts(m) {
+  // What the node keeps in host memory by choice, against its budget (host_memory_budget_bytes).
+  const used = m.prefix_cache_bytes + m.parked_bytes + m.state_bytes;
+  const facts = [
+    ["Budget", bytes(m.budget_bytes)],
+    ["Budgeted in use", bytes(used) + (m.budget_bytes ? " (" + (100 * used / m.budget_bytes).toFixed(0) + "%)" : "")],
+    ["Prefix caches", bytes(m.prefix_cache_bytes) + " in " + m.prefix_caches + " engines, at most "
+      + bytes(m.prefix_cache_share_bytes) + " each"],
+    ["Parked state", bytes(m.parked_bytes)],
+    ["Engine state on the CPU", bytes(m.state_bytes)],
+    ["Daemon resident set (all it holds)", bytes(m.rss_bytes)],
+    ["Parks past the budget", String(m.over_budget_parks)],
+  ];
+  return el("dl", { class: "facts", id: "host-memory" }, facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })]));
+}
+
 function deviceTables(node) {
   const devices = node.devices.map((d) => el("tr", { data: { device: d.name } }, [
     cell(d.name, "mono"), cell(d.kind), cell(bytes(d.memory_bytes), "num"), cell(String(d.groups), "num"),
@@ -357,17 +373,21 @@ function deviceTables(node) {
     cell(g.base_model), cell(g.jobs.map((j) => j.model_id + " (" + j.waiting + " queued)").join("; "), "mono"),
     cell(g.trainer_device + " / " + g.sampler_device, "mono"), cell(g.trainer_busy ? "busy" : "idle"),
     cell(g.sampler_waiting + " / " + g.sampler_running, "num"), cell(String(g.sampler_replicas), "num"),
+    cell(bytes(g.prefix_cache_bytes), "num"), cell(bytes(g.parked_bytes), "num"), cell(bytes(g.engine_state_bytes), "num"),
   ]));
   return [
     el("h2", { text: "Devices of " + (node.node || "this node") }),
     table("devices-table", [["Device"], ["Kind"], ["Memory", "num"], ["Groups", "num"], ["Exclusive"], ["Holder"],
       ["Waiting", "num"], ["Last error"]], devices),
+    el("h2", { text: "Host memory" }),
+    hostMemoryFacts(node.host_memory),
     el("h2", { text: "Time-slicer turns and parks" }),
     workers.length ? table("workers-table", [["Device"], ["Worker"], ["Lease"], ["Held", "num"], ["Turns", "num"],
       ["Parks", "num"], ["Resumes", "num"]], workers) : el("p", { class: "empty", text: "No workers on these devices." }),
     el("h2", { text: "Worker groups and queues" }),
     groups.length ? table("groups-table", [["Base model"], ["Jobs (queued ops)"], ["Trainer / sampler device"],
-      ["Trainer"], ["Samples waiting / running", "num"], ["Replicas", "num"]], groups)
+      ["Trainer"], ["Samples waiting / running", "num"], ["Replicas", "num"], ["Prefix cache", "num"],
+      ["Parked", "num"], ["Engine state (CPU)", "num"]], groups)
       : el("p", { class: "empty", text: "No worker groups running." }),
   ];
 }
