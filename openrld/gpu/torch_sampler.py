@@ -395,6 +395,11 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         every version (each adds its adapter to the base)."""
         self._prefixes.clear()
 
+    def bound_prefix_cache(self, budget_bytes: int) -> int:
+        """Hold the prefix cache to `budget_bytes` from now on: the node's share for this engine
+        (actors/host_memory.py), never past `prefix_cache_bytes`; the bytes it holds after."""
+        return self._prefixes.resize(budget_bytes)
+
     def validate(self, job: SampleJob) -> None:
         """Raise BadRequest for a job that `add` would refuse (the message names the field)."""
         _validate(job, self._vocab, self._context)
