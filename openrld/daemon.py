@@ -28,6 +28,7 @@ from openrld.actors.device_pool import NodeDevices
 from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
+from openrld.actors.host_memory import HostMemory, read_machine_memory_bytes, resolve_budget
 from openrld.actors.job_registry import JobRegistry
 from openrld.actors.jobs import JobTable
 from openrld.actors.maintenance import run_maintenance
@@ -230,6 +231,11 @@ async def serve(
                 sampler_routing=config.sampler_routing,
                 devices=node_devices,
                 rendezvous_port=config.workers.rendezvous_port,
+                # The budget the samplers' prefix caches keep within, and /metrics shows by part.
+                host_memory=HostMemory(
+                    resolve_budget(config.host_memory_budget_bytes, read_machine_memory_bytes()),
+                    prefix_cache_cap=config.sampler_prefix_cache_bytes,
+                ),
             )
             usage = UsageMeter()
             signer = Signer()
