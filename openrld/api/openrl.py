@@ -21,6 +21,7 @@ These routes only read statistics; they change nothing.
 from __future__ import annotations
 
 from openrld import __version__
+from openrld.actors.host_memory import NO_HOST_MEMORY
 from openrld.api.app import Services, caller
 from openrld.api.asgi import Reply, json_reply
 from openrld.api.capabilities import Limits, ModelSummary, server_info
@@ -82,5 +83,6 @@ async def metrics(services: Services) -> Reply:
         http=services.http.statistics(),
         loop=services.loop_watch.statistics() if services.loop_watch is not None else None,
         sdk_versions=services.sdk_versions.statistics(),
+        host_memory=ledger.statistics() if (ledger := services.groups.host_memory) is not None else NO_HOST_MEMORY,
     )
     return Reply(render_prometheus(stats).encode(), content_type=CONTENT_TYPE)
