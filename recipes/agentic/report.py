@@ -2,7 +2,8 @@
 
 For each family (and over all tasks), at each evaluation: success, mean rubric
 reward and mean turns; then each stage against the one before it (`train.comparisons`),
-and the judge's agreement with the exact checks where a judge ran. It reads the
+and the judge's agreement with the exact checks where a judge ran, at each
+evaluation and over them all. It reads the
 run's JSONL log only, so it also reports a run that has not finished.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from recipes.agentic.compare import figures
+from recipes.agentic.judge import Agreement
 from recipes.agentic.plot import eval_label
 from recipes.agentic.train import ALL_FAMILIES, EvalRecord, LogRecord, comparisons
 
@@ -37,12 +39,19 @@ def report(records: list[LogRecord]) -> list[str]:
                      f"-{c.success.base_only} (exact McNemar p {c.success.p_value:.3g}); reward "
                      f"{c.reward.mean_difference:+.3f} (exact paired permutation p {c.reward.p_value:.3g})"
                      f"{', real' if c.is_real else ''}")
-    for record in evals:
-        if record.judge_counts is not None:
-            j = record.judge_counts
-            lines.append(f"judge at {eval_label(record)}: agrees on {j.agreed}/{j.episodes} ({j.rate:.3f}); "
-                         f"judge passed {j.judge_passed}, exact passed {j.exact_passed}, unparsed {j.unparsed}")
+    judged = [(eval_label(r), r.judge_counts) for r in evals if r.judge_counts is not None]
+    if len(judged) > 1:
+        judged.append(("every evaluation", total_agreement([j for _, j in judged])))
+    for label, j in judged:
+        lines.append(f"judge at {label}: agrees on {j.agreed}/{j.episodes} ({j.rate:.3f}); "
+                     f"judge passed {j.judge_passed}, exact passed {j.exact_passed}")
     return lines
+
+
+def total_agreement(counts: list[Agreement]) -> Agreement:
+    """The judge's verdicts over several evaluations' episodes together."""
+    return Agreement(sum(j.episodes for j in counts), sum(j.agreed for j in counts),
+                     sum(j.judge_passed for j in counts), sum(j.exact_passed for j in counts))
 
 
 def main(argv: list[str] | None = None) -> int:

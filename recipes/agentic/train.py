@@ -206,8 +206,8 @@ class HeldOutEvaluator(SamplingClientEvaluator):
             service = tinker.ServiceClient(base_url=self.config.base_url, api_key=self.config.api_key)
             self.judge_sampler = await service.create_sampling_client_async(base_model=self.config.judge_model)
         agreed = judge.agreement(await judge.judge_all(self.judge_sampler, self.renderer, items), successes)
-        logger.info("judge agreement %d/%d (judge passed %d, exact passed %d, unparsed %d)", agreed.agreed,
-                    agreed.episodes, agreed.judge_passed, agreed.exact_passed, agreed.unparsed)
+        logger.info("judge agreement %d/%d (judge passed %d, exact passed %d)", agreed.agreed, agreed.episodes,
+                    agreed.judge_passed, agreed.exact_passed)
         return agreed
 
 

@@ -3,6 +3,7 @@ test on the rubric reward, and which evaluations the recipe compares."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from recipes.agentic.compare import compare, figures, paired_permutation_test
@@ -78,3 +79,17 @@ def test_the_report_gives_each_family_s_figures_at_each_stage_then_the_tests():
     ]
     assert lines[7] == ("termination_date: base -> warm_start on 1 tasks: success +1/-0 (exact McNemar p 1); "
                         "reward +0.500 (exact paired permutation p 1)")
+
+
+def test_the_report_gives_the_judge_s_agreement_at_each_evaluation_and_over_them_all():
+    from recipes.agentic.judge import Agreement
+    from recipes.agentic.report import report
+
+    base, warm = _eval("base", 0, [False, False], [0.5, 0.0]), _eval("warm_start", 0, [True, False], [1.0, 0.5])
+    lines = report([msgspec.structs.replace(base, judge_counts=Agreement(2, 1, 1, 0)),
+                    msgspec.structs.replace(warm, judge_counts=Agreement(2, 2, 1, 1))])
+    assert lines[-3:] == [
+        "judge at base: agrees on 1/2 (0.500); judge passed 1, exact passed 0",
+        "judge at warm start: agrees on 2/2 (1.000); judge passed 1, exact passed 1",
+        "judge at every evaluation: agrees on 3/4 (0.750); judge passed 2, exact passed 1",
+    ]
