@@ -356,6 +356,8 @@ class _Worker:
         self.busy = False
         self.requests_done = 0
         self.prefix_bound: int | None = None  # the prefix cache bound applied to its engine last
+        self.state_bytes = 0  # its engine's state in host memory (a CPU device), measured last
+        self.most_versions = 0  # the most versions its engine has held: past it, adapters are reused
         self.wake = trio.Event()  # set when there may be work for it
 
 
@@ -476,19 +478,18 @@ class SamplerActor:
         self._workers.append(worker)
         if self._memory is not None:
             self._memory.set_prefix_caches(self._memory_key, len(self._workers), self._wake_all)
-            await self._measure_state()
+            await self._measure_state(worker)
             await self._bound_prefix_cache(worker)
         return worker
 
-    async def _measure_state(self) -> None:
-        """Tell the ledger what the engines hold in host memory (on a CPU device; 0 elsewhere)."""
+    async def _measure_state(self, worker: _Worker) -> None:
+        """Tell the ledger what the engines hold in host memory (on a CPU device; 0 elsewhere), with
+        `worker`'s measured anew: when it was built, and when its engine made an adapter for a version."""
         assert self._memory is not None
-        total = 0
-        for worker in self._workers:
-            measure = getattr(worker.engine, "host_state_bytes", None)  # None: a worker in another process
-            if measure is not None:
-                total += await worker.thread.call(measure)
-        self._memory.state(self._memory_key, total)
+        measure = getattr(worker.engine, "host_state_bytes", None)  # None: a worker in another process
+        if measure is not None:
+            worker.state_bytes = await worker.thread.call(measure)
+        self._memory.state(self._memory_key, sum(w.state_bytes for w in self._workers))
 
     async def _bound_prefix_cache(self, worker: _Worker) -> None:
         """Apply the node's current prefix cache share to `worker`'s engine, in its thread."""
@@ -630,6 +631,9 @@ class SamplerActor:
             return
         worker.versions = VersionCache(self._max_loaded)
         worker.prefix_bound = None  # the new engine has the bound it was built with until told the node's share
+        worker.most_versions = 0
+        if self._memory is not None:
+            await self._measure_state(worker)
         self._router.forget(worker.index)
         if worker in self._parked_workers:  # the new engine is resident
             self._parked_workers.remove(worker)
@@ -777,6 +781,9 @@ class SamplerActor:
             raise Gone(f"sampler weights {version} are no longer held; save them again")
         for old in worker.versions.admit(version, pinned=worker.engine.versions_in_use()):
             await self._in_thread(worker, worker.engine.drop_version, old)
+        if self._memory is not None and len(worker.versions.loaded) > worker.most_versions:
+            worker.most_versions = len(worker.versions.loaded)  # a new adapter; later versions reuse them
+            await self._measure_state(worker)
 
     async def _deliver(self, worker: _Worker, version: str, payload: WeightPayload, spec: LoraSpec | None) -> None:
         """Load a just-published version into the worker's engine (eager_versions).

@@ -82,14 +82,15 @@ def test_the_gauges_show_what_the_engines_hold_by_part(daemon: Daemon, tiny_llam
     series = scrape(daemon)
     weights = TorchSampler(tiny_llama, torch.device("cpu")).host_state_bytes()
     engine = 'openrld_engine_host_memory_bytes{base_model="tiny-llama",worker="%s",part="%s"}'
-    assert series[engine % ("sampler", "engine_state")] == weights  # the base model, measured as it was built
+    sampler_state = series[engine % ("sampler", "engine_state")]
     trainer_state = series[engine % ("trainer", "engine_state")]
-    assert trainer_state > weights  # the base model with the adapter, its gradients and Adam's moments
-    assert series['openrld_host_memory_bytes{part="engine_state"}'] == weights + trainer_state
+    assert weights < sampler_state < trainer_state  # the sampler adds the version's adapter; the trainer
+    # adds the adapter, its gradients and Adam's moments
+    assert series['openrld_host_memory_bytes{part="engine_state"}'] == sampler_state + trainer_state
     assert series[engine % ("sampler", "prefix_cache")] == 2 * block_bytes(tiny_llama)
     assert series['openrld_host_memory_bytes{part="prefix_cache"}'] == 2 * block_bytes(tiny_llama)
     assert series['openrld_host_memory_bytes{part="parked_state"}'] == 0  # on the CPU a park moves nothing
-    assert series["openrld_host_memory_prefix_cache_share_bytes"] == min(CAP, BUDGET - weights - trainer_state)
+    assert series["openrld_host_memory_prefix_cache_share_bytes"] == min(CAP, BUDGET - sampler_state - trainer_state)
 
 
 def test_the_console_shows_the_same_budget_and_parts(daemon: Daemon, trained: None):
@@ -104,3 +105,9 @@ def test_the_console_shows_the_same_budget_and_parts(daemon: Daemon, trained: No
     assert (group["prefix_cache_bytes"], group["engine_state_bytes"]) == (
         memory["prefix_cache_bytes"], memory["state_bytes"],
     )
+
+
+def test_a_fresh_node_with_no_budget_set_takes_half_the_machines_memory(make_daemon):
+    from openrld.actors.host_memory import read_machine_memory_bytes
+
+    assert scrape(make_daemon())["openrld_host_memory_budget_bytes"] == read_machine_memory_bytes() // 2
