@@ -285,6 +285,7 @@ def test_a_fresh_node_outside_a_cluster_exports_every_counter_and_its_fixed_labe
         'openrld_host_memory_bytes{part="parked_state"} 0',
         'openrld_host_memory_bytes{part="engine_state"} 0',
         "openrld_host_memory_prefix_cache_share_bytes 0",
+        "openrld_host_memory_spilled_bytes 0",
         "openrld_host_memory_over_budget_parks_total 0",
         "openrld_stability_records 0",
         "openrld_stability_recorded_tokens 0",

@@ -17,20 +17,24 @@ Policy (the operator's reading of `host_memory_budget_bytes`):
   (caching off until room comes back).
 - Parking is never refused: the time-slicer parks a worker to give its device
   to another, and refusing would leave the other waiting for as long as the
-  first holds its state. A park whose state passes what the budget leaves is
-  counted (`over_budget_parks`) and logged, so that an operator sees the
-  budget is too small for the jobs placed on this node.
+  first holds its state. A park whose host copies pass what the budget leaves
+  is written to disk instead (`park_within_budget`: the engine's
+  `spill_parked`, into the node's spill directory, read back at resume), so
+  that parked state keeps within the budget. What cannot be spilled (an engine
+  without the call, a node without the directory) stays in host memory, and
+  that park is counted (`over_budget_parks`) and logged, so that an operator
+  sees the budget is too small for the jobs placed on this node.
 
-It is plain state: no I/O except `read_rss_bytes` and `machine_memory_bytes`
-(reads of /proc and the cgroup files, at startup and per scrape), no trio,
-no torch.
+It is plain state: no I/O except `read_rss_bytes`, `read_machine_memory_bytes`
+(reads of /proc and the cgroup files, at startup and per scrape) and
+`fresh_spill_dir` (at startup); no trio, no torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from pathlib import Path
 
 import msgspec
@@ -47,6 +51,7 @@ class EngineMemory(msgspec.Struct, frozen=True):
     prefix_cache_bytes: int = 0  # KV its prefix caches hold (a sampler; summed over replicas)
     prefix_cache_share_bytes: int = 0  # the most each of its prefix caches may hold now
     parked_bytes: int = 0  # its device state copied to host memory by a park (0 while resident, or on a CPU)
+    spilled_bytes: int = 0  # its parked state written to disk instead, past the budget
     state_bytes: int = 0  # its engines' state on a CPU device (weights, adapters, grads, optimizer), measured last
 
 
@@ -56,6 +61,7 @@ class HostMemoryStatistics(msgspec.Struct, frozen=True):
     prefix_cache_share_bytes: int  # the most one torch sampler engine's prefix cache may hold now
     prefix_caches: int  # torch sampler engines sharing the prefix caches' part
     parked_bytes: int  # device state parked in host memory
+    spilled_bytes: int  # parked device state written to disk because host memory had no room for it
     state_bytes: int  # engines' state on CPU devices (host memory there)
     over_budget_parks: int  # parks that left parked and resident state past the budget
     rss_bytes: int  # the daemon process's resident set when read (`read_rss_bytes`); 0 where unreadable
@@ -63,8 +69,8 @@ class HostMemoryStatistics(msgspec.Struct, frozen=True):
 
 # What a node without a ledger reports: nothing budgeted, nothing held.
 NO_HOST_MEMORY = HostMemoryStatistics(
-    budget_bytes=0, prefix_cache_bytes=0, prefix_cache_share_bytes=0, prefix_caches=0, parked_bytes=0, state_bytes=0,
-    over_budget_parks=0, rss_bytes=0,
+    budget_bytes=0, prefix_cache_bytes=0, prefix_cache_share_bytes=0, prefix_caches=0, parked_bytes=0,
+    spilled_bytes=0, state_bytes=0, over_budget_parks=0, rss_bytes=0,
 )
 
 
@@ -106,6 +112,14 @@ def read_machine_memory_bytes() -> int:
     return machine_memory_bytes(meminfo, cgroup)
 
 
+def fresh_spill_dir(path: Path) -> Path:
+    """`path`, emptied of what an earlier daemon spilled (its parked jobs are gone with it)."""
+    if path.is_dir():
+        for leftover in path.glob("*.parked"):
+            leftover.unlink(missing_ok=True)
+    return path
+
+
 def read_rss_bytes() -> int:
     """This process's resident set (Linux /proc/self/statm); 0 where it cannot be read."""
     try:
@@ -122,12 +136,15 @@ class HostMemory:
         budget_bytes: the budget in force (see `resolve_budget`).
         prefix_cache_cap: the most one prefix cache may hold whatever the budget leaves
             (`sampler_prefix_cache_bytes`; 0: caching off).
+        spill_dir: where parked state past the budget is written; None: it stays in host memory.
     """
 
-    def __init__(self, budget_bytes: int, prefix_cache_cap: int) -> None:
+    def __init__(self, budget_bytes: int, prefix_cache_cap: int, spill_dir: Path | None = None) -> None:
         assert budget_bytes >= 0 and prefix_cache_cap >= 0, (budget_bytes, prefix_cache_cap)
         self.budget_bytes = budget_bytes
         self.prefix_cache_cap = prefix_cache_cap
+        self.spill_dir = spill_dir
+        self._spilled: dict[Hashable, int] = {}
         self._caches: dict[Hashable, list[int]] = {}  # worker -> bytes held by each of its engines' caches
         self._parked: dict[Hashable, int] = {}
         self._state: dict[Hashable, int] = {}
@@ -158,13 +175,20 @@ class HostMemory:
 
     # -- parked and resident state ----------------------------------------
 
-    def parked(self, worker: Hashable, host_bytes: int) -> None:
-        """`worker` parked `host_bytes` of device state into host memory (0: it resumed)."""
+    def fits(self, worker: Hashable, host_bytes: int) -> bool:
+        """Whether `worker` may park `host_bytes` in host memory within the budget, beside the rest."""
+        others = sum(b for w, b in self._parked.items() if w != worker)
+        return others + sum(self._state.values()) + host_bytes <= self.budget_bytes
+
+    def parked(self, worker: Hashable, host_bytes: int, spilled_bytes: int = 0) -> None:
+        """`worker` parked `host_bytes` of device state into host memory and `spilled_bytes` to disk
+        (0 and 0: it resumed)."""
         before = self.prefix_cache_share()
-        if host_bytes:
-            self._parked[worker] = host_bytes
-        else:
-            self._parked.pop(worker, None)
+        for table, value in ((self._parked, host_bytes), (self._spilled, spilled_bytes)):
+            if value:
+                table[worker] = value
+            else:
+                table.pop(worker, None)
         if host_bytes and self._used_without_caches() > self.budget_bytes:
             self._over_budget_parks += 1
             logger.warning(
@@ -182,7 +206,7 @@ class HostMemory:
     def forget(self, worker: Hashable) -> None:
         """`worker` stopped: nothing of it is held any more."""
         before = self.prefix_cache_share()
-        for table in (self._caches, self._parked, self._state, self._listeners):
+        for table in (self._caches, self._parked, self._spilled, self._state, self._listeners):
             table.pop(worker, None)
         self._changed(before)
 
@@ -193,6 +217,7 @@ class HostMemory:
             prefix_cache_bytes=sum(self._caches.get(worker, ())),
             prefix_cache_share_bytes=self.prefix_cache_share() if worker in self._caches else 0,
             parked_bytes=self._parked.get(worker, 0),
+            spilled_bytes=self._spilled.get(worker, 0),
             state_bytes=self._state.get(worker, 0),
         )
 
@@ -203,6 +228,7 @@ class HostMemory:
             prefix_cache_share_bytes=self.prefix_cache_share(),
             prefix_caches=sum(len(held) for held in self._caches.values()),
             parked_bytes=sum(self._parked.values()),
+            spilled_bytes=sum(self._spilled.values()),
             state_bytes=sum(self._state.values()),
             over_budget_parks=self._over_budget_parks,
             rss_bytes=read_rss_bytes(),
@@ -216,3 +242,15 @@ class HostMemory:
             return
         for on_change in list(self._listeners.values()):
             on_change()
+
+
+async def park_within_budget(
+    memory: HostMemory, worker: Hashable, host_bytes: int, spill: Callable[[str], Awaitable[int]] | None
+) -> None:
+    """Record that `worker`'s park copied `host_bytes` into host memory; where that passes the budget
+    and the node has a spill directory, `spill(directory)` (the engines' `spill_parked`, in their
+    threads; None: they have none) first moves them to disk and says how many bytes it moved."""
+    spilled = 0
+    if host_bytes and spill is not None and memory.spill_dir is not None and not memory.fits(worker, host_bytes):
+        spilled = await spill(str(memory.spill_dir))
+    memory.parked(worker, host_bytes - spilled, spilled)

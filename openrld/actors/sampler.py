@@ -89,7 +89,7 @@ import trio
 
 from openrld.actors.engine_thread import EngineThread
 from openrld.actors.futures import Completed, FutureTable
-from openrld.actors.host_memory import EngineMemory, HostMemory
+from openrld.actors.host_memory import EngineMemory, HostMemory, park_within_budget
 from openrld.actors.prefix_routing import PrefixRouter, prefix_block_hashes
 from openrld.actors.stability import StabilityRecord, StabilityRecords
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
@@ -358,6 +358,7 @@ class _Worker:
         self.prefix_bound: int | None = None  # the prefix cache bound applied to its engine last
         self.state_bytes = 0  # its engine's state in host memory (a CPU device), measured last
         self.most_versions = 0  # the most versions its engine has held: past it, adapters are reused
+        self.parked_bytes = 0  # what its engine's last park copied into host memory
         self.wake = trio.Event()  # set when there may be work for it
 
 
@@ -663,18 +664,26 @@ class SamplerActor:
     async def park(self) -> bool:
         if any(worker.live for worker in self._workers):
             return False  # requests mid-decode would lose their KV cache; they finish first
-        parked = 0
         for worker in self._workers:
             if worker not in self._parked_workers:
-                report = await self._in_thread(worker, worker.engine.park)
-                parked += report.bytes_moved
+                worker.parked_bytes = (await self._in_thread(worker, worker.engine.park)).bytes_moved
                 self._parked_workers.append(worker)
                 self._router.forget(worker.index)  # parking drops the engine's caches, its prefix cache too
                 if self._memory is not None:
                     self._memory.prefix_cache_held(self._memory_key, worker.index, 0)
         if self._memory is not None:
-            self._memory.parked(self._memory_key, parked)
+            parked = sum(w.parked_bytes for w in self._parked_workers)
+            await park_within_budget(self._memory, self._memory_key, parked, self._spill_parked)
         return True
+
+    async def _spill_parked(self, directory: str) -> int:
+        """Past the node's budget: every parked engine's host copies to disk (`spill_parked`); the bytes."""
+        moved = 0
+        for worker in self._parked_workers:
+            spill = getattr(worker.engine, "spill_parked", None)  # None: an engine that cannot spill
+            if spill is not None:
+                moved += await self._in_thread(worker, spill, directory)
+        return moved
 
     async def resume(self) -> None:
         # Only the engines it parked: a replica added meanwhile was built on the device.

@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Collection
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -57,7 +58,7 @@ from openrld.actors.autosaves import Autosaver, AutosaveStore, TakenState, take_
 from openrld.actors.engine_thread import EngineThread, Pending
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.group_lease import GroupLease
-from openrld.actors.host_memory import EngineMemory, HostMemory
+from openrld.actors.host_memory import EngineMemory, HostMemory, park_within_budget
 from openrld.actors.mailbox import Mailbox
 from openrld.actors.timeslicer import DeviceLease, NoLease, Parkable, WorkerLeaseStatistics
 from openrld.autosave import MAX_SAMPLER_NAMES
@@ -608,8 +609,12 @@ class TrainerActor:
     async def park(self) -> bool:
         if self._engine is not None:  # None: its first turn, the load, has not come yet
             report = await self._in_thread(self._engine.park)
-            if self._memory is not None:
-                self._memory.parked(self._memory_key, report.bytes_moved)
+            if self._memory is not None:  # past the node's budget, its host copies go to disk
+                spill = getattr(self._engine, "spill_parked", None)  # None: an engine that cannot spill
+                await park_within_budget(
+                    self._memory, self._memory_key, report.bytes_moved,
+                    None if spill is None else partial(self._in_thread, spill),
+                )
         return True  # the trainer parks between ops, when nothing is in flight
 
     async def resume(self) -> None:

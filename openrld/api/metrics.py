@@ -314,8 +314,13 @@ def _host_memory_lines(memory: HostMemoryStatistics, groups: list[GroupStatistic
                  "The most one torch sampler engine's prefix cache may hold now: an equal share of the budget "
                  "left after parked_state and engine_state, at most sampler_prefix_cache_bytes.",
                  [((), memory.prefix_cache_share_bytes)]),
+        *_family("openrld_host_memory_spilled_bytes", "gauge",
+                 "Parked device state written to disk (the data dir's parked/) because the budget had no room "
+                 "for it in host memory; read back when its worker resumes.",
+                 [((), memory.spilled_bytes)]),
         *_family("openrld_host_memory_over_budget_parks_total", "counter",
-                 "Parks that left parked_state and engine_state past the budget (parking is never refused).",
+                 "Parks that left parked_state and engine_state past the budget: what could not be spilled to disk "
+                 "(parking is never refused).",
                  [((), memory.over_budget_parks)]),
         *_family("openrld_engine_host_memory_bytes", "gauge",
                  "Host memory of each base model's workers, by worker (trainer, sampler) and part "

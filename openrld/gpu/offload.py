@@ -19,6 +19,11 @@ caches it dropped; `park` and `resume` do the rest. On a CPU device the host is
 the device, so parking moves nothing and keeps everything as it is: a correct
 no-op that still drops caches and reports.
 
+Past the node's host-memory budget, the actors may `spill` a parked set's host copies to
+one file on disk: each tensor's storage becomes a mapping of its bytes in the file, read
+back (paged in) by `resume` and the file removed then, so the host holds nothing of it in
+between but what the kernel keeps cached. Bit for bit, as a park without a spill.
+
 Guarantees: a tensor is moved at most once per park (shared tensors, such as
 tied embeddings, are found by identity); two distinct tensors that share one
 storage (views) are refused, since moving them apart would silently break the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -191,6 +197,39 @@ def resume(parked: Parked) -> ResumeReport:
     return report
 
 
+SPILL_ALIGN = 64  # each tensor's bytes start at a multiple of this in a spill file: aligned for any dtype
+
+
+def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
+    """Move the host tensors among `tensors` into one new file at `path`, in place.
+
+    Each contiguous CPU tensor keeps its identity, shape and dtype; its storage becomes a
+    private mapping of its bytes in the file (`torch.from_file`), paged in when read. Others
+    (on a device, not contiguous, empty) stay as they are. Returns the bytes moved to the file.
+    """
+    chosen = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0]
+    if not chosen:
+        return 0
+    offsets, end = [], 0
+    with open(path, "wb") as file:
+        for tensor in chosen:
+            pad = -end % SPILL_ALIGN
+            file.write(bytes(pad))
+            offsets.append(end + pad)
+            data = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+            file.write(memoryview(data))
+            end += pad + data.nbytes
+    mapped = torch.from_file(str(path), shared=False, size=end, dtype=torch.uint8)
+    moved = 0
+    with torch.no_grad():
+        for tensor, offset in zip(chosen, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            tensor.data = mapped[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            moved += nbytes
+    logger.info("spilled parked state path=%s tensors=%d bytes=%d", path, len(chosen), moved)
+    return moved
+
+
 Held = TypeVar("Held")  # what a slot keeps while parked
 
 
@@ -219,6 +258,11 @@ class Slot(Generic[Held]):
         """Raises EngineParked if parked: compute on parked state would run on the host, or on nothing."""
         if self._parked is not None:
             raise EngineParked(f"{operation} on a parked {self._role}; resume() it first")
+
+    def spill(self, directory: Path) -> int:
+        """Write what `park` copied to the host into a file in `directory`; the bytes moved (0: this
+        slot keeps its parked state some other way, or nothing sits on the host)."""
+        return 0
 
     def host_state_bytes(self) -> int:
         """Bytes of the engine's state that live in host memory because its device is the CPU (each
@@ -258,6 +302,7 @@ class ParkSlot(Slot[Parked]):
     ) -> None:
         super().__init__(role, device, state)
         self._drop_caches = drop_caches
+        self._spilled: Path | None = None  # the file the parked copies were spilled to, until resume
 
     def park(self) -> ParkReport:
         """Drop the engine's caches, then `park` its tensors and hold them until `resume`.
@@ -274,7 +319,22 @@ class ParkSlot(Slot[Parked]):
         """Copy the parked tensors back, bit for bit. Raises EngineParked if not parked."""
         report = resume(self._held())
         self._parked = None
+        if self._spilled is not None:  # the tensors are on the device again: nothing maps the file
+            self._spilled.unlink(missing_ok=True)
+            self._spilled = None
         return report
+
+    def spill(self, directory: Path) -> int:
+        """`offload.spill` of the parked host copies, to a file of this slot's own in `directory`.
+        Raises EngineParked if not parked."""
+        parked = self._held()
+        if self._device.type == "cpu" or self._spilled is not None:  # on the CPU nothing was copied
+            return 0
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self._role}-{id(self):x}.parked"
+        moved = spill(parked.tensors, path)
+        self._spilled = path
+        return moved
 
 
 class ParksInSlot:
@@ -307,3 +367,8 @@ class ParksInSlot:
     def host_state_bytes(self) -> int:
         """Bytes of the engine's state held in host memory on a CPU device (`Slot.host_state_bytes`)."""
         return self._slot.host_state_bytes()
+
+    def spill_parked(self, directory: str) -> int:
+        """Move the parked state's host copies to a file in `directory` until `resume` (`ParkSlot.spill`);
+        the bytes moved. The actors call it when a park went past the node's host-memory budget."""
+        return self._slot.spill(Path(directory))

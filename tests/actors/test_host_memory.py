@@ -1,8 +1,17 @@
-"""The node's host-memory ledger: the budget's automatic value, the prefix caches' share, parked state."""
+"""The node's host-memory ledger: the budget's automatic value, the prefix caches' share, parked state
+and its spill to disk past the budget."""
 
 from __future__ import annotations
 
-from openrld.actors.host_memory import HostMemory, machine_memory_bytes, resolve_budget
+import trio
+
+from openrld.actors.host_memory import (
+    HostMemory,
+    fresh_spill_dir,
+    machine_memory_bytes,
+    park_within_budget,
+    resolve_budget,
+)
 
 GIB = 2**30
 MEMINFO = "MemTotal:       16777216 kB\nMemFree:         1000 kB\n"  # 16 GiB
@@ -72,3 +81,53 @@ def test_statistics_sum_what_each_worker_holds() -> None:
     assert (stats.budget_bytes, stats.prefix_cache_bytes, stats.prefix_caches, stats.state_bytes) == (10_000, 500, 2, 4000)
     assert stats.prefix_cache_share_bytes == 1000
     assert memory.of("s").prefix_cache_bytes == 500
+
+
+def test_a_park_past_the_budget_is_spilled_to_disk_and_so_not_counted_over_it(tmp_path) -> None:
+    memory = HostMemory(1000, prefix_cache_cap=100, spill_dir=tmp_path)
+    memory.parked("a", 600)
+    asked: list[str] = []
+
+    async def spill(directory: str) -> int:
+        asked.append(directory)
+        return 600
+
+    trio.run(park_within_budget, memory, "b", 600, spill)
+    stats = memory.statistics()
+    assert asked == [str(tmp_path)]
+    assert (stats.parked_bytes, stats.spilled_bytes, stats.over_budget_parks) == (600, 600, 0)
+
+
+def test_a_park_within_the_budget_stays_in_host_memory(tmp_path) -> None:
+    memory = HostMemory(1000, prefix_cache_cap=100, spill_dir=tmp_path)
+
+    async def spill(directory: str) -> int:
+        raise AssertionError("spilled a park that fits")
+
+    trio.run(park_within_budget, memory, "b", 1000, spill)
+    assert (memory.statistics().parked_bytes, memory.statistics().spilled_bytes) == (1000, 0)
+
+
+def test_a_park_past_the_budget_on_a_node_without_a_spill_directory_stays_and_is_counted() -> None:
+    memory = HostMemory(1000, prefix_cache_cap=100)
+
+    async def spill(directory: str) -> int:
+        raise AssertionError("spilled without a directory")
+
+    trio.run(park_within_budget, memory, "b", 1200, spill)
+    stats = memory.statistics()
+    assert (stats.parked_bytes, stats.spilled_bytes, stats.over_budget_parks) == (1200, 0, 1)
+
+
+def test_a_resume_clears_what_was_parked_and_spilled(tmp_path) -> None:
+    memory = HostMemory(1000, prefix_cache_cap=100, spill_dir=tmp_path)
+    memory.parked("a", 300, 900)
+    memory.parked("a", 0)
+    assert (memory.statistics().parked_bytes, memory.statistics().spilled_bytes) == (0, 0)
+
+
+def test_leftovers_of_an_earlier_daemon_are_removed_from_the_spill_directory(tmp_path) -> None:
+    (tmp_path / "trainer-7f.parked").write_bytes(b"x" * 10)
+    (tmp_path / "keep.txt").write_text("not ours")
+    assert fresh_spill_dir(tmp_path) == tmp_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]

@@ -114,10 +114,12 @@ def test_state_parked_elsewhere_shrinks_an_idle_samplers_cache_without_a_request
 
 
 class ParksToTheHost:
-    """A sampler engine whose park copies `nbytes` into host memory, as a CUDA one does."""
+    """A sampler engine whose park copies `nbytes` into host memory, as a CUDA one does, and whose
+    `spill_parked` moves them all to disk."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.spilled_to: str | None = None
 
     def park(self) -> ParkReport:
         return ParkReport(device="cuda:0", tensors=1, bytes_held=self.nbytes, bytes_moved=self.nbytes,
@@ -127,6 +129,10 @@ class ParksToTheHost:
     def resume(self) -> ResumeReport:
         return ResumeReport(device="cuda:0", tensors=1, bytes_moved=self.nbytes, seconds=0.0)
 
+    def spill_parked(self, directory: str) -> int:
+        self.spilled_to = directory
+        return self.nbytes
+
     def has_work(self) -> bool:
         return False
 
@@ -134,7 +140,7 @@ class ParksToTheHost:
         pass
 
 
-def test_a_parked_sampler_counts_what_its_park_copied_until_it_resumes() -> None:
+def test_a_parked_sampler_on_a_node_without_a_spill_directory_counts_what_its_park_copied() -> None:
     memory = HostMemory(1000, prefix_cache_cap=1000)
 
     async def main() -> None:
@@ -153,5 +159,32 @@ def test_a_parked_sampler_counts_what_its_park_copied_until_it_resumes() -> None
             assert (memory.statistics().parked_bytes, memory.prefix_cache_share()) == (0, 500)
             nursery.cancel_scope.cancel()
         assert memory.statistics().prefix_caches == 0  # a stopped sampler is forgotten
+
+    trio.run(main)
+
+
+def test_a_sampler_park_past_the_budget_spills_every_parked_engine_to_the_nodes_directory(tmp_path: Path) -> None:
+    memory = HostMemory(1000, prefix_cache_cap=1000, spill_dir=tmp_path)
+    engines: list[ParksToTheHost] = []
+
+    def build() -> ParksToTheHost:
+        engines.append(ParksToTheHost(600))
+        return engines[-1]
+
+    async def main() -> None:
+        actor = SamplerActor(
+            name="m", build_engine=build, limiter=trio.CapacityLimiter(1), futures=FutureTable(MemoryLog()),
+            queue_limit=8, replicas=2, host_memory=memory,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.run)
+            assert await actor.park()
+            stats = memory.statistics()
+            assert (stats.parked_bytes, stats.spilled_bytes, stats.over_budget_parks) == (0, 1200, 0)
+            assert [e.spilled_to for e in engines] == [str(tmp_path)] * 2
+            assert memory.prefix_cache_share() == 500  # spilled state leaves the caches their room
+            await actor.resume()
+            assert memory.statistics().spilled_bytes == 0
+            nursery.cancel_scope.cancel()
 
     trio.run(main)

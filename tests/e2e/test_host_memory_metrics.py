@@ -61,6 +61,7 @@ def test_a_fresh_node_shows_its_budget_and_nothing_held(daemon: Daemon):
         'openrld_host_memory_bytes{part="parked_state"}': 0,
         'openrld_host_memory_bytes{part="engine_state"}': 0,
         "openrld_host_memory_prefix_cache_share_bytes": CAP,
+        "openrld_host_memory_spilled_bytes": 0,
         "openrld_host_memory_over_budget_parks_total": 0,
     }
 

@@ -246,3 +246,45 @@ def test_parked_sampler_keeps_queued_requests_and_runs_them_after_resume(sampler
         finished = sampler.step()
     assert [s.tokens.tolist() for s in finished[0].result.sequences] == [s.tokens.tolist() for s in expected.sequences]
 
+
+
+def test_spill_moves_host_tensors_into_one_file_keeping_each_object_and_its_bits(tmp_path: Path) -> None:
+    tensors = [
+        torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(4).to(torch.bfloat16), torch.tensor(2.5),
+    ]
+    ids, bits = [id(t) for t in tensors], [t.clone() for t in tensors]
+    path = tmp_path / "state.parked"
+    moved = offload.spill(tensors, path)
+    assert moved == sum(t.numel() * t.element_size() for t in bits)
+    assert [id(t) for t in tensors] == ids
+    assert all(torch.equal(t, b) and t.dtype == b.dtype and t.shape == b.shape for t, b in zip(tensors, bits))
+    assert path.stat().st_size == 3 * 64 + 4  # each tensor starts at a multiple of 64; the last holds 4 bytes
+    # Every tensor's storage is now the file's mapping: one storage, no copy of its own.
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+
+
+def test_spill_leaves_tensors_it_cannot_map_where_they_are(tmp_path: Path) -> None:
+    transposed, empty = torch.randn(3, 4).t(), torch.empty(0)
+    before = (transposed.data_ptr(), empty.data_ptr())
+    assert offload.spill([transposed, empty], tmp_path / "none.parked") == 0
+    assert (transposed.data_ptr(), empty.data_ptr()) == before
+    assert not (tmp_path / "none.parked").exists()
+
+
+def test_a_cpu_park_has_nothing_to_spill(fresh_trainer: TorchTrainer, tmp_path: Path) -> None:
+    fresh_trainer.park()
+    try:
+        assert fresh_trainer.spill_parked(str(tmp_path)) == 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        fresh_trainer.resume()
+
+
+def test_spilled_tensors_copy_back_bit_for_bit_and_the_file_can_go(tmp_path: Path) -> None:
+    tensors = [torch.randn(8, 8), torch.randn(3).to(torch.float16)]
+    bits = [t.clone() for t in tensors]
+    path = tmp_path / "state.parked"
+    offload.spill(tensors, path)
+    offload.relocate(tensors, lambda t: t.clone())  # what resume does, to the device
+    path.unlink()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, bits))

@@ -352,6 +352,7 @@ function hostMemoryFacts(m) {
     ["Prefix caches", bytes(m.prefix_cache_bytes) + " in " + m.prefix_caches + " engines, at most "
       + bytes(m.prefix_cache_share_bytes) + " each"],
     ["Parked state", bytes(m.parked_bytes)],
+    ["Parked state spilled to disk", bytes(m.spilled_bytes)],
     ["Engine state on the CPU", bytes(m.state_bytes)],
     ["Daemon resident set (all it holds)", bytes(m.rss_bytes)],
     ["Parks past the budget", String(m.over_budget_parks)],
