@@ -28,7 +28,7 @@ from openrld.actors.device_pool import NodeDevices
 from openrld.actors.durable_commits import DurableCommits
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
-from openrld.actors.host_memory import HostMemory, read_machine_memory_bytes, resolve_budget
+from openrld.actors.host_memory import HostMemory, fresh_spill_dir, read_machine_memory_bytes, resolve_budget
 from openrld.actors.job_registry import JobRegistry
 from openrld.actors.jobs import JobTable
 from openrld.actors.maintenance import run_maintenance
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODEL_CACHE_DIR = "models"  # under the data dir: GGUF conversions (see model_catalog)
+PARKED_SPILL_DIR = "parked"  # under the data dir: parked state written to disk past the host-memory budget
 # Beyond max_connections: the store, checkpoint and model files, gossip, and relays to peers.
 SPARE_FILE_DESCRIPTORS = 1024
 
@@ -235,6 +236,7 @@ async def serve(
                 host_memory=HostMemory(
                     resolve_budget(config.host_memory_budget_bytes, read_machine_memory_bytes()),
                     prefix_cache_cap=config.sampler_prefix_cache_bytes,
+                    spill_dir=fresh_spill_dir(Path(config.data_dir) / PARKED_SPILL_DIR),
                 ),
             )
             usage = UsageMeter()
