@@ -20,7 +20,8 @@ Policy (the operator's reading of `host_memory_budget_bytes`):
   first holds its state. A park whose host copies pass what the budget leaves
   is written to disk instead (`park_within_budget`: the engine's
   `spill_parked`, into the node's spill directory, read back at resume), so
-  that parked state keeps within the budget. What cannot be spilled (an engine
+  that parked state keeps within the budget (the copies are made in host memory
+  first: for the moment of the write, one park's state is above it). What cannot be spilled (an engine
   without the call, a node without the directory) stays in host memory, and
   that park is counted (`over_budget_parks`) and logged, so that an operator
   sees the budget is too small for the jobs placed on this node.
