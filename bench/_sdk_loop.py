@@ -49,6 +49,18 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def resolved(client):
+    """From 0.38 the create_* methods return a future of the client (the client itself before: 0.25, which
+    bench/skyrl_peer.py drives SkyRL's server with, since SkyRL's sampling fails with 0.38)."""
+    return client.result() if hasattr(client, "result") else client
+
+
+def close(service: tinker.ServiceClient) -> None:
+    """Ends the session; releases before ServiceClient.close (0.25) end it with the process."""
+    if hasattr(service, "close"):
+        service.close("success").result()
+
+
 def params(new_tokens: int) -> types.SamplingParams:
     return types.SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=[])
 
@@ -67,15 +79,15 @@ class SdkLoop:
     @property
     def base(self) -> tinker.SamplingClient:
         if self._base is None:
-            self._base = self.service.create_sampling_client(base_model=self.model).result()
+            self._base = resolved(self.service.create_sampling_client(base_model=self.model))
         return self._base
 
     @property
     def training(self) -> tinker.TrainingClient:
         if self._training is None:
-            self._training = self.service.create_lora_training_client(
+            self._training = resolved(self.service.create_lora_training_client(
                 base_model=self.model, rank=RANK, seed=0, user_metadata=self.user_metadata
-            ).result()
+            ))
         return self._training
 
     def _sample(self, sampling: tinker.SamplingClient, batch: int, new_tokens: int) -> types.SampleResponse:
@@ -85,7 +97,7 @@ class SdkLoop:
 
     def sample(self, batch: int, new_tokens: int, lora: bool) -> float:
         if lora and self._lora is None:
-            self._lora = self.training.save_weights_and_get_sampling_client().result()
+            self._lora = resolved(self.training.save_weights_and_get_sampling_client())
         sampling = self._lora if lora else self.base
         return seconds(lambda: self._sample(sampling, batch, new_tokens))
 
@@ -121,7 +133,7 @@ class SdkLoop:
 
     def clients(self, clients: int, repeats: int, new_tokens: int) -> float:
         services = [tinker.ServiceClient(base_url=self.url, api_key=API_KEY) for _ in range(clients)]
-        samplers = [s.create_sampling_client(base_model=self.model).result() for s in services]
+        samplers = [resolved(s.create_sampling_client(base_model=self.model)) for s in services]
         for sampling in samplers:
             self._sample(sampling, 1, new_tokens)  # connections warm
         counts = [0] * clients
@@ -142,13 +154,13 @@ class SdkLoop:
             thread.join()
         elapsed = time.perf_counter() - start
         for service in services:
-            service.close("success").result()
+            close(service)
         assert sum(counts) == clients * repeats * new_tokens, counts
         return sum(counts) / elapsed
 
     def rl_iteration(self) -> float:
         def iteration() -> None:
-            sampling = self.training.save_weights_and_get_sampling_client().result()
+            sampling = resolved(self.training.save_weights_and_get_sampling_client())
             result = self._sample(sampling, RL_SAMPLES, RL_NEW_TOKENS)
             data = []
             for advantage, sequence in zip(np.linspace(-1.0, 1.0, RL_SAMPLES), result.sequences):
@@ -181,7 +193,7 @@ def main(url: str, model: str, vocab: int, user_metadata: dict[str, str] | None 
         "rl_iteration": loop.rl_iteration,
         "rl_iterations": loop.rl_iterations,
     })
-    loop.service.close("success").result()
+    close(loop.service)
 
 
 if __name__ == "__main__":
