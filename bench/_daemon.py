@@ -41,11 +41,12 @@ def clean_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class Child:
-    """A bench script in a process of its own, in `clean_env`, driven over JSON lines (bench/_lines.py)."""
+    """A bench script in a process of its own, in `clean_env`, driven over JSON lines (bench/_lines.py), run
+    by this environment's Python or by `python` (bench/skyrl_peer.py's client runs in SkyRL's environment)."""
 
-    def __init__(self, script: str, *args: object) -> None:
+    def __init__(self, script: str, *args: object, python: str = sys.executable) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [python, str(HERE / script), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=clean_env(os.environ),
         )
         assert self.proc.stdout is not None
@@ -73,9 +74,9 @@ class Child:
 
 
 @contextlib.contextmanager
-def child(script: str, *args: object) -> Iterator[Child]:
+def child(script: str, *args: object, python: str = sys.executable) -> Iterator[Child]:
     """A `Child`, closed on exit (killed if it fails to close)."""
-    process = Child(script, *args)
+    process = Child(script, *args, python=python)
     try:
         yield process
     finally:
