@@ -307,8 +307,10 @@ def _host_memory_lines(memory: HostMemoryStatistics, groups: list[GroupStatistic
         *_family("openrld_host_memory_bytes", "gauge",
                  "Host memory the budget counts, by part: prefix_cache (KV the torch samplers' prefix caches hold), "
                  "parked_state (device state a park copied into host memory; 0 on a CPU device, where nothing moves), "
-                 "engine_state (weights, adapters, grads and optimizer state of engines on a CPU device, "
-                 "measured at build and after each job's first optim_step).",
+                 "engine_state (weights, adapters, grads and optimizer state of engines on a CPU device: a trainer's "
+                 "measured at its build and after each job's first optim_step, a sampler's at its build and when it "
+                 "makes an adapter for a version). Not counted: engines in worker processes, activations and the KV "
+                 "of running requests (in openrld_host_memory_rss_bytes only).",
                  [((("part", part),), per_part[part]) for part in HOST_MEMORY_PARTS]),
         *_family("openrld_host_memory_prefix_cache_share_bytes", "gauge",
                  "The most one torch sampler engine's prefix cache may hold now: an equal share of the budget "
