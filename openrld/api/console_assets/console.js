@@ -345,6 +345,7 @@ function gossipFacts(stats) {
 
 function hostMemoryFacts(m) {
   // What the node keeps in host memory by choice, against its budget (host_memory_budget_bytes).
+  if (!m) return el("p", { class: "empty", text: "This node reports no host memory (an older release)." });
   const used = m.prefix_cache_bytes + m.parked_bytes + m.state_bytes;
   const facts = [
     ["Budget", bytes(m.budget_bytes)],
