@@ -190,14 +190,12 @@ class KvBatch:
         return self._width if self.lengths else 0
 
     def nbytes(self) -> int:
-        """The bytes the batch's tensors hold."""
-        return sum(
-            tensor.untyped_storage().nbytes()
-            for tensors in cache_tensors(self.cache)
-            if tensors is not None
-            for tensor in tensors
-            if tensor is not None
-        )
+        """The bytes the batch's tensors hold: the cache's and the spare room behind them
+        (`append`), each storage once."""
+        held = [tensor for tensors in cache_tensors(self.cache) if tensors is not None for tensor in tensors]
+        held += [tensor for room in self._room if room is not None for tensor in room]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t is not None}
+        return sum(storages.values())
 
     def join(self, joining: list[tuple[KvLayers, int]]) -> None:
         """Append rows: for each (layers, copies), `copies` copies of the single row of `layers`
@@ -217,6 +215,9 @@ class KvBatch:
                 _assign_states(layer, first, second)
             else:
                 _assign(layer, first, second)
+            # The old rows' room goes now, not at the next append: held until then, it kept the
+            # batch's KV twice over (SmolLM2, 64 rows of ~200 positions: 0.7 GB each).
+            self._room[index] = None
         for length, (_, copies) in zip(lengths, joining):
             self.lengths.extend([length] * copies)
         self._set_width(width)
@@ -289,17 +290,16 @@ class KvBatch:
             self._width = 0
             return
         index = torch.tensor(rows, dtype=torch.int64, device=self._device)
-        for layer, kind in zip(self.cache.layers, self.kinds):
+        width = max(self.lengths)
+        for number, (layer, kind) in enumerate(zip(self.cache.layers, self.kinds)):
             if kind is LayerKind.LINEAR:
                 _assign_states(layer, layer.conv_states[0][index], layer.recurrent_states[0][index])
             elif kind is not LayerKind.SHARED:
-                _assign(layer, layer.keys[index], layer.values[index])
-        width = max(self.lengths)
-        if width < self._width:
-            for layer, kind in zip(self.cache.layers, self.kinds):
-                if kind in (LayerKind.FULL, LayerKind.SLIDING):
-                    columns = min(layer.keys.shape[2], width)
-                    _assign(layer, layer.keys[:, :, -columns:].contiguous(), layer.values[:, :, -columns:].contiguous())
+                # The kept rows trimmed to the columns some row still uses, in one copy; and the
+                # old room freed now (`join` says why).
+                columns = min(layer.keys.shape[2], width)
+                _assign(layer, layer.keys[:, :, -columns:][index], layer.values[:, :, -columns:][index])
+                self._room[number] = None
         self._set_width(width)
 
     # -- internals ----------------------------------------------------------

@@ -58,3 +58,29 @@ def test_joined_rows_never_alias_the_prefill_cache() -> None:
     batch.join([(cache, 2)])
     cache[0][0].zero_()
     assert batch.cache.layers[0].keys.abs().sum() > 0
+
+
+def decode_one(batch: KvBatch) -> None:
+    """One decode step's appends (a column of ones in every row), as the fused forward makes them."""
+    for layer in range(2):
+        batch.append(layer, torch.ones(batch.rows, 1, 1, 8), torch.ones(batch.rows, 1, 1, 8))
+    batch.advance()
+
+
+def test_a_join_leaves_the_joined_rows_alone_in_memory() -> None:
+    batch = KvBatch(CONFIG, CPU)
+    batch.join([(prefill(5, seed=7), 1)])
+    decode_one(batch)  # the appends keep spare room behind the row's 6 positions
+    batch.join([(prefill(2, seed=8), 1)])
+    assert batch.nbytes() == 2 * 2 * 2 * 6 * 8 * 4  # layers x (keys, values) x rows x width x head dim x fp32
+
+
+def test_rows_that_leave_take_their_room_with_them() -> None:
+    batch = KvBatch(CONFIG, CPU)
+    batch.join([(prefill(5, seed=5), 2), (prefill(3, seed=6), 1)])
+    decode_one(batch)
+    batch.keep([2])
+    assert batch.lengths == [4]
+    assert batch.nbytes() == 2 * 2 * 1 * 4 * 8 * 4  # the kept row alone, trimmed to its 4 positions
+    assert torch.equal(batch.cache.layers[0].keys[0, :, :3], prefill(3, seed=6)[0][0][0])
+    assert torch.equal(batch.cache.layers[0].keys[0, :, 3], torch.ones(1, 8))
