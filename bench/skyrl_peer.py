@@ -183,7 +183,7 @@ def main() -> None:
     if not (SKYRL_VENV / "bin" / "uv").exists():
         sys.exit(f"{SKYRL_VENV} is missing or incomplete: run `make skyrl-env` first (SkyRL's Tinker server and "
                  "the tinker 0.25 client this bench drives both servers with)")
-    print(f"{args.rounds} alternating rounds a figure, openrld then SkyRL then the bare loop; {load()}", flush=True)
+    print(f"{args.rounds} alternating rounds a figure: openrld, SkyRL, then (the sample) the bare loop; {load()}", flush=True)
     with bench_models(args.models) as models:
         for name, model_dir in models:
             measure(name, model_dir, args.rounds)
