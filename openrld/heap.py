@@ -17,12 +17,23 @@ started by systemd, a DaemonSet or a user's shell, none of which sets them.
 An operator who sets any MALLOC_* variable keeps exactly that. Worker
 processes get theirs from the launcher (`worker/launchers/process.py`).
 Written by hand because the standard library has no binding for `mallopt`.
+
+`trim` gives the arenas' free pages back to the kernel (`malloc_trim`). The
+4 MiB threshold leaves everything smaller in the arenas: a trainer step's
+small tensors and a sampler's prefix-cache blocks. Freed, they stay resident
+until the arenas reuse them, and the next large tensors, which are mmapped,
+never do. A TorchTrainer step of the text-to-SQL sweep's shape on SmolLM2 (16
+sequences of ~194 tokens) left 1.66 GiB resident from 0.92 before it; 1.10
+GiB with a trim after the pass. The engines call it once a training pass is
+done and once the sampler has run dry, when the arenas hold `TRIM_AT_BYTES`
+free or more.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -34,6 +45,8 @@ M_ARENA_MAX = -8
 
 ARENAS = 2  # the event loop's thread and the engines' share these
 MMAP_THRESHOLD_BYTES = 4 * 2**20  # a fixed threshold also stops glibc raising it
+# What the engines let the arenas keep free after a pass or a sampling burst before `trim`.
+TRIM_AT_BYTES = 128 * 2**20
 
 
 def bound_heap(environ: Mapping[str, str]) -> dict[str, int]:
@@ -41,8 +54,7 @@ def bound_heap(environ: Mapping[str, str]) -> dict[str, int]:
     was applied ({} when nothing was: an operator's settings, or a C library without mallopt)."""
     if any(name.startswith("MALLOC_") for name in environ):
         return {}
-    path = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(path) if path else None
+    libc = _libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return {}
     applied = {}
@@ -51,3 +63,39 @@ def bound_heap(environ: Mapping[str, str]) -> dict[str, int]:
             applied[name] = value
     logger.debug("malloc settings %s", applied)
     return applied
+
+
+def trim(at_least: int = 0) -> bool:
+    """Return the heap's free memory to the kernel (glibc's `malloc_trim(0)`, every arena) when the
+    arenas hold at least `at_least` free bytes; whether any was returned (False too where the C
+    library has neither `malloc_trim` nor, for a nonzero `at_least`, `mallinfo2`).
+
+    A threshold, because what is returned is faulted in again when next used (~2 µs a page): a
+    small step that leaves little behind keeps it for the next."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    if at_least and free_heap_bytes() < at_least:
+        return False
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))
+
+
+def free_heap_bytes() -> int:
+    """The bytes free in the arenas (mallinfo2's fordblks); 0 without `mallinfo2` (glibc < 2.33)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return 0
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().fordblks)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    path = ctypes.util.find_library("c")
+    return ctypes.CDLL(path) if path else None
