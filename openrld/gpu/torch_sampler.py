@@ -41,9 +41,14 @@ Prefix cache (`prefix_cache.PrefixCache`, keyed by the version's adapter):
 a prompt whose leading whole blocks were run before, under the same weights,
 takes their KV from the cache and prefills only the rest (always at least its
 last token, whose logits draw the first token; and every position whose
-logits the job scores). Every prefill keeps its prompt's blocks, and every
+logits the job scores). Every prefill keeps its prompt's blocks, and a
 finished sample keeps its prompt + completion's, so that the next turn of an
 episode (that prompt, that completion, new text) prefills only what is new.
+Completions earn that place: the first `COMPLETION_TRIAL_ROWS` finished
+samples keep theirs; if no prompt has reached into a kept completion by then
+(single-turn work: a GRPO group's answers, an eval), one sample in
+`COMPLETION_SAMPLE_EVERY` keeps its completion from then on, and the first
+prompt that reaches into one turns keeping every completion back on.
 Prompts admitted in one step that share blocks none of them has yet are
 prefilled in two waves: the first computes the shared blocks and the second
 reuses them. A version's blocks go when it is dropped, every block on a park,
@@ -96,6 +101,7 @@ import numpy as np
 import torch
 import transformers
 
+from openrld import heap
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
@@ -137,6 +143,12 @@ UNIFORM_BLOCK = 32  # uniforms a sample draws from its generator at once
 # RL step's shared prefixes and the recent turns of a few dozen episodes); a model 10x
 # larger per token still keeps a few hundred tokens, a system prompt.
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+# Finished samples that keep their completions' KV before any reuse of one is seen; then one in
+# COMPLETION_SAMPLE_EVERY, enough to notice an episode's next turn. The text-to-SQL sweep's
+# completions are never reused, and their blocks took 2 of each answer's ~12 (issue 36).
+COMPLETION_TRIAL_ROWS = 256
+COMPLETION_SAMPLE_EVERY = 16
+COMPLETION_NAMES_KEPT = 1 << 16  # completion blocks remembered (names, not KV)
 # What one prefill chunk's attention mask and logits may hold: the trainer's logits budget.
 # At 32k cached positions a chunk's mask takes ~160 KiB a position (fp32 + bool), so ~1,600
 # positions a chunk; scoring SmolLM2's 49k vocabulary adds ~590 KiB a position.
@@ -364,6 +376,9 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             logger.info("prefix cache off for this model: %s", no_prefix_reuse)
             prefix_cache_bytes = 0
         self._prefixes = PrefixCache(prefix_cache_bytes, prefix_block_tokens)  # keyed by adapter name
+        self._completion_blocks: set[int] = set()  # chain names of kept blocks that hold completion tokens
+        self._completions_reused = False  # whether a prompt's cached prefix has reached into one
+        self._completion_rows = 0  # finished samples that could have kept their completion
         self._requests_done = 0
         self._samples_done = 0
         self._tokens_generated = 0
@@ -541,6 +556,9 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             return  # no forward at all
         hit, prefix = self._prefixes.match(request.adapter, request.prompt_ids, self._cacheable(request))
         request.cache_hit_tokens, request.prefix = hit, prefix
+        if hit and not self._completions_reused:
+            reached = self._prefixes.chain(request.adapter, request.prompt_ids, hit)
+            self._completions_reused = not self._completion_blocks.isdisjoint(reached)
 
     def _prefill_waves(self, requests: list[_Request]) -> list[list[_Request]]:
         """Split requests admitted together so that blocks some of them share, and the cache
@@ -572,13 +590,24 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             if s.stop_reason is None:
                 continue
             tokens = request.prompt_ids + s.tokens[:-1]
-            if len(tokens) < self._prefixes.block_tokens:
+            if len(tokens) < self._prefixes.block_tokens or not self._keeps_completion():
                 continue
             # None where a sliding-window layer kept only its window of a long row: its prompt's
             # blocks were kept at its prefill, and the completion is not.
             layers = self._batch.row_layers(row)
             if layers is not None:
                 self._keep_prefix(request, tokens, layers)
+                completion = len(request.prompt_ids) // self._prefixes.block_tokens  # its first block
+                self._completion_blocks.update(self._prefixes.chain(request.adapter, tokens)[completion:])
+
+    def _keeps_completion(self) -> bool:
+        """Whether this finished sample keeps its completion (the module docstring says when)."""
+        self._completion_rows += 1
+        if self._completions_reused or self._completion_rows <= COMPLETION_TRIAL_ROWS:
+            return True
+        if len(self._completion_blocks) > COMPLETION_NAMES_KEPT:
+            self._completion_blocks.clear()  # names only; the oldest are long evicted
+        return self._completion_rows % COMPLETION_SAMPLE_EVERY == 0
 
     # -- prefill ----------------------------------------------------------
 
@@ -650,6 +679,8 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         # Finished rows leave the batch: their cache rows are dropped, not masked.
         self._batch.keep(rows)
         self._rows = [self._rows[r] for r in rows]
+        if not self._rows and not self._prefilled and not self._queued:
+            heap.trim(heap.TRIM_AT_BYTES)  # run dry: what the prefills and decode steps left in the arenas (heap.py)
 
     def _forward(
         self, input_ids: torch.Tensor, cache: transformers.DynamicCache, adapters: list[str], **kwargs: object

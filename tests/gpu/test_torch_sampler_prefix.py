@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
+from openrld.gpu import torch_sampler
 from openrld.gpu.full_sampler import FullSampler
 from openrld.gpu.tiny_models import build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
@@ -109,6 +110,37 @@ def test_the_next_turn_of_an_episode_reuses_the_last_prompt_and_its_completion(l
     assert second.prompt_cache_hit_tokens == 48
     reference = TorchSampler(llama_dir, CPU, prefix_cache_bytes=0).sample(None, job(second_prompt))
     assert_same_samples(second, reference)
+
+
+def held_bytes(engine: TorchSampler) -> int:
+    return engine.statistics().prefix_cache.bytes_held
+
+
+def test_single_turn_samples_stop_keeping_their_completions_after_the_trial(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch_sampler, "COMPLETION_TRIAL_ROWS", 4)
+    engine = TorchSampler(llama_dir, CPU)
+    # 30 + 19 positions a finished sample: its prompt's block, and 2 blocks that hold its completion.
+    engine.sample(None, job(tokens(30, seed=20), n=4, max_tokens=20))  # the trial: all 4 keep theirs
+    assert held_bytes(engine) == (1 + 4 * 2) * BLOCK * 512
+    before = held_bytes(engine)
+    engine.sample(None, job(tokens(30, seed=21), n=16, max_tokens=20))  # no prompt reached into one
+    assert held_bytes(engine) - before == (1 + 1 * 2) * BLOCK * 512  # one sample in 16 keeps its completion
+
+
+def test_a_next_turn_after_the_trial_turns_keeping_completions_back_on(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch_sampler, "COMPLETION_TRIAL_ROWS", 1)
+    engine = TorchSampler(llama_dir, CPU)
+    first_prompt = tokens(30, seed=9)
+    completion = engine.sample(None, job(first_prompt, max_tokens=20)).sequences[0].tokens.tolist()
+    second = engine.sample(None, job(first_prompt + completion + tokens(6, seed=10)))
+    assert second.prompt_cache_hit_tokens == 48  # into the first turn's completion
+    before = held_bytes(engine)
+    engine.sample(None, job(tokens(30, seed=22), n=4, max_tokens=20))
+    assert held_bytes(engine) - before == (1 + 4 * 2) * BLOCK * 512  # every sample keeps its completion again
 
 
 def test_a_version_never_reuses_another_versions_prefixes(llama_dir: Path) -> None:
