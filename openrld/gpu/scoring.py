@@ -106,14 +106,17 @@ class TrainerConfig(msgspec.Struct, frozen=True):
 def default_activation_budget(device: torch.device) -> int:
     """The activations a micro-batch may keep before its layers are checkpointed.
 
-    CPU: 2 GiB. SmolLM2 keeps about 1.1 MB a token, so an RL batch of 8 x 128 runs plain
-    while a single long datum is checkpointed (bench/long_context.py has the figures).
+    CPU: 512 MiB. SmolLM2 keeps about 1.2 MB a token, so a micro-batch of up to ~440 tokens
+    runs plain, and `_plan` splits a request's datums into micro-batches that fit; only a
+    datum longer than that alone is checkpointed (bench/long_context.py has the figures).
+    At 2 GiB, a plain micro-batch of 8 SQL answers (1,512 padded tokens) raised the daemon's
+    resident set by 3.7 GB (its activations, and the allocator's as much again: bench/sql_memory.py).
     CUDA: a quarter of the device's memory, the rest being weights, optimizer state, the
     logits chunks and the sampler that time-slices with the trainer.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 4
-    return 2 * 1024**3
+    return 512 * 1024**2
 
 
 class BatchScorer:
@@ -560,9 +563,10 @@ class BatchScorer:
         first time a plan has a shared group, so that requests without any run nothing extra.
 
         A checkpointed layer runs again in backward and would append to the prefix's cache a
-        second time, so a shared micro-batch never checkpoints: one whose whole datums would
-        need it (`_checkpoints`) runs them whole instead, checkpointed."""
-        budget = self.config.max_batch_tokens
+        second time, so a shared micro-batch never checkpoints: one that would need it even
+        within the plan's budget (a prefix longer than the budget allows) runs its datums
+        whole instead, checkpointed."""
+        budget = self._plain_batch_tokens()
         plan = plan_passes(tokens, budget, 0 if self._shares_prefixes is False else self.config.min_shared_prefix)
         if self._shares_prefixes is None and any(micro.shared is not None for micro in plan):
             self._shares_prefixes = self._can_share_prefixes()
@@ -570,8 +574,18 @@ class BatchScorer:
                 plan = plan_passes(tokens, budget, 0)
         return [part for micro in plan for part in self._unshared_if_checkpointed(micro, tokens)]
 
+    def _plain_batch_tokens(self) -> int:
+        """The padded tokens a micro-batch may hold: `max_batch_tokens`, and with grad no more than
+        the activation budget keeps plain, so that several datums split into micro-batches that
+        run plain rather than one that recomputes its layers (a datum longer alone still does)."""
+        limit = self.config.max_batch_tokens
+        if not (torch.is_grad_enabled() and self._checkpointed_layers):
+            return limit
+        return max(1, min(limit, int(self._activation_budget // max(1.0, self._bytes_per_token()))))
+
     def _unshared_if_checkpointed(self, micro: MicroBatch, tokens: Sequence[np.ndarray]) -> list[MicroBatch]:
-        if micro.shared is None or not self._checkpoints(micro_tokens(micro, tokens)):
+        # What it keeps for backward is what it runs: each prefix once, then the suffixes.
+        if micro.shared is None or not self._checkpoints(shared_micro_tokens(micro, tokens)):
             return [micro]
         lengths = [len(tokens[i]) for i in micro.indices]
         return [
@@ -694,6 +708,15 @@ def plan_passes(tokens: Sequence[np.ndarray], max_batch_tokens: int, min_shared_
 def micro_tokens(micro: MicroBatch, tokens: Sequence[np.ndarray]) -> int:
     """The padded tokens of a micro-batch's datums run whole: rows × the longest."""
     return len(micro.indices) * max(len(tokens[i]) for i in micro.indices)
+
+
+def shared_micro_tokens(micro: MicroBatch, tokens: Sequence[np.ndarray]) -> int:
+    """The padded tokens a shared micro-batch runs (`shared_prefix.shared_cost`): its prefixes
+    padded to the longest, then every datum's suffix padded to the longest."""
+    assert micro.shared is not None
+    prefixes = micro.shared.lengths
+    suffixes = [len(tokens[i]) - prefixes[row] for i, row in zip(micro.indices, micro.shared.rows)]
+    return len(prefixes) * max(prefixes) + len(suffixes) * max(suffixes)
 
 
 def _by_request(members: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:

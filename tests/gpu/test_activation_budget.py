@@ -44,15 +44,30 @@ def test_the_bytes_a_token_keeps_are_measured_and_grow_with_the_model(tiny_llama
     assert 1_000 < per_token < 20_000
 
 
-def test_a_micro_batch_over_the_budget_is_checkpointed_and_one_under_it_is_not(tiny_llama: Path) -> None:
+def trainer_with_budget_of(tiny_llama: Path, tokens: int) -> TorchTrainer:
+    """A trainer whose activation budget is `tokens` tokens' activations, measured, and past its first step."""
     probe = TorchTrainer(tiny_llama, CPU)
     probe.add_adapter("a", SPEC)
     per_token = probe._passes.scorer._measure_activation_bytes_per_token()
-    # A budget of 100 tokens' activations: 64 tokens run plain, 200 are checkpointed.
-    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=int(100 * per_token)))
+    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig(activation_budget_bytes=int(tokens * per_token)))
     trainer.add_adapter("a", SPEC)
     trainer.forward_backward("a", one_datum(8))  # the first step with grad measures (two probe forwards)
+    return trainer
+
+
+def test_a_micro_batch_over_the_budget_is_checkpointed_and_one_under_it_is_not(tiny_llama: Path) -> None:
+    trainer = trainer_with_budget_of(tiny_llama, 100)  # 64 tokens run plain, 200 are checkpointed
     assert (layer_runs(trainer, one_datum(65)), layer_runs(trainer, one_datum(201))) == (1, 2)
+
+
+def test_datums_over_the_budget_together_split_into_micro_batches_that_run_plain(tiny_llama: Path) -> None:
+    trainer = trainer_with_budget_of(tiny_llama, 100)  # four datums of 60 tokens pass it together, fit it alone
+    data = []
+    for first in range(4):  # no two share a prefix (a shared group's check would run a forward of its own)
+        tokens = (np.arange(61, dtype=np.int64) + 50 * first) % 300 + 3
+        data.append(TrainDatum(tokens=tokens[:-1], inputs={"target_tokens": tokens[1:]}))
+    four = ForwardBackwardBatch(data=data, loss_fn="cross_entropy", loss_config={}, forward_only=False)
+    assert layer_runs(trainer, four) == 4  # four micro-batches, none recomputed
 
 
 def test_checkpointing_off_never_checkpoints(tiny_llama: Path) -> None:
@@ -72,8 +87,8 @@ def test_forward_only_never_checkpoints(tiny_llama: Path) -> None:
     assert len(runs) == 1
 
 
-def test_the_cpu_default_budget_is_2_gib() -> None:
-    assert default_activation_budget(CPU) == 2 * 1024**3
+def test_the_cpu_default_budget_is_512_mib() -> None:
+    assert default_activation_budget(CPU) == 512 * 1024**2
 
 
 def test_a_negative_budget_is_refused() -> None:
@@ -96,4 +111,4 @@ def test_a_node_setting_of_0_is_the_devices_default(tiny_llama: Path) -> None:
     from openrld.worker.protocol import Start
 
     trainer = builtin.build(Start("lora_trainer", str(tiny_llama), "cpu", options={"activation_budget_bytes": 0}))
-    assert trainer._passes.scorer._activation_budget == 2 * 1024**3
+    assert trainer._passes.scorer._activation_budget == 512 * 1024**2
