@@ -216,11 +216,19 @@ class TaskDataset(RLDataset):
         self.batches.append(builders)
         return builders
 
+    def _grades(self, step: int) -> list[rubric.Grade | None]:
+        builders = self.batches[step] if step < len(self.batches) else []
+        return [grade for builder in builders for grade in builder.grades]
+
     def success_rate(self, step: int) -> float:
         """The share of the `step`-th batch's episodes whose deliverable passed every check."""
-        builders = self.batches[step] if step < len(self.batches) else []
-        grades = [grade for builder in builders for grade in builder.grades]
+        grades = self._grades(step)
         return sum(g is not None and g.success for g in grades) / len(grades) if grades else 0.0
+
+    def mean_reward(self, step: int) -> float:
+        """The mean rubric score of the `step`-th batch's episodes (an ungraded one scores 0)."""
+        grades = self._grades(step)
+        return sum(g.score for g in grades if g is not None) / len(grades) if grades else 0.0
 
     def __len__(self) -> int:
         return max(1, len(self.tasks) // self.groups_per_batch)

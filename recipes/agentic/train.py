@@ -238,14 +238,17 @@ def comparisons(evals: list[EvalRecord]) -> list[Comparison]:
 
 
 def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
-    """The cookbook's per-step metrics (the rows with rollout rewards) as StepRecords, with each step's successes.
+    """The cookbook's per-step metrics (the rows with rollout rewards) as StepRecords, with each step's successes
+    and mean reward.
 
-    Success comes from the step's own builders, not the metrics: the cookbook averages
-    an episode metric only over the episodes that report it.
+    Success and reward come from the step's own builders, not the metrics: the cookbook
+    averages an episode metric only over the episodes that report it, and its metrics
+    cover only the groups it trained on (it drops groups of equal rewards, and keeps one
+    when all are), so its reward said 1.0 for a step whose other group all scored 0.
     """
     return [
         StepRecord(
-            row["step"], row["env/all/reward/total"], dataset.success_rate(row["step"]),
+            row["step"], dataset.mean_reward(row["step"]), dataset.success_rate(row["step"]),
             row.get("env/all/turns_per_episode", 0.0), row.get("time/total", 0.0),
         )
         for row in rollout_rows(metrics_path)
