@@ -83,6 +83,10 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     activation_checkpointing: bool = True
     # 0: the device's default (`default_activation_budget`); 1 checkpoints every micro-batch.
     activation_budget_bytes: int = 0
+    # Datums whose kept activations together would pass this split into micro-batches (each
+    # still run plain up to the activation budget). 0: the device's default
+    # (`default_micro_batch_budget`).
+    micro_batch_budget_bytes: int = 0
     # Datums sharing at least this many leading tokens (a GRPO group's prompt) run them once,
     # then their suffixes as one batch on the prefix's cache; 0 runs every datum whole. Below
     # ~32 tokens the saving is smaller than the second pass's overhead.
@@ -95,8 +99,8 @@ class TrainerConfig(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.logits_budget_bytes < 1 or (self.logprob_chunk_positions or 1) < 1:
             raise ValueError(f"TrainerConfig sizes must be >= 1; got {self}")
-        if self.activation_budget_bytes < 0:
-            raise ValueError(f"TrainerConfig.activation_budget_bytes must be >= 0; got {self}")
+        if self.activation_budget_bytes < 0 or self.micro_batch_budget_bytes < 0:
+            raise ValueError(f"TrainerConfig's activation and micro-batch budgets must be >= 0; got {self}")
         if self.available_memory_bytes < 0:
             raise ValueError(f"TrainerConfig.available_memory_bytes must be >= 0; got {self}")
         if self.min_shared_prefix < 0:
@@ -106,17 +110,31 @@ class TrainerConfig(msgspec.Struct, frozen=True):
 def default_activation_budget(device: torch.device) -> int:
     """The activations a micro-batch may keep before its layers are checkpointed.
 
-    CPU: 512 MiB. SmolLM2 keeps about 1.2 MB a token, so a micro-batch of up to ~440 tokens
-    runs plain, and `_plan` splits a request's datums into micro-batches that fit; only a
-    datum longer than that alone is checkpointed (bench/long_context.py has the figures).
-    At 2 GiB, a plain micro-batch of 8 SQL answers (1,512 padded tokens) raised the daemon's
-    resident set by 3.7 GB (its activations, and the allocator's as much again: bench/sql_memory.py).
+    CPU: 2 GiB. SmolLM2 keeps about 1.2 MB a token, so a datum of up to ~1,700 tokens runs
+    plain and a longer one is checkpointed (bench/long_context.py has the figures). A
+    checkpointed step costs about a third more: SmolLM2's 4 x 1,024-token SFT step took 60 CPU
+    seconds at a budget of 512 MiB (each datum checkpointed) against 44 at 2 GiB.
     CUDA: a quarter of the device's memory, the rest being weights, optimizer state, the
     logits chunks and the sampler that time-slices with the trainer.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory // 4
-    return 512 * 1024**2
+    return 2 * 1024**3
+
+
+def default_micro_batch_budget(device: torch.device, activation_budget: int) -> int:
+    """The activations several datums may keep together before `_plan` splits them into micro-batches.
+
+    CPU: 512 MiB (a micro-batch of up to ~440 of SmolLM2's tokens), or the activation budget
+    where that is smaller. Splitting costs a CPU nothing measurable (SmolLM2's 8 x 128 SFT step:
+    7.7-8.7 CPU seconds in three micro-batches, 8.0-8.4 in one), and what a micro-batch keeps
+    the allocator keeps again after it: one plain micro-batch of 8 SQL answers (1,512 padded
+    tokens) raised the daemon's resident set by 3.7 GB (bench/sql_memory.py).
+    CUDA: the activation budget, since larger matmuls run faster there.
+    """
+    if device.type == "cuda":
+        return activation_budget
+    return min(activation_budget, 512 * 1024**2)
 
 
 class BatchScorer:
@@ -142,6 +160,8 @@ class BatchScorer:
         self._checkpointed_layers = self._enable_activation_checkpointing() if config.activation_checkpointing else []
         budget = config.activation_budget_bytes
         self._activation_budget = budget or default_activation_budget(device)
+        self._micro_batch_budget = config.micro_batch_budget_bytes or default_micro_batch_budget(
+            device, self._activation_budget)
         # The autograd graph's bytes per token of a forward with grad; measured at the first
         # request with grad (`check_fits`, `_checkpoints`), when the trainable tensors exist.
         self._activation_bytes_per_token: float | None = None
@@ -576,12 +596,13 @@ class BatchScorer:
 
     def _plain_batch_tokens(self) -> int:
         """The padded tokens a micro-batch may hold: `max_batch_tokens`, and with grad no more than
-        the activation budget keeps plain, so that several datums split into micro-batches that
-        run plain rather than one that recomputes its layers (a datum longer alone still does)."""
+        the micro-batch budget keeps, so that several datums split into micro-batches that run
+        plain rather than one that recomputes its layers or holds the allocator's peak (a datum
+        longer alone runs alone, checkpointed only past the activation budget)."""
         limit = self.config.max_batch_tokens
         if not (torch.is_grad_enabled() and self._checkpointed_layers):
             return limit
-        return max(1, min(limit, int(self._activation_budget // max(1.0, self._bytes_per_token()))))
+        return max(1, min(limit, int(self._micro_batch_budget // max(1.0, self._bytes_per_token()))))
 
     def _unshared_if_checkpointed(self, micro: MicroBatch, tokens: Sequence[np.ndarray]) -> list[MicroBatch]:
         # What it keeps for backward is what it runs: each prefix once, then the suffixes.

@@ -258,7 +258,7 @@ def test_a_group_that_activation_checkpointing_takes_runs_whole_with_unshared_re
 
 def test_a_group_under_the_activation_budget_still_shares_its_prefix(tiny_llama: Path) -> None:
     request = grpo_request("importance_sampling")
-    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig())  # the CPU's default budget: 512 MiB
+    trainer = TorchTrainer(tiny_llama, CPU, config=TrainerConfig())  # the CPU's defaults: 2 GiB, micro-batches of 512 MiB
     trainer.add_adapter("job", SPEC)
     trainer.forward_backward("job", request)
     tokens = [np.asarray(datum.tokens) for datum in request.data]
