@@ -178,6 +178,7 @@ bench: install-test
 	$(PY) bench/long_attention.py
 	$(PY) bench/long_prompt_sampling.py
 	$(PY) bench/rl_throughput.py
+	$(PY) bench/sql_memory.py
 
 # RL-trains SmolLM2 on a running node (start one with `make serve` first); ARGS go to the recipe.
 quickstart: $(VENV)/.recipes
