@@ -24,9 +24,12 @@ small tensors and a sampler's prefix-cache blocks. Freed, they stay resident
 until the arenas reuse them, and the next large tensors, which are mmapped,
 never do. A TorchTrainer step of the text-to-SQL sweep's shape on SmolLM2 (16
 sequences of ~194 tokens) left 1.66 GiB resident from 0.92 before it; 1.10
-GiB with a trim after the pass. The engines call it once a training pass is
-done and once the sampler has run dry, when the arenas hold `TRIM_AT_BYTES`
-free or more.
+GiB with a trim after the pass. The sampler calls it once it has run dry, when
+the arenas hold `TRIM_AT_BYTES` free or more. The trainer does not: in a
+training loop the next pass faults every trimmed page in again (~2 µs a
+page), which cost SmolLM2's 8 x 128 SFT step about 0.3-0.5 s of its ~4.5, and
+the text-to-SQL sweep peaked at 4.55 GB with a trim after each pass and 4.63
+GB without (bench/sql_memory.py), so it bought no peak.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ M_ARENA_MAX = -8
 
 ARENAS = 2  # the event loop's thread and the engines' share these
 MMAP_THRESHOLD_BYTES = 4 * 2**20  # a fixed threshold also stops glibc raising it
-# What the engines let the arenas keep free after a pass or a sampling burst before `trim`.
+# What the sampler lets the arenas keep free after a sampling burst before `trim`.
 TRIM_AT_BYTES = 128 * 2**20
 
 

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from openrld import heap
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, OptimParams, OptimResult
 from openrld.engine_types import StepsAfterPasses
 from openrld.errors import BadRequest
@@ -55,10 +54,7 @@ class TrainingPasses:
             BadRequest / NotSupportedYet: see `losses.validate_request`, plus bad model
             inputs and a non-finite loss; no gradient is added in any of these cases.
         """
-        try:
-            results = self.scorer.forward_backward_many(batches, trainable)
-        finally:
-            heap.trim(heap.TRIM_AT_BYTES)  # the pass's small tensors, left in the arenas (heap.py)
+        results = self.scorer.forward_backward_many(batches, trainable)
         self.calls += len(batches)
         self.tokens += sum(len(datum.tokens) for batch in batches for datum in batch.data)
         return results
