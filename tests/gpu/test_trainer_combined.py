@@ -109,7 +109,9 @@ def test_activation_checkpointing_gives_the_same_lp_and_gradients(tiny_llama: Pa
     requests = _requests()
     outcomes = []
     for checkpointing in (False, True):
-        config = TrainerConfig(max_batch_tokens=40, activation_checkpointing=checkpointing, activation_budget_bytes=1)
+        # A byte's budget checkpoints every micro-batch; the micro-batch budget keeps the datums together.
+        config = TrainerConfig(max_batch_tokens=40, activation_checkpointing=checkpointing, activation_budget_bytes=1,
+                               micro_batch_budget_bytes=2**40)
         engine = TorchTrainer(tiny_llama, CPU, config=config)
         engine.add_adapter("a", SPEC)
         engine._passes.scorer.step_bytes(1)  # its first use measures the model (probe forwards and backwards)
