@@ -61,8 +61,10 @@ def test_sdk_release_runs_the_whole_loop(release: str, shared_daemon, base_loss:
     assert prompt[0] is None  # the first prompt token has no context to be scored from
     np.testing.assert_allclose(prompt[1:], result["trainer_prompt_logprobs"], rtol=0, atol=SCORE_ATOL)
     first, second = result["sampled_tokens"]
-    assert (len(first), second) == (MAX_TOKENS, first)  # greedy: two samples, one answer
-    assert result["sampled_logprobs"] == [[0.0] * MAX_TOKENS] * 2  # log q of a greedy pick is log 1
+    # Greedy: two samples, one answer, of MAX_TOKENS or fewer where it picks EOS (the loop's LoRA is
+    # unseeded, so its trained answer differs run to run: one run's was [200, 151, EOS]).
+    assert (second, 1 <= len(first) <= MAX_TOKENS) == (first, True)
+    assert result["sampled_logprobs"] == [[0.0] * len(first)] * 2  # log q of a greedy pick is log 1
     assert result["checkpoints"] == [["sampler", "sampler_weights/sampler-a"], ["training", "weights/state-a"]]
 
 
