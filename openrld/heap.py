@@ -30,6 +30,9 @@ training loop the next pass faults every trimmed page in again (~2 µs a
 page), which cost SmolLM2's 8 x 128 SFT step about 0.3-0.5 s of its ~4.5, and
 the text-to-SQL sweep peaked at 4.55 GB with a trim after each pass and 4.63
 GB without (bench/sql_memory.py), so it bought no peak.
+
+`release_file_pages` unmaps pages of a mapped checkpoint that a tensor was copied
+out of (`models.column_major_head`), so that they are not counted twice.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
 from collections.abc import Mapping
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +101,43 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
     )]
+
+
+MADV_DONTNEED = 4  # Linux's madvise advice: drop these pages from this process's page tables
+
+
+def release_file_pages(address: int, nbytes: int) -> int:
+    """Unmap from this process the whole pages of [address, address + nbytes) when that range lies
+    in a file-backed mapping (a checkpoint that torch or safetensors mapped), and return the bytes
+    released; 0 when it does not, or where `madvise` is missing.
+
+    For a caller that has copied a tensor out of a mapped checkpoint and holds no view of the old
+    bytes: the mapping lives on for the file's other tensors, so the copied pages would stay
+    resident and counted twice. Released, they stay in the page cache and come back from the file
+    if read again (a private file mapping's clean pages are the file's bytes), so nothing is lost.
+    Anonymous memory is never touched: there the advice would zero bytes that the allocator may
+    still hand out."""
+    start, end = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE, (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    libc = _libc()
+    if end <= start or libc is None or not hasattr(libc, "madvise") or not _in_file_mapping(address, address + nbytes):
+        return 0
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_DONTNEED)) != 0:
+        return 0
+    return end - start
+
+
+def _in_file_mapping(start: int, end: int) -> bool:
+    """Whether [start, end) lies inside one mapping of a file (/proc/self/maps; False where that is missing)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        low, high = (int(bound, 16) for bound in fields[0].split("-"))
+        if low <= start and end <= high:
+            return len(fields) == 6 and fields[5].startswith("/")
+    return False
 
 
 @functools.cache

@@ -149,7 +149,8 @@ class FullSampler:
         dtype: torch.dtype | None = None,
         **sampler_options: Unpack[SamplerOptions],
     ) -> None:
-        inner = TorchSampler(model_dir, device, dtype, **sampler_options)
+        # Its weights are patched by flat position (delta.apply_delta), which needs them row-major.
+        inner = TorchSampler(model_dir, device, dtype, column_major_head=False, **sampler_options)
         self._setup(inner, TorchWeights(inner))
 
     @classmethod

@@ -203,11 +203,13 @@ SPILL_ALIGN = 64  # each tensor's bytes start at a multiple of this in a spill f
 def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
     """Move the host tensors among `tensors` into one new file at `path`, in place.
 
-    Each contiguous CPU tensor keeps its identity, shape and dtype; its storage becomes a
-    private mapping of its bytes in the file (`torch.from_file`), paged in when read. Others
-    (on a device, not contiguous, empty) stay as they are. Returns the bytes moved to the file.
+    Each dense CPU tensor (contiguous, or a column-major matrix: `models.column_major_head`)
+    keeps its identity, shape, strides and dtype; its storage becomes a private mapping of its
+    bytes in the file (`torch.from_file`), paged in when read. Others (on a device, strided
+    otherwise, empty) stay as they are. Returns the bytes moved to the file.
     """
-    chosen = [t for t in tensors if t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0]
+    dense = {id(t): d for t in tensors if t.device.type == "cpu" and t.numel() > 0 and (d := _dense(t.detach())) is not None}
+    chosen = [t for t in tensors if id(t) in dense]
     if not chosen:
         return 0
     offsets, end = [], 0
@@ -216,7 +218,7 @@ def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
             pad = -end % SPILL_ALIGN
             file.write(bytes(pad))
             offsets.append(end + pad)
-            data = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+            data = dense[id(tensor)].reshape(-1).view(torch.uint8).numpy()
             file.write(memoryview(data))
             end += pad + data.nbytes
     mapped = torch.from_file(str(path), shared=False, size=end, dtype=torch.uint8)
@@ -224,10 +226,20 @@ def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
     with torch.no_grad():
         for tensor, offset in zip(chosen, offsets):
             nbytes = tensor.numel() * tensor.element_size()
-            tensor.data = mapped[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            flat = mapped[offset : offset + nbytes].view(tensor.dtype)
+            tensor.data = flat.view(tensor.shape) if tensor.is_contiguous() else flat.view(tensor.shape[::-1]).t()
             moved += nbytes
     logger.info("spilled parked state path=%s tensors=%d bytes=%d", path, len(chosen), moved)
     return moved
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor | None:
+    """`tensor` as one dense block in its storage's order: itself, or the transpose of a column-major matrix."""
+    if tensor.is_contiguous():
+        return tensor
+    if tensor.dim() == 2 and tensor.t().is_contiguous():
+        return tensor.t()
+    return None
 
 
 Held = TypeVar("Held")  # what a slot keeps while parked

@@ -325,6 +325,9 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             `device`; 0 turns it off.
         prefix_block_tokens: prefixes are cached and matched in blocks of this
             many positions.
+        column_major_head: on the CPU, store the output head transposed for the
+            decode step's matmul (`models.column_major_head`); False for weights
+            patched in place by flat position (the full sampler's).
     """
 
     def __init__(
@@ -341,11 +344,14 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         fused_forward: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        column_major_head: bool = True,
     ) -> None:
         assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
         assert prefill_budget_bytes >= 1 and windowed_prefill_tokens >= 1
         self._device = device
         self._model = models.load_causal_lm(model_dir, device, dtype)
+        if column_major_head:
+            models.column_major_head(self._model)
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
         self._vocab = models.vocab_size(self._model)
         self._context = models.max_context(self._model)

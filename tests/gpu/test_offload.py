@@ -264,11 +264,19 @@ def test_spill_moves_host_tensors_into_one_file_keeping_each_object_and_its_bits
 
 
 def test_spill_leaves_tensors_it_cannot_map_where_they_are(tmp_path: Path) -> None:
-    transposed, empty = torch.randn(3, 4).t(), torch.empty(0)
-    before = (transposed.data_ptr(), empty.data_ptr())
-    assert offload.spill([transposed, empty], tmp_path / "none.parked") == 0
-    assert (transposed.data_ptr(), empty.data_ptr()) == before
+    strided, empty = torch.randn(3, 4)[:, ::2], torch.empty(0)
+    before = (strided.data_ptr(), empty.data_ptr())
+    assert offload.spill([strided, empty], tmp_path / "none.parked") == 0
+    assert (strided.data_ptr(), empty.data_ptr()) == before
     assert not (tmp_path / "none.parked").exists()
+
+
+def test_spill_maps_a_column_major_matrix_keeping_its_strides(tmp_path: Path) -> None:
+    head = torch.randn(4, 6).t().contiguous().t()  # models.column_major_head's layout
+    bits = head.clone()
+    assert offload.spill([head], tmp_path / "head.parked") == 96
+    assert head.stride() == (1, 4)
+    assert torch.equal(head, bits)
 
 
 def test_a_cpu_park_has_nothing_to_spill(fresh_trainer: TorchTrainer, tmp_path: Path) -> None:

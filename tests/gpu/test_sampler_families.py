@@ -32,6 +32,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return arch, build_tiny_model(tmp_path_factory.mktemp("families") / arch, arch, seed=3)
 
 
+def test_the_samplers_output_head_is_column_major_on_the_cpu(family: tuple[str, Path]):
+    """Every logprob this file checks against Hugging Face's row-major head runs through it."""
+    sampler = TorchSampler(family[1], CPU)
+    head = sampler._model.get_output_embeddings().weight
+    assert head.stride() == (1, head.shape[0])
+
+
 def job(prompt: list[int], n: int, max_tokens: int, seed: int, **kwargs) -> SampleJob:
     params = SamplingSpec(max_tokens=max_tokens, seed=seed, stop_at_eos=False)
     return SampleJob(prompt=np.asarray(prompt, dtype=np.int64), num_samples=n, params=params, **kwargs)
