@@ -208,23 +208,22 @@ def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
     bytes in the file (`torch.from_file`), paged in when read. Others (on a device, strided
     otherwise, empty) stay as they are. Returns the bytes moved to the file.
     """
-    dense = {id(t): d for t in tensors if t.device.type == "cpu" and t.numel() > 0 and (d := _dense(t.detach())) is not None}
-    chosen = [t for t in tensors if id(t) in dense]
+    chosen = [(t, d) for t in tensors if t.device.type == "cpu" and t.numel() > 0 and (d := _dense(t.detach())) is not None]
     if not chosen:
         return 0
     offsets, end = [], 0
     with open(path, "wb") as file:
-        for tensor in chosen:
+        for _, dense in chosen:
             pad = -end % SPILL_ALIGN
             file.write(bytes(pad))
             offsets.append(end + pad)
-            data = dense[id(tensor)].reshape(-1).view(torch.uint8).numpy()
+            data = dense.reshape(-1).view(torch.uint8).numpy()
             file.write(memoryview(data))
             end += pad + data.nbytes
     mapped = torch.from_file(str(path), shared=False, size=end, dtype=torch.uint8)
     moved = 0
     with torch.no_grad():
-        for tensor, offset in zip(chosen, offsets):
+        for (tensor, _), offset in zip(chosen, offsets):
             nbytes = tensor.numel() * tensor.element_size()
             flat = mapped[offset : offset + nbytes].view(tensor.dtype)
             tensor.data = flat.view(tensor.shape) if tensor.is_contiguous() else flat.view(tensor.shape[::-1]).t()
