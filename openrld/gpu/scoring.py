@@ -126,10 +126,13 @@ def default_micro_batch_budget(device: torch.device, activation_budget: int) -> 
     """The activations several datums may keep together before `_plan` splits them into micro-batches.
 
     CPU: 512 MiB (a micro-batch of up to ~440 of SmolLM2's tokens), or the activation budget
-    where that is smaller. Splitting costs a CPU nothing measurable (SmolLM2's 8 x 128 SFT step:
-    7.7-8.7 CPU seconds in three micro-batches, 8.0-8.4 in one), and what a micro-batch keeps
-    the allocator keeps again after it: one plain micro-batch of 8 SQL answers (1,512 padded
-    tokens) raised the daemon's resident set by 3.7 GB (bench/sql_memory.py).
+    where that is smaller. Splitting costs no CPU time (SmolLM2's 8 x 128 SFT step: 7.7-8.7 CPU
+    seconds in three micro-batches, 8.0-8.4 in one) but some wall time on two threads, each
+    micro-batch waking the second thread as often as a whole step does: through the SDK, 0.75
+    of the bare loop's speed against 0.88 unsplit in one paired run, 0.93 against 0.94 in
+    another. It stays because what a micro-batch keeps the allocator keeps again after it: one
+    plain micro-batch of 8 SQL answers (1,512 padded tokens) raised the daemon's resident set
+    by 3.7 GB (bench/sql_memory.py).
     CUDA: the activation budget, since larger matmuls run faster there.
     """
     if device.type == "cuda":
