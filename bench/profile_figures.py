@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +85,7 @@ def profile(name: str, model_dir: Path, runs: int, top: int, workdir: Path) -> N
                     [perf, "record", "-F", "499", "-g", "-p", str(pid), "-o", str(data)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )
+                time.sleep(1.0)  # perf takes a moment to attach: the tiny Llama's runs are over in less
             threads, client, faults = thread_seconds(pid), cpu_seconds(api.proc.pid), minor_faults(pid)
             times = [seconds(api.call(**ours)) for _ in range(runs)]
             after = thread_seconds(pid)
