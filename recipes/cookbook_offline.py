@@ -39,6 +39,10 @@ _loading = threading.Lock()
 _loaded: dict[tuple[str, str | None], object] = {}
 
 
+# The cookbook loop's RL losses the recipes offer, each a loss the service runs.
+LOSSES = ("importance_sampling", "ppo", "cispo")
+
+
 def prepare_cookbook(base_model: str, tokenizer_dir: str | None, api_key: str):
     """Register `base_model`'s local tokenizer for the cookbook and set its API key; returns the
     tokenizer, or None when there is no local one (the cookbook then asks the Hub)."""

@@ -20,6 +20,7 @@ from recipes.agentic.plot import write_curve_png
 from recipes.agentic.tasks import Family
 from recipes.agentic.train import AgenticConfig, EvalRecord, LogRecord, RunRecord, StepRecord, train
 from recipes.agentic.warm_start import WarmStartRecord
+from recipes.cookbook_offline import LOSSES
 
 DEFAULTS = AgenticConfig(base_url="")
 
@@ -36,11 +37,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--group-size", type=int, default=DEFAULTS.group_size)
     parser.add_argument("--train-tasks", type=int, default=DEFAULTS.train_tasks)
     parser.add_argument("--held-out-tasks", type=int, default=DEFAULTS.held_out_tasks)
+    parser.add_argument("--held-out-episodes", type=int, default=DEFAULTS.held_out_episodes,
+                        help="episodes of each held-out task at each evaluation, paired across stages")
     parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
     parser.add_argument("--max-turns", type=int, default=DEFAULTS.max_turns)
     parser.add_argument("--max-generation-tokens", type=int, default=DEFAULTS.max_generation_tokens)
     parser.add_argument("--max-trajectory-tokens", type=int, default=DEFAULTS.max_trajectory_tokens)
     parser.add_argument("--learning-rate", type=float, default=DEFAULTS.learning_rate)
+    parser.add_argument("--loss", choices=LOSSES, default=DEFAULTS.loss_fn)
     parser.add_argument("--lora-rank", type=int, default=DEFAULTS.lora_rank)
     parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
@@ -61,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
         base_url=args.url, api_key=args.api_key, base_model=args.base_model,
         families=tuple(Family(name) for name in args.families.split(",")), steps=args.steps,
         groups_per_step=args.groups_per_step, group_size=args.group_size, train_tasks=args.train_tasks,
-        held_out_tasks=args.held_out_tasks, eval_every=args.eval_every, max_turns=args.max_turns,
+        held_out_tasks=args.held_out_tasks, held_out_episodes=args.held_out_episodes, eval_every=args.eval_every,
+        max_turns=args.max_turns, loss_fn=args.loss,
         max_generation_tokens=args.max_generation_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
         learning_rate=args.learning_rate, lora_rank=args.lora_rank, temperature=args.temperature, seed=args.seed,
         sandbox=args.sandbox, tokenizer=args.tokenizer, judge_model=args.judge_model,
@@ -87,7 +92,7 @@ def _print_record(record: LogRecord) -> None:
                f"loss/token {record.losses[0]:.3f} -> {record.losses[-1]:.3f}, {record.demo_s:.0f}s demos + " \
                f"{record.train_s:.0f}s training"
     elif isinstance(record, Comparison):
-        line = f"{record.family}: {record.before} -> {record.after} on {record.tasks} tasks: success " \
+        line = f"{record.family}: {record.before} -> {record.after} on {record.episodes} episode pairs: success " \
                f"+{record.success.job_only}/-{record.success.base_only} (McNemar p {record.success.p_value:.3g}), " \
                f"reward {record.reward.mean_difference:+.3f} (paired permutation p {record.reward.p_value:.3g})" \
                f"{'  real' if record.is_real else ''}"

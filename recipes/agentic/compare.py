@@ -1,7 +1,11 @@
 """Held-out figures per family at each stage, and paired tests between two stages.
 
-Each held-out evaluation runs one episode per task; two stages (the base model,
-after the warm start, after RL) ran the same tasks, so their results pair by task.
+Each held-out evaluation runs the same number of episodes of each task, in task
+order; two stages (the base model, after the warm start, after RL) ran the same
+tasks, so their episodes pair up: a task's k-th episode at one stage against its
+k-th at the other. Under "no difference" the two episodes of a pair are two draws
+from one policy, so each pair's outcomes are exchangeable, and pairs are independent:
+both tests below hold over pairs of episodes as over pairs of tasks, with more power.
 - Success (every rubric check passed) is compared with the exact two-sided McNemar
   test, the SQL recipe's (`recipes.sql.stats.mcnemar_exact`).
 - The rubric reward (the fraction of checks passed) is compared with an exact
@@ -31,24 +35,24 @@ _MAX_DENOMINATOR = 1000
 class StageFigures(msgspec.Struct, frozen=True):
     family: str
     stage: str  # "base", "warm_start" or "rl"
-    tasks: int
-    success: float  # share of tasks whose episode passed every check
+    episodes: int  # held-out episodes: tasks x episodes per task
+    success: float  # share of episodes that passed every check
     mean_reward: float  # mean rubric score
     mean_turns: float  # model replies per episode
 
 
 class PairedReward(msgspec.Struct, frozen=True):
-    mean_difference: float  # mean over tasks of (after - before)
+    mean_difference: float  # mean over pairs of (after - before)
     p_value: float  # exact two-sided paired permutation (sign-flip) test
-    nonzero: int  # tasks whose two rewards differ (the rest do not move the test)
+    nonzero: int  # pairs whose two rewards differ (the rest do not move the test)
 
 
 class Comparison(msgspec.Struct, frozen=True, tag="comparison"):
     family: str
     before: str  # stage
     after: str  # stage
-    tasks: int
-    success: McNemar  # job_only: tasks solved after and not before; base_only: the other way
+    episodes: int  # pairs of held-out episodes compared
+    success: McNemar  # job_only: pairs solved after and not before; base_only: the other way
     reward: PairedReward
     is_real: bool  # reward.p_value < ALPHA and the mean reward rose
 
@@ -74,7 +78,8 @@ def paired_permutation_test(after: list[float], before: list[float]) -> PairedRe
 
 def compare(family: str, before: str, after: str, successes: tuple[list[bool], list[bool]],
             rewards: tuple[list[float], list[float]]) -> Comparison:
-    """Stage `after` against stage `before` on the same tasks, in the same order: (before's, after's) each."""
+    """Stage `after` against stage `before` on the same episodes of the same tasks, in the same order: (before's,
+    after's) each."""
     success_before, success_after = successes
     reward_before, reward_after = rewards
     mcnemar = mcnemar_exact([int(s) for s in success_after], [int(s) for s in success_before])

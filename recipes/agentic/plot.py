@@ -44,7 +44,8 @@ def write_curve_png(records: list[LogRecord], path: Path, *, title: str) -> Path
         held.plot([x for x, _ in judged], [a for _, a in judged], marker="^", linestyle=":", color="grey",
                   label="judge agreement with the exact checks")
     held.set_xticks(xs, [eval_label(r) for r in evals])
-    held.set_title("held out (one episode per task)")
+    per_task = evals[0].episodes_per_task if evals else 1
+    held.set_title(f"held out ({per_task} episode{'s' if per_task > 1 else ''} per task)")
     trained.plot([r.step for r in steps], [r.mean_reward for r in steps], marker=".", label="mean rubric reward")
     trained.plot([r.step for r in steps], [r.success_rate for r in steps], marker=".", linestyle="--", label="success")
     trained.set_xlabel("RL step")

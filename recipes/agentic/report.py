@@ -26,16 +26,16 @@ def read_records(path: Path) -> list[LogRecord]:
 
 def report(records: list[LogRecord]) -> list[str]:
     evals = [r for r in records if isinstance(r, EvalRecord)]
-    lines = [f"{'family':18} {'stage':11} {'tasks':>5} {'success':>8} {'reward':>7} {'turns':>6}"]
+    lines = [f"{'family':18} {'stage':11} {'episodes':>8} {'success':>8} {'reward':>7} {'turns':>6}"]
     for family in [*dict.fromkeys(f for r in evals for f in r.families), ALL_FAMILIES]:
         for record in evals:
             rows = [i for i, f in enumerate(record.families) if family in (f, ALL_FAMILIES)]
             stage = figures(family, record.stage, [record.successes[i] for i in rows],
                             [record.scores[i] for i in rows], [record.turns[i] for i in rows])
-            lines.append(f"{family:18} {eval_label(record):11} {stage.tasks:5d} {stage.success:8.3f} "
+            lines.append(f"{family:18} {eval_label(record):11} {stage.episodes:8d} {stage.success:8.3f} "
                          f"{stage.mean_reward:7.3f} {stage.mean_turns:6.2f}")
     for c in comparisons(evals) if len(evals) > 1 else []:
-        lines.append(f"{c.family}: {c.before} -> {c.after} on {c.tasks} tasks: success +{c.success.job_only}/"
+        lines.append(f"{c.family}: {c.before} -> {c.after} on {c.episodes} episode pairs: success +{c.success.job_only}/"
                      f"-{c.success.base_only} (exact McNemar p {c.success.p_value:.3g}); reward "
                      f"{c.reward.mean_difference:+.3f} (exact paired permutation p {c.reward.p_value:.3g})"
                      f"{', real' if c.is_real else ''}")

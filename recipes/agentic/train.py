@@ -13,15 +13,22 @@ and why:
 - the episodes' renderer: the model's own, with every reply begun as a tool
   call (`env.ToolCallPrefill`) unless `tool_call_prefill` is off; the judge
   gets the plain one;
-- the held-out evaluator (`HeldOutEvaluator`): one episode per held-out task,
-  its success (every rubric check passed), rubric score and turns, and optionally
-  the LLM judge's agreement with those checks. The loop calls it after 0,
+- the held-out evaluator (`HeldOutEvaluator`): `held_out_episodes` episodes of
+  each held-out task, each one's success (every rubric check passed), rubric
+  score and turns, and optionally the LLM judge's agreement with those checks. The loop calls it after 0,
   `eval_every`, 2 x `eval_every`, ... steps and after the last one; each call's
   `EvalRecord` goes to the job's JSONL log as it comes;
 - with `warm_start` N > 0, the loop starts from the state `warm_start.warm_start`
-  saved (`load_checkpoint_path`): N expert demonstrations on train tasks, trained
-  on with cross-entropy first. The base model is then evaluated on the same
-  held-out tasks before it, so the log holds three stages: base, warm start, RL;
+  saved: N expert demonstrations on train tasks, trained on with cross-entropy
+  first. The loop resumes from it as from a checkpoint of its own at step 0
+  (`resume_from`), so RL keeps the warm start's Adam moments as well as its
+  weights; `load_checkpoint_path` would load the weights alone, and a fresh
+  Adam's first steps move every parameter by about the learning rate whatever the
+  gradient's size. The base model is evaluated on the same held-out tasks before
+  it, so the log holds three stages: base, warm start, RL;
+- the loss: `ppo` by default, whose clipped ratio bounds each token's step:
+  episodes are sampled at `temperature` < 1 and trained at 1, so the sampler's
+  logprobs are not the policy's and the ratios of its rare tokens run far above 1;
 - the episode token budget, clamped to the model's context as the service reports it.
 When the loop is done the log gets one `StepRecord` per step from the cookbook's
 metrics, then one `compare.Comparison` per family and pair of stages (paired tests).
@@ -40,14 +47,14 @@ from pathlib import Path
 
 import msgspec
 import tinker
-from tinker_cookbook import tokenizer_utils
+from tinker_cookbook import checkpoint_utils, tokenizer_utils
 from tinker_cookbook.completers import TinkerTokenCompleter
 from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
 from tinker_cookbook.renderers import Renderer, get_renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_group_rollout
 
-from recipes.agentic import judge
+from recipes.agentic import judge, rubric
 from recipes.agentic.backends import pick_backend
 from recipes.agentic.compare import Comparison, compare
 from recipes.agentic.env import AgenticGroupBuilder, TaskDataset, ToolCallPrefill
@@ -73,11 +80,15 @@ class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 4  # episodes per task: the group whose mean is each episode's baseline
     train_tasks: int = 200
     held_out_tasks: int = 16
+    held_out_episodes: int = 1  # episodes of each held-out task at each evaluation (pairs for the tests)
     eval_every: int = 5  # steps between held-out evaluations (also before the first and after the last)
     max_turns: int = 4  # list, read, write, finish (termination_date's expert needs three)
     max_generation_tokens: int = 64  # contract_terms' write_file call is 58 SmolLM2 tokens, less the prefill
     max_trajectory_tokens: int = 2048  # clamped to the model's context; the expert's episodes are ~620
-    learning_rate: float = 1e-3  # LoRA on SmolLM2 in the SQL sweep: 1e-3 and 2e-3 learned, 4e-3 collapsed
+    # From the warm start, SmolLM2 at 1e-3 lost held-out success within 5 steps (with and without the
+    # warm start's Adam state, at temperature 0.7 and 1.0); at 3e-4 with ppo it gained.
+    learning_rate: float = 3e-4
+    loss_fn: str = "ppo"  # one of cookbook_offline.LOSSES
     lora_rank: int = 16
     # Below 1: at 1.0, before replies were prefilled as tool calls, SmolLM2-135M wrote none
     # in 28 episodes; 0.7 keeps its calls' arguments coherent. The sampler's logprobs are
@@ -115,16 +126,18 @@ class Stage(enum.StrEnum):
 
 class EvalRecord(msgspec.Struct, frozen=True, tag="eval"):
     step: int  # RL steps taken before this evaluation
-    held_out_success: float  # held-out tasks whose one episode passed every check
-    successes: list[bool]  # per held-out task, in task order
+    held_out_success: float  # held-out episodes that passed every check
+    # The per-episode lists below run in task order, `episodes_per_task` episodes of each task.
+    successes: list[bool]
     judge_agreement: float | None  # the judge's verdicts equal to the exact checks' (None: no judge)
     elapsed_s: float
     stage: str = Stage.RL.value  # which model: the base, after the warm start, or after `step` RL steps
-    task_ids: list[str] = []
-    families: list[str] = []  # per held-out task
-    scores: list[float] = []  # per held-out task: the rubric reward, the fraction of checks passed
-    turns: list[int] = []  # per held-out task: the model's replies in its episode
+    task_ids: list[str] = []  # per episode
+    families: list[str] = []  # per episode
+    scores: list[float] = []  # per episode: the rubric reward, the fraction of checks passed
+    turns: list[int] = []  # per episode: the model's replies
     judge_counts: judge.Agreement | None = None  # the judge's verdicts in detail, when there is one
+    episodes_per_task: int = 1
 
 
 class StepRecord(msgspec.Struct, frozen=True, tag="step"):
@@ -153,16 +166,28 @@ def eval_steps(steps: int, eval_every: int) -> list[int]:
     return [s for s in range(steps + 1) if s % eval_every == 0 or s == steps]
 
 
+class HeldOutEpisode(msgspec.Struct, frozen=True):
+    task: Task
+    grade: rubric.Grade
+    deliverable: str | None  # what the grader read
+    turns: int  # the model's replies
+
+
 async def evaluate_held_out(tasks: list[Task], make_builder: Callable[..., AgenticGroupBuilder],
-                            sampling_client: tinker.SamplingClient,
-                            config: AgenticConfig) -> list[tuple[AgenticGroupBuilder, int]]:
-    """One episode per held-out task with the policy `sampling_client` samples: each graded builder and its
-    episode's turns (the model's replies), in task order."""
-    builders = [make_builder(task, 1) for task in tasks]
+                            sampling_client: tinker.SamplingClient, config: AgenticConfig) -> list[HeldOutEpisode]:
+    """`config.held_out_episodes` episodes of each held-out task with the policy `sampling_client` samples, graded,
+    in task order."""
+    builders = [make_builder(task, config.held_out_episodes) for task in tasks]
     policy = TinkerTokenCompleter(sampling_client, max_tokens=config.max_generation_tokens,
                                   temperature=config.temperature)
     groups = await asyncio.gather(*[do_group_rollout(b, policy) for b in builders])
-    return [(b, len(g.trajectories_G[0].transitions)) for b, g in zip(builders, groups)]
+    episodes = []
+    for builder, group in zip(builders, groups):
+        for grade, deliverable, trajectory in zip(builder.grades, builder.deliverables, group.trajectories_G):
+            if grade is None:  # every episode is graded (AgenticGroupBuilder): this is a bug, not an input
+                raise RuntimeError(f"an episode of {builder.task.task_id} was never graded")
+            episodes.append(HeldOutEpisode(builder.task, grade, deliverable, len(trajectory.transitions)))
+    return episodes
 
 
 class HeldOutEvaluator(SamplingClientEvaluator):
@@ -185,16 +210,13 @@ class HeldOutEvaluator(SamplingClientEvaluator):
 
     async def evaluate(self, sampling_client: tinker.SamplingClient, step: int, stage: Stage) -> EvalRecord:
         episodes = await evaluate_held_out(self.tasks, self.make_builder, sampling_client, self.config)
-        builders = [b for b, _ in episodes]
-        grades = [b.grades[0] for b in builders]  # every episode is graded (AgenticGroupBuilder)
-        assert all(g is not None for g in grades), [b.task.task_id for b, g in zip(builders, grades) if g is None]
-        successes = [g.success for g in grades if g is not None]
-        counts = await self._judge([(b.task, b.deliverables[0]) for b in builders], successes)
+        successes = [e.grade.success for e in episodes]
+        counts = await self._judge([(e.task, e.deliverable) for e in episodes], successes)
         record = EvalRecord(
             step, sum(successes) / len(successes), successes, None if counts is None else counts.rate,
-            time.monotonic() - self.started, stage=stage.value, task_ids=[b.task.task_id for b in builders],
-            families=[b.task.family.value for b in builders], scores=[g.score for g in grades if g is not None],
-            turns=[turns for _, turns in episodes], judge_counts=counts,
+            time.monotonic() - self.started, stage=stage.value, task_ids=[e.task.task_id for e in episodes],
+            families=[e.task.family.value for e in episodes], scores=[e.grade.score for e in episodes],
+            turns=[e.turns for e in episodes], judge_counts=counts, episodes_per_task=self.config.held_out_episodes,
         )
         self.emit(record)
         return record
@@ -256,13 +278,26 @@ def step_records(metrics_path: Path, dataset: TaskDataset) -> list[StepRecord]:
 
 
 def _cookbook_config(config: AgenticConfig, dataset: TaskDataset, evaluator: HeldOutEvaluator,
-                     log_dir: Path, load_checkpoint_path: str | None) -> cookbook_train.Config:
+                     log_dir: Path) -> cookbook_train.Config:
     return cookbook_config(
         dataset, evaluator, log_dir, steps=config.steps, learning_rate=config.learning_rate,
         model_name=config.base_model, recipe_name="openrld_agentic", max_tokens=config.max_generation_tokens,
-        eval_every=config.eval_every, base_url=config.base_url, loss_fn="importance_sampling",
-        lora_rank=config.lora_rank, temperature=config.temperature, load_checkpoint_path=load_checkpoint_path,
+        eval_every=config.eval_every, base_url=config.base_url, loss_fn=config.loss_fn,
+        lora_rank=config.lora_rank, temperature=config.temperature,
     )
+
+
+def resume_from(cookbook_dir: Path, state_path: str) -> None:
+    """Make the cookbook loop in `cookbook_dir` start from `state_path`, weights and optimizer state, at step 0.
+
+    The loop resumes from the last record of its `checkpoints.jsonl` with the optimizer
+    state (`create_training_client_from_state_with_optimizer`), at that record's batch;
+    this writes that record, in the cookbook's own format, for a state the loop did not save.
+    """
+    cookbook_dir.mkdir(parents=True, exist_ok=True)
+    record = checkpoint_utils.CheckpointRecord(name="warm-start", batch=0, state_path=state_path)
+    with (cookbook_dir / checkpoint_utils.CHECKPOINTS_BASE_NAME).open("a") as f:
+        f.write(msgspec.json.encode(record.to_dict()).decode() + "\n")
 
 
 def model_context(config: AgenticConfig) -> int | None:
@@ -279,7 +314,6 @@ async def _warm_start_and_train(config: AgenticConfig, make_builder: Callable[..
                                 emit: Callable[[LogRecord], None]) -> None:
     """With a warm start: the base model's held-out evaluation, the demonstrations and the supervised steps; then
     the cookbook loop, from the warm start's state when there is one."""
-    state_path = None
     if config.warm_start > 0:
         service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
         base = await service.create_sampling_client_async(base_model=config.base_model)
@@ -293,8 +327,8 @@ async def _warm_start_and_train(config: AgenticConfig, make_builder: Callable[..
             demo_s=time.monotonic() - started,
         )
         emit(record)
-        state_path = record.state_path
-    await cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir, state_path))
+        resume_from(cookbook_dir, record.state_path)
+    await cookbook_train.main(_cookbook_config(config, dataset, evaluator, cookbook_dir))
 
 
 def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None = None) -> list[LogRecord]:

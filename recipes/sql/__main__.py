@@ -14,8 +14,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from recipes.cookbook_offline import LOSSES
 from recipes.sql.reward import REWARDS
-from recipes.sql.train import LOSSES, DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, train
+from recipes.sql.train import DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, train
 
 DEFAULTS = SqlTrainConfig(base_url="")
 

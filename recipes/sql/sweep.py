@@ -30,11 +30,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from recipes.cookbook_offline import LOSSES
 from recipes.sql.autoresearch import GridPoint, next_grid
 from recipes.sql.leaderboard import BaseComparison, JobRow, best_row, write_csv, write_markdown
 from recipes.sql.reward import REWARDS
 from recipes.sql.stats import bonferroni, mcnemar_exact
-from recipes.sql.train import LOSSES, DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, read_log, train
+from recipes.sql.train import DoneRecord, EvalRecord, LogRecord, SqlTrainConfig, read_log, train
 
 logger = logging.getLogger(__name__)
 

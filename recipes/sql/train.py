@@ -41,14 +41,12 @@ from tinker_cookbook.renderers import Renderer, get_renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_single_rollout
 
-from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
+from recipes.cookbook_offline import LOSSES, cookbook_config, prepare_cookbook, rollout_rows
 from recipes.sql.databases import Schema, make_schemas
 from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
 from recipes.sql.questions import FAMILIES, QuestionSplit, make_questions, split_questions
 from recipes.sql.reward import REWARDS
 from recipes.sql.sandbox import QueryPool
-
-LOSSES = ("importance_sampling", "ppo", "cispo")
 
 
 class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -3,11 +3,13 @@ test on the rubric reward, and which evaluations the recipe compares."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
 from recipes.agentic.compare import compare, figures, paired_permutation_test
-from recipes.agentic.train import EvalRecord, comparisons, episode_budget
+from recipes.agentic.train import EvalRecord, comparisons, episode_budget, resume_from
 
 
 def test_the_permutation_p_value_counts_sign_assignments_as_extreme():
@@ -44,6 +46,27 @@ def test_figures_are_the_means_over_the_family_s_tasks():
     assert (stage.success, stage.mean_reward, stage.mean_turns) == (0.5, 0.75, 3.0)
 
 
+def test_episodes_pair_up_across_stages_so_each_task_s_kth_episode_is_one_pair():
+    # Two tasks, two episodes each: the tests run over the four pairs, in order.
+    before = EvalRecord(0, 0.25, [False, False, True, False], None, 0.0, stage="warm_start",
+                        task_ids=["a", "a", "b", "b"], families=["contract_terms"] * 4, scores=[0.0, 0.0, 1.0, 0.5],
+                        turns=[4, 4, 4, 4], episodes_per_task=2)
+    after = msgspec.structs.replace(before, stage="rl", step=10, successes=[True, True, True, True],
+                                    scores=[1.0, 1.0, 1.0, 1.0])
+    [pair] = comparisons([before, after])
+    assert (pair.episodes, pair.success.job_only, pair.success.base_only, pair.reward.nonzero) == (4, 3, 0, 3)
+    assert pair.reward.p_value == 2 / 2**3
+
+
+def test_the_loop_resumes_from_the_warm_start_s_state_at_step_zero(tmp_path: Path):
+    from tinker_cookbook import checkpoint_utils
+
+    resume_from(tmp_path / "cookbook", "tinker://s-1:train:0/weights/warm-start")
+    resumed = checkpoint_utils.get_last_checkpoint(str(tmp_path / "cookbook"))
+    assert resumed is not None
+    assert (resumed.batch, resumed.state_path) == (0, "tinker://s-1:train:0/weights/warm-start")
+
+
 def _eval(stage: str, step: int, successes: list[bool], scores: list[float]) -> EvalRecord:
     return EvalRecord(step, sum(successes) / 2, successes, None, 0.0, stage=stage, task_ids=["a", "b"],
                       families=["termination_date", "contract_terms"], scores=scores, turns=[3, 4])
@@ -72,12 +95,13 @@ def test_the_report_gives_each_family_s_figures_at_each_stage_then_the_tests():
     from recipes.agentic.report import report
 
     lines = report([_eval("base", 0, [False, False], [0.5, 0.0]), _eval("warm_start", 0, [True, False], [1.0, 0.5])])
-    assert lines[1:4] == [
-        "termination_date   base            1    0.000   0.500   3.00",
-        "termination_date   warm start      1    1.000   1.000   3.00",
-        "contract_terms     base            1    0.000   0.000   4.00",
+    assert lines[0:4] == [
+        "family             stage       episodes  success  reward  turns",
+        "termination_date   base               1    0.000   0.500   3.00",
+        "termination_date   warm start         1    1.000   1.000   3.00",
+        "contract_terms     base               1    0.000   0.000   4.00",
     ]
-    assert lines[7] == ("termination_date: base -> warm_start on 1 tasks: success +1/-0 (exact McNemar p 1); "
+    assert lines[7] == ("termination_date: base -> warm_start on 1 episode pairs: success +1/-0 (exact McNemar p 1); "
                         "reward +0.500 (exact paired permutation p 1)")
 
 
