@@ -140,19 +140,28 @@ def test_make_sql_sweep_runs_a_job_and_writes_the_leaderboard_and_curves(node: s
     assert (tmp_path / "sql_sweep" / "heldout_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_make_agentic_runs_a_step_in_bubblewrap_and_writes_its_records_and_curve(node: str, tmp_path: Path):
+def test_make_agentic_warm_starts_runs_a_step_in_bubblewrap_and_writes_its_records_and_curve(node: str, tmp_path: Path):
     if not Path("/usr/bin/bwrap").exists():
         pytest.skip("bubblewrap is missing (make install-test installs it)")
     argv = _workload_command("agentic")
-    # No warm start: its demonstrations and supervised steps are tested in tests/recipes/test_agentic_warm_start.py.
+    # A warm start of one step on two demonstrations (the expert's episodes need the README's turns and reply
+    # tokens), one RL step, two episodes of one held-out task at each stage.
     small = (
-        "--warm-start 0 --steps 1 --eval-every 1 --groups-per-step 1 --group-size 2 --held-out-tasks 1 --max-turns 2"
-        " --max-generation-tokens 16"
+        "--warm-start 2 --warm-start-steps 1 --warm-start-batch 2 --steps 1 --eval-every 1 --groups-per-step 1"
+        " --group-size 2 --held-out-tasks 1 --held-out-episodes 2"
     )
-    argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {tmp_path / 'agentic'}"
+    out_dir = tmp_path / "agentic"
+    argv[-1] = argv[-1].replace(README_URL, node) + f" {small} --out {out_dir}"
     out = _run(argv)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    records = [json.loads(line) for line in (tmp_path / "agentic" / "records.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines()]
     assert (records[0]["type"], records[0]["sandbox_backend"]) == ("run", "bwrap")
-    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 1]
-    assert (tmp_path / "agentic" / "held_out_success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [warm] = [r for r in records if r["type"] == "warm_start"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [(r["stage"], r["step"], len(r["successes"])) for r in evals] == [("base", 0, 2), ("warm_start", 0, 2),
+                                                                             ("rl", 1, 2)]
+    # RL resumed from the warm start's state, its Adam moments with it: the loop's own resume record.
+    first = json.loads((out_dir / "cookbook" / "checkpoints.jsonl").read_text().splitlines()[0])
+    assert (first["name"], first["batch"], first["state_path"]) == ("warm-start", 0, warm["state_path"])
+    assert f"Resumed training from {warm['state_path']}" in (out_dir / "cookbook" / "logs.log").read_text()
+    assert (out_dir / "held_out_success.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
