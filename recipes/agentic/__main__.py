@@ -25,6 +25,13 @@ from recipes.cookbook_offline import LOSSES
 DEFAULTS = AgenticConfig(base_url="")
 
 
+def _at_least_one(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {count}")
+    return count
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser = argparse.ArgumentParser(prog="python -m recipes.agentic", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the Tinker-API service")
@@ -37,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[AgenticConfig, Path]:
     parser.add_argument("--group-size", type=int, default=DEFAULTS.group_size)
     parser.add_argument("--train-tasks", type=int, default=DEFAULTS.train_tasks)
     parser.add_argument("--held-out-tasks", type=int, default=DEFAULTS.held_out_tasks)
-    parser.add_argument("--held-out-episodes", type=int, default=DEFAULTS.held_out_episodes,
+    parser.add_argument("--held-out-episodes", type=_at_least_one, default=DEFAULTS.held_out_episodes,
                         help="episodes of each held-out task at each evaluation, paired across stages")
     parser.add_argument("--eval-every", type=int, default=DEFAULTS.eval_every)
     parser.add_argument("--max-turns", type=int, default=DEFAULTS.max_turns)

@@ -15,9 +15,9 @@ and why:
   gets the plain one;
 - the held-out evaluator (`HeldOutEvaluator`): `held_out_episodes` episodes of
   each held-out task, each one's success (every rubric check passed), rubric
-  score and turns, and optionally the LLM judge's agreement with those checks. The loop calls it after 0,
-  `eval_every`, 2 x `eval_every`, ... steps and after the last one; each call's
-  `EvalRecord` goes to the job's JSONL log as it comes;
+  score and turns, and optionally the LLM judge's agreement with those checks.
+  The loop calls it after 0, `eval_every`, 2 x `eval_every`, ... steps and after
+  the last one; each call's `EvalRecord` goes to the job's JSONL log as it comes;
 - with `warm_start` N > 0, the loop starts from the state `warm_start.warm_start`
   saved: N expert demonstrations on train tasks, trained on with cross-entropy
   first. The loop resumes from it as from a checkpoint of its own at step 0
@@ -28,7 +28,8 @@ and why:
   it, so the log holds three stages: base, warm start, RL;
 - the loss: `ppo` by default, whose clipped ratio bounds each token's step:
   episodes are sampled at `temperature` < 1 and trained at 1, so the sampler's
-  logprobs are not the policy's and the ratios of its rare tokens run far above 1;
+  logprobs are not the policy's and the ratios of its rare tokens run above 1
+  (chosen with the learning rate, 3e-4, and measured with it, not apart);
 - the episode token budget, clamped to the model's context as the service reports it.
 When the loop is done the log gets one `StepRecord` per step from the cookbook's
 metrics, then one `compare.Comparison` per family and pair of stages (paired tests).

@@ -117,3 +117,19 @@ def test_the_report_gives_the_judge_s_agreement_at_each_evaluation_and_over_them
         "judge at warm start: agrees on 2/2 (1.000); judge passed 1, exact passed 1",
         "judge at every evaluation: agrees on 3/4 (0.750); judge passed 2, exact passed 1",
     ]
+
+
+def test_a_run_asked_for_no_held_out_episodes_is_refused_before_it_starts(capsys):
+    from recipes.agentic.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--held-out-episodes", "0"])
+    assert refused.value.code == 2
+    assert "argument --held-out-episodes: expected 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_the_defaults_train_with_ppo_at_3e_4_and_one_held_out_episode_a_task():
+    from recipes.agentic.__main__ import parse_args
+
+    config, _ = parse_args([])
+    assert (config.loss_fn, config.learning_rate, config.held_out_episodes) == ("ppo", 3e-4, 1)
