@@ -273,12 +273,16 @@ def _read_complete(step_dir: Path, model_id: str, step: int) -> AutosaveManifest
     if (manifest.model_id, manifest.step) != (model_id, step):
         raise _Incomplete(f"its manifest names {manifest.model_id} step {manifest.step}")
     on_disk = {}
-    for entry in os.scandir(step_dir):
-        info = entry.stat(follow_symlinks=False)
-        if not stat.S_ISREG(info.st_mode):
-            raise _Incomplete(f"{entry.name} is not a regular file")
-        on_disk[entry.name] = info.st_size
-    on_disk.pop(AUTOSAVE_MANIFEST)
+    try:
+        for entry in os.scandir(step_dir):
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                raise _Incomplete(f"{entry.name} is not a regular file")
+            on_disk[entry.name] = info.st_size
+    except FileNotFoundError:  # the home's next commit pruned it between the manifest and the listing
+        raise _Incomplete("it went while it was being read") from None
+    if on_disk.pop(AUTOSAVE_MANIFEST, None) is None:
+        raise _Incomplete(f"its {AUTOSAVE_MANIFEST} went while it was being read")
     if on_disk != manifest.files:
         raise _Incomplete(f"it holds {sorted(on_disk.items())}; its manifest lists {sorted(manifest.files.items())}")
     return manifest

@@ -253,3 +253,24 @@ def test_each_file_of_a_snapshot_and_its_dir_are_fsynced_once_before_the_rename_
     staging_name = synced[before_rename - 1]  # the staging dir itself, last
     assert staging_name.startswith("staging-")
     assert sorted(synced[: before_rename - 1]) == sorted(os.listdir(directory))
+
+
+def test_a_step_pruned_while_it_is_read_is_skipped_for_the_one_before(store: Store, root: Path, monkeypatch):
+    """The home's next commit prunes older steps while an adopter reads them (seen in a cluster test as a
+    FileNotFoundError): a step that goes between its manifest and its listing is skipped, not raised."""
+    from openrld import autosave as module
+
+    newer = _newer_copy(store, root)
+    read_manifest = module._read_manifest
+
+    def pruned_after_its_manifest(step_dir: Path) -> AutosaveManifest:
+        manifest = read_manifest(step_dir)
+        if step_dir == newer:
+            for entry in os.scandir(step_dir):
+                os.unlink(entry.path)
+            step_dir.rmdir()
+        return manifest
+
+    monkeypatch.setattr(module, "_read_manifest", pruned_after_its_manifest)
+    latest = latest_autosave(root, RUN)
+    assert latest is not None and latest.manifest.step == 1
