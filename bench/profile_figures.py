@@ -3,18 +3,23 @@ SDK client runs each figure.
 
 For each of rl_throughput.py's three figures (SFT step 8x128, sample 8x32, RL iteration), after
 rl_throughput.py's warm-up, an SDK client in a process of its own (bench/_sdk_loop.py) runs the
-figure `--runs` times against `openrld serve` with its default config, and this prints:
+figure `--runs` times against `openrld serve` with its default config; then rl_throughput.py's
+baseline, the bare transformers + peft loop in a process of its own with torch's defaults
+(bench/_bare_loop.py, no openrld import), runs the same work `--runs` times, outside the
+profile. This prints:
 
     <model> <figure>: client seconds of each run
         daemon CPU seconds a run, its busiest threads' (/proc/<pid>/task), the client's CPU
         seconds a run, and the daemon's minor page faults a run (each a page first touched)
         with `perf` on the PATH, the daemon's `perf record -g` over those runs: the symbols
         with the largest shares of its samples (`--top`), and the shared objects'
+        the bare loop's seconds of each run, and the ratio of the medians (bare / openrld)
 
-No baseline runs: it explains the openrld side of rl_throughput.py's ratios (what the engine
-computes, what the HTTP and SDK add, whether the cores are busy), not the ratios themselves.
-Times on a shared VM drift by a third within an hour (README, Benchmarks), so compare two of
-its runs only from alternating rounds.
+It explains the openrld side of rl_throughput.py's ratios (what the engine computes, what the
+HTTP and SDK add, whether the cores are busy); the baseline beside it says how far that side
+is from what a researcher's own loop takes in the same minutes. rl_throughput.py, with its
+alternating rounds, stays the measure of the ratios: times on a shared VM drift by a third
+within an hour (README, Benchmarks).
 
 Run: `.venv/bin/python bench/profile_figures.py` (`--models tiny-llama smollm2`, `--runs N`,
 `--top N`; about 2 minutes for SmolLM2 on 2 CPU cores).
@@ -26,6 +31,7 @@ import argparse
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,11 +79,12 @@ def perf_top(data: Path, sort: str, top: int) -> list[str]:
 def profile(name: str, model_dir: Path, runs: int, top: int, workdir: Path) -> None:
     perf = shutil.which("perf")
     with daemon_process({name: model_dir}) as (url, pid), \
-            child("_sdk_loop.py", url, name, vocab_size(model_dir)) as api:
-        for _, _, ours, _ in WORK:  # rl_throughput.py's warm-up
+            child("_sdk_loop.py", url, name, vocab_size(model_dir)) as api, child("_bare_loop.py", model_dir) as bare:
+        for _, _, ours, theirs in WORK:  # rl_throughput.py's warm-up
             api.call(**ours)
+            bare.call(**theirs)
         api.call("rl_iterations", count=MAX_LOADED_VERSIONS)
-        for title, _, ours, _ in WORK:
+        for title, _, ours, theirs in WORK:
             data = workdir / f"{name}-{title.split()[0]}.perf"
             recorder = None
             if perf:
@@ -105,6 +112,9 @@ def profile(name: str, model_dir: Path, runs: int, top: int, workdir: Path) -> N
                 for line in perf_top(data, "sym", top):
                     print(f"    {line}", flush=True)
                 print("    by shared object: " + "; ".join(perf_top(data, "dso", 5)), flush=True)
+            baseline = [seconds(bare.call(**theirs)) for _ in range(runs)]
+            print(f"    bare loop seconds {', '.join(f'{t:.3f}' for t in baseline)}; ratio of the medians "
+                  f"{statistics.median(baseline) / statistics.median(times):.2f}", flush=True)
 
 
 def main() -> None:
