@@ -70,7 +70,7 @@ def column_major_head(model: torch.nn.Module) -> int:
     """
     head = model.get_output_embeddings()
     weight = head.weight if isinstance(head, torch.nn.Linear) else None
-    if weight is None or weight.device.type != "cpu" or weight.dim() != 2 or not weight.is_contiguous():
+    if weight is None or weight.device.type != "cpu" or not weight.is_contiguous():
         return 0
     old = weight.data
     with torch.no_grad():
