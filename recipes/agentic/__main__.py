@@ -4,7 +4,8 @@ It logs which sandbox backend it uses (bubblewrap here, agent-sandbox in the GKE
 Job), prints each record (the run, each held-out evaluation as it comes, the warm
 start, then the cookbook loop's steps and the paired tests between stages), and a
 final summary of held-out success from the first evaluation to the last; it exits 0.
-With no sandbox it says so and exits 2, before it touches the service.
+With no sandbox, or with an --out that holds an earlier run, it says so and exits 2,
+before it touches the service.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     config, png_path = parse_args(argv)
     try:
         records = train(config, on_record=_print_record)
-    except NoSandbox as refusal:
+    except (NoSandbox, FileExistsError) as refusal:
         print(f"refused: {refusal}", file=sys.stderr, flush=True)
         return 2
     families = ", ".join(config.families)

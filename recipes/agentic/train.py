@@ -337,7 +337,11 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
 
     Raises:
         RuntimeError: when there is no sandbox to run the episodes in (`backends.pick_backend`).
+        FileExistsError: when the log's directory holds an earlier run's cookbook checkpoints.
     """
+    # The cookbook resumes from a checkpoint it finds there, which would make this another run.
+    if (config.log_path.parent / "cookbook" / checkpoint_utils.CHECKPOINTS_BASE_NAME).exists():
+        raise FileExistsError(f"{config.log_path.parent} holds an earlier run; use a new --out")
     backend, make_sandbox = pick_backend(config.sandbox, SandboxLimits())
     logger.info("sandbox backend: %s", backend)
     started = time.monotonic()
@@ -370,8 +374,6 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
         first_stage = Stage.WARM_START if config.warm_start > 0 else Stage.BASE
         evaluator = HeldOutEvaluator(held_out, make_builder, config, renderer, emit, started, first_stage=first_stage)
         cookbook_dir = config.log_path.parent / "cookbook"
-        # The cookbook resumes from a checkpoint it finds there, which would make this another run.
-        assert not (cookbook_dir / "checkpoints.jsonl").exists(), f"{cookbook_dir} holds an earlier run; use a new --out"
         asyncio.run(_warm_start_and_train(config, make_builder, evaluator, dataset, cookbook_dir, emit))
         for step in step_records(cookbook_dir / "metrics.jsonl", dataset):
             emit(step)

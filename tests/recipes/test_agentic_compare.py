@@ -133,3 +133,12 @@ def test_the_defaults_train_with_ppo_at_3e_4_and_one_held_out_episode_a_task():
 
     config, _ = parse_args([])
     assert (config.loss_fn, config.learning_rate, config.held_out_episodes) == ("ppo", 3e-4, 1)
+
+
+def test_an_out_dir_that_holds_an_earlier_run_is_refused_before_the_service_is_touched(tmp_path: Path, capsys):
+    from recipes.agentic.__main__ import main
+
+    (tmp_path / "cookbook").mkdir()
+    (tmp_path / "cookbook" / "checkpoints.jsonl").write_text('{"name": "final", "batch": 10}\n')
+    assert main(["--url", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
+    assert f"refused: {tmp_path} holds an earlier run; use a new --out" in capsys.readouterr().err
