@@ -8,6 +8,7 @@ one with two devices and two users' keys (exclusive jobs, ownership).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import httpx
@@ -81,6 +82,23 @@ def keyed_daemon(tmp_path_factory, tiny_llama, tiny_qwen3):
     daemon.stop()
 
 
+@pytest.fixture(scope="module")
+def gated_daemon(tmp_path_factory, tiny_llama, tiny_qwen3):
+    """Engines in worker processes whose interpreter waits for a gate file, so a cold start
+    stays in its load until the test has looked at it (an in-process load of a tiny model can
+    finish before the next request is served)."""
+    root = tmp_path_factory.mktemp("gated")
+    gate = root / "gate"
+    python = root / "gated-python"
+    python.write_text(f'#!/bin/sh\nwhile [ ! -e "{gate}" ]; do sleep 0.05; done\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    daemon = _own_daemon(
+        tmp_path_factory, tiny_llama, tiny_qwen3, "gated-node", f'\n[workers]\nlauncher = "process"\npython = "{python}"'
+    )
+    yield daemon, gate
+    daemon.stop()
+
+
 # ---------------------------------------------------------------- one device, one LoRA job
 
 
@@ -101,9 +119,9 @@ def test_a_new_lora_job_is_ready_at_step_zero_on_the_cpu(shared_daemon, service)
     ]
 
 
-def test_a_cold_start_says_it_loads_the_base_model_then_is_ready(shared_daemon):
-    # tiny-qwen3 has no group on this daemon yet: its first job pays for loading it.
-    with httpx.Client(base_url=shared_daemon.url, headers=HEADERS, timeout=60) as http:
+def test_a_cold_start_says_it_loads_the_base_model_then_is_ready(gated_daemon):
+    daemon, gate = gated_daemon
+    with httpx.Client(base_url=daemon.url, headers=HEADERS, timeout=60) as http:
         session_id = http.post(
             "/api/v1/create_session", json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}
         ).json()["session_id"]
@@ -111,15 +129,16 @@ def test_a_cold_start_says_it_loads_the_base_model_then_is_ready(shared_daemon):
             "/api/v1/create_model",
             json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-qwen3", "lora_config": {"rank": 4}},
         ).json()
-        cold = _status(shared_daemon, created["model_id"]).json()
-        for _ in range(20):  # each poll is held up to the daemon's 3 s long-poll
+        cold = _status(daemon, created["model_id"]).json()  # its sampler's process waits at the gate
+        gate.touch()
+        for _ in range(40):  # each poll is held up to the daemon's 3 s long-poll
             answer = http.post(
                 "/api/v1/retrieve_future", json={"request_id": created["request_id"], "allow_metadata_only": False}
             ).json()
             if answer.get("type") != "try_again":
                 break
         assert answer["model_id"] == created["model_id"]
-        warm = _status(shared_daemon, created["model_id"]).json()
+        warm = _status(daemon, created["model_id"]).json()
     assert (cold["state"], cold["waiting_for"]) == ("loading_weights", "base model tiny-qwen3 to load onto cpu")
     assert [(w["role"], w["state"]) for w in cold["workers"]] == [
         ("trainer", "loading_weights"), ("sampler", "loading_weights"),
