@@ -27,6 +27,7 @@ CPU = torch.device("cpu")
 SLIDING_FAMILIES = ("gemma3", "gemma4")
 TOKENS = 50  # > 6 windows of 8
 ATOL = 1e-5
+GRAD_ATOL = 3e-5  # of the gradient's largest entry
 GRAD_RTOL = 1e-5
 
 
@@ -70,8 +71,10 @@ def assert_same_as_sdpa(model_dir: Path, ids: torch.Tensor, mask: torch.Tensor |
 
 
 def assert_close_grad(grad: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    # A weight's gradient sums over every position, in another order in each path: Gemma 4's
+    # per-layer input gate (largest entry ~100) came out 1.1e-5 of its scale apart on one machine.
     scale = float(expected.abs().max())
-    torch.testing.assert_close(grad, expected, atol=ATOL * max(scale, 1.0), rtol=GRAD_RTOL, msg=name)
+    torch.testing.assert_close(grad, expected, atol=GRAD_ATOL * max(scale, 1.0), rtol=GRAD_RTOL, msg=name)
 
 
 def test_only_the_families_with_sliding_layers_are_switched(family_dirs: dict[str, Path]) -> None:
