@@ -32,7 +32,7 @@ the text-to-SQL sweep peaked at 4.55 GB with a trim after each pass and 4.63
 GB without (bench/sql_memory.py), so it bought no peak.
 
 `release_file_pages` unmaps pages of a mapped checkpoint that a tensor was copied
-out of (`models.column_major_head`), so that they are not counted twice.
+out of (`packed_linear`: weights packed for oneDNN), so that they are not counted twice.
 """
 
 from __future__ import annotations

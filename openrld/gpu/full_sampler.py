@@ -150,7 +150,7 @@ class FullSampler:
         **sampler_options: Unpack[SamplerOptions],
     ) -> None:
         # Its weights are patched by flat position (delta.apply_delta), which needs them row-major.
-        inner = TorchSampler(model_dir, device, dtype, column_major_head=False, **sampler_options)
+        inner = TorchSampler(model_dir, device, dtype, packed_weights=False, **sampler_options)
         self._setup(inner, TorchWeights(inner))
 
     @classmethod

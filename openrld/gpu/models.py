@@ -15,7 +15,6 @@ import peft
 import torch
 import transformers
 
-from openrld import heap
 from openrld.batches import LoraSpec
 
 # LoRA targets, as module-name suffixes peft matches in any family (a name a family lacks
@@ -53,31 +52,6 @@ def load_causal_lm(model_dir: str | Path, device: torch.device, dtype: torch.dty
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def column_major_head(model: torch.nn.Module) -> int:
-    """Store the output head's weight column-major, (in, out) in memory, when it is on the CPU; the
-    bytes of the checkpoint's mapping released (`heap.release_file_pages`).
-
-    A sampler's decode step multiplies a few rows by the whole head (SmolLM2: 49,152 x 576, a
-    fifth of its weights), and MKL runs x @ W.T of a row-major W through a slower kernel than
-    x @ W of the same W laid out transposed: SmolLM2's sample of 8 x 32 by an SDK client took
-    2.95 s against 3.21 (medians of 6 alternating rounds, bench/rl_throughput.py's shape).
-    Transposing the other linears gained nothing measurable (3.21 s). The parameter keeps its
-    identity, shape and values, so peft's wrappers, a tied input embedding (its lookups gather
-    strided columns, a few a step) and the fused forward all see it; only its strides change.
-    Not for weights patched by flat position (`delta.apply_delta`, the full sampler's).
-    """
-    head = model.get_output_embeddings()
-    weight = head.weight if isinstance(head, torch.nn.Linear) else None
-    if weight is None or weight.device.type != "cpu" or not weight.is_contiguous():
-        return 0
-    old = weight.data
-    with torch.no_grad():
-        weight.data = old.t().contiguous().t()
-    address, nbytes = old.data_ptr(), old.numel() * old.element_size()
-    del old
-    return heap.release_file_pages(address, nbytes)
 
 
 def lora_target_modules(spec: LoraSpec) -> list[str]:

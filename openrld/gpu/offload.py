@@ -203,7 +203,7 @@ SPILL_ALIGN = 64  # each tensor's bytes start at a multiple of this in a spill f
 def spill(tensors: Sequence[torch.Tensor], path: Path) -> int:
     """Move the host tensors among `tensors` into one new file at `path`, in place.
 
-    Each dense CPU tensor (contiguous, or a column-major matrix: `models.column_major_head`)
+    Each dense CPU tensor (contiguous, or a column-major matrix, a transposed view)
     keeps its identity, shape, strides and dtype; its storage becomes a private mapping of its
     bytes in the file (`torch.from_file`), paged in when read. Others (on a device, strided
     otherwise, empty) stay as they are. Returns the bytes moved to the file.

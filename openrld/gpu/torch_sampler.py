@@ -187,6 +187,7 @@ class TorchSamplerStatistics(msgspec.Struct, frozen=True):
     adapters_made: int = 0  # peft adapters created for versions
     adapters_reused: int = 0  # versions copied into the adapter of a dropped version
     adapters_free: int = 0  # adapters of dropped versions kept for reuse now
+    packed_weight_bytes: int = 0  # base weights held packed for oneDNN now (`packed_linear`), as dense bytes
 
 
 # ---------------------------------------------------------------------------
@@ -325,9 +326,9 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             `device`; 0 turns it off.
         prefix_block_tokens: prefixes are cached and matched in blocks of this
             many positions.
-        column_major_head: on the CPU, store the output head transposed for the
-            decode step's matmul (`models.column_major_head`); False for weights
-            patched in place by flat position (the full sampler's).
+        packed_weights: on the CPU, the fused forward multiplies by copies of the
+            base weights packed for oneDNN (`packed_linear`), given back at each park;
+            False for weights patched in place (the full sampler's).
     """
 
     def __init__(
@@ -344,20 +345,19 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         fused_forward: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefix_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        column_major_head: bool = True,
+        packed_weights: bool = True,
     ) -> None:
         assert decode_batch_rows >= 1 and prefill_chunk_tokens >= 1 and prefill_tokens_per_step >= 1
         assert prefill_budget_bytes >= 1 and windowed_prefill_tokens >= 1
         self._device = device
         self._model = models.load_causal_lm(model_dir, device, dtype)
-        if column_major_head:
-            models.column_major_head(self._model)
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
         self._vocab = models.vocab_size(self._model)
         self._context = models.max_context(self._model)
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
         # peft injects its adapters into this same model, so the fused forward sees every version.
-        self._fused = FusedForward.for_model(self._model) if fused_forward else None
+        pack = packed_weights and device.type == "cpu"
+        self._fused = FusedForward.for_model(self._model, packed_weights=pack) if fused_forward else None
         self._weights = call_threads.weights(self._model)  # a forward's size, for its CPU threads
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
@@ -392,7 +392,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         self._decode_steps = 0
         # Parked while the time-slicer gives the device to another.
         self._slot = offload.ParkSlot(
-            "sampler", device, lambda: offload.module_tensors(self._model), drop_caches=self._drop_kv_cache
+            "sampler", device, lambda: offload.module_tensors(self._model), drop_caches=self._drop_caches
         )
 
     # -- versions ---------------------------------------------------------
@@ -413,8 +413,10 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
 
     def base_weights_changed(self) -> None:
         """The base weights were replaced in place: every cached prefix's KV is stale, under
-        every version (each adds its adapter to the base)."""
+        every version (each adds its adapter to the base), and so is any packed copy of them."""
         self._prefixes.clear()
+        if self._fused is not None:
+            self._fused.drop_packed()
 
     def bound_prefix_cache(self, budget_bytes: int) -> int:
         """Hold the prefix cache to `budget_bytes` from now on: the node's share for this engine
@@ -916,16 +918,17 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
     # -- time-slicing -----------------------------------------------------
 
     # park, resume, is_parked: offload.ParksInSlot, over the model and every loaded version; a
-    # park drops the KV caches first (queued requests stay queued).
-    def _drop_kv_cache(self) -> int:
-        """Free the decode batch's KV cache and the prefix cache; their bytes. Raises CannotPark
-        while a request decodes."""
+    # park drops the caches first (queued requests stay queued).
+    def _drop_caches(self) -> int:
+        """Free the decode batch's KV cache, the prefix cache and the packed weights; their
+        bytes. Raises CannotPark while a request decodes."""
         if self._rows or self._prefilled:
             live = sorted({r.request_id for r, _ in self._rows} | {r.request_id for r in self._prefilled})
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
         dropped = self._batch.nbytes()
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
-        return dropped + self._prefixes.clear()
+        packed = self._fused.drop_packed() if self._fused is not None else 0
+        return dropped + self._prefixes.clear() + packed
 
     @property
     def last_sync(self) -> SyncStats | None:
@@ -954,6 +957,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             adapters_made=self._versions.made,
             adapters_reused=self._versions.reused,
             adapters_free=self._versions.free,
+            packed_weight_bytes=self._fused.packed_bytes if self._fused is not None else 0,
         )
 
 

@@ -223,6 +223,19 @@ def test_sampler_samples_the_same_after_park_and_resume(sampler: TorchSampler, p
         assert a.tokens.tolist() == b.tokens.tolist() and bit_equal(torch.from_numpy(a.logprobs), torch.from_numpy(b.logprobs))
 
 
+def test_a_parked_sampler_gives_back_its_packed_weights_and_packs_them_again(
+    sampler: TorchSampler, prompt: np.ndarray
+) -> None:
+    sampler.sample(None, job(prompt))
+    packed = sampler.statistics().packed_weight_bytes
+    report = sampler.park()
+    while_parked = sampler.statistics().packed_weight_bytes
+    sampler.resume()
+    sampler.sample(None, job(prompt))
+    assert packed > 0 and report.cache_bytes_dropped >= packed
+    assert (while_parked, sampler.statistics().packed_weight_bytes) == (0, packed)
+
+
 def test_sampler_refuses_to_park_mid_decode(sampler: TorchSampler, prompt: np.ndarray) -> None:
     sampler.add("r1", None, job(prompt, max_tokens=50))
     sampler.step()  # prefilled: its rows hold KV now
@@ -272,7 +285,7 @@ def test_spill_leaves_tensors_it_cannot_map_where_they_are(tmp_path: Path) -> No
 
 
 def test_spill_maps_a_column_major_matrix_keeping_its_strides(tmp_path: Path) -> None:
-    head = torch.randn(4, 6).t().contiguous().t()  # models.column_major_head's layout
+    head = torch.randn(4, 6).t().contiguous().t()  # a transposed matrix's layout
     bits = head.clone()
     assert offload.spill([head], tmp_path / "head.parked") == 96
     assert head.stride() == (1, 4)

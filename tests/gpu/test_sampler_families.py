@@ -19,6 +19,7 @@ from test_torch_sampler import make_lora  # a peft model with random lora_B, and
 
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
 from openrld.gpu import models
+from openrld.gpu.fused_forward import unsupported_reason
 from openrld.gpu.tiny_models import FAMILIES, SLIDING_WINDOW, build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
 
@@ -32,11 +33,19 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return arch, build_tiny_model(tmp_path_factory.mktemp("families") / arch, arch, seed=3)
 
 
-def test_the_samplers_output_head_is_column_major_on_the_cpu(family: tuple[str, Path]):
-    """Every logprob this file checks against Hugging Face's row-major head runs through it."""
-    sampler = TorchSampler(family[1], CPU)
-    head = sampler._model.get_output_embeddings().weight
-    assert head.stride() == (1, head.shape[0])
+def test_the_fused_families_sample_through_every_weight_packed_on_the_cpu(family: tuple[str, Path]):
+    """Every logprob this file checks against Hugging Face's forward runs through the packed
+    copies where the family has the fused forward; the others keep their weights as they are."""
+    directory = family[1]
+    sampler = TorchSampler(directory, CPU)
+    sampler.sample(None, job(prompt_of(5, 1), 1, 2, seed=0))
+    model = sampler._model
+    linears = [model.get_output_embeddings()] + [
+        module for name, module in model.model.layers.named_modules() if name.endswith("_proj")
+    ]
+    fused = unsupported_reason(model) is None
+    expected = sum(module.weight.numel() * 4 for module in linears) if fused else 0
+    assert sampler.statistics().packed_weight_bytes == expected
 
 
 def job(prompt: list[int], n: int, max_tokens: int, seed: int, **kwargs) -> SampleJob:

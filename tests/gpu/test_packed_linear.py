@@ -1,0 +1,67 @@
+"""packed_linear: weights packed once for oneDNN give F.linear's results, release a mapped
+checkpoint's pages, and are given back on request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from openrld.gpu import packed_linear
+
+
+def mapped_weight(path: Path, out_features: int, in_features: int) -> torch.Tensor:
+    """A float32 (out, in) weight whose bytes are a private mapping of a file, as a loaded checkpoint's are."""
+    torch.randn(out_features, in_features).numpy().tofile(path)
+    return torch.from_file(str(path), shared=False, size=out_features * in_features).view(out_features, in_features)
+
+
+def test_a_packed_weight_multiplies_as_f_linear_does_at_any_row_count():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packs = packed_linear.PackedWeights()
+    packs.pack([weight], rows=8)
+    packed = packs.get(weight)
+    for shape in ((1, 64), (8, 64), (3, 5, 64), (200, 64)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(packed_linear.linear(x, packed, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed_linear.linear(x, packed, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_a_mapped_weight_releases_its_pages_and_keeps_its_values(tmp_path: Path):
+    weight = mapped_weight(tmp_path / "weight.bin", 1024, 256)  # 1 MiB: whole pages
+    values = weight.clone()
+    packs = packed_linear.PackedWeights()
+    assert packs.pack([weight], rows=8) == 1024 * 256 * 4
+    assert torch.equal(weight, values)  # read back from the file
+
+
+def test_a_weight_in_anonymous_memory_is_packed_and_kept():
+    weight = torch.randn(64, 32)
+    packs = packed_linear.PackedWeights()
+    assert (packs.pack([weight], rows=8), packs.bytes, packs.get(weight) is not None) == (0, 64 * 32 * 4, True)
+
+
+def test_a_weight_is_packed_once_however_often_it_is_named():
+    weight = torch.randn(64, 32)
+    packs = packed_linear.PackedWeights()
+    packs.pack([weight, weight], rows=8)
+    first = packs.get(weight)
+    packs.pack([weight], rows=8)
+    assert (packs.bytes, packs.get(weight) is first) == (64 * 32 * 4, True)
+
+
+def test_only_float32_matrices_are_packed():
+    half, vector = torch.randn(64, 32).to(torch.bfloat16), torch.randn(32)
+    packs = packed_linear.PackedWeights()
+    packs.pack([half, vector], rows=8)
+    assert (packs.get(half), packs.get(vector), packs.bytes, packs.is_packed) == (None, None, 0, True)
+
+
+def test_drop_gives_back_every_copy_and_its_bytes():
+    weights = [torch.randn(64, 32), torch.randn(16, 64)]
+    packs = packed_linear.PackedWeights()
+    packs.pack(weights, rows=8)
+    assert packs.drop() == (64 * 32 + 16 * 64) * 4
+    assert ([packs.get(w) for w in weights], packs.bytes, packs.is_packed) == ([None, None], 0, False)
