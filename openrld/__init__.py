@@ -4,17 +4,19 @@ import os
 
 __version__ = "0.1.0"
 
-# Torch's CPU thread pool (OpenMP) spins for a while at every barrier by default.
-# A daemon runs torch from several threads at once (trainer, sampler, replicas)
-# beside its event loop, often on a machine it shares: spinning threads then
-# take the cores the working ones need. Measured here on the tiny Llama's
-# forward+backward, 2 threads, machine under load: 800 ms spinning, 11 ms passive
-# (9 ms on 1 thread). Measured again with a thread count per call (gpu/call_threads.py),
-# an engine-like thread, load average 5-6, policies alternating: the tiny Llama's SFT step
-# of 8 x 128 on two threads took 47-79 ms passive, 152-201 ms with GOMP_SPINCOUNT=10000 and
-# 2,328-2,368 ms under libgomp's default spin (21-43 ms on one thread under each).
-# A call too small to repay a wake-up runs on one thread and wakes none, so passive
-# waits cost only the large calls, where a wake is small beside the work. It must be set
-# before torch loads OpenMP, which is why it is here, where every openrld process passes
-# first; an operator's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Torch's CPU thread pool (libgomp) waits for the next parallel region: spinning, then asleep.
+# A sampler's decode step is hundreds of small regions (SmolLM2: 211 matmuls and their LoRA
+# terms a step, a few microseconds of Python between them), and waking a sleeping thread for
+# each cost more than the work: under OMP_WAIT_POLICY=PASSIVE, SmolLM2's LoRA terms took 45 ms a
+# step against 4.7 ms with a short spin, its packed matmuls 36 against 30 ms (bench/packed_linear.py).
+# So the pool spins, briefly: ACTIVE, bounded by GOMP_SPINCOUNT to about 0.1 ms (libgomp counts
+# ~100,000 spins a ms) where ACTIVE alone spins for minutes, so an idle daemon's threads sleep
+# (SmolLM2's daemon used 0.02 s of CPU in the 10 s after a sample and a training step).
+# ACTIVE matters in a daemon: with a trainer's and a sampler's pools its threads outnumber the
+# cores, and libgomp then cuts spinning to 1,000 spins under ACTIVE but to 100 (asleep at once,
+# in effect) without it: an SDK client's LoRA sample of 8 x 32 took 2.1 s against 3.4 s.
+# Spinning costs the small models nothing: their calls run on one thread and wake none
+# (gpu/call_threads.py). Both must be set before torch loads libgomp, which is why they are
+# here, where every openrld process passes first; an operator's own settings win.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -1,7 +1,7 @@
 """How many CPU threads one engine call computes on, chosen from the size of its work.
 
 Torch's intra-op pool (OpenMP) pays a fixed cost at every parallel region: the
-waiting threads are woken (the daemon's pool waits passively, openrld/__init__.py)
+waiting threads are woken (once their short spin is over, openrld/__init__.py)
 and joined again. A large matmul repays it many times over; the tiny Llama's ops,
 each a few microseconds, do not. Measured on the 2-core VM (an engine-like worker
 thread, passive waits, the machine loaded by other work), the tiny Llama (width
