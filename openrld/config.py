@@ -126,6 +126,7 @@ class NodeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     sampler_backend: Literal["torch", "vllm"] = "torch"
     sampler_routing: Literal["prefix", "least_loaded"] = "prefix"  # which sampler replica takes a request
     sampler_prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * 1024 * 1024  # per torch sampler; 0: off
+    sampler_packed_weights: bool = True  # a CPU torch sampler's weights packed for oneDNN (gpu/packed_linear.py)
     host_memory_budget_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: half the machine's memory (actors/host_memory.py)
     vllm_gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
     log_json: bool = False

@@ -224,6 +224,7 @@ async def serve(
                     device, max_batch_tokens=config.max_batch_tokens,
                     activation_budget_bytes=config.activation_budget_bytes, converter=converter, vllm=_vllm_config(config),
                     cpu_threads=threads, hosting=hosting, prefix_cache_bytes=config.sampler_prefix_cache_bytes,
+                    packed_weights=config.sampler_packed_weights,
                 ),
                 limiter=trio.CapacityLimiter(1),
                 futures=futures,

@@ -123,7 +123,7 @@ def test_unknown_key_in_file_is_an_error_naming_it(tmp_path: Path) -> None:
         f"config file {path}: unknown key 'prot'; known keys are data_dir, checkpoint_root, host, port, api_keys_file, device, "
         "devices, timeslice_quantum_s, cpu_threads, models, longpoll_s, max_body_bytes, max_batch_tokens, "
         "activation_budget_bytes, max_num_samples, max_lora_rank, "
-        "sample_queue_limit, sampler_backend, sampler_routing, sampler_prefix_cache_bytes, host_memory_budget_bytes, "
+        "sample_queue_limit, sampler_backend, sampler_routing, sampler_prefix_cache_bytes, sampler_packed_weights, host_memory_budget_bytes, "
         "vllm_gpu_memory_utilization, "
         "log_json, loop_watch_ms, jwt_auth, jwt_ttl_s, "
         "maintenance_interval_s, node_name, cluster_secret, join, gossip_port, advertise_host, network_segment, "

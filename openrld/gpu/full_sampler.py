@@ -150,7 +150,9 @@ class FullSampler:
         **sampler_options: Unpack[SamplerOptions],
     ) -> None:
         # Its weights are patched by flat position (delta.apply_delta), which needs them row-major.
-        inner = TorchSampler(model_dir, device, dtype, packed_weights=False, **sampler_options)
+        # Its weights change in place at every sync, which a packed copy would not see.
+        options: SamplerOptions = {**sampler_options, "packed_weights": False}
+        inner = TorchSampler(model_dir, device, dtype, **options)
         self._setup(inner, TorchWeights(inner))
 
     @classmethod

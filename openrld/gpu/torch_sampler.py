@@ -171,6 +171,7 @@ class SamplerOptions(TypedDict, total=False):
     fused_forward: bool
     prefix_cache_bytes: int
     prefix_block_tokens: int
+    packed_weights: bool
 
 
 class TorchSamplerStatistics(msgspec.Struct, frozen=True):

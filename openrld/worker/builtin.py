@@ -102,8 +102,11 @@ def ready_info(engine: Any) -> dict:
 
 
 def _sampler_options(options: dict) -> SamplerOptions:
-    """A torch sampler's settings from the node's: its prefix cache's bytes, when set."""
+    """A torch sampler's settings from the node's: its prefix cache's bytes and whether it packs
+    its weights, when set."""
     out: SamplerOptions = {}
     if "prefix_cache_bytes" in options:
         out["prefix_cache_bytes"] = int(options["prefix_cache_bytes"])
+    if "packed_weights" in options:
+        out["packed_weights"] = bool(options["packed_weights"])
     return out

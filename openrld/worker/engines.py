@@ -53,6 +53,7 @@ class TorchEngineFactory:
         cpu_threads: int | None = None,
         hosting: WorkerHosting | None = None,
         prefix_cache_bytes: int | None = None,
+        packed_weights: bool = True,
     ) -> None:
         self.device = device
         self.vllm = vllm  # set: LoRA groups sample with vLLM (sampler_backend = "vllm"), else with torch
@@ -65,8 +66,10 @@ class TorchEngineFactory:
         self.converter = converter
         self.cpu_threads = cpu_threads  # a worker's torch threads, as this process has
         self.hosting = hosting or WorkerHosting.inproc()
-        # A torch sampler's prefix KV cache (None: the engine's default).
-        self.sampler_options: dict[str, Scalar] = {} if prefix_cache_bytes is None else {"prefix_cache_bytes": prefix_cache_bytes}
+        # A torch sampler's prefix KV cache (None: the engine's default), and whether it packs its weights.
+        self.sampler_options: dict[str, Scalar] = {"packed_weights": packed_weights}
+        if prefix_cache_bytes is not None:
+            self.sampler_options["prefix_cache_bytes"] = prefix_cache_bytes
 
     def on(self, device: str) -> TorchEngineFactory:
         """This factory, building its engines on `device` (a label of the node's inventory)."""
