@@ -149,8 +149,7 @@ class FullSampler:
         dtype: torch.dtype | None = None,
         **sampler_options: Unpack[SamplerOptions],
     ) -> None:
-        # Its weights are patched by flat position (delta.apply_delta), which needs them row-major.
-        # Its weights change in place at every sync, which a packed copy would not see.
+        # Its weights change in place at every sync (delta.apply_delta), which a packed copy would not see.
         options: SamplerOptions = {**sampler_options, "packed_weights": False}
         inner = TorchSampler(model_dir, device, dtype, **options)
         self._setup(inner, TorchWeights(inner))

@@ -50,8 +50,12 @@ class PackedWeights:
     def __init__(self) -> None:
         # id(weight) -> (the weight, its packed copy): the weight is held so that its id stays its own.
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.bytes = 0  # of the packed copies held, counted as their dense weights' bytes
         self.is_packed = False  # `pack` ran since the last `drop` (it may have found nothing to pack)
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of the packed copies held, counted as their dense weights'."""
+        return sum(weight.numel() * weight.element_size() for weight, _ in self._copies.values())
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """`weight`'s packed copy, or None where it has none."""
@@ -68,15 +72,13 @@ class PackedWeights:
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
             self._copies[id(weight)] = (weight, packed)
-            nbytes = weight.numel() * weight.element_size()
-            self.bytes += nbytes
-            released += heap.release_file_pages(weight.data_ptr(), nbytes)
+            released += heap.release_file_pages(weight.data_ptr(), weight.numel() * weight.element_size())
         self.is_packed = True
         return released
 
     def drop(self) -> int:
         """Give back every packed copy; returns their bytes."""
-        dropped, self.bytes = self.bytes, 0
+        dropped = self.bytes
         self._copies.clear()
         self.is_packed = False
         return dropped

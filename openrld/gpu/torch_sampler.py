@@ -357,8 +357,8 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         self._context = models.max_context(self._model)
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
         # peft injects its adapters into this same model, so the fused forward sees every version.
-        pack = packed_weights and device.type == "cpu"
-        self._fused = FusedForward.for_model(self._model, packed_weights=pack) if fused_forward else None
+        # Packed where oneDNN can take the weights (`packed_linear.usable`: float32 on the CPU).
+        self._fused = FusedForward.for_model(self._model, packed_weights=packed_weights) if fused_forward else None
         self._weights = call_threads.weights(self._model)  # a forward's size, for its CPU threads
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
