@@ -4,7 +4,8 @@ It logs which sandbox backend it uses (bubblewrap here, agent-sandbox in the GKE
 Job), prints each record (the run, each held-out evaluation as it comes, the warm
 start, then the cookbook loop's steps and the paired tests between stages), and a
 final summary of held-out success from the first evaluation to the last; it exits 0.
-With no sandbox, or with an --out that holds an earlier run, it says so and exits 2,
+With no sandbox, with an --out that holds an earlier run, or with a model whose chat
+format it does not render (it renders ChatML and Gemma 3's), it says so and exits 2,
 before it touches the service.
 """
 
@@ -21,6 +22,7 @@ from recipes.agentic.plot import write_curve_png
 from recipes.agentic.tasks import Family
 from recipes.agentic.train import AgenticConfig, EvalRecord, LogRecord, RunRecord, StepRecord, train
 from recipes.agentic.warm_start import WarmStartRecord
+from recipes.chat_formats import UnknownChatFormat
 from recipes.cookbook_offline import LOSSES
 
 DEFAULTS = AgenticConfig(base_url="")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     config, png_path = parse_args(argv)
     try:
         records = train(config, on_record=_print_record)
-    except (NoSandbox, FileExistsError) as refusal:
+    except (NoSandbox, FileExistsError, UnknownChatFormat) as refusal:
         print(f"refused: {refusal}", file=sys.stderr, flush=True)
         return 2
     families = ", ".join(config.families)

@@ -10,7 +10,8 @@ and why:
 - the tokenizer and the API key, as `recipes/cookbook_offline.py` says;
 - the dataset, built beforehand (`TaskDataset`) and handed over by a trivial
   `RLDatasetBuilder` (`cookbook_offline.PrebuiltDatasetBuilder`), since its builders hold the renderer and the sandbox factory;
-- the episodes' renderer: the model's own, with every reply begun as a tool
+- the episodes' renderer: the model's own chat format (`chat_formats.renderer_for`:
+  ChatML for SmolLM2, Gemma 3's turns for Gemma), with every reply begun as a tool
   call (`env.ToolCallPrefill`) unless `tool_call_prefill` is off; the judge
   gets the plain one;
 - the held-out evaluator (`HeldOutEvaluator`): `held_out_episodes` episodes of
@@ -51,7 +52,7 @@ import tinker
 from tinker_cookbook import checkpoint_utils, tokenizer_utils
 from tinker_cookbook.completers import TinkerTokenCompleter
 from tinker_cookbook.eval.evaluators import SamplingClientEvaluator
-from tinker_cookbook.renderers import Renderer, get_renderer
+from tinker_cookbook.renderers import Renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_group_rollout
 
@@ -62,14 +63,10 @@ from recipes.agentic.env import AgenticGroupBuilder, TaskDataset, ToolCallPrefil
 from recipes.agentic.sandbox import SandboxLimits
 from recipes.agentic.tasks import Family, Split, Task, make_tasks
 from recipes.agentic.warm_start import WarmStartRecord, demonstrations, warm_start
+from recipes.chat_formats import renderer_for
 from recipes.cookbook_offline import cookbook_config, prepare_cookbook, rollout_rows
 
 logger = logging.getLogger(__name__)
-
-# SmolLM2's chat format is ChatML, which the cookbook's Qwen3 instruct renderer writes
-# (<|im_start|>role ... <|im_end|>), with tool calls as <tool_call>{json}</tool_call>.
-RENDERER = "qwen3_instruct"
-
 
 class AgenticConfig(msgspec.Struct, frozen=True, kw_only=True):
     base_url: str
@@ -336,8 +333,9 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
     """Run the job against the service at `config.base_url`; returns its records (also in the JSONL log).
 
     Raises:
-        RuntimeError: when there is no sandbox to run the episodes in (`backends.pick_backend`).
+        NoSandbox: when there is no sandbox to run the episodes in (`backends.pick_backend`).
         FileExistsError: when the log's directory holds an earlier run's cookbook checkpoints.
+        UnknownChatFormat: when the model's chat format is neither ChatML nor Gemma 3's.
     """
     # The cookbook resumes from a checkpoint it finds there, which would make this another run.
     if (config.log_path.parent / "cookbook" / checkpoint_utils.CHECKPOINTS_BASE_NAME).exists():
@@ -346,7 +344,7 @@ def train(config: AgenticConfig, on_record: Callable[[LogRecord], None] | None =
     logger.info("sandbox backend: %s", backend)
     started = time.monotonic()
     tokenizer = prepare_cookbook(config.base_model, config.tokenizer, config.api_key)
-    renderer = get_renderer(RENDERER, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
+    renderer = renderer_for(tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
     episode_renderer = ToolCallPrefill(renderer) if config.tool_call_prefill else renderer
     max_context = model_context(config)
     budget = episode_budget(config.max_trajectory_tokens, max_context)

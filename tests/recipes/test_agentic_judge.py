@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 from tinker import types
-from tinker_cookbook.renderers import Renderer, get_renderer
+from tinker_cookbook.renderers import Renderer
 from tinker_cookbook.renderers.base import Message
 from transformers import AutoTokenizer
 
 from recipes.agentic.judge import agreement, judge_one, judge_prompt, reply_tokens
 from recipes.agentic.tasks import Family, Split, make_task
-from recipes.agentic.train import RENDERER
+from recipes.chat_formats import renderer_for
 
 
 @pytest.fixture(scope="module")
 def renderer(tiny_llama: Path) -> Renderer:
-    return get_renderer(RENDERER, AutoTokenizer.from_pretrained(tiny_llama))
+    return renderer_for(AutoTokenizer.from_pretrained(tiny_llama))
 
 
 class ScriptedScorer:

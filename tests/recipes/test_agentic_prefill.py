@@ -6,17 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.renderers.base import Message
 from transformers import AutoTokenizer
 
 from recipes.agentic.env import TOOL_CALL_PREFILL, ToolCallPrefill
-from recipes.agentic.train import RENDERER
+from recipes.chat_formats import renderer_for
 
 
 @pytest.fixture(scope="module")
 def prefilled(tiny_llama: Path) -> ToolCallPrefill:
-    return ToolCallPrefill(get_renderer(RENDERER, AutoTokenizer.from_pretrained(tiny_llama)))
+    return ToolCallPrefill(renderer_for(AutoTokenizer.from_pretrained(tiny_llama)))
 
 
 def _encode(renderer: ToolCallPrefill, text: str) -> list[int]:

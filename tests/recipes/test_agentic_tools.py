@@ -11,7 +11,6 @@ import asyncio
 import json
 
 import pytest
-from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.renderers.base import ToolCall
 from tinker_cookbook.tool_use import ToolInput
 from tinker_cookbook.tool_use.tools import handle_tool_call
@@ -21,7 +20,7 @@ from recipes.agentic.env import AgenticGroupBuilder
 from recipes.agentic.sandbox import BwrapSandbox, bwrap_works
 from recipes.agentic.tasks import Family, Split, make_task
 from recipes.agentic.tools import WorkspaceTools, read_deliverable
-from recipes.agentic.train import RENDERER
+from recipes.chat_formats import renderer_for
 
 pytestmark = pytest.mark.skipif(not bwrap_works(), reason="bubblewrap is missing or cannot make namespaces here "
                                                           "(apt-get install bubblewrap)")
@@ -93,7 +92,7 @@ def test_an_unknown_tool_and_bad_arguments_come_back_as_errors_not_exceptions(to
 
 def test_a_scripted_episode_recovers_from_a_malformed_call_and_earns_full_reward():
     tokenizer = build_tokenizer()
-    renderer = get_renderer(RENDERER, tokenizer)
+    renderer = renderer_for(tokenizer)
     task = make_task(0, Split.TRAIN, Family.TERMINATION_DATE, 0)
     builder = AgenticGroupBuilder(task, renderer, BwrapSandbox, group_size=1, max_turns=5,
                                   max_trajectory_tokens=100_000, max_generation_tokens=100)
@@ -123,7 +122,7 @@ def test_a_scripted_episode_recovers_from_a_malformed_call_and_earns_full_reward
 
 def test_an_episode_cut_at_its_token_budget_is_still_graded_by_what_it_wrote():
     tokenizer = build_tokenizer()
-    renderer = get_renderer(RENDERER, tokenizer)
+    renderer = renderer_for(tokenizer)
     task = make_task(0, Split.TRAIN, Family.TERMINATION_DATE, 0)
     builder = AgenticGroupBuilder(task, renderer, BwrapSandbox, group_size=1, max_turns=5,
                                   max_trajectory_tokens=100_000, max_generation_tokens=100)

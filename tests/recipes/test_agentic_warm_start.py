@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import tinker
-from tinker_cookbook.renderers import get_renderer
 from transformers import AutoTokenizer
 
 from recipes.agentic.env import TOOL_CALL_PREFILL, AgenticGroupBuilder, ToolCallPrefill
 from recipes.agentic.sandbox import BwrapSandbox, bwrap_works
 from recipes.agentic.tasks import Family, Split, Task, make_tasks
-from recipes.agentic.train import RENDERER
 from recipes.agentic.warm_start import demonstrations
+from recipes.chat_formats import renderer_for
 
 pytestmark = pytest.mark.skipif(not bwrap_works(), reason="bubblewrap is missing or cannot make namespaces here "
                                                           "(apt-get install bubblewrap)")
@@ -28,7 +27,7 @@ FAMILIES = [Family.TERMINATION_DATE, Family.CONTRACT_TERMS]
 
 @pytest.fixture(scope="module")
 def renderer(tiny_llama: Path) -> ToolCallPrefill:
-    return ToolCallPrefill(get_renderer(RENDERER, AutoTokenizer.from_pretrained(tiny_llama)))
+    return ToolCallPrefill(renderer_for(AutoTokenizer.from_pretrained(tiny_llama)))
 
 
 @pytest.fixture(scope="module")
