@@ -738,6 +738,13 @@ class SamplerActor:
                 error = BadRequest(str(error))
             self._futures.fail(op.request_id, error)
             return
+        except Exception as error:  # a bug met by one request fails that request; the sampler and daemon serve on
+            logger.exception("sampler admit failed group=%s request_id=%s", self.name, op.request_id)
+            self.queue.done(op.request_id)
+            self._failed += 1
+            detail = f"sampling request not started: {type(error).__name__}: {error}"
+            self._futures.fail(op.request_id, ServerError(detail))
+            return
         worker.live.add(op.request_id)
         if op.record_ids is not None:
             self._recording[op.request_id] = (op, version)
