@@ -239,7 +239,8 @@ class JobTable:
         return request_id
 
     def reject(self, owner: str, model_id: str, seq_id: int, kind: str, error: OpenrldError) -> str:
-        """A request whose body was refused: its future fails with `error`, in seq_id order."""
+        """A request refused once its seq_id was known: its future fails with `error` in that seq_id's turn,
+        so that the job's later ops are not left waiting for it."""
         return self._submit_train(
             owner, model_id, seq_id, kind,
             lambda rid: Rejected(model_id, seq_id, rid, error.detail),

@@ -16,7 +16,9 @@ default left out, never null.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import cast
 
 import msgspec
@@ -29,7 +31,7 @@ from openrld.api.app import Services, caller, request_body
 from openrld.api.asgi import Reply, json_reply
 from openrld.api.fastpath import Call
 from openrld.batches import ForwardBackwardResult, OptimResult, SampleResult
-from openrld.errors import BadRequest, NotSupportedYet, UnsupportedMediaType, UserError
+from openrld.errors import BadRequest, NotSupportedYet, OpenrldError, UnsupportedMediaType, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ SERVER_SIDE_CUSTOM_LOSS_REFUSAL = (
     "TrainingClient.forward_backward_custom with custom_loss_server_side=false: the SDK runs the loss "
     "client-side in two cross_entropy passes, with the same gradient"
 )
+# The statuses on which the SDK sends a request again under the same seq_id: deferred, not refused.
+RETRIED_STATUSES = frozenset({408, 409, 429})
 
 
 
@@ -150,40 +154,48 @@ async def get_info(services: Services) -> Reply:
 
 async def save_weights(services: Services) -> Reply:
     user = caller(services)
-    req = await request_body(services, wire.SaveWeightsRequest)
-    if req.path is None:
-        raise BadRequest("save_weights: path (the checkpoint name) is required")
-    request_id = services.jobs.save_weights(
-        user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
-        ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-    )
+    async with _refusal_takes_its_turn(services, user, "save_weights"):
+        req = await request_body(services, wire.SaveWeightsRequest)
+        if req.path is None:
+            raise BadRequest("save_weights: path (the checkpoint name) is required")
+        request_id = services.jobs.save_weights(
+            user, req.model_id, _seq_id(req.seq_id), name=req.path, overwrite=bool(req.overwrite),
+            ttl_seconds=req.ttl_seconds, user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        )
     return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
 async def save_weights_for_sampler(services: Services) -> Reply:
     user = caller(services)
-    req = await request_body(services, wire.SaveWeightsForSamplerRequest)
-    request_id = services.jobs.save_weights_for_sampler(
-        user, req.model_id, _seq_id(req.seq_id), name=req.path, sampling_session_seq_id=req.sampling_session_seq_id,
-        kind=req.kind, ttl_seconds=req.ttl_seconds,
-        user_metadata=_str_dict(req.user_metadata, "user_metadata"),
-    )
+    async with _refusal_takes_its_turn(services, user, "save_weights_for_sampler"):
+        req = await request_body(services, wire.SaveWeightsForSamplerRequest)
+        request_id = services.jobs.save_weights_for_sampler(
+            user, req.model_id, _seq_id(req.seq_id), name=req.path,
+            sampling_session_seq_id=req.sampling_session_seq_id, kind=req.kind, ttl_seconds=req.ttl_seconds,
+            user_metadata=_str_dict(req.user_metadata, "user_metadata"),
+        )
     return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
 async def save_weights_external(services: Services) -> Reply:
     user = caller(services)
-    req = await request_body(services, wire.SaveWeightsExternalRequest)
-    if req.age_encryption_recipients:
-        raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
-    request_id = services.jobs.save_weights_external(
-        user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
-    )
+    async with _refusal_takes_its_turn(services, user, "save_weights_external"):
+        req = await request_body(services, wire.SaveWeightsExternalRequest)
+        if req.age_encryption_recipients:
+            raise NotSupportedYet("save_weights_external with age_encryption_recipients is not supported yet")
+        request_id = services.jobs.save_weights_external(
+            user, req.model_id, _seq_id(req.seq_id), name=req.path, ttl_seconds=req.ttl_seconds
+        )
     return json_reply(wire.UntypedAPIFuture(request_id=request_id, model_id=req.model_id))
 
 
 async def load_weights(services: Services) -> Reply:
     user = caller(services)
+    async with _refusal_takes_its_turn(services, user, "load_weights"):
+        return await _load_weights(services, user)
+
+
+async def _load_weights(services: Services, user: str) -> Reply:
     req = await request_body(services, wire.LoadWeightsRequest)
     with_optimizer = bool(req.optimizer)
     if req.optimizer_config is not None:
@@ -323,6 +335,33 @@ async def retrieve_future(services: Services, call: Call) -> Reply:
 
 
 # ---------------------------------------------------------------- replies
+
+
+@contextlib.asynccontextmanager
+async def _refusal_takes_its_turn(services: Services, user: str, kind: str) -> AsyncIterator[None]:
+    """A training op refused before it was queued still takes its seq_id's turn, and fails in it.
+
+    The SDK numbered the client's later training ops after this one before sending it, so they
+    would otherwise wait forever for its turn. The refusal itself is answered at once (its 4xx).
+    """
+    try:
+        yield
+    except UserError as error:
+        if error.status not in RETRIED_STATUSES:
+            await _take_refused_turn(services, user, kind, error)
+        raise
+
+
+async def _take_refused_turn(services: Services, user: str, kind: str, error: UserError) -> None:
+    try:
+        ids = await request_body(services, wire.TrainingOpIds)
+        seq_id = _seq_id(ids.seq_id)
+    except UserError:
+        return  # no model_id and seq_id to read (load_weights into a new model has none): no turn is held
+    try:
+        services.jobs.reject(user, ids.model_id, seq_id, kind, error)
+    except OpenrldError as unfilled:  # the model is not the caller's resident job, or its queue is full
+        logger.info("refused %s model_id=%s seq_id=%s took no turn: %s", kind, ids.model_id, seq_id, unfilled.detail)
 
 
 def _future(request_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> Reply:

@@ -195,6 +195,14 @@ class OptimStepRequest(RequestBody, frozen=True):
     optim_params: OptimizerParams | None = None
 
 
+class TrainingOpIds(RequestBody, frozen=True):
+    """A sequenced training op's model and seq_id, read alone from a body that was refused
+    (api/tinker.py), so that its seq_id still takes its turn."""
+
+    model_id: str
+    seq_id: int
+
+
 class SaveWeightsRequest(RequestBody, frozen=True):
     model_id: str
     path: str | None = None
