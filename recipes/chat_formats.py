@@ -26,6 +26,7 @@ what Gemma 3's chat template writes:
 
 The newline after `<end_of_turn>` is written at the start of the next turn's header,
 so a reply's last token is `<end_of_turn>` and each turn's prompt extends the last.
+Importing this module registers it with the cookbook as `gemma3`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class Gemma3Renderer(Qwen3InstructRenderer):
         return types.EncodedTextChunk(tokens=self.tokenizer.encode(text, add_special_tokens=False))
 
 
+# By name too (a recipe's --renderer gemma3), and through the registry the renderer gets the
+# cookbook's pickling metadata, as the built-in ones do.
+renderers.register_renderer(GEMMA3, lambda tokenizer, image_processor=None: Gemma3Renderer(tokenizer))
+
+
 class UnknownChatFormat(ValueError):
     """The model's tokenizer is made for a chat format the recipes do not render."""
 
@@ -86,8 +92,6 @@ def renderer_for(tokenizer) -> Renderer:
     """
     vocabulary = tokenizer.get_vocab()
     if START_OF_TURN in vocabulary and END_OF_TURN in vocabulary:
-        # Registered, so that the renderer carries the cookbook's pickling metadata as ChatML's does.
-        renderers.register_renderer(GEMMA3, lambda tokenizer, image_processor=None: Gemma3Renderer(tokenizer))
         return renderers.get_renderer(GEMMA3, tokenizer)
     if "<|im_start|>" in vocabulary and "<|im_end|>" in vocabulary:
         return renderers.get_renderer(CHATML, tokenizer)

@@ -25,7 +25,8 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the Tinker service")
     parser.add_argument("--api-key", default=DEFAULTS.api_key)
     parser.add_argument("--base-model", default=DEFAULTS.base_model)
-    parser.add_argument("--renderer", default=DEFAULTS.renderer, help="a tinker-cookbook renderer name")
+    parser.add_argument("--renderer", default=DEFAULTS.renderer,
+                        help="a tinker-cookbook renderer name, or gemma3 (default: the model's own chat format)")
     parser.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the model's)")
     parser.add_argument("--steps", type=int, default=DEFAULTS.steps)
     parser.add_argument("--questions-per-step", type=int, default=DEFAULTS.questions_per_step)

@@ -41,6 +41,7 @@ from tinker_cookbook.renderers import Renderer, get_renderer
 from tinker_cookbook.rl import train as cookbook_train
 from tinker_cookbook.rl.rollouts import do_single_rollout
 
+from recipes.chat_formats import renderer_for
 from recipes.cookbook_offline import LOSSES, cookbook_config, prepare_cookbook, rollout_rows
 from recipes.sql.databases import Schema, make_schemas
 from recipes.sql.env import SqlDataset, SqlEnv, SqlGrader, SqlGroupBuilder, fenced_stop_condition
@@ -53,7 +54,7 @@ class SqlTrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     base_url: str
     api_key: str = "tml-sql"
     base_model: str = "SmolLM2-135M-Instruct"
-    renderer: str = "qwen3_instruct"  # ChatML without a thinking block: SmolLM2's own chat format
+    renderer: str | None = None  # a cookbook renderer's name; None: the model's own (chat_formats.renderer_for)
     tokenizer: str | None = None  # a local tokenizer directory; None: the packaged GGUF's, else the cookbook's
     steps: int = 8
     questions_per_step: int = 4
@@ -173,7 +174,8 @@ def train(config: SqlTrainConfig, on_record: Callable[[LogRecord], None] | None 
     started = time.monotonic()
     schemas, split = make_split(config)
     tokenizer = prepare_cookbook(config.base_model, config.tokenizer, config.api_key)
-    renderer = get_renderer(config.renderer, tokenizer or tokenizer_utils.get_tokenizer(config.base_model))
+    tokenizer = tokenizer or tokenizer_utils.get_tokenizer(config.base_model)
+    renderer = renderer_for(tokenizer) if config.renderer is None else get_renderer(config.renderer, tokenizer)
     stop = fenced_stop_condition(renderer)
     records: list[LogRecord] = []
     config.log_path.parent.mkdir(parents=True, exist_ok=True)

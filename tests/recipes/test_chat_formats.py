@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import tinker
 from gemma3_support import gemma3_conversion  # noqa: F401  (a fixture)
+from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.renderers.base import Message, ParseTermination, ToolCall
 from tokenizers import Tokenizer, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -57,6 +58,10 @@ def test_gemma3s_tokenizer_gets_gemma3s_turns_and_smollm2s_gets_chatml(gemma3, t
     chatml = renderer_for(AutoTokenizer.from_pretrained(tiny_llama))
     assert type(chatml).__name__ == "Qwen3InstructRenderer"
     assert type(gemma3).__name__ == "Gemma3Renderer"
+
+
+def test_gemma3_is_a_cookbook_renderer_by_name(gemma3_tokenizer):
+    assert isinstance(get_renderer("gemma3", gemma3_tokenizer), Gemma3Renderer)
 
 
 def test_a_tokenizer_of_neither_format_is_refused():
