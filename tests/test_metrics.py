@@ -44,7 +44,7 @@ def _node(requests: RequestMetrics) -> NodeStatistics:
             JobQueueStats(model_id="s:train:0", next_seq_id=4, waiting=2),
             JobQueueStats(model_id="s:train:1", next_seq_id=1, waiting=1),
         ],
-        ops_done=7, ops_failed=1, ops_combined=0, busy=True,
+        ops_done=7, ops_failed=1, ops_combined=0, busy=True, adapters_loaded=2,
     )
     sampler = SamplerStatistics(
         queue_depth=5, waiting=4, running=1, replicas=1, loaded_versions=2, host_versions=0,
@@ -88,6 +88,7 @@ def test_render_reports_queue_depths_per_base_model_with_escaped_labels():
     expected = textwrap.dedent(
         f"""\
         openrld_trainer_jobs{{{label}}} 2
+        openrld_trainer_adapters_loaded{{{label}}} 2
         openrld_trainer_queue_depth{{{label}}} 3
         openrld_trainer_busy{{{label}}} 1
         openrld_trainer_operations_total{{{label},outcome="done"}} 7

@@ -199,6 +199,9 @@ class TrainerStatistics(msgspec.Struct, frozen=True):
     progress: list[JobProgress] = []  # per job, for the model status API
     last_sync: SyncStats | None = None  # full fine-tuning: the trainer side of the last sync
     running_job: str | None = None  # the job whose ops run now, or wait for the device to run
+    # Jobs whose state the engine holds now (LoRA: an adapter each, with its gradients and optimizer
+    # state; full fine-tuning: the one job); a job's state leaves with `end_job`.
+    adapters_loaded: int = 0
     memory: EngineMemory = EngineMemory()  # its host memory by part (actors/host_memory.py)
 
 
@@ -360,6 +363,12 @@ class TrainerHandle:
         """Fail every op the trainer still holds with `error` (its group ended)."""
         self._actor.fail_pending(error)
 
+    def end_job(self, model_id: str, error: OpenrldError) -> None:
+        """Job `model_id` ended while its group serves on: its queued ops fail with `error` now, and its
+        adapter, gradients and optimizer state leave the engine in the actor's order, once any op of
+        it already running is done. Never waits."""
+        self._actor.end_job(model_id, error)
+
     def submit_nowait(self, op: TrainOp) -> None:
         self._actor.mailbox.post(op)
 
@@ -426,6 +435,8 @@ class TrainerActor:
         self._published: dict[str, tuple[deque[str], deque[str]]] = {}
         # model_id -> (kind, name) of checkpoints its next saves write again (an adopted job's recomputed steps)
         self.rewritten: dict[str, set[tuple[str, str]]] = {}
+        self._ended: dict[str, OpenrldError] = {}  # model_id -> why: ended jobs, whose late ops fail with it
+        self._drops: deque[str] = deque()  # ended jobs whose state the step loop drops next, in end order
 
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
@@ -458,6 +469,10 @@ class TrainerActor:
 
     async def _input_loop(self) -> None:
         async for op in self.mailbox.receive:
+            ended = self._ended.get(op.model_id)
+            if ended is not None and not self.queues.has_job(op.model_id):  # posted just before its job ended
+                self._futures.fail(op.request_id, ended)
+                continue
             try:
                 self.queues.push(op)
             except OpenrldError as error:
@@ -467,6 +482,9 @@ class TrainerActor:
 
     async def _step_loop(self) -> None:
         while True:
+            if self._drops:  # between runs: an ended job's last op has settled, and nothing else runs
+                await self._drop_job(self._drops.popleft())
+                continue
             run = self.queues.pop_ready(self._max_combined_tokens)
             if not run:
                 self._wake = trio.Event()
@@ -591,6 +609,40 @@ class TrainerActor:
             else:
                 self._settle(op, value)
         return lost
+
+    def end_job(self, model_id: str, error: OpenrldError) -> None:
+        """Job `model_id` ended (the group serves on): fail its queued ops, and drop its state next."""
+        self._ended[model_id] = error
+        for op in self.queues.close_job(model_id):
+            self._futures.fail(op.request_id, error)
+        self._drops.append(model_id)
+        self._wake.set()
+
+    async def _drop_job(self, model_id: str) -> None:
+        """Drop an ended job's adapter (with its gradients and optimizer state) from the engine, in the
+        device's turn, and forget what this actor kept of it."""
+        self._ended.pop(model_id, None)  # a late op of it now fails as one for a job not open here
+        if self.queues.has_job(model_id):  # opened again meanwhile (adopted back): its state is the job's again
+            return
+        held = model_id in self._specs and model_id not in self._lost  # else the engine never had it, or lost it
+        for kept in (self._lost, self._progress, self._published, self._autosave_every, self.rewritten):
+            kept.pop(model_id, None)
+        if not held or self._engine is None:
+            self._specs.pop(model_id, None)
+            return
+        try:
+            async with self._lease.hold(has_more=self.queues.has_ready):
+                await self._in_thread(self._engine.drop_adapter, model_id)
+                self._specs.pop(model_id)
+                await self._measure_state()  # the ledger sees the memory it freed
+        except EngineLost as error:  # the other jobs' adapters went with it: replaced as after an op
+            self._specs.pop(model_id, None)
+            await self._replace_engine(error)
+            return
+        except Exception:  # the job is over either way; the group serves on, its statistics counting the adapter
+            logger.exception("trainer could not drop an ended job's adapter group=%s model_id=%s", self.name, model_id)
+            return
+        logger.info("trainer dropped an ended job's adapter group=%s model_id=%s", self.name, model_id)
 
     def fail_pending(self, error: OpenrldError) -> None:
         """The group ended: fail every op still here (queued, in the mailbox, or cut short)."""
@@ -785,7 +837,7 @@ class TrainerActor:
             ops_combined=self._combined, busy=self._busy, device=self._lease.device,
             lease=self._lease.statistics() if not isinstance(self._lease, NoLease) else None,
             progress=list(self._progress.values()), running_job=self._running_job,
-            last_sync=self._last_sync,
+            last_sync=self._last_sync, adapters_loaded=sum(1 for m in self._specs if m not in self._lost),
             memory=self._memory.of(self._memory_key) if self._memory is not None else EngineMemory(),
         )
 

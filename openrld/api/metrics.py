@@ -202,6 +202,9 @@ def _group_lines(groups: list[GroupStatistics]) -> list[str]:
     return [
         *_family("openrld_trainer_jobs", "gauge", "Training jobs (LoRA adapters) on the base model's trainer.",
                  per_group(lambda g: len(g.trainer.jobs))),
+        *_family("openrld_trainer_adapters_loaded", "gauge",
+                 "Jobs whose state (a LoRA adapter, its gradients and optimizer state) the trainer engine holds.",
+                 per_group(lambda g: g.trainer.adapters_loaded)),
         *_family("openrld_trainer_queue_depth", "gauge", "Training operations waiting for their turn, over all jobs.",
                  per_group(lambda g: sum(j.waiting for j in g.trainer.jobs))),
         *_family("openrld_trainer_busy", "gauge", "1 while the trainer runs an operation.",
