@@ -88,11 +88,19 @@ class GoneJobs:
         self._groups.end(job.model, job.model_id, detail)
 
     def drop(self, job: Job, detail: str) -> None:
-        """`job` ends here: its later calls fail with `detail`; its own group, if it has one, ends."""
+        """`job` ends here: its later calls fail with `detail`; its own group, if it has one, ends, and
+        on its base model's shared group its adapter and the versions it alone published go."""
         if self._jobs.remove(job.model_id) is None:
             return
         self._lost[job.model_id] = detail
         self._sampling.drop_group(job.model_id)
         if job.group_job is not None:
             self._groups.end(job.model, job.model_id, detail)
+        else:
+            self.end_shared(job, detail)
         self._changed()
+
+    def end_shared(self, job: Job, detail: str) -> None:
+        """`job`, a LoRA job on its base model's shared group and no longer resident, leaves that group:
+        its queued ops fail with `detail`, and the group drops its adapter and the versions only it published."""
+        self._groups.end_shared_job(job.model, job.model_id, detail, self._sampling.drop_saved_by(job.model_id))

@@ -9,7 +9,9 @@ Each group's actors run in a cancel scope of their own, in the table's nursery.
 A job's own group ends with the job (`end`: its session finished, or its creation
 failed): its actors stop, the requests they hold fail, their device leases are
 given back, and once they have stopped its devices are free for the next job.
-A LoRA group shared by a base model's jobs lives as long as the table.
+A LoRA group shared by a base model's jobs lives as long as the table; a job of
+it that ends leaves it (`end_shared_job`): the job's adapter and the weight
+versions it alone published are dropped, so the group holds only live jobs.
 
 Devices: a group's trainer and sampler are placed on the node's devices by
 `actors/device_pool.py` when the group starts (or, for an `openrl.exclusive`
@@ -39,7 +41,7 @@ its group ends, every member is told to stop its ranks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -247,6 +249,17 @@ class GroupTable:
         self._stopping.setdefault(key, trio.Event())
         logger.info("ending group key=%s reason=%s", key, reason)
         scope.cancel()
+
+    def end_shared_job(self, model: ModelEntry, model_id: str, reason: str, sampler_ids: Collection[str]) -> None:
+        """LoRA job `model_id` on `model`'s shared group ended while the group serves on: its queued ops fail
+        with Gone(`reason`), its adapter leaves the trainer, and the versions it alone published (the
+        sampling sessions `sampler_ids`, its inflight and its checkpoints' ones) leave the sampler. Never waits.
+        A group not running holds nothing of it (a job whose group is starting posts nothing once it ended)."""
+        group = self._groups.get(_group_key(model, None))
+        if group is None:
+            return
+        group.trainer.end_job(model_id, Gone(reason))
+        group.sampler.end_job(model_id, sampler_ids)
 
     def placement_of(self, model: ModelEntry, job: str | None = None) -> Placement | None:
         """Where the group runs; a trainer that spans nodes lists its members' devices after this node's."""

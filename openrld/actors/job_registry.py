@@ -147,9 +147,9 @@ class JobRegistry:
         """Remove and return the job `model_id`; None when it is not resident."""
         return self._jobs.pop(model_id, None)
 
-    def remove_own_groups_of(self, session_id: str) -> list[Job]:
-        """Remove and return the session's jobs that have a group of their own; its LoRA jobs stay."""
-        ending = [j for j in self._jobs.values() if session_of(j.model_id) == session_id and j.group_job is not None]
+    def remove_jobs_of(self, session_id: str) -> list[Job]:
+        """Remove and return the session's jobs (it finished)."""
+        ending = [j for j in self._jobs.values() if session_of(j.model_id) == session_id]
         for job in ending:
             del self._jobs[job.model_id]
         return ending

@@ -2,7 +2,7 @@
 
 It is the face the API calls for training jobs: it submits each request to its
 job's group's trainer in seq_id order, counts training tokens for usage, ends
-a session's jobs that have groups of their own, and reports a job's status and
+a session's jobs when it finishes, and reports a job's status and
 what the cluster should know of the jobs it is home to. Lookups take the
 caller's user and answer 404 for anything not theirs, 410 for a job that is no
 longer resident. The API calls it from the event loop; its methods are sync and
@@ -157,18 +157,27 @@ class JobTable:
     # ------------------------------------------------------------ sessions ending
 
     def finish_session(self, owner: str, session_id: str, reason: str, detail: str | None) -> None:
-        """The session finishes, and its jobs that have a group of their own (full fine-tuning,
-        exclusive, an image, Automodel) end: their groups stop and free their devices, and their unnamed
-        sampler weights go with them. Its LoRA jobs on a shared group are left as they are.
+        """The session finishes, and its jobs end (their later calls are 410). A job with a group of its
+        own (full fine-tuning, exclusive, an image, Automodel) ends it: the group stops and frees its
+        devices, and its unnamed sampler weights go with it. A LoRA job on its base model's shared group
+        leaves it: its queued ops fail, and the group drops its adapter (with its gradients and optimizer
+        state) and the weight versions only it published. Its named checkpoints stay on disk.
 
         Raises:
             NotFound: the session is not the caller's.
         """
         self._sessions.finish(owner, session_id, reason, detail)
-        why = f"its session {session_id} has finished ({reason})"
-        for job in self._jobs.remove_own_groups_of(session_id):
-            self._sampling.drop_group(job.model_id)
-            self._groups.end(job.model, job.model_id, f"model {job.model_id} has stopped: {why}")
+        why = f"model {{}} has stopped: its session {session_id} has finished ({reason})"
+        ended = self._jobs.remove_jobs_of(session_id)
+        for job in ended:
+            if job.group_job is None:
+                self._gone.end_shared(job, why.format(job.model_id))
+            else:
+                self._sampling.drop_group(job.model_id)
+                self._groups.end(job.model, job.model_id, why.format(job.model_id))
+        self._sampling.drop_session(session_id)
+        if ended:
+            self.changed()  # a clustered node gossips at once that they are no longer here
 
     # ------------------------------------------------------------ a job's state and requests
 

@@ -80,7 +80,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -238,6 +238,10 @@ class SampleQueue:
             return True
         return False
 
+    def waiting(self) -> list[Sample]:
+        """The requests waiting, oldest first."""
+        return list(self._waiting)
+
     def request_ids(self) -> list[str]:
         """Every request still here, waiting or running."""
         return [op.request_id for op in self._waiting] + sorted(self._running)
@@ -331,6 +335,11 @@ class SamplerHandle:
         """Fail every request the sampler still holds with `error` (its group ended)."""
         self._actor.fail_pending(error)
 
+    def end_job(self, model_id: str, sampler_ids: Collection[str]) -> None:
+        """Training job `model_id` ended while the group serves on: the versions only it published go,
+        `sampler_ids` being the sampling sessions it saved unnamed or inflight weights for. Never waits."""
+        self._actor.end_job(model_id, sampler_ids)
+
     def statistics(self) -> SamplerStatistics:
         return self._actor.statistics()
 
@@ -359,6 +368,8 @@ class _Worker:
         self.state_bytes = 0  # its engine's state in host memory (a CPU device), measured last
         self.most_versions = 0  # the most versions its engine has held: past it, adapters are reused
         self.parked_bytes = 0  # what its engine's last park copied into host memory
+        # Versions of ended jobs to drop from its engine in its next turn, each once no live request samples it
+        self.doomed: set[str] = set()
         self.wake = trio.Event()  # set when there may be work for it
 
 
@@ -536,6 +547,35 @@ class SamplerActor:
                     await worker.thread.call(worker.engine.close)
                     worker.thread.stop()
 
+    def end_job(self, model_id: str, sampler_ids: Collection[str]) -> None:
+        """Forget the versions that belong to ended job `model_id` alone: its unnamed ones (named by
+        `sampler_ids`) and its inflight ones, held on the host, and those and its checkpoints' versions
+        (`tinker://<model_id>/…`) in the engines. A checkpoint's version loads again from its files for a
+        sampling client made from its path; a version that a waiting request names stays on the host, and
+        one that a running request samples leaves its engine once that request is done (`_drop_doomed`)."""
+        sampler_ids = set(sampler_ids)
+        waiting = {(op.version, op.inflight_model) for op in self.queue.waiting()}
+        for version in sampler_ids:
+            if (version, None) not in waiting:
+                self.host.held.pop(version, None)
+            self._inflight_floor.pop(version, None)
+        if all(inflight != model_id for _, inflight in waiting):
+            self._inflight.pop(model_id, None)
+        prefixes = (f"{model_id}/inflight/", f"tinker://{model_id}/")
+        for worker in self._workers:
+            worker.doomed |= {v for v in worker.versions.loaded if v in sampler_ids or v.startswith(prefixes)}
+        self._wake_all()
+
+    async def _drop_doomed(self, worker: _Worker) -> None:
+        """Drop the ended jobs' versions that `worker`'s engine holds and no live request samples (its thread is idle)."""
+        pinned = worker.engine.versions_in_use()
+        for version in sorted(worker.doomed - pinned):
+            worker.doomed.discard(version)
+            if version in worker.versions.loaded:
+                del worker.versions.loaded[version]
+                await self._in_thread(worker, worker.engine.drop_version, version)
+                logger.info("sampler dropped an ended job's version group=%s version=%s", self.name, version)
+
     def fail_pending(self, error: OpenrldError) -> None:
         for request_id in self.queue.request_ids():
             self._recording.pop(request_id, None)
@@ -570,12 +610,15 @@ class SamplerActor:
         return self._routed_to(self.queue.peek()) is worker
 
     def _wants_device(self, worker: _Worker) -> bool:
-        return bool(worker.deliveries) or self._can_admit(worker) or worker.engine.has_work()
+        # A doomed version is pinned only by a live request, and then the engine has work: no idle spin.
+        return bool(worker.deliveries) or bool(worker.doomed) or self._can_admit(worker) or worker.engine.has_work()
 
     async def _turn(self, worker: _Worker) -> None:
         """One step of `worker`'s engine, with the versions and requests it takes first."""
         while worker.deliveries:
             await self._deliver(worker, *worker.deliveries.popleft())
+        if worker.doomed:
+            await self._drop_doomed(worker)
         admitted = False
         while self._can_admit(worker) and not self._lease.is_due():
             op = self.queue.take()
@@ -782,6 +825,7 @@ class SamplerActor:
             )
 
     async def _ensure_loaded(self, worker: _Worker, version: str, source_dir: str | None) -> None:
+        worker.doomed.discard(version)  # sampled again (a checkpoint's, by its path): it stays
         if worker.versions.touch(version):
             return
         held = self.host.held.get(version)

@@ -14,7 +14,7 @@ Stability records of the samples are kept by the sampler in the node's
 `StabilityRecords` (actors/stability.py); this module only asks for them
 (`record_ids`). It never writes a training job's state: the job table
 (actors/jobs.py) registers the sessions a training job saves weights for, and
-drops them when that job's own group ends.
+drops them when that job ends.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from openrld import ids, model_families
 from openrld.actors.checkpoints import readable_checkpoint
 from openrld.actors.futures import FutureTable
 from openrld.actors.groups import GroupTable
-from openrld.actors.job_registry import SEQ_MEMORY, JobRegistry, full_group_of
+from openrld.actors.job_registry import SEQ_MEMORY, JobRegistry, full_group_of, session_of
 from openrld.actors.sampler import Sample
 from openrld.actors.sessions import SessionTable
 from openrld.actors.usage import UsageMeter
@@ -50,15 +50,16 @@ class SamplingSession:
 
     __slots__ = (
         "sampler_id", "owner", "model", "version", "source_dir", "model_path", "requests", "inflight_model",
-        "group_job",
+        "group_job", "saved_by",
     )
 
     def __init__(
         self, sampler_id: str, owner: str, model: ModelEntry, version: str | None,
         source_dir: str | None, model_path: str | None, inflight_model: str | None = None,
-        group_job: str | None = None,
+        group_job: str | None = None, saved_by: str | None = None,
     ) -> None:
         self.group_job = group_job  # the full fine-tuning run whose group samples it; None: the LoRA group
+        self.saved_by = saved_by  # the training job whose unnamed or inflight weights it samples; None: none
         self.sampler_id = sampler_id
         self.owner = owner
         self.model = model
@@ -121,12 +122,27 @@ class SamplingSessions:
                 model_path=model_path, run_id=run_id,
             )
         self._samplers[sampler_id] = SamplingSession(
-            sampler_id, owner, model, version, source_dir, model_path, inflight_model, group_job
+            sampler_id, owner, model, version, source_dir, model_path, inflight_model, group_job,
+            saved_by=run_id if model_path is None else None,
         )
 
     def drop_group(self, group_job: str) -> None:
         """The own group of run `group_job` has ended: the sessions it sampled go with it."""
         for sampler_id in [k for k, v in self._samplers.items() if v.group_job == group_job]:
+            del self._samplers[sampler_id]
+
+    def drop_saved_by(self, run_id: str) -> list[str]:
+        """Training job `run_id` ended on a shared group: the sessions of the unnamed and inflight weights
+        it saved go (a later call is 410); returns their ids, the versions its sampler drops."""
+        ended = [k for k, v in self._samplers.items() if v.saved_by == run_id]
+        for sampler_id in ended:
+            del self._samplers[sampler_id]
+        return ended
+
+    def drop_session(self, session_id: str) -> None:
+        """Session `session_id` finished: its sampling sessions leave memory (with their seq_id memory).
+        One made from a checkpoint's path is made resident again from the store if it is called."""
+        for sampler_id in [k for k in self._samplers if session_of(k) == session_id]:
             del self._samplers[sampler_id]
 
     def create(

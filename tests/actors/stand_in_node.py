@@ -44,7 +44,7 @@ from openrld.batches import (
     TrainDatum,
 )
 from openrld.engine_types import Finished, ParkReport, ResumeReport
-from openrld.errors import BadRequest, EngineLost
+from openrld.errors import BadRequest, EngineLost, ServerError
 from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
 
@@ -176,7 +176,8 @@ class StandInSampler(StandInEngine):
         self.added: list[tuple[str, str | None]] = []
         self.cancelled: list[str] = []
         self.gate: threading.Event | None = None
-        self._live: dict[str, SampleJob] = {}
+        self.unfinished_steps = 0  # the next steps that finish nothing: requests that take several steps
+        self._live: dict[str, tuple[SampleJob, str | None]] = {}  # request id -> (its job, its version)
 
     def load_version(self, version: str, payload: object, spec: LoraSpec | None) -> None:
         self.versions[version] = payload
@@ -188,13 +189,13 @@ class StandInSampler(StandInEngine):
         self.versions.pop(version, None)
 
     def versions_in_use(self) -> set[str]:
-        return set()
+        return {version for _, version in self._live.values() if version is not None}
 
     def add(self, request_id: str, version: str | None, job: SampleJob) -> None:
         if version is not None and version not in self.versions:
             raise KeyError(f"version {version} is not loaded")
         self.added.append((request_id, version))
-        self._live[request_id] = job
+        self._live[request_id] = (job, version)
 
     def cancel(self, request_id: str) -> bool:
         self.cancelled.append(request_id)
@@ -206,7 +207,15 @@ class StandInSampler(StandInEngine):
     def step(self) -> list[Finished]:
         if self.gate is not None:
             self.gate.wait(SETTLE_S)
-        finished = [Finished(request_id, _answer(job)) for request_id, job in self._live.items()]
+        if self.unfinished_steps:
+            self.unfinished_steps -= 1
+            return []
+        # A request whose version left the engine while it ran fails, as a real engine's would.
+        finished = [
+            Finished(request_id, _answer(job)) if version is None or version in self.versions
+            else Finished(request_id, None, ServerError(f"version {version} was dropped mid-flight"))
+            for request_id, (job, version) in self._live.items()
+        ]
         self._live.clear()
         return finished
 

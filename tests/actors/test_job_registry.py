@@ -119,14 +119,14 @@ def test_group_job_names_the_jobs_own_group_when_it_has_one(kwargs, expected):
     assert job(**kwargs).group_job == expected
 
 
-def test_ending_a_session_removes_only_its_jobs_with_own_groups():
+def test_ending_a_session_removes_its_jobs_on_any_group_and_no_other_sessions():
     registry = JobRegistry()
-    registry.add(job("s-1:train:0"))  # LoRA on the shared group: stays
+    registry.add(job("s-1:train:0"))  # LoRA on the shared group: ends
     registry.add(job("s-1:train:1", full_sync="full"))  # ends
     registry.add(job("s-2:train:0", is_exclusive=True))  # another session's: stays
-    ended = registry.remove_own_groups_of("s-1")
+    ended = registry.remove_jobs_of("s-1")
     assert ([j.model_id for j in ended], sorted(j.model_id for j in registry)) == (
-        ["s-1:train:1"], ["s-1:train:0", "s-2:train:0"],
+        ["s-1:train:0", "s-1:train:1"], ["s-2:train:0"],
     )
 
 

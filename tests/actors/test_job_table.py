@@ -414,18 +414,32 @@ async def test_a_job_gone_with_a_restart_is_lost_and_its_status_names_its_last_c
 # ---------------------------------------------------------------- sessions ending, lost engines
 
 
-async def test_a_finished_session_ends_its_full_jobs_and_leaves_its_lora_jobs_running(node: Node):
+async def test_a_finished_session_ends_its_lora_and_full_jobs_and_their_later_calls_are_410(node: Node):
     session_id = await node.session()
     lora_request, lora_job = node.create_model(session_id, 0)
     full_request, full_job = node.create_model(session_id, 1, user_metadata=FULL)
     await node.completed(lora_request)
     await node.completed(full_request)
     node.jobs.finish_session(OWNER, session_id, "user_requested", None)
-    assert (node.jobs.is_running(lora_job), node.jobs.is_running(full_job)) == (True, False)
-    with pytest.raises(Gone) as caught:
-        node.jobs.optim_step(OWNER, full_job, 1, AdamParams())
-    assert caught.value.detail == f"model {full_job} has stopped: its session {session_id} has finished"
-    await node.completed(node.jobs.optim_step(OWNER, lora_job, 1, AdamParams()))
+    assert (node.jobs.is_running(lora_job), node.jobs.is_running(full_job)) == (False, False)
+    details = []
+    for model_id in (lora_job, full_job):
+        with pytest.raises(Gone) as caught:
+            node.jobs.optim_step(OWNER, model_id, 1, AdamParams())
+        details.append(caught.value.detail)
+    assert details == [f"model {m} has stopped: its session {session_id} has finished" for m in (lora_job, full_job)]
+
+
+async def test_a_finished_sessions_lora_job_fails_the_ops_it_still_held(node: Node):
+    session_id = await node.session()
+    request_id, model_id = node.create_model(session_id)
+    await node.completed(request_id)
+    waiting = node.jobs.forward_backward(OWNER, model_id, 2, batch(20))  # seq_id 1 never comes
+    await trio.testing.wait_all_tasks_blocked()  # the trainer has queued it
+    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
+    assert await node.failed(waiting) == Failed(
+        f"model {model_id} has stopped: its session {session_id} has finished (user_requested)", "user"
+    )
 
 
 async def test_a_finished_sessions_full_job_fails_the_ops_it_still_held(node: Node):
@@ -468,12 +482,14 @@ async def test_a_model_in_a_finished_session_is_410_and_no_group_starts_for_it(n
     assert (node.groups.all_groups(), node.store.runs.get(ids.model_id(session_id, 0))) == ([], None)
 
 
-async def test_a_create_model_retried_after_its_session_finished_answers_with_the_first_request(node: Node):
+async def test_a_create_model_retried_after_its_session_finished_is_410_as_its_job_ended_with_it(node: Node):
     session_id = await node.session()
     first = node.create_model(session_id)
     await node.completed(first[0])
     node.jobs.finish_session(OWNER, session_id, "user_requested", None)
-    assert node.create_model(session_id) == first
+    with pytest.raises(Gone) as caught:
+        node.create_model(session_id)
+    assert caught.value.detail == f"session {session_id} has finished"
 
 
 async def test_finishing_another_users_session_is_404(node: Node):

@@ -248,11 +248,59 @@ async def test_a_full_jobs_unnamed_weights_are_410_once_its_session_finished(nod
     )
 
 
-async def test_a_lora_jobs_unnamed_weights_are_still_sampled_after_its_session_finished(node: Node):
+async def test_a_lora_jobs_unnamed_weights_are_410_once_its_session_finished(node: Node):
     model_id, saved = await saved_for_sampler(node, name=None)
+    session_id = session_of(model_id)
+    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
+    with pytest.raises(Gone) as caught:
+        node.sampling.sample(OWNER, saved.sampling_session_id, 0, sample_job([5]))
+    assert caught.value.detail == (
+        f"sampling session {saved.sampling_session_id} held unnamed weights of model {model_id}, which stopped "
+        f"when its session {session_id} finished"
+    )
+
+
+async def test_a_finished_lora_job_leaves_the_shared_trainer_and_sampler_and_its_path_still_samples(node: Node):
+    ended, unnamed = await saved_for_sampler(node, name=None)
+    named = await node.completed(
+        node.jobs.save_weights_for_sampler(
+            OWNER, ended, 2, name="final", sampling_session_seq_id=None, kind="snapshot", ttl_seconds=None,
+            user_metadata={},
+        )
+    )
+    kept, kept_unnamed = await saved_for_sampler(node, name=None)
+    other_session = session_of(kept)
+    by_path = node.sampling.create(
+        OWNER, session_id=other_session, sampling_session_seq_id=5, base_model=None, model_path=named.path
+    )
+    for sampler_id in (unnamed.sampling_session_id, by_path, kept_unnamed.sampling_session_id):
+        await node.completed(node.sampling.sample(OWNER, sampler_id, 0, sample_job([5]))[0])
+    trainer, sampler = node.engines.trainer_of(f"{MODEL} trainer"), node.engines.sampler_of(f"{MODEL} sampler")
+    assert sorted(sampler.versions) == sorted([unnamed.sampling_session_id, named.path, kept_unnamed.sampling_session_id])
+    node.jobs.finish_session(OWNER, session_of(ended), "user_requested", None)
+    await wait_until(lambda: list(trainer.adapters) == [kept], within_s=SETTLE_S, poll_s=0.01)
+    await wait_until(lambda: list(sampler.versions) == [kept_unnamed.sampling_session_id], within_s=SETTLE_S, poll_s=0.01)
+    (group,) = node.groups.all_groups()
+    assert (group.trainer.statistics().adapters_loaded, group.sampler.statistics().host_versions) == (1, 1)
+    # The checkpoint's version loads again from its files for the client made from its path.
+    assert await sampled_tokens(node, node.sampling.sample(OWNER, by_path, 1, sample_job([5]))[0]) == [[5, 0]]
+    assert sorted(sampler.versions) == sorted([kept_unnamed.sampling_session_id, named.path])
+
+
+async def test_a_sample_running_on_a_finished_jobs_weights_keeps_them_until_it_is_done(node: Node):
+    model_id, saved = await saved_for_sampler(node, name=None)
+    await wait_until(lambda: node.groups.all_groups() != [], within_s=SETTLE_S, poll_s=0.01)
+    sampler = node.engines.sampler_of(f"{MODEL} sampler")
+    gate = sampler.gate = threading.Event()
+    sampler.unfinished_steps = 1  # the request runs over two steps; the job ends during the first
+    request_id, _ = node.sampling.sample(OWNER, saved.sampling_session_id, 0, sample_job([7]))
+    await wait_until(lambda: sampler.added != [], within_s=SETTLE_S, poll_s=0.01)  # in the engine, its step held
     node.jobs.finish_session(OWNER, session_of(model_id), "user_requested", None)
-    request_id, _ = node.sampling.sample(OWNER, saved.sampling_session_id, 0, sample_job([5]))
-    await node.completed(request_id)
+    await trio.testing.wait_all_tasks_blocked()
+    assert list(sampler.versions) == [saved.sampling_session_id]
+    gate.set()
+    assert await sampled_tokens(node, request_id) == [[7, 0]]
+    await wait_until(lambda: sampler.versions == {}, within_s=SETTLE_S, poll_s=0.01)
 
 
 # ---------------------------------------------------------------- cancel_future
