@@ -17,6 +17,10 @@ checkpoint that was loaded by mapping it) has those pages released once it is pa
 something reads the weight again (a tied embedding's lookups read a few rows a step). A weight
 in anonymous memory (a checkpoint converted on load) is held twice.
 
+`PackedLinears` does the same inside a forward that is Hugging Face's own (the families
+`fused_forward` does not run: Gemma, Qwen3.5, mixture-of-experts): each of the model's
+`nn.Linear`s multiplies through its weight's packed copy, made at the first forward.
+
 Not for weights that change in place (the full fine-tuning sampler's synced weights): a copy
 does not see the change. It is torch alone, no trio; `usable` says where oneDNN can take a
 weight, and elsewhere the caller keeps `F.linear`.
@@ -24,7 +28,10 @@ weight, and elsewhere the caller keeps `F.linear`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from openrld import heap
 
@@ -82,3 +89,42 @@ class PackedWeights:
         self._copies.clear()
         self.is_packed = False
         return dropped
+
+
+class PackedLinears:
+    """A model's `nn.Linear`s, as they are when it is loaded (before any adapter), multiplying
+    through packed copies of their weights in the model's own forward.
+
+    Each linear's `forward` is replaced on the instance; peft keeps the module as its LoRA
+    layer's `base_layer` and calls it, so every adapter's term is added as before. The copies are
+    made at the first forward after construction or `drop`. A linear whose weight oneDNN cannot
+    take (`usable`) keeps `F.linear`.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        self._linears = linears
+        self._packs = PackedWeights()
+        for module in linears:
+            module.forward = functools.partial(self._forward, module)  # type: ignore[method-assign]
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> PackedLinears | None:
+        """The model's linears routed through packed copies; None when oneDNN can take none of them."""
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        return cls(linears) if any(usable(m.weight) for m in linears) else None
+
+    @property
+    def bytes(self) -> int:
+        return self._packs.bytes
+
+    def drop(self) -> int:
+        """Give back the packed copies (the next forward packs them again); returns their bytes."""
+        return self._packs.drop() if self._packs.is_packed else 0
+
+    def _forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self._packs.is_packed:
+            self._packs.pack([m.weight for m in self._linears], rows=8)  # a decode step's rows: a hint
+        packed = self._packs.get(module.weight)
+        if packed is None:
+            return F.linear(x, module.weight, module.bias)
+        return linear(x, packed, module.bias)

@@ -105,7 +105,7 @@ from openrld import heap
 from openrld.batches import LoraSpec, SampledSequence, SampleJob, SampleResult, SyncStats, TopK
 from openrld.engine_types import Finished, WeightPayload
 from openrld.errors import BadRequest
-from openrld.gpu import call_threads, models, moe_lora, offload
+from openrld.gpu import call_threads, models, moe_lora, offload, packed_linear
 from openrld.gpu.fused_forward import BASE_ADAPTER, FusedForward
 from openrld.gpu.kv_batch import (
     KvBatch,
@@ -327,9 +327,10 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             `device`; 0 turns it off.
         prefix_block_tokens: prefixes are cached and matched in blocks of this
             many positions.
-        packed_weights: on the CPU, the fused forward multiplies by copies of the
-            base weights packed for oneDNN (`packed_linear`), given back at each park;
-            False for weights patched in place (the full sampler's).
+        packed_weights: on the CPU, the forward (the fused one, or Hugging Face's for the
+            other families) multiplies by copies of the base weights packed for oneDNN
+            (`packed_linear`), given back at each park; False for weights patched in
+            place (the full sampler's).
     """
 
     def __init__(
@@ -359,6 +360,8 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         # peft injects its adapters into this same model, so the fused forward sees every version.
         # Packed where oneDNN can take the weights (`packed_linear.usable`: float32 on the CPU).
         self._fused = FusedForward.for_model(self._model, packed_weights=packed_weights) if fused_forward else None
+        # The families the fused forward does not run multiply by packed copies inside HF's forward.
+        self._hf_packs = packed_linear.PackedLinears.for_model(self._model) if self._fused is None and packed_weights else None
         self._weights = call_threads.weights(self._model)  # a forward's size, for its CPU threads
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
@@ -416,8 +419,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         """The base weights were replaced in place: every cached prefix's KV is stale, under
         every version (each adds its adapter to the base), and so is any packed copy of them."""
         self._prefixes.clear()
-        if self._fused is not None:
-            self._fused.drop_packed()
+        self._drop_packed()
 
     def bound_prefix_cache(self, budget_bytes: int) -> int:
         """Hold the prefix cache to `budget_bytes` from now on: the node's share for this engine
@@ -928,8 +930,13 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             raise offload.CannotPark(f"the sampler is decoding requests {live[:4]}; park it between requests")
         dropped = self._batch.nbytes()
         self._batch = KvBatch(self._model.config, self._device)  # views of the old cache keep its storage alive
-        packed = self._fused.drop_packed() if self._fused is not None else 0
-        return dropped + self._prefixes.clear() + packed
+        return dropped + self._prefixes.clear() + self._drop_packed()
+
+    def _drop_packed(self) -> int:
+        """Give back the packed copies of the base weights, whichever forward holds them; their bytes."""
+        if self._fused is not None:
+            return self._fused.drop_packed()
+        return self._hf_packs.drop() if self._hf_packs is not None else 0
 
     @property
     def last_sync(self) -> SyncStats | None:
@@ -958,7 +965,8 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             adapters_made=self._versions.made,
             adapters_reused=self._versions.reused,
             adapters_free=self._versions.free,
-            packed_weight_bytes=self._fused.packed_bytes if self._fused is not None else 0,
+            packed_weight_bytes=(self._fused.packed_bytes if self._fused is not None
+                                 else self._hf_packs.bytes if self._hf_packs is not None else 0),
         )
 
 

@@ -65,3 +65,28 @@ def test_drop_gives_back_every_copy_and_its_bytes():
     packs.pack(weights, rows=8)
     assert packs.drop() == (64 * 32 + 16 * 64) * 4
     assert ([packs.get(w) for w in weights], packs.bytes, packs.is_packed) == ([None, None], 0, False)
+
+
+def test_a_models_linears_multiply_through_packed_copies_made_at_its_first_forward():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16, bias=False))
+    x = torch.randn(3, 5, 32)
+    expected = model(x)
+    linears = packed_linear.PackedLinears.for_model(model)
+    assert linears is not None and linears.bytes == 0
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    assert linears.bytes == (32 * 64 + 64 * 16) * 4
+
+
+def test_dropped_copies_are_packed_again_at_the_next_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    linears = packed_linear.PackedLinears.for_model(model)
+    assert linears is not None
+    model(torch.randn(2, 8))
+    assert (linears.drop(), linears.bytes, linears.drop()) == (8 * 8 * 4, 0, 0)
+    model(torch.randn(2, 8))
+    assert linears.bytes == 8 * 8 * 4
+
+
+def test_a_model_with_no_float32_linear_gets_no_packed_linears():
+    assert packed_linear.PackedLinears.for_model(torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16))) is None
