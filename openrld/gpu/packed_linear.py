@@ -105,7 +105,7 @@ class PackedLinears:
         self._linears = linears
         self._packs = PackedWeights()
         for module in linears:
-            module.forward = functools.partial(self._forward, module)  # type: ignore[method-assign]
+            module.forward = functools.partial(self._forward, module)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> PackedLinears | None:
