@@ -430,21 +430,10 @@ async def test_a_finished_session_ends_its_lora_and_full_jobs_and_their_later_ca
     assert details == [f"model {m} has stopped: its session {session_id} has finished" for m in (lora_job, full_job)]
 
 
-async def test_a_finished_sessions_lora_job_fails_the_ops_it_still_held(node: Node):
+@pytest.mark.parametrize("metadata", [None, FULL], ids=["lora", "full"])
+async def test_a_finished_sessions_job_fails_the_ops_it_still_held(node: Node, metadata: dict[str, str] | None):
     session_id = await node.session()
-    request_id, model_id = node.create_model(session_id)
-    await node.completed(request_id)
-    waiting = node.jobs.forward_backward(OWNER, model_id, 2, batch(20))  # seq_id 1 never comes
-    await trio.testing.wait_all_tasks_blocked()  # the trainer has queued it
-    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
-    assert await node.failed(waiting) == Failed(
-        f"model {model_id} has stopped: its session {session_id} has finished (user_requested)", "user"
-    )
-
-
-async def test_a_finished_sessions_full_job_fails_the_ops_it_still_held(node: Node):
-    session_id = await node.session()
-    request_id, model_id = node.create_model(session_id, user_metadata=FULL)
+    request_id, model_id = node.create_model(session_id, user_metadata=metadata)
     await node.completed(request_id)
     waiting = node.jobs.forward_backward(OWNER, model_id, 2, batch(20))  # seq_id 1 never comes
     await trio.testing.wait_all_tasks_blocked()  # the trainer has queued it

@@ -236,8 +236,9 @@ async def test_unnamed_weights_are_410_after_a_restart(node: Node, tmp_path):
     )
 
 
-async def test_a_full_jobs_unnamed_weights_are_410_once_its_session_finished(node: Node):
-    model_id, saved = await saved_for_sampler(node, name=None, user_metadata={"openrl.fine_tuning_type": "full"})
+@pytest.mark.parametrize("metadata", [{}, {"openrl.fine_tuning_type": "full"}], ids=["lora", "full"])
+async def test_a_jobs_unnamed_weights_are_410_once_its_session_finished(node: Node, metadata: dict[str, str]):
+    model_id, saved = await saved_for_sampler(node, name=None, user_metadata=metadata)
     session_id = session_of(model_id)
     node.jobs.finish_session(OWNER, session_id, "user_requested", None)
     with pytest.raises(Gone) as caught:
@@ -247,17 +248,6 @@ async def test_a_full_jobs_unnamed_weights_are_410_once_its_session_finished(nod
         f"when its session {session_id} finished"
     )
 
-
-async def test_a_lora_jobs_unnamed_weights_are_410_once_its_session_finished(node: Node):
-    model_id, saved = await saved_for_sampler(node, name=None)
-    session_id = session_of(model_id)
-    node.jobs.finish_session(OWNER, session_id, "user_requested", None)
-    with pytest.raises(Gone) as caught:
-        node.sampling.sample(OWNER, saved.sampling_session_id, 0, sample_job([5]))
-    assert caught.value.detail == (
-        f"sampling session {saved.sampling_session_id} held unnamed weights of model {model_id}, which stopped "
-        f"when its session {session_id} finished"
-    )
 
 
 async def test_a_finished_lora_job_leaves_the_shared_trainer_and_sampler_and_its_path_still_samples(node: Node):

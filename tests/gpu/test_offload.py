@@ -227,6 +227,15 @@ def test_sampler_samples_the_same_after_park_and_resume(sampler: TorchSampler, p
 def test_a_parked_sampler_gives_back_its_packed_weights_and_packs_them_again(
     sampler: TorchSampler, prompt: np.ndarray
 ) -> None:
+    assert_park_gives_back_packed_weights(sampler, prompt)
+
+
+def test_a_parked_gemma3_sampler_gives_back_the_packed_weights_of_its_hf_forward(tmp_path: Path) -> None:
+    gemma3 = TorchSampler(build_tiny_model(tmp_path / "gemma3", "gemma3", seed=3), CPU)
+    assert_park_gives_back_packed_weights(gemma3, np.arange(3, 12, dtype=np.int64))
+
+
+def assert_park_gives_back_packed_weights(sampler: TorchSampler, prompt: np.ndarray) -> None:
     sampler.sample(None, job(prompt))
     packed = sampler.statistics().packed_weight_bytes
     report = sampler.park()
@@ -235,19 +244,6 @@ def test_a_parked_sampler_gives_back_its_packed_weights_and_packs_them_again(
     sampler.sample(None, job(prompt))
     assert packed > 0 and report.cache_bytes_dropped >= packed
     assert (while_parked, sampler.statistics().packed_weight_bytes) == (0, packed)
-
-
-def test_a_parked_gemma3_sampler_gives_back_the_packed_weights_of_its_hf_forward(tmp_path: Path) -> None:
-    gemma3 = TorchSampler(build_tiny_model(tmp_path / "gemma3", "gemma3", seed=3), CPU)
-    prompt = np.arange(3, 12, dtype=np.int64)
-    gemma3.sample(None, job(prompt))
-    packed = gemma3.statistics().packed_weight_bytes
-    report = gemma3.park()
-    while_parked = gemma3.statistics().packed_weight_bytes
-    gemma3.resume()
-    gemma3.sample(None, job(prompt))
-    assert packed > 0 and report.cache_bytes_dropped >= packed
-    assert (while_parked, gemma3.statistics().packed_weight_bytes) == (0, packed)
 
 
 def test_sampler_refuses_to_park_mid_decode(sampler: TorchSampler, prompt: np.ndarray) -> None:
