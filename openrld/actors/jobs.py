@@ -47,7 +47,7 @@ from openrld.actors.trainer import ForwardBackward, LoadState, OptimStep, Reject
 from openrld.actors.usage import UsageMeter
 from openrld.batches import AdamParams, DimuonParams, ForwardBackwardBatch, LoraSpec
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet, OpenrldError, UserError
-from openrld.model_catalog import ModelCatalog
+from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
 
 
@@ -353,6 +353,9 @@ class JobTable:
                 return "full fine-tuning" if lora is None else f"LoRA config {lora}"
 
             raise BadRequest(f"{path}: its {shape(spec)} differs from model {model_id}'s {shape(job.lora)}")
+        if not self._same_base_model(source_run.base_model, job.model):
+            raise BadRequest(f"{path}: it was trained on {source_run.base_model!r}; model {model_id} is "
+                             f"{job.model.name!r} (load it into a new model of its base model)")
         run = self._store.runs.get(model_id)
         family = optimizer_family(run.optimizer_config if run is not None else {})
         if with_optimizer and optimizer_family(source_run.optimizer_config) != family:
@@ -370,6 +373,16 @@ class JobTable:
         )
 
     # ------------------------------------------------------------ helpers
+
+    def _same_base_model(self, name: str, model: ModelEntry) -> bool:
+        """Whether base model `name` is `model`, under its own name or another that the catalog
+        resolves to the same directory; a name the node no longer serves is not."""
+        if name == model.name:
+            return True
+        try:
+            return self._catalog.resolve(name).directory == model.directory
+        except OpenrldError:
+            return False
 
     def _new_request(self, owner: str, model_id: str, kind: str) -> str:
         request_id = ids.new_request_id(self._id_tag)

@@ -49,7 +49,9 @@ from openrld.model_catalog import ModelCatalog, ModelEntry
 from openrld.store import Store
 
 OWNER = "alice"
-MODEL = "tiny"  # the one base model the node serves (a configured directory: a config.json only)
+MODEL = "tiny"  # the base model the node serves (a configured directory: a config.json only)
+OTHER_MODEL = "tiny-other"  # a second base model of the same shape, in a directory of its own
+ALIAS = "tiny-alias"  # MODEL's directory under another name
 MAX_CONTEXT = 32
 MAX_LORA_RANK = 8
 SPEC = LoraSpec(rank=2)
@@ -310,9 +312,10 @@ class Node(msgspec.Struct):
     def create_model(
         self, session_id: str, seq: int = 0, *, owner: str = OWNER, lora: LoraSpec | None = SPEC,
         user_metadata: dict[str, str] | None = None, optimizer_config: dict[str, Any] | None = None,
+        base_model: str = MODEL,
     ) -> tuple[str, str]:
         return self.jobs.create_model(
-            owner, session_id=session_id, model_seq_id=seq, base_model=MODEL, lora=lora,
+            owner, session_id=session_id, model_seq_id=seq, base_model=base_model, lora=lora,
             user_metadata=user_metadata or {}, optimizer_config=optimizer_config or {"type": "adamw"},
         )
 
@@ -363,9 +366,9 @@ def sample_job(prompt: list[int], num_samples: int = 1) -> SampleJob:
     return SampleJob(prompt=np.array(prompt, np.int64), num_samples=num_samples, params=params)
 
 
-def model_dir(root: Path) -> Path:
+def model_dir(root: Path, name: str = MODEL) -> Path:
     """A base model directory as the catalog reads it: its config.json, and no weights (nothing loads them)."""
-    directory = root / MODEL
+    directory = root / name
     directory.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": MAX_CONTEXT}
     (directory / "config.json").write_text(json.dumps(config))
@@ -380,7 +383,8 @@ async def open_node(
     engines = StandInEngines()
     futures = FutureTable(store.requests)
     commits = DurableCommits(store.database.sync)
-    catalog = ModelCatalog({MODEL: str(model_dir(models_root))})
+    directory = str(model_dir(models_root))
+    catalog = ModelCatalog({MODEL: directory, ALIAS: directory, OTHER_MODEL: str(model_dir(models_root, OTHER_MODEL))})
     groups = GroupTable(
         nursery=nursery, engines=engines, limiter=trio.CapacityLimiter(1), futures=futures,
         checkpoints=CheckpointWriter(store, commits), sample_queue_limit=sample_queue_limit,

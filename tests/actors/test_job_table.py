@@ -21,11 +21,13 @@ from openrld.actors.trainer import Created, Loaded, Saved
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, ProvenanceSpan, TrainDatum
 from openrld.errors import BadRequest, Conflict, Gone, NotFound, NotSupportedYet
 from tests.actors.stand_in_node import (
+    ALIAS,
     BROKEN_LOSS,
     LOST_DETAIL,
     LOST_LOSS,
     MAX_LORA_RANK,
     MODEL,
+    OTHER_MODEL,
     OWNER,
     REFUSED_LOSS,
     SETTLE_S,
@@ -128,7 +130,8 @@ async def test_a_base_model_the_node_does_not_serve_is_400_and_no_run_is_recorde
             optimizer_config={},
         )
     assert caught.value.detail.startswith(
-        f"base_model 'no-such-model' is not served by this node: it is not in the node's [models] table ({MODEL}),"
+        f"base_model 'no-such-model' is not served by this node: it is not in the node's [models] table "
+        f"({MODEL}, {ALIAS}, {OTHER_MODEL}),"
     )
     assert node.store.runs.get(ids.model_id(session_id, 0)) is None
 
@@ -680,3 +683,21 @@ async def test_external_weights_are_written_under_their_own_kind(node: Node):
     model_id = await node.new_model()
     saved = await node.completed(node.jobs.save_weights_external(OWNER, model_id, 1, name="peft", ttl_seconds=None))
     assert saved == Saved(path=f"tinker://{model_id}/external_weights/peft")
+
+
+async def test_load_weights_trained_on_another_base_model_is_400_naming_both(node: Node):
+    path = await save(node, await node.new_model(base_model=OTHER_MODEL), 1, "other")
+    model_id = await node.new_model()
+    with pytest.raises(BadRequest) as caught:
+        node.jobs.load_weights(OWNER, model_id, 1, path=path, with_optimizer=False)
+    assert caught.value.detail == (
+        f"{path}: it was trained on {OTHER_MODEL!r}; model {model_id} is {MODEL!r} (load it into a new model of "
+        "its base model)"
+    )
+
+
+async def test_load_weights_trained_on_another_name_of_the_same_base_model_loads(node: Node):
+    path = await save(node, await node.new_model(base_model=ALIAS), 1, "alias")
+    model_id = await node.new_model()
+    loaded = node.jobs.load_weights(OWNER, model_id, 1, path=path, with_optimizer=False)
+    assert await node.completed(loaded) == Loaded(model_id=model_id, path=path)
