@@ -15,13 +15,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from openrld import ids
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import Job, JobRegistry
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
+from openrld.actors.trainer import JobProgress
 from openrld.errors import Gone, NotFound
 from openrld.store import Store
+from openrld.store.job_claims import Claim
+
+
+class EndedJob(msgspec.Struct, frozen=True):
+    """What a job that ended here still reports in its status: the trainer's last word on it
+    (its steps, its newest sampler weights, its last error) and the adoption that brought it here."""
+
+    progress: JobProgress | None
+    adoption: Claim | None
 
 
 class GoneJobs:
@@ -44,6 +56,7 @@ class GoneJobs:
         self._groups = groups
         self._changed = changed  # a clustered node gossips at once that the job is no longer here
         self._lost: dict[str, str] = {}  # model_id -> why: jobs that ended here other than with their session
+        self._ended: dict[str, EndedJob] = {}  # model_id -> what its status still says, for every job ended here
 
     def resident(self, owner: str, model_id: str) -> Job:
         """`owner`'s resident job `model_id`.
@@ -75,12 +88,25 @@ class GoneJobs:
         """Job `model_id` is resident here again (adopted back): its old reason no longer holds."""
         self._lost.pop(model_id, None)
 
+    def ended(self, model_id: str) -> EndedJob | None:
+        """What job `model_id`, ended here, still reports; None for one that did not end here."""
+        return self._ended.get(model_id)
+
+    def remember(self, job: Job) -> None:
+        """Keep what `job`'s status still says once it ends (call it before the job leaves its group)."""
+        group = self._groups.get_nowait(job.model, job.group_job)
+        progress = next(
+            (p for p in group.trainer.statistics().progress if p.model_id == job.model_id), None
+        ) if group is not None else None
+        self._ended[job.model_id] = EndedJob(progress, job.adoption)
+
     def own_group_lost(self, job: Job, detail: str) -> None:
         """The trainer engine of `job`'s own group was lost (its process, or a rank of it, died):
         the job is over, its group ends (freeing its devices), and its later calls fail with `detail`
         and the job's last checkpoint, what it resumes from (as a job lost with its node is told)."""
         if self._jobs.remove(job.model_id) is None:
             return  # already ended (its session finished)
+        self.remember(job)
         checkpoint = self._store.checkpoints.last(job.model_id, ids.CheckpointKind.WEIGHTS)
         restore = f"its last checkpoint is {checkpoint.tinker_path}" if checkpoint is not None else "it saved no checkpoint"
         self._lost[job.model_id] = f"{detail}; {restore}"
@@ -92,6 +118,7 @@ class GoneJobs:
         on its base model's shared group its adapter and the versions it alone published go."""
         if self._jobs.remove(job.model_id) is None:
             return
+        self.remember(job)
         self._lost[job.model_id] = detail
         self._sampling.drop_group(job.model_id)
         if job.group_job is not None:

@@ -170,6 +170,7 @@ class JobTable:
         why = f"model {{}} has stopped: its session {session_id} has finished ({reason})"
         ended = self._jobs.remove_jobs_of(session_id)
         for job in ended:
+            self._gone.remember(job)
             if job.group_job is None:
                 self._gone.end_shared(job, why.format(job.model_id))
             else:
@@ -195,12 +196,16 @@ class JobTable:
         settings = job_settings.settings_from_dict(run.settings)
         checkpoint = self._store.checkpoints.last(model_id, ids.CheckpointKind.WEIGHTS)
         job = self._jobs.get(model_id)
+        ended = self._gone.ended(model_id) if job is None else None
+        adoption = job.adoption if job is not None else ended.adoption if ended is not None else None
         facts = JobFacts(
             model_id=model_id, base_model=run.base_model, fine_tuning_type=settings.fine_tuning_type.value,
             is_exclusive=settings.exclusive, is_resident=job is not None,
             last_checkpoint=checkpoint.tinker_path if checkpoint is not None else None,
-            adopted_from=adopted_from(job.adoption) if job is not None and job.adoption is not None else None,
+            adopted_from=adopted_from(adoption) if adoption is not None else None,
             lost_detail=self._gone.detail(model_id),
+            final_progress=ended.progress if ended is not None else None,
+            session_finished=job is None and self._sessions.is_finished(run.session_id),
         )
         if job is None:
             return build_status(facts, GroupView(False, None, None, None, None))

@@ -6,6 +6,9 @@ leases and its progress into one job state:
 
     lost > failed > waiting_for_placement > loading_weights > training > sampling > parked > ready
 
+and, for a job no longer resident: lost (its engine or node was lost, or the daemon
+restarted), or finished (its session finished, and the job with it).
+
 A state that can last (placement, loading, a parked worker waiting for its
 turn) says what it waits for in `waiting_for`, so a cold start never looks
 like a silent hang. It is pure: it reads the statistics it is given, keeps no
@@ -36,6 +39,7 @@ class JobState(enum.Enum):
     PARKED = "parked"
     FAILED = "failed"
     LOST = "lost"
+    FINISHED = "finished"  # its session finished, and the job with it; its checkpoints remain
 
 
 class WorkerStatus(msgspec.Struct, frozen=True):
@@ -99,6 +103,8 @@ class JobFacts(msgspec.Struct, frozen=True):
     adopted_from: AdoptedFrom | None = None
     lost_detail: str | None = None  # why a job that ran here no longer does (it moved, its engine was lost)
     adoptable: bool = False  # lost with its node, but auto-saved: a survivor is adopting it
+    final_progress: JobProgress | None = None  # an ended job's progress as its trainer last reported it
+    session_finished: bool = False  # not resident because its session finished (ServiceClient.close)
 
 
 class GroupView(msgspec.Struct, frozen=True):
@@ -138,7 +144,7 @@ def build_status(job: JobFacts, group: GroupView) -> ModelStatus:
     sampler_device = placement.sampler_device if placement is not None else None
     rank_devices: tuple[str | None, ...] = placement.trainer_ranks if placement is not None else (None,)
     trainer, sampler = group.trainer, group.sampler
-    progress = _progress(trainer, job.model_id)
+    progress = job.final_progress if job.final_progress is not None else _progress(trainer, job.model_id)
     waiting_ops = next((j.waiting for j in trainer.jobs if j.model_id == job.model_id), 0) if trainer else 0
     # The ranks of one torchrun trainer share its one lease: they park and resume together.
     workers = (
@@ -192,6 +198,8 @@ def _state(job: JobFacts, group: GroupView, waiting_ops: int, device: str | None
             return JobState.LOST, "a surviving node to adopt it from its auto-save on the shared checkpoint root"
         if job.lost_detail is not None:
             return JobState.LOST, job.lost_detail
+        if job.session_finished:
+            return JobState.FINISHED, None
         restore = job.last_checkpoint or "no checkpoint was saved"
         return JobState.LOST, f"a restore with create_training_client_from_state (last checkpoint: {restore})"
     trainer, sampler = group.trainer, group.sampler

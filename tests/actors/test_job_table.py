@@ -406,6 +406,15 @@ async def test_a_resident_jobs_status_counts_its_steps(node: Node):
     assert node.jobs.model_status("bob", model_id, sees_all=True).model_id == model_id
 
 
+@pytest.mark.parametrize("metadata", [None, FULL], ids=["lora", "full"])
+async def test_a_job_whose_session_finished_still_reports_its_steps(node: Node, metadata: dict[str, str] | None):
+    model_id = await node.new_model(user_metadata=metadata)
+    await node.completed(node.jobs.optim_step(OWNER, model_id, 1, AdamParams()))
+    node.jobs.finish_session(OWNER, session_of(model_id), "user_requested", None)
+    status = node.jobs.model_status(OWNER, model_id)
+    assert (status.state.value, status.waiting_for, status.step, status.workers) == ("finished", None, 1, [])
+
+
 async def test_a_job_gone_with_a_restart_is_lost_and_its_status_names_its_last_checkpoint(node: Node, tmp_path):
     model_id = await node.new_model()
     path = await save(node, model_id, 1, "step-1")

@@ -68,7 +68,7 @@ def test_a_closed_sessions_exclusive_job_frees_the_device_for_the_next(one_devic
     second.close("success").result()
     assert (status["is_exclusive"], [w["device"] for w in status["workers"]]) == (True, ["cpu:0", "cpu:0"])
     # The first job is no longer served: its session is over.
-    assert _status(one_device_daemon, hero.model_id)["state"] == "lost"
+    assert _status(one_device_daemon, hero.model_id)["state"] == "finished"
 
 
 def test_an_exclusive_job_whose_creation_failed_frees_the_device(one_device_daemon):
