@@ -20,6 +20,7 @@ import msgspec
 from openrld import ids
 from openrld.actors.groups import GroupTable
 from openrld.actors.job_registry import Job, JobRegistry
+from openrld.actors.model_status import progress_of
 from openrld.actors.sampling_sessions import SamplingSessions
 from openrld.actors.sessions import SessionTable
 from openrld.actors.trainer import JobProgress
@@ -92,42 +93,35 @@ class GoneJobs:
         """What job `model_id`, ended here, still reports; None for one that did not end here."""
         return self._ended.get(model_id)
 
-    def remember(self, job: Job) -> None:
-        """Keep what `job`'s status still says once it ends (call it before the job leaves its group)."""
-        group = self._groups.get_nowait(job.model, job.group_job)
-        progress = next(
-            (p for p in group.trainer.statistics().progress if p.model_id == job.model_id), None
-        ) if group is not None else None
-        self._ended[job.model_id] = EndedJob(progress, job.adoption)
-
     def own_group_lost(self, job: Job, detail: str) -> None:
         """The trainer engine of `job`'s own group was lost (its process, or a rank of it, died):
         the job is over, its group ends (freeing its devices), and its later calls fail with `detail`
         and the job's last checkpoint, what it resumes from (as a job lost with its node is told)."""
         if self._jobs.remove(job.model_id) is None:
             return  # already ended (its session finished)
-        self.remember(job)
         checkpoint = self._store.checkpoints.last(job.model_id, ids.CheckpointKind.WEIGHTS)
         restore = f"its last checkpoint is {checkpoint.tinker_path}" if checkpoint is not None else "it saved no checkpoint"
         self._lost[job.model_id] = f"{detail}; {restore}"
-        self._sampling.drop_group(job.model_id)
-        self._groups.end(job.model, job.model_id, detail)
+        self.end(job, detail)
 
     def drop(self, job: Job, detail: str) -> None:
-        """`job` ends here: its later calls fail with `detail`; its own group, if it has one, ends, and
-        on its base model's shared group its adapter and the versions it alone published go."""
+        """`job` ends here: its later calls fail with `detail`, and it leaves its group (`end`)."""
         if self._jobs.remove(job.model_id) is None:
             return
-        self.remember(job)
         self._lost[job.model_id] = detail
-        self._sampling.drop_group(job.model_id)
-        if job.group_job is not None:
-            self._groups.end(job.model, job.model_id, detail)
-        else:
-            self.end_shared(job, detail)
+        self.end(job, detail)
         self._changed()
 
-    def end_shared(self, job: Job, detail: str) -> None:
-        """`job`, a LoRA job on its base model's shared group and no longer resident, leaves that group:
-        its queued ops fail with `detail`, and the group drops its adapter and the versions only it published."""
-        self._groups.end_shared_job(job.model, job.model_id, detail, self._sampling.drop_saved_by(job.model_id))
+    def end(self, job: Job, detail: str) -> None:
+        """`job`, no longer resident, ends: what its status still says is kept (`ended`), its queued ops
+        fail with `detail`, and its group lets it go. Its own group stops, freeing its devices, and its
+        unnamed sampler weights go with it; on its base model's shared group, the group drops its adapter
+        and the versions only it published."""
+        group = self._groups.get_nowait(job.model, job.group_job)
+        progress = progress_of(group.trainer.statistics(), job.model_id) if group is not None else None
+        self._ended[job.model_id] = EndedJob(progress, job.adoption)
+        if job.group_job is None:
+            self._groups.end_shared_job(job.model, job.model_id, detail, self._sampling.drop_saved_by(job.model_id))
+        else:
+            self._sampling.drop_group(job.model_id)
+            self._groups.end(job.model, job.model_id, detail)

@@ -170,12 +170,7 @@ class JobTable:
         why = f"model {{}} has stopped: its session {session_id} has finished ({reason})"
         ended = self._jobs.remove_jobs_of(session_id)
         for job in ended:
-            self._gone.remember(job)
-            if job.group_job is None:
-                self._gone.end_shared(job, why.format(job.model_id))
-            else:
-                self._sampling.drop_group(job.model_id)
-                self._groups.end(job.model, job.model_id, why.format(job.model_id))
+            self._gone.end(job, why.format(job.model_id))
         self._sampling.drop_session(session_id)
         if ended:
             self.changed()  # a clustered node gossips at once that they are no longer here

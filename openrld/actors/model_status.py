@@ -144,7 +144,7 @@ def build_status(job: JobFacts, group: GroupView) -> ModelStatus:
     sampler_device = placement.sampler_device if placement is not None else None
     rank_devices: tuple[str | None, ...] = placement.trainer_ranks if placement is not None else (None,)
     trainer, sampler = group.trainer, group.sampler
-    progress = job.final_progress if job.final_progress is not None else _progress(trainer, job.model_id)
+    progress = job.final_progress if job.final_progress is not None else progress_of(trainer, job.model_id)
     waiting_ops = next((j.waiting for j in trainer.jobs if j.model_id == job.model_id), 0) if trainer else 0
     # The ranks of one torchrun trainer share its one lease: they park and resume together.
     workers = (
@@ -186,7 +186,8 @@ def lost_status(model_id: str, note: JobNote) -> ModelStatus:
     return build_status(facts, GroupView(False, None, None, None, None))
 
 
-def _progress(trainer: TrainerStatistics | None, model_id: str) -> JobProgress:
+def progress_of(trainer: TrainerStatistics | None, model_id: str) -> JobProgress:
+    """Job `model_id`'s progress as `trainer` reports it (none yet: 0 steps)."""
     found = next((p for p in trainer.progress if p.model_id == model_id), None) if trainer is not None else None
     return found or JobProgress(model_id, 0, None, None)
 

@@ -20,6 +20,7 @@ drops them when that job ends.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import msgspec
 import trio
@@ -128,22 +129,24 @@ class SamplingSessions:
 
     def drop_group(self, group_job: str) -> None:
         """The own group of run `group_job` has ended: the sessions it sampled go with it."""
-        for sampler_id in [k for k, v in self._samplers.items() if v.group_job == group_job]:
-            del self._samplers[sampler_id]
+        self._drop(lambda session: session.group_job == group_job)
 
     def drop_saved_by(self, run_id: str) -> list[str]:
         """Training job `run_id` ended on a shared group: the sessions of the unnamed and inflight weights
         it saved go (a later call is 410); returns their ids, the versions its sampler drops."""
-        ended = [k for k, v in self._samplers.items() if v.saved_by == run_id]
-        for sampler_id in ended:
-            del self._samplers[sampler_id]
-        return ended
+        return self._drop(lambda session: session.saved_by == run_id)
 
     def drop_session(self, session_id: str) -> None:
         """Session `session_id` finished: its sampling sessions leave memory (with their seq_id memory).
         One made from a checkpoint's path is made resident again from the store if it is called."""
-        for sampler_id in [k for k in self._samplers if session_of(k) == session_id]:
+        self._drop(lambda session: session_of(session.sampler_id) == session_id)
+
+    def _drop(self, ends: Callable[[SamplingSession], bool]) -> list[str]:
+        """Forget the sessions `ends` picks; their ids."""
+        ended = [k for k, v in self._samplers.items() if ends(v)]
+        for sampler_id in ended:
             del self._samplers[sampler_id]
+        return ended
 
     def create(
         self, owner: str, *, session_id: str, sampling_session_seq_id: int, base_model: str | None,
