@@ -114,11 +114,13 @@ class PackedLinears:
         return cls(linears) if any(usable(m.weight) for m in linears) else None
 
     @property
-    def bytes(self) -> int:
+    def packed_bytes(self) -> int:
+        """The bytes of the weights held packed now (as dense float32), as `FusedForward.packed_bytes`."""
         return self._packs.bytes
 
-    def drop(self) -> int:
-        """Give back the packed copies (the next forward packs them again); returns their bytes."""
+    def drop_packed(self) -> int:
+        """Give back the packed copies (the next forward packs them again); returns their bytes,
+        as `FusedForward.drop_packed`."""
         return self._packs.drop() if self._packs.is_packed else 0
 
     def _forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

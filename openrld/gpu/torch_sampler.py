@@ -360,8 +360,12 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         # peft injects its adapters into this same model, so the fused forward sees every version.
         # Packed where oneDNN can take the weights (`packed_linear.usable`: float32 on the CPU).
         self._fused = FusedForward.for_model(self._model, packed_weights=packed_weights) if fused_forward else None
-        # The families the fused forward does not run multiply by packed copies inside HF's forward.
-        self._hf_packs = packed_linear.PackedLinears.for_model(self._model) if self._fused is None and packed_weights else None
+        # Whichever forward runs holds the packed copies: the fused one, or, for the families it does
+        # not run, HF's own through its linears.
+        self._packs: FusedForward | packed_linear.PackedLinears | None = (
+            self._fused if self._fused is not None
+            else packed_linear.PackedLinears.for_model(self._model) if packed_weights else None
+        )
         self._weights = call_threads.weights(self._model)  # a forward's size, for its CPU threads
         self._decode_batch_rows = decode_batch_rows
         self._prefill_chunk_tokens = prefill_chunk_tokens
@@ -933,10 +937,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         return dropped + self._prefixes.clear() + self._drop_packed()
 
     def _drop_packed(self) -> int:
-        """Give back the packed copies of the base weights, whichever forward holds them; their bytes."""
-        if self._fused is not None:
-            return self._fused.drop_packed()
-        return self._hf_packs.drop() if self._hf_packs is not None else 0
+        return self._packs.drop_packed() if self._packs is not None else 0
 
     @property
     def last_sync(self) -> SyncStats | None:
@@ -965,8 +966,7 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
             adapters_made=self._versions.made,
             adapters_reused=self._versions.reused,
             adapters_free=self._versions.free,
-            packed_weight_bytes=(self._fused.packed_bytes if self._fused is not None
-                                 else self._hf_packs.bytes if self._hf_packs is not None else 0),
+            packed_weight_bytes=self._packs.packed_bytes if self._packs is not None else 0,
         )
 
 

@@ -73,9 +73,9 @@ def test_a_models_linears_multiply_through_packed_copies_made_at_its_first_forwa
     x = torch.randn(3, 5, 32)
     expected = model(x)
     linears = packed_linear.PackedLinears.for_model(model)
-    assert linears is not None and linears.bytes == 0
+    assert linears is not None and linears.packed_bytes == 0
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-    assert linears.bytes == (32 * 64 + 64 * 16) * 4
+    assert linears.packed_bytes == (32 * 64 + 64 * 16) * 4
 
 
 def test_dropped_copies_are_packed_again_at_the_next_forward():
@@ -83,9 +83,9 @@ def test_dropped_copies_are_packed_again_at_the_next_forward():
     linears = packed_linear.PackedLinears.for_model(model)
     assert linears is not None
     model(torch.randn(2, 8))
-    assert (linears.drop(), linears.bytes, linears.drop()) == (8 * 8 * 4, 0, 0)
+    assert (linears.drop_packed(), linears.packed_bytes, linears.drop_packed()) == (8 * 8 * 4, 0, 0)
     model(torch.randn(2, 8))
-    assert linears.bytes == 8 * 8 * 4
+    assert linears.packed_bytes == 8 * 8 * 4
 
 
 def test_a_model_with_no_float32_linear_gets_no_packed_linears():
