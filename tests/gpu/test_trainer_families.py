@@ -208,3 +208,17 @@ def test_an_auto_saves_state_snapshot_writes_what_save_state_writes(
     trainer.save_state("job", saved)
     write_snapshot(snapshot, copied)
     assert {p.name: p.read_bytes() for p in copied.iterdir()} == {p.name: p.read_bytes() for p in saved.iterdir()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_ended_jobs_adapter_leaves_every_familys_model_and_the_other_job_trains_on(
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str
+) -> None:
+    trainer = TorchTrainer(family_dirs[family], CPU)
+    trainer.add_adapter("ended", SPEC)
+    trainer.add_adapter("job", LoraSpec(rank=4, seed=7, train_unembed=True))  # test_lora_sft_loss_falls's
+    trainer.drop_adapter("ended")
+    assert trainer._peft is not None
+    still_held = [name for name, _ in trainer._peft.named_parameters() if ".ended." in name]
+    losses = sft_losses(trainer, sft_batch, lr=5e-3)
+    assert (trainer.adapter_names(), still_held, losses[-1] < 0.9 * losses[0]) == (["job"], [], True), losses
