@@ -1,7 +1,8 @@
 """The trainer engine for one resident base model and many LoRA adapters (one per job).
 
 What it does: it loads the base model once (frozen, eval mode: no dropout), adds and drops
-peft LoRA adapters by name, and for one adapter at a time runs `forward_backward`
+peft LoRA adapters by name (each wrapped linear adds its term in one `addmm_`:
+`gpu/lora_addmm.py`), and for one adapter at a time runs `forward_backward`
 (Tinker losses over the target-token log-probabilities, `gpu/losses.py`), or
 `forward_backward_many` for several requests of that adapter in one pass, `optim_step`
 (the adapter's optimizer family, AdamW or Dimuon, fixed when it is added: `gpu/optim.py`),
@@ -47,7 +48,7 @@ import torch
 from openrld.batches import LoraSpec, SyncStats
 from openrld.engine_types import StateSnapshot
 from openrld.errors import BadRequest, Conflict, NotFound
-from openrld.gpu import checkpoint, lora_io, offload, state_snapshot, train_steps
+from openrld.gpu import checkpoint, lora_addmm, lora_io, offload, state_snapshot, train_steps
 from openrld.gpu.long_attention import use_long_attention
 from openrld.gpu.models import load_causal_lm, lora_config
 from openrld.gpu.optim import Optimizer, optimizer_for
@@ -135,6 +136,7 @@ class TorchTrainer(offload.ParksInSlot, train_steps.TrainsInPasses):
                 self._peft = peft.get_peft_model(self._model, lora_config(spec), adapter_name=name)
             else:
                 self._peft.add_adapter(name, lora_config(spec))
+        lora_addmm.fuse(self._model)  # the linears peft wrapped for this adapter, if new
         self._active = None  # peft may have switched the active adapter
         self._adapters[name] = _Adapter(spec, self._adapter_parameters(name), optimizer)
         logger.info("adapter added adapter=%s rank=%d optimizer=%s", name, spec.rank, optimizer)

@@ -23,6 +23,7 @@ from test_shared_prefix import grpo_request, new_trainer, trained
 
 from openrld.autosave import write_snapshot
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
+from openrld.gpu import lora_addmm
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.shared_prefix import cache_supports_sharing
@@ -166,6 +167,28 @@ def test_shared_prefix_scores_and_gradients_equal_unshared(family_dirs: dict[str
         assert param.grad is not None and reference[name].grad is not None, name
         torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
 
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_gradients(
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str
+) -> None:
+    """`gpu/lora_addmm.py` against peft's own forward: a trainer whose linears are given their
+    class's forward back."""
+    fused, own = (new_trainer("lora", family_dirs[family], UNSHARED) for _ in range(2))
+    for trainer in (fused, own):  # B is zero at creation: a step makes the LoRA term matter
+        sft_losses(trainer, sft_batch, lr=5e-3, steps=1)
+    linears = [m for m in own._model.modules() if isinstance(m, peft.tuners.lora.Linear)]
+    for module in linears:
+        module.__dict__.pop("forward")
+    got, expected = fused.forward_backward("job", sft_batch), own.forward_backward("job", sft_batch)
+    x = torch.zeros(1, 1)
+    assert [lora_addmm._plain_adapter(m, x) for m in fused._model.modules()
+            if isinstance(m, peft.tuners.lora.Linear)] == ["job"] * len(linears)
+    np.testing.assert_allclose(got.logprobs[0], expected.logprobs[0], rtol=0, atol=ATOL)
+    reference = trained(own)
+    for name, param in trained(fused).items():
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
