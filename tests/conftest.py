@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 from filelock import FileLock
 
+from openrld.gpu import packed_linear
 from openrld.gpu.tiny_models import build_tiny_model
 
 DAEMON_START_TIMEOUT_S = 120.0
@@ -130,6 +131,13 @@ def socket_root() -> Iterator[Path]:
     directory = Path(tempfile.mkdtemp(prefix="orld-"))
     yield directory
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def small_weights_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny models' weights are all under `packed_linear.MIN_PACKED_ELEMENTS`, which keeps a
+    node from packing them: lowered, so that a test sees them packed."""
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
 
 
 @pytest.fixture(scope="session")

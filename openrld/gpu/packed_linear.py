@@ -7,7 +7,8 @@ product takes the weight packed once into its layout (`torch.ops.mkldnn._reorder
 what torch's inductor does to frozen CPU weights) and reads it as it is. SmolLM2's 211 linears,
 float32, two threads (`bench/packed_linear.py`): 63.9 ms a step with `F.linear` against 30.9 ms
 packed at 8 rows; 98 against 57 ms at 32 rows; 1.78 against 1.44 s at 1,024. The results agree with
-`F.linear`'s to float32 rounding: the same products, summed in another order.
+`F.linear`'s to float32 rounding: the same products, summed in another order. A small weight is
+not packed (`MIN_PACKED_ELEMENTS`): oneDNN's fixed cost a call is more than its whole multiply.
 
 What it owns: the packed copies of one model's frozen weights, by the parameter each copies,
 made when asked (`pack`) and given back when asked (`drop`: a parked sampler holds no copy;
@@ -23,7 +24,7 @@ in anonymous memory (a checkpoint converted on load) is held twice.
 
 Not for weights that change in place (the full fine-tuning sampler's synced weights): a copy
 does not see the change. It is torch alone, no trio; `usable` says where oneDNN can take a
-weight, and elsewhere the caller keeps `F.linear`.
+weight and repays it, and elsewhere the caller keeps `F.linear`.
 """
 
 from __future__ import annotations
@@ -37,12 +38,21 @@ from openrld import heap
 
 _NO_ATTRIBUTES: list[object] = []  # oneDNN's post-op arguments: none
 
+# A oneDNN call costs about 12-15 microseconds whatever its size, where MKL's sgemm of a small
+# weight takes 3-8: below about 2**17 elements the packed copy is slower, above it faster (one
+# weight, 8 and 64 rows, 1 and 2 threads: 64 x 64 0.19-0.44 of F.linear's speed, 192 x 576
+# 0.89-1.07, 2,048 x 64 1.06-1.47, 576 x 576 1.13-1.42). The tiny Llama's weights (at most
+# 384 x 64) are all below it: its engine's sample of 8 x 32 took 32.5 ms with them packed
+# against 20.7 ms with none.
+MIN_PACKED_ELEMENTS = 2**17
+
 
 def usable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can take `weight` packed: a float32 matrix on the CPU, where torch has oneDNN."""
+    """Whether `weight` is worth packing for oneDNN: a float32 matrix on the CPU, where torch has
+    oneDNN, of at least `MIN_PACKED_ELEMENTS`."""
     return (
         weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
+        and weight.numel() >= MIN_PACKED_ELEMENTS and torch.backends.mkldnn.is_available()
     )
 
 
@@ -109,7 +119,7 @@ class PackedLinears:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> PackedLinears | None:
-        """The model's linears routed through packed copies; None when oneDNN can take none of them."""
+        """The model's linears routed through packed copies; None when none is worth packing (`usable`)."""
         linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
         return cls(linears) if any(usable(m.weight) for m in linears) else None
 

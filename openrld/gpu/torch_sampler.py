@@ -358,7 +358,8 @@ class TorchSampler(offload.ParksInSlot, ServesLoraVersions):
         self._context = models.max_context(self._model)
         self._eos_ids = _eos_ids(self._tokenizer, self._model)
         # peft injects its adapters into this same model, so the fused forward sees every version.
-        # Packed where oneDNN can take the weights (`packed_linear.usable`: float32 on the CPU).
+        # Packed where oneDNN can take the weights and repays it (`packed_linear.usable`: float32 on
+        # the CPU, and not small).
         self._fused = FusedForward.for_model(self._model, packed_weights=packed_weights) if fused_forward else None
         # Whichever forward runs holds the packed copies: the fused one, or, for the families it does
         # not run, HF's own through its linears.

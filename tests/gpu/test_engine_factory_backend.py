@@ -52,20 +52,27 @@ def _packed_bytes_after_a_sample(engine) -> int:
     return engine.statistics().packed_weight_bytes
 
 
-def test_the_nodes_packed_weights_setting_reaches_the_torch_samplers(tiny_llama: Path) -> None:
+def test_the_tiny_llamas_weights_are_too_small_to_pack(tiny_llama: Path) -> None:
+    packing = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64)
+    assert _packed_bytes_after_a_sample(packing.sampler(entry(tiny_llama))()) == 0
+
+
+def test_the_nodes_packed_weights_setting_reaches_the_torch_samplers(small_weights_pack: None, tiny_llama: Path) -> None:
     packing = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64)
     plain = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64, packed_weights=False)
     assert _packed_bytes_after_a_sample(packing.sampler(entry(tiny_llama))()) > 0
     assert _packed_bytes_after_a_sample(plain.sampler(entry(tiny_llama))()) == 0
 
 
-def test_the_full_sampler_never_packs_its_weights_which_change_in_place(tiny_llama: Path) -> None:
+def test_the_full_sampler_never_packs_its_weights_which_change_in_place(small_weights_pack: None, tiny_llama: Path) -> None:
     full = TorchEngineFactory(torch.device("cpu"), max_batch_tokens=64).full_sampler(entry(tiny_llama))()
     full.sample(None, SampleJob(prompt=np.arange(3, 8), num_samples=1, params=SamplingSpec(max_tokens=2, seed=0)))
     assert full.statistics().engine.packed_weight_bytes == 0
 
 
-def test_a_worker_process_builds_its_sampler_with_the_nodes_packed_weights_setting(tiny_llama: Path) -> None:
+def test_a_worker_process_builds_its_sampler_with_the_nodes_packed_weights_setting(
+    small_weights_pack: None, tiny_llama: Path
+) -> None:
     from openrld.worker.builtin import build
     from openrld.worker.protocol import Start
 

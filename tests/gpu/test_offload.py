@@ -225,12 +225,14 @@ def test_sampler_samples_the_same_after_park_and_resume(sampler: TorchSampler, p
 
 
 def test_a_parked_sampler_gives_back_its_packed_weights_and_packs_them_again(
-    sampler: TorchSampler, prompt: np.ndarray
+    small_weights_pack: None, tiny_llama: Path, prompt: np.ndarray
 ) -> None:
-    assert_park_gives_back_packed_weights(sampler, prompt)
+    assert_park_gives_back_packed_weights(TorchSampler(tiny_llama, CPU), prompt)
 
 
-def test_a_parked_gemma3_sampler_gives_back_the_packed_weights_of_its_hf_forward(tmp_path: Path) -> None:
+def test_a_parked_gemma3_sampler_gives_back_the_packed_weights_of_its_hf_forward(
+    small_weights_pack: None, tmp_path: Path
+) -> None:
     gemma3 = TorchSampler(build_tiny_model(tmp_path / "gemma3", "gemma3", seed=3), CPU)
     assert_park_gives_back_packed_weights(gemma3, np.arange(3, 12, dtype=np.int64))
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from openrld.gpu import packed_linear
+
+# The mechanism on small matrices: every weight here is packed unless a test says otherwise.
+pytestmark = pytest.mark.usefixtures("small_weights_pack")
+FLOOR = packed_linear.MIN_PACKED_ELEMENTS  # the node's, read before the fixture lowers it
 
 
 def mapped_weight(path: Path, out_features: int, in_features: int) -> torch.Tensor:
@@ -90,3 +95,16 @@ def test_dropped_copies_are_packed_again_at_the_next_forward():
 
 def test_a_model_with_no_float32_linear_gets_no_packed_linears():
     assert packed_linear.PackedLinears.for_model(torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16))) is None
+
+
+def test_a_weight_under_the_floor_keeps_f_linear_and_one_at_it_is_packed(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", FLOOR)
+    small, large = torch.randn(FLOOR // 64 - 1, 64), torch.randn(FLOOR // 64, 64)
+    packs = packed_linear.PackedWeights()
+    packs.pack([small, large], rows=8)
+    assert (packs.get(small) is None, packs.get(large) is not None, packs.bytes) == (True, True, FLOOR * 4)
+
+
+def test_a_model_of_small_linears_only_gets_no_packed_linears(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", FLOOR)
+    assert packed_linear.PackedLinears.for_model(torch.nn.Sequential(torch.nn.Linear(64, 64))) is None

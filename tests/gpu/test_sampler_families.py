@@ -10,6 +10,7 @@ plain Hugging Face forwards over the whole sequence, with no cache; tolerance
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +19,22 @@ import torch
 from test_torch_sampler import make_lora  # a peft model with random lora_B, and its tensors
 
 from openrld.batches import LoraSpec, SampleJob, SamplingSpec
-from openrld.gpu import models
+from openrld.gpu import models, packed_linear
 from openrld.gpu.fused_forward import unsupported_reason
 from openrld.gpu.tiny_models import FAMILIES, SLIDING_WINDOW, build_tiny_model
 from openrld.gpu.torch_sampler import TorchSampler
 
 CPU = torch.device("cpu")
 LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_weights_pack_here() -> Iterator[None]:
+    """Every sampler of this module packs the tiny weights (`packed_linear.MIN_PACKED_ELEMENTS`
+    keeps a node from it), so that its logprobs check the packed path on every family."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
+        yield
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
