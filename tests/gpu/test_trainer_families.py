@@ -188,7 +188,10 @@ def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_grad
     np.testing.assert_allclose(got.logprobs[0], expected.logprobs[0], rtol=0, atol=ATOL)
     reference = trained(own)
     for name, param in trained(fused).items():
-        torch.testing.assert_close(param.grad, reference[name].grad, rtol=GRAD_RTOL, atol=ATOL, msg=name)
+        # An element of a gradient is a sum over tokens of terms up to the tensor's largest size
+        # (Gemma 4's lora_B up to ~65), summed in another order here: rounding at that scale.
+        scale = float(reference[name].grad.abs().max())
+        torch.testing.assert_close(param.grad, reference[name].grad, rtol=0, atol=ATOL + GRAD_RTOL * scale, msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
