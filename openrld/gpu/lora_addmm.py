@@ -27,16 +27,13 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-_FUSED = "_openrld_lora_addmm"  # set on a module whose forward this module replaced
-
 
 def fuse(model: torch.nn.Module) -> int:
     """Give each of `model`'s peft LoRA linears not yet fused the one-`addmm_` forward; how many were."""
     fused = 0
     for module in model.modules():
-        if isinstance(module, LoraLinear) and not getattr(module, _FUSED, False):
+        if isinstance(module, LoraLinear) and getattr(module.forward, "__func__", None) is not _forward:
             module.forward = types.MethodType(_forward, module)
-            setattr(module, _FUSED, True)
             fused += 1
     return fused
 
