@@ -14,6 +14,18 @@ thread-safe, is only ever touched from that thread, and a call queued before ano
 runs before it. The caller holds the device's limiter around what it queues: the
 thread itself knows nothing of turns.
 
+On a CPU device the thread also ends once its queue has stayed empty for `IDLE_RELEASE_S`,
+and the next call starts another (`release_when_idle`). Torch's CPU thread pool (libgomp)
+belongs to the thread that opens a parallel region, and lives until that thread ends.
+libgomp shortens every pool's spin-wait to about 10 us (1,000 spins, against the
+10,000 openrld/__init__.py sets) while the process holds more pool threads than the
+machine has cores, and the trainer's and the sampler's engine threads each kept a pool
+although the device's turns let only one compute at a time. The trainer's threads then
+slept and were woken at most of its parallel regions: SmolLM2's bare 8 x 128 SFT step
+under openrld's wait policy made ~130 voluntary context switches with one pool and
+~4,000-4,500 with a second, idle one on another thread (5.58/5.83 against 5.99/6.06 s,
+two alternating pairs). A new thread and pool cost about 0.1 ms, once per burst.
+
 Written by hand because neither trio nor the standard library has it: trio's thread
 cache starts each call afresh from the event loop, and `concurrent.futures` reports
 back through a thread-safe future that the event loop would have to poll.
@@ -59,21 +71,42 @@ class Pending(Generic[_T]):
         return self._outcome.unwrap()
 
 
-class EngineThread:
-    """A daemon thread that runs the calls queued on it one at a time, in order."""
+# How long an engine thread on a CPU device waits for a call before it ends (the module's docstring):
+# past the gaps between the calls of one burst (a decode step queues the next before it returns),
+# short against the other engine's turn that follows (a training step takes ~0.1-10 s).
+IDLE_RELEASE_S = 0.05
 
-    def __init__(self, name: str) -> None:
+
+def on_cpu(device: str) -> bool:
+    """Whether a device label ("cpu", "cpu:1", "cuda:0"; "" for a worker without a lease) names a
+    CPU device: only there does an idle engine thread end (a CUDA engine keeps its thread's
+    current device and handles)."""
+    return device.partition(":")[0] == "cpu"
+
+
+class EngineThread:
+    """A daemon thread that runs the calls queued on it one at a time, in order; with
+    `release_when_idle`, a new thread after each idle spell, never two at once."""
+
+    def __init__(self, name: str, *, release_when_idle: bool = False) -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Pending[Any]] | None] = (
             queue.SimpleQueue()
         )
         self._token = trio.lowlevel.current_trio_token()
-        self._thread = threading.Thread(target=self._loop, name=f"engine {name}", daemon=True)
-        self._thread.start()
+        self._name = f"engine {name}"
+        self._idle_s = IDLE_RELEASE_S if release_when_idle else None
+        self._lock = threading.Lock()  # orders a submit against an idle thread's end
+        self._running = True
+        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
 
     def submit(self, fn: Callable[..., _T], *args: Any, on_done: Callable[[], None] | None = None) -> Pending[_T]:
         """Queue `fn(*args)` behind the calls already queued; `on_done` runs on the event loop when it ends."""
         pending: Pending[_T] = Pending(on_done)
-        self._calls.put((fn, args, pending))
+        with self._lock:
+            self._calls.put((fn, args, pending))
+            if not self._running:  # the last thread ended idle
+                self._running = True
+                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
         return pending
 
     async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -85,7 +118,14 @@ class EngineThread:
 
     def _loop(self) -> None:
         while True:
-            item = self._calls.get()
+            try:
+                item = self._calls.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._calls.empty():  # else a submit came between: take it
+                        self._running = False
+                        return
+                continue
             if item is None:
                 return
             fn, args, pending = item

@@ -87,7 +87,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import trio
 
-from openrld.actors.engine_thread import EngineThread
+from openrld.actors.engine_thread import EngineThread, on_cpu
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.host_memory import EngineMemory, HostMemory, park_within_budget
 from openrld.actors.prefix_routing import PrefixRouter, prefix_block_hashes
@@ -478,7 +478,7 @@ class SamplerActor:
 
     async def _add_worker(self) -> _Worker:
         """A replica: its engine thread, and the engine built on it."""
-        thread = EngineThread(f"sampler {self.name} {len(self._workers)}")
+        thread = EngineThread(f"sampler {self.name} {len(self._workers)}", release_when_idle=on_cpu(self._lease.device))
         try:
             async with self._limiter:
                 engine = await thread.call(self._build_engine)

@@ -55,7 +55,7 @@ import msgspec
 import trio
 
 from openrld.actors.autosaves import Autosaver, AutosaveStore, TakenState, take_state
-from openrld.actors.engine_thread import EngineThread, Pending
+from openrld.actors.engine_thread import EngineThread, Pending, on_cpu
 from openrld.actors.futures import Completed, FutureTable
 from openrld.actors.group_lease import GroupLease
 from openrld.actors.host_memory import EngineMemory, HostMemory, park_within_budget
@@ -441,7 +441,7 @@ class TrainerActor:
     async def run(self, *, task_status: trio.TaskStatus[TrainerHandle] = trio.TASK_STATUS_IGNORED) -> None:
         if self._lease_from is not None:
             self._lease = self._lease_from(self)
-        self._thread = EngineThread(f"trainer {self.name}")
+        self._thread = EngineThread(f"trainer {self.name}", release_when_idle=on_cpu(self._lease.device))
         try:
             # Loading the weights onto the device is a turn: another party on the device parks first.
             async with self._lease.hold(has_more=lambda: False):
