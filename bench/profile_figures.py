@@ -9,8 +9,11 @@ baseline, the bare transformers + peft loop in a process of its own with torch's
 profile. This prints:
 
     <model> <figure>: client seconds of each run
-        daemon CPU seconds a run, its busiest threads' (/proc/<pid>/task), the client's CPU
-        seconds a run, and the daemon's minor page faults a run (each a page first touched)
+        daemon CPU seconds a run (an engine thread that ended idle included), its busiest live
+        threads' (/proc/<pid>/task), the client's CPU seconds a run, the daemon's minor page
+        faults a run (each a page first touched), its live threads, and their voluntary context
+        switches a run (each a thread gone to sleep: a torch pool thread whose spin ran out
+        wakes again at the next parallel region)
         with `perf` on the PATH, the daemon's `perf record -g` over those runs: the symbols
         with the largest shares of its samples (`--top`), and the shared objects'
         the bare loop's seconds of each run, and the ratio of the medians (bare / openrld)
@@ -62,6 +65,19 @@ def _task_seconds(task: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def sleeps(pid: int) -> int:
+    """Voluntary context switches of process `pid`'s threads so far: each a thread that went to
+    sleep (a torch pool thread whose spin ran out, a wait on a lock or a socket)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
 def minor_faults(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
@@ -93,17 +109,20 @@ def profile(name: str, model_dir: Path, runs: int, top: int, workdir: Path) -> N
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )
                 time.sleep(1.0)  # perf takes a moment to attach: the tiny Llama's runs are over in less
-            threads, client, faults = thread_seconds(pid), cpu_seconds(api.proc.pid), minor_faults(pid)
+            threads, daemon, client = thread_seconds(pid), cpu_seconds(pid), cpu_seconds(api.proc.pid)
+            faults, slept = minor_faults(pid), sleeps(pid)
             times = [seconds(api.call(**ours)) for _ in range(runs)]
             after = thread_seconds(pid)
-            client_s, faults_n = cpu_seconds(api.proc.pid) - client, minor_faults(pid) - faults
+            daemon_s, client_s = cpu_seconds(pid) - daemon, cpu_seconds(api.proc.pid) - client
+            faults_n, slept_n = minor_faults(pid) - faults, sleeps(pid) - slept
             if recorder is not None:
                 recorder.send_signal(signal.SIGINT)  # perf writes its data on SIGINT
                 recorder.wait(60)
             used = sorted(((after[t] - threads.get(t, 0.0)) / runs for t in after), reverse=True)
             print(f"{name:10s} {title}: client seconds {', '.join(f'{t:.3f}' for t in times)}", flush=True)
-            print(f"    daemon CPU {sum(used):.2f} s a run (busiest threads {', '.join(f'{u:.2f}' for u in used[:4])}), "
-                  f"client CPU {client_s / runs:.2f} s a run, daemon minor faults {faults_n // runs} a run", flush=True)
+            print(f"    daemon CPU {daemon_s / runs:.2f} s a run (busiest live threads {', '.join(f'{u:.2f}' for u in used[:4])}), "
+                  f"client CPU {client_s / runs:.2f} s a run, daemon minor faults {faults_n // runs} a run, "
+                  f"daemon threads {len(after)}, their voluntary context switches {slept_n // runs} a run", flush=True)
             if recorder is None:
                 print("    perf is not on the PATH: no profile (apt-get install linux-perf)", flush=True)
             elif not data.exists():
