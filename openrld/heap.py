@@ -11,6 +11,15 @@ engine thread, serving four rounds of 64 such requests: 2.8, 3.2, 5.0, 5.4 GB
 resident after each round by default; 1.6, 1.8, 1.9, 1.9 GB with two arenas and
 a fixed 4 MiB threshold (bench/sampler_heap.py measures it).
 
+One arena, not two, since an engine thread on a CPU device ends when idle and
+the next call starts another (actors/engine_thread.py): glibc gives a new
+thread the next arena in turn, so with two, each engine's working set came to
+be held in both. The text-to-SQL sweep's peak (bench/sql_memory.py, one run
+each, back to back): 4.36 GB with long-lived engine threads and two arenas,
+4.77 GB with threads that end idle and two arenas, 4.40 GB with one. The
+engines of a CPU device compute one at a time, and Python's small objects come
+from its own allocator, so one arena's lock is seldom contended.
+
 The settings are glibc's own (`mallopt`), applied at start: glibc reads the
 MALLOC_* environment variables only when a process starts, and a daemon is
 started by systemd, a DaemonSet or a user's shell, none of which sets them.
@@ -51,7 +60,7 @@ logger = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 
-ARENAS = 2  # the event loop's thread and the engines' share these
+ARENAS = 1  # every thread shares it (the docstring)
 MMAP_THRESHOLD_BYTES = 4 * 2**20  # a fixed threshold also stops glibc raising it
 # What the sampler lets the arenas keep free after a sampling burst before `trim`.
 TRIM_AT_BYTES = 128 * 2**20

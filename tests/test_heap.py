@@ -16,8 +16,8 @@ def test_an_operators_malloc_variable_leaves_glibcs_settings_alone():
     assert bound_heap({"MALLOC_ARENA_MAX": "4"}) == {}
 
 
-def test_without_one_the_daemon_takes_two_arenas_and_a_fixed_4_mib_mmap_threshold():
-    assert bound_heap({"PATH": "/usr/bin"}) == {"arena_max": 2, "mmap_threshold": 4 * 2**20}
+def test_without_one_the_daemon_takes_one_arena_and_a_fixed_4_mib_mmap_threshold():
+    assert bound_heap({"PATH": "/usr/bin"}) == {"arena_max": 1, "mmap_threshold": 4 * 2**20}
 
 
 def resident_bytes(field: str = "VmRSS") -> int:

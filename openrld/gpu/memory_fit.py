@@ -66,7 +66,7 @@ PROBE_CHUNK = 8  # log-softmax positions per chunk in the probes: both lengths h
 # estimate). The ratio falls with length
 # (Gemma 3 270M at 32,768: about 2.7), so a very long datum is over-estimated up to 2.5x.
 # The SmolLM2 figures are a plain process under glibc's defaults; the Gemma one is `openrld
-# serve`, which bounds its heap (openrld/heap.py: two arenas, a fixed 4 MiB mmap threshold) and
+# serve`, which bounds its heap (openrld/heap.py: then two arenas, a fixed 4 MiB mmap threshold) and
 # still keeps about 6x. Under MALLOC_MMAP_THRESHOLD_=1048576 the SmolLM2 step adds 0.356 GiB, its
 # tensors alone, but an SFT step of 8 × 128 took 5.3 s against 4.4 s under the defaults (one
 # pair): the page faults of fresh mappings cost more than a tighter margin is worth.
