@@ -96,8 +96,8 @@ class EngineThread:
         self._name = f"engine {name}"
         self._idle_s = IDLE_RELEASE_S if release_when_idle else None
         self._lock = threading.Lock()  # orders a submit against an idle thread's end
-        self._running = True
-        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        self._running = False
+        self._start()
 
     def submit(self, fn: Callable[..., _T], *args: Any, on_done: Callable[[], None] | None = None) -> Pending[_T]:
         """Queue `fn(*args)` behind the calls already queued; `on_done` runs on the event loop when it ends."""
@@ -105,8 +105,7 @@ class EngineThread:
         with self._lock:
             self._calls.put((fn, args, pending))
             if not self._running:  # the last thread ended idle
-                self._running = True
-                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+                self._start()
         return pending
 
     async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -115,6 +114,10 @@ class EngineThread:
     def stop(self) -> None:
         """The thread ends once the calls already queued have run."""
         self._calls.put(None)
+
+    def _start(self) -> None:
+        self._running = True
+        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
 
     def _loop(self) -> None:
         while True:
