@@ -1,9 +1,11 @@
-"""lora_addmm: a LoRA term added onto the base output in one addmm_ gives peft's own output and
-gradients, and anything but the plain case runs peft's own forward.
+"""lora_addmm: a LoRA term added onto the base output in one addmm_, by autograd's matmuls or as
+the oneDNN node, gives peft's own output and gradients, and anything but the plain case runs
+peft's own forward.
 
 Both sides are float32 and compute the same products; only where the scaling is applied differs
 (on the (tokens, rank) x (rank, out) product inside addmm, against on its result), and outputs
-and gradients reach ~10, where one float32 ulp is ~1e-6: atol 1e-5.
+and gradients reach ~10, where one float32 ulp is ~1e-6: atol 1e-5. The oneDNN node sums the
+products in another order, and A's gradient reaches ~300: atol 1e-5 plus 1e-6 of the largest.
 """
 
 from __future__ import annotations
@@ -66,11 +68,37 @@ def assert_same(got: tuple, expected: tuple) -> None:
         torch.testing.assert_close(got[1][name], grad, rtol=0, atol=ATOL, msg=name)
 
 
+def assert_close_in_scale(got: tuple, expected: tuple) -> None:
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=ATOL)
+    assert got[1].keys() == expected[1].keys()
+    for name, grad in expected[1].items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(got[1][name], grad, rtol=0, atol=ATOL + 1e-6 * scale, msg=name)
+
+
 def compare(model: peft.PeftModel, x: torch.Tensor, **kwargs) -> None:
     lora_addmm.fuse(model)
     fused = output_and_gradients(model, x, **kwargs)
     unfused(model)
     assert_same(fused, output_and_gradients(model, x, **kwargs))
+
+
+@pytest.fixture
+def onednn_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer, however small its work, runs as the oneDNN node."""
+    monkeypatch.setattr(lora_addmm, "MIN_ONEDNN_WORK", 1)
+
+
+def grad_fns(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """The autograd node that made each LoRA linear's output for `x` (under the view back to x's
+    shape), by its class's name."""
+    names = []
+    hooks = [m.register_forward_hook(lambda _, __, out: names.append(type(out.grad_fn.next_functions[0][0]).__name__))
+             for m in model.modules() if isinstance(m, LoraLinear)]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    return names
 
 
 def test_fuse_gives_each_lora_linear_the_addmm_forward_once():
@@ -151,3 +179,52 @@ def test_a_float64_input_to_float32_weights_runs_pefts_forward():
     lora_addmm.fuse(model)
     x = torch.randn(3, 16, dtype=torch.float64)
     assert [lora_addmm._plain_adapter(m, x) for m in model.modules() if isinstance(m, LoraLinear)] == [None, None]
+
+
+@pytest.mark.parametrize("shape", [(5, 16), (3, 7, 16)])
+def test_the_onednn_node_gives_pefts_output_and_gradients(onednn_for_all, shape):
+    model = lora_model(["up", "down"])
+    lora_addmm.fuse(model)
+    x = torch.randn(shape)
+    fused = output_and_gradients(model, x)
+    unfused(model)
+    assert_close_in_scale(fused, output_and_gradients(model, x))
+
+
+def test_an_input_without_a_gradient_still_trains_a_and_b_on_the_onednn_node(onednn_for_all):
+    model = lora_model(["up"])
+    lora_addmm.fuse(model)
+    x = torch.randn(6, 16)  # the first layer's input: no gradient wanted
+    model(x).sum().backward()
+    fused = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    unfused(model)
+    model(x).sum().backward()
+    assert_close_in_scale((torch.zeros(1), fused), (torch.zeros(1), {
+        name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+
+
+def test_a_frozen_float32_layer_on_the_cpu_runs_as_the_onednn_node(onednn_for_all):
+    model = lora_model(["up", "down"])
+    lora_addmm.fuse(model)
+    assert grad_fns(model, torch.randn(3, 16)) == ["_OneDnnLoraBackward", "_OneDnnLoraBackward"]
+
+
+def test_a_layer_with_little_work_keeps_autograds_matmuls():
+    model = lora_model(["up", "down"])  # 3 rows x 768 weights: far below MIN_ONEDNN_WORK
+    lora_addmm.fuse(model)
+    assert grad_fns(model, torch.randn(3, 16)) == ["AddmmBackward0", "AddmmBackward0"]
+
+
+def test_a_base_weight_that_trains_keeps_autograds_matmuls_and_gets_its_gradient(onednn_for_all):
+    model = lora_model(["up", "down"])
+    up = model.base_model.model.up.base_layer.weight
+    up.requires_grad_(True)
+    lora_addmm.fuse(model)
+    x = torch.randn(3, 16)
+    assert grad_fns(model, x) == ["AddmmBackward0", "_OneDnnLoraBackward"]
+    fused = output_and_gradients(model, x)
+    unfused(model)
+    expected = output_and_gradients(model, x)
+    assert "base_model.model.up.base_layer.weight" in expected[1]
+    assert_close_in_scale(fused, expected)

@@ -169,12 +169,20 @@ def test_shared_prefix_scores_and_gradients_equal_unshared(family_dirs: dict[str
 
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["autograd", "onednn"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_gradients(
-    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str
+    family_dirs: dict[str, Path], sft_batch: ForwardBackwardBatch, family: str, onednn: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`gpu/lora_addmm.py` against peft's own forward: a trainer whose linears are given their
-    class's forward back."""
+    class's forward back. The tiny models' layers are below oneDNN's threshold; `onednn` lowers
+    it so that every one of them runs as the oneDNN node."""
+    products = []  # oneDNN's products run, by any trainer
+    if onednn:
+        monkeypatch.setattr(lora_addmm, "MIN_ONEDNN_WORK", 1)
+        times_t = lora_addmm._times_t
+        monkeypatch.setattr(lora_addmm, "_times_t", lambda *args: products.append(1) or times_t(*args))
     fused, own = (new_trainer("lora", family_dirs[family], UNSHARED) for _ in range(2))
     for trainer in (fused, own):  # B is zero at creation: a step makes the LoRA term matter
         sft_losses(trainer, sft_batch, lr=5e-3, steps=1)
@@ -185,6 +193,7 @@ def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_grad
     x = torch.zeros(1, 1)
     assert [lora_addmm._plain_adapter(m, x) for m in fused._model.modules()
             if isinstance(m, peft.tuners.lora.Linear)] == ["job"] * len(linears)
+    assert bool(products) is onednn
     np.testing.assert_allclose(got.logprobs[0], expected.logprobs[0], rtol=0, atol=ATOL)
     reference = trained(own)
     for name, param in trained(fused).items():
