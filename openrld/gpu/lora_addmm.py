@@ -21,8 +21,8 @@ whose output is (out, rank): lm_head's, (49,152 x 384) x (384 x 8), took 47 ms i
 gradient through the frozen weight's transpose plus the term's, and A's and B's; W and the
 bias get none, which is what makes the node apply (a full fine-tune's weights train and keep
 autograd's). The results are the same products summed in another order (float32 rounding).
-SmolLM2's SFT step of 8 x 128 in the trainer engine alone: 4.39-4.69 s against 4.91-5.05
-before (one run each, six steps, CPU user time 8.5-9.0 s a step against 9.2-9.4).
+SmolLM2's SFT step of 8 x 128 in the trainer engine alone: 4.04-4.70 s against 4.83-5.26
+before (two runs each way, alternating; CPU user time 7.5-8.9 s a step against 8.9-9.9).
 
 A layer whose work is small (`MIN_ONEDNN_WORK`: most of the tiny models' linears, a few rows
 of SmolLM2's) keeps autograd's matmuls: there oneDNN's fixed cost a call (12-15 microseconds,
@@ -117,16 +117,18 @@ class _OneDnnLora(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, down, weight, lora_a, lora_b = ctx.saved_tensors
         grad = grad.contiguous()  # (tokens, out)
-        grad_down = _times_t(grad, lora_b.t()).mul_(ctx.scaling)  # (tokens, rank)
+        wants_x, wants_a, wants_b = (ctx.needs_input_grad[i] for i in (0, 3, 4))
         grad_x = grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if wants_x or wants_a:
+            grad_down = _times_t(grad, lora_b.t()).mul_(ctx.scaling)  # (tokens, rank)
+        if wants_x:
             grad_x = _times_t(grad, weight.t())  # (tokens, in): through the frozen weight
             grad_x.addmm_(grad_down, lora_a)
-        if ctx.needs_input_grad[3]:
+        if wants_a:
             grad_a = _times_t(grad_down.t().contiguous(), x.t())  # (rank, in)
-        if ctx.needs_input_grad[4]:
+        if wants_b:
             # (rank, tokens) x (tokens, out), read along grad's rows; its transpose is B's (out, rank).
-            grad_b = _times_t(down.t().mul(ctx.scaling), grad.t()).t()
+            grad_b = _times_t(down.t().mul(ctx.scaling).contiguous(), grad.t()).t()
         return grad_x, None, None, grad_a, grad_b, None
 
 
