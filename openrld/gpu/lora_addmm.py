@@ -46,13 +46,14 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
+from openrld.gpu import packed_linear
+
 # Multiply-adds of a layer's base product (rows x weight elements) from which it runs on oneDNN.
 # A layer's forward and backward at rank 8, oneDNN's node against autograd's matmuls, 1 and 2
 # threads: 7.9 Mi (1,016 rows of 128 x 64) 0.87 / 0.65 ms against 1.01 / 0.60; 10 Mi (32 rows of
 # 576 x 576) 0.86 / 0.66 against 0.73 / 0.53; 24 Mi (the tiny Llama's head, 384 x 64, at 8 x 128)
 # 1.7 / 1.1 against 2.7 / 1.4; 27 Mi (256 rows of SmolLM2's 192 x 576) 1.7 / 1.1 against 1.8 / 1.2.
 MIN_ONEDNN_WORK = 2**24
-_NO_ATTRIBUTES: list[object] = []  # oneDNN's post-op arguments: none
 
 
 def fuse(model: torch.nn.Module) -> int:
@@ -94,20 +95,16 @@ def _on_onednn(rows: torch.Tensor, base: torch.nn.Linear) -> bool:
     )
 
 
-def _times_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T (+ bias)` by oneDNN; weight (n, k) of any strides, x (m, k)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", _NO_ATTRIBUTES, "")
-
-
 class _OneDnnLora(torch.autograd.Function):
-    """`x @ W.T + bias + scaling * (x @ A.T) @ B.T` on 2-D x, W and bias frozen; oneDNN's matmuls."""
+    """`x @ W.T + bias + scaling * (x @ A.T) @ B.T` on 2-D x, W and bias frozen; oneDNN's matmuls
+    (`packed_linear.linear`, on weights as they lie: (n, k) of any strides)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
         x = x.contiguous()
-        down = _times_t(x, lora_a)  # (tokens, rank)
-        result = _times_t(x, weight, bias)  # (tokens, out)
+        down = packed_linear.linear(x, lora_a, None)  # (tokens, rank)
+        result = packed_linear.linear(x, weight, bias)  # (tokens, out)
         result.addmm_(down, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(x, down, weight, lora_a, lora_b)
         ctx.scaling = scaling
@@ -120,15 +117,15 @@ class _OneDnnLora(torch.autograd.Function):
         wants_x, wants_a, wants_b = (ctx.needs_input_grad[i] for i in (0, 3, 4))
         grad_x = grad_a = grad_b = None
         if wants_x or wants_a:
-            grad_down = _times_t(grad, lora_b.t()).mul_(ctx.scaling)  # (tokens, rank)
+            grad_down = packed_linear.linear(grad, lora_b.t(), None).mul_(ctx.scaling)  # (tokens, rank)
         if wants_x:
-            grad_x = _times_t(grad, weight.t())  # (tokens, in): through the frozen weight
+            grad_x = packed_linear.linear(grad, weight.t(), None)  # (tokens, in): through the frozen weight
             grad_x.addmm_(grad_down, lora_a)
         if wants_a:
-            grad_a = _times_t(grad_down.t().contiguous(), x.t())  # (rank, in)
+            grad_a = packed_linear.linear(grad_down.t().contiguous(), x.t(), None)  # (rank, in)
         if wants_b:
             # (rank, tokens) x (tokens, out), read along grad's rows; its transpose is B's (out, rank).
-            grad_b = _times_t(down.t().mul(ctx.scaling).contiguous(), grad.t()).t()
+            grad_b = packed_linear.linear(down.t().mul(ctx.scaling).contiguous(), grad.t(), None).t()
         return grad_x, None, None, grad_a, grad_b, None
 
 

@@ -57,7 +57,8 @@ def usable(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through `packed`, the weight's packed copy; x: (..., in)."""
+    """`F.linear(x, weight, bias)` by oneDNN through `packed`, the weight's packed copy or the
+    weight as it lies ((out, in), of any strides: `lora_addmm`'s training node); x: (..., in)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", _NO_ATTRIBUTES, "")
 
 

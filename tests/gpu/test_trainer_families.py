@@ -23,7 +23,7 @@ from test_shared_prefix import grpo_request, new_trainer, trained
 
 from openrld.autosave import write_snapshot
 from openrld.batches import AdamParams, ForwardBackwardBatch, LoraSpec, TrainDatum
-from openrld.gpu import lora_addmm
+from openrld.gpu import lora_addmm, packed_linear
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.shared_prefix import cache_supports_sharing
@@ -181,8 +181,8 @@ def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_grad
     products = []  # oneDNN's products run, by any trainer
     if onednn:
         monkeypatch.setattr(lora_addmm, "MIN_ONEDNN_WORK", 1)
-        times_t = lora_addmm._times_t
-        monkeypatch.setattr(lora_addmm, "_times_t", lambda *args: products.append(1) or times_t(*args))
+        linear = packed_linear.linear
+        monkeypatch.setattr(packed_linear, "linear", lambda *args: products.append(1) or linear(*args))
     fused, own = (new_trainer("lora", family_dirs[family], UNSHARED) for _ in range(2))
     for trainer in (fused, own):  # B is zero at creation: a step makes the LoRA term matter
         sft_losses(trainer, sft_batch, lr=5e-3, steps=1)
