@@ -12,7 +12,8 @@ step (the best of 3 repeats of 10 steps):
         as openrld/gpu/packed_linear.py does), at 1, 8, 32, 256 and 1,024 rows;
     wait policy <env>: packed linears <ms>, LoRA terms as four calls <ms>, as one addmm <ms>
         at 8 rows, under OMP_WAIT_POLICY=PASSIVE (openrld's setting before) and under
-        ACTIVE with GOMP_SPINCOUNT=10000 (openrld/__init__.py's now).
+        ACTIVE with GOMP_SPINCOUNT=10000 (openrld's until a Xeon wanted more) and 100000
+        (openrld/__init__.py's now).
 
 Run: `.venv/bin/python bench/packed_linear.py` (about a minute on 2 CPU cores).
 """
@@ -27,7 +28,8 @@ import sys
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV, RANK = 576, 1536, 30, 49152, 192, 8  # SmolLM2-135M
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
           (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # (out, in) of a layer
-POLICIES = ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"})
+POLICIES = ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"},
+            {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "100000"})
 SCRUBBED = ("OMP_", "GOMP_", "KMP_", "MKL_")
 
 

@@ -15,9 +15,9 @@ def _policy_after_import(env: dict[str, str]) -> str:
     return done.stdout.strip()
 
 
-def test_importing_openrld_makes_the_cpu_thread_pool_spin_about_a_tenth_of_a_millisecond() -> None:
+def test_importing_openrld_makes_the_cpu_thread_pool_spin_about_a_millisecond() -> None:
     env = {k: v for k, v in os.environ.items() if k not in OURS}
-    assert _policy_after_import(env) == "ACTIVE 10000"
+    assert _policy_after_import(env) == "ACTIVE 100000"
 
 
 def test_an_operators_wait_policy_and_spin_count_are_kept() -> None:
