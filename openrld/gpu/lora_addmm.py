@@ -10,7 +10,8 @@ tokens on two CPU threads, 5.98 s a step with peft's forward against 5.35 s with
 `addmm_` (the daemon's trainer engine alone, alternating, medians of five). The sum is the
 same one: `result += scaling * (lora_A(x) @ B.T)`, float32 rounding apart.
 
-On the CPU, in float32, a layer whose base weight is frozen runs as one autograd node
+On a CPU that is not Intel's (below), in float32, a layer whose base weight is frozen runs as
+one autograd node
 (`_OneDnnLora`) whose matmuls are oneDNN's (`torch.ops.mkldnn._linear_pointwise`, the inner
 product torch's inductor uses for CPU linears) on the weights as they lie, unpacked: `F.linear`
 and autograd's `mm` run MKL's sgemm, which on this AMD EPYC (Zen 4, two threads) reaches
@@ -23,6 +24,13 @@ bias get none, which is what makes the node apply (a full fine-tune's weights tr
 autograd's). The results are the same products summed in another order (float32 rounding).
 SmolLM2's SFT step of 8 x 128 in the trainer engine alone: 4.04-4.70 s against 4.83-5.26
 before (two runs each way, alternating; CPU user time 7.5-8.9 s a step against 8.9-9.9).
+
+On an Intel CPU the node is not taken (`ONEDNN_TRAINS`): there MKL's sgemm runs its AVX-512
+kernels and was the faster of the two. SmolLM2's SFT step of 8 x 128 in the trainer engine alone
+on a Xeon (Sapphire Rapids, two threads), three pairs alternating: 3.26-3.67 s with autograd's
+matmuls against 3.59-3.83 s with the node; with the node for lm_head alone, 3.46-3.58 s against
+3.26-3.51. Which of the two wins is the CPU's, not the model's, so it is read once, from the
+CPU's vendor (/proc/cpuinfo).
 
 A layer whose work is small (`MIN_ONEDNN_WORK`: most of the tiny models' linears, a few rows
 of SmolLM2's) keeps autograd's matmuls: there oneDNN's fixed cost a call (12-15 microseconds,
@@ -40,6 +48,7 @@ is small and replaces nothing else of peft's.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +63,26 @@ from openrld.gpu import packed_linear
 # 576 x 576) 0.86 / 0.66 against 0.73 / 0.53; 24 Mi (the tiny Llama's head, 384 x 64, at 8 x 128)
 # 1.7 / 1.1 against 2.7 / 1.4; 27 Mi (256 rows of SmolLM2's 192 x 576) 1.7 / 1.1 against 1.8 / 1.2.
 MIN_ONEDNN_WORK = 2**24
+
+
+def cpu_vendor(cpuinfo: str) -> str | None:
+    """The CPU's vendor in a /proc/cpuinfo text ("GenuineIntel", "AuthenticAMD"), or None."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return None
+
+
+def _this_cpu_vendor() -> str | None:
+    try:
+        return cpu_vendor(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux: no way to tell, and the node stays on
+        return None
+
+
+# Whether a frozen float32 layer on this machine's CPU trains through oneDNN (the docstring).
+ONEDNN_TRAINS = _this_cpu_vendor() != "GenuineIntel"
 
 
 def fuse(model: torch.nn.Module) -> int:
@@ -85,11 +114,12 @@ def _forward(layer: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> t
 
 
 def _on_onednn(rows: torch.Tensor, base: torch.nn.Linear) -> bool:
-    """Whether the layer runs as `_OneDnnLora`: float32 on the CPU, where torch has oneDNN, a
-    frozen base, and work enough to repay oneDNN's fixed cost."""
+    """Whether the layer runs as `_OneDnnLora`: float32 on a CPU where oneDNN trains faster than
+    MKL, a frozen base, and work enough to repay oneDNN's fixed cost."""
     weight, bias = base.weight, base.bias
     return (
-        rows.device.type == "cpu" and rows.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        ONEDNN_TRAINS and rows.device.type == "cpu" and rows.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
         and not weight.requires_grad and (bias is None or not bias.requires_grad)
         and rows.shape[0] * weight.numel() >= MIN_ONEDNN_WORK
     )

@@ -10,6 +10,8 @@ products in another order, and A's gradient reaches ~300: atol 1e-5 plus 1e-6 of
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import pytest
 import torch
@@ -85,8 +87,9 @@ def compare(model: peft.PeftModel, x: torch.Tensor, **kwargs) -> None:
 
 @pytest.fixture
 def onednn_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer, however small its work, runs as the oneDNN node."""
+    """Every layer, however small its work and whoever made the CPU, runs as the oneDNN node."""
     monkeypatch.setattr(lora_addmm, "MIN_ONEDNN_WORK", 1)
+    monkeypatch.setattr(lora_addmm, "ONEDNN_TRAINS", True)
 
 
 def grad_fns(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
@@ -214,6 +217,27 @@ def test_a_layer_with_little_work_keeps_autograds_matmuls():
     model = lora_model(["up", "down"])  # 3 rows x 768 weights: far below MIN_ONEDNN_WORK
     lora_addmm.fuse(model)
     assert grad_fns(model, torch.randn(3, 16)) == ["AddmmBackward0", "AddmmBackward0"]
+
+
+def test_a_layer_on_an_intel_cpu_keeps_autograds_matmuls(onednn_for_all, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(lora_addmm, "ONEDNN_TRAINS", False)
+    model = lora_model(["up", "down"])
+    lora_addmm.fuse(model)
+    assert grad_fns(model, torch.randn(3, 16)) == ["AddmmBackward0", "AddmmBackward0"]
+
+
+@pytest.mark.parametrize("cpuinfo, vendor", [
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n", "GenuineIntel"),
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\n", "AuthenticAMD"),
+    ("processor\t: 0\nCPU implementer\t: 0x41\n", None),  # an Arm machine names none
+])
+def test_the_cpu_vendor_is_read_from_cpuinfo(cpuinfo: str, vendor: str | None):
+    assert lora_addmm.cpu_vendor(cpuinfo) == vendor
+
+
+def test_only_an_intel_cpu_trains_on_autograds_matmuls():
+    vendor = lora_addmm.cpu_vendor(Path("/proc/cpuinfo").read_text())
+    assert lora_addmm.ONEDNN_TRAINS is (vendor != "GenuineIntel")
 
 
 def test_a_base_weight_that_trains_keeps_autograds_matmuls_and_gets_its_gradient(onednn_for_all):

@@ -181,6 +181,7 @@ def test_every_lora_linear_adds_its_term_in_one_addmm_with_pefts_scores_and_grad
     products = []  # oneDNN's products run, by any trainer
     if onednn:
         monkeypatch.setattr(lora_addmm, "MIN_ONEDNN_WORK", 1)
+        monkeypatch.setattr(lora_addmm, "ONEDNN_TRAINS", True)  # whoever made this machine's CPU
         linear = packed_linear.linear
         monkeypatch.setattr(packed_linear, "linear", lambda *args: products.append(1) or linear(*args))
     fused, own = (new_trainer("lora", family_dirs[family], UNSHARED) for _ in range(2))
