@@ -11,10 +11,9 @@ tokens on two CPU threads, 5.98 s a step with peft's forward against 5.35 s with
 same one: `result += scaling * (lora_A(x) @ B.T)`, float32 rounding apart.
 
 On a CPU that is not Intel's (below), in float32, a layer whose base weight is frozen runs as
-one autograd node
-(`_OneDnnLora`) whose matmuls are oneDNN's (`torch.ops.mkldnn._linear_pointwise`, the inner
-product torch's inductor uses for CPU linears) on the weights as they lie, unpacked: `F.linear`
-and autograd's `mm` run MKL's sgemm, which on this AMD EPYC (Zen 4, two threads) reaches
+one autograd node (`_OneDnnLora`) whose matmuls are oneDNN's (`torch.ops.mkldnn._linear_pointwise`,
+the inner product torch's inductor uses for CPU linears) on the weights as they lie, unpacked:
+`F.linear` and autograd's `mm` run MKL's sgemm, which on an AMD EPYC (Zen 4, two threads) reaches
 115-195 GFLOP/s at a trainer's micro-batch of 256-384 rows against oneDNN's 160-220, and
 autograd takes the gradient of B, whose transpose is the `addmm_`'s operand, as a product
 whose output is (out, rank): lm_head's, (49,152 x 384) x (384 x 8), took 47 ms in MKL against
