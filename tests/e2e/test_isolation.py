@@ -308,8 +308,12 @@ def test_the_daemon_deletes_a_checkpoint_when_its_ttl_passes(daemon, http, alice
     def listed() -> list[str]:
         return [c["tinker_path"] for c in http.get(f"/api/v1/training_runs/{run}/checkpoints", headers=ALICE).json()["checkpoints"]]
 
+    def expired() -> list[str]:
+        events = http.get("/api/v1/audit", params={"event_type": "checkpoints"}, headers=ALICE).json()["entries"]
+        return [e["tinker_path"] for e in events if e["event"] == "checkpoint_expired"]
+
     files = daemon.data_dir / "checkpoints" / run / "weights" / name
-    # The next maintenance sweep: the row goes first, then its files, in the checkpoint actor's thread.
-    wait_for(lambda: path not in listed() and not files.exists(), timeout_s=30, poll_s=0.1)
-    events = http.get("/api/v1/audit", params={"event_type": "checkpoints"}, headers=ALICE).json()["entries"]
-    assert [e["tinker_path"] for e in events if e["event"] == "checkpoint_expired"] == [path]
+    # The next maintenance sweep: the row goes first, then its files, in the checkpoint actor's
+    # thread, and the audit event once that deletion has returned (actors/maintenance.py).
+    wait_for(lambda: path not in listed() and not files.exists() and expired(), timeout_s=30, poll_s=0.1)
+    assert expired() == [path]
