@@ -58,6 +58,7 @@ from openrld.gpu import call_threads, losses, memory_fit, shared_prefix
 from openrld.gpu.long_attention import QUERY_BLOCK
 from openrld.gpu.models import max_context, vocab_size
 from openrld.gpu.shared_prefix import SharedPrefixes
+from openrld.gpu.token_logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +482,7 @@ class BatchScorer:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
         else:
             logits = features.float()
-        return torch.log_softmax(logits, dim=-1)[rows, tokens]
+        return token_logprobs(logits, rows, tokens)
 
     def _checkpoints(self, padded_tokens: int) -> bool:
         """Whether a micro-batch of `padded_tokens` runs with its layers checkpointed now."""
