@@ -371,8 +371,10 @@ class BatchScorer:
         # Without padding, no mask: attention then takes its plain causal path, which is faster.
         model_mask = None if min(lengths) == max(lengths) else attention_mask
         chunk = chunk or self._chunk_positions(self._checkpointed)
-        # One chunk holds every position: the model's own full logits are as cheap and simpler.
-        head_chunks = self._chunked_head and sum(lengths) > chunk
+        # The output layer on the real positions' hidden states, even where one chunk holds them
+        # all: the model's own logits cover the padding too, and gathering the real rows out of
+        # them copies (P, V) again (`_logprobs_at`).
+        head_chunks = self._chunked_head
         if head_chunks:
             decoder = self._model.get_decoder()
             out = decoder(input_ids=input_ids, attention_mask=model_mask, use_cache=False)
@@ -397,8 +399,7 @@ class BatchScorer:
         prefix pass's last row.
         """
         chunk = self._chunk_positions(self._checkpointed)
-        distinct = sum(shared.lengths) + sum(len(t) - shared.lengths[row] for t, row in zip(tokens, shared.rows))
-        head_chunks = self._chunked_head and distinct > chunk
+        head_chunks = self._chunked_head
         rows, positions = shared_prefix.two_pass_features(
             self._decoder_features if head_chunks else self._logit_features,
             self._model.config,
