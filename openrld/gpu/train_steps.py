@@ -24,6 +24,7 @@ import torch
 from openrld.batches import ForwardBackwardBatch, ForwardBackwardResult, OptimParams, OptimResult
 from openrld.engine_types import StepsAfterPasses
 from openrld.errors import BadRequest
+from openrld.gpu import gated_mlp
 from openrld.gpu.optim import Optimizer, family_of
 from openrld.gpu.scoring import BatchScorer, TrainerConfig
 
@@ -32,6 +33,7 @@ class TrainingPasses:
     """One model's training passes, and what they counted."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, config: TrainerConfig) -> None:
+        gated_mlp.fuse(model)  # before the scorer measures what a token keeps for backward
         self.scorer = BatchScorer(model, device, config)
         self.calls = 0  # requests run (forward_backward_calls)
         self.tokens = 0  # their model-input tokens
