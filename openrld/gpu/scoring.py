@@ -111,8 +111,8 @@ class TrainerConfig(msgspec.Struct, frozen=True):
 def default_activation_budget(device: torch.device) -> int:
     """The activations a micro-batch may keep before its layers are checkpointed.
 
-    CPU: 2 GiB. SmolLM2 keeps about 1.2 MB a token, so a datum of up to ~1,700 tokens runs
-    plain and a longer one is checkpointed (bench/long_context.py has the figures). A
+    CPU: 2 GiB. SmolLM2 keeps about 1.0 MB a token (`gated_mlp`), so a datum of up to ~2,100
+    tokens runs plain and a longer one is checkpointed (bench/long_context.py has the figures). A
     checkpointed step costs about a third more: SmolLM2's 4 x 1,024-token SFT step took 60 CPU
     seconds at a budget of 512 MiB (each datum checkpointed) against 44 at 2 GiB.
     CUDA: a quarter of the device's memory, the rest being weights, optimizer state, the
@@ -126,7 +126,7 @@ def default_activation_budget(device: torch.device) -> int:
 def default_micro_batch_budget(device: torch.device, activation_budget: int) -> int:
     """The activations several datums may keep together before `_plan` splits them into micro-batches.
 
-    CPU: 512 MiB (a micro-batch of up to ~440 of SmolLM2's tokens), or the activation budget
+    CPU: 512 MiB (a micro-batch of up to ~520 of SmolLM2's tokens), or the activation budget
     where that is smaller. Splitting costs no CPU time (SmolLM2's 8 x 128 SFT step: 7.7-8.7 CPU
     seconds in three micro-batches, 8.0-8.4 in one) but some wall time on two threads, each
     micro-batch waking the second thread as often as a whole step does: through the SDK, 0.75
