@@ -26,7 +26,7 @@ import pytest
 from filelock import FileLock
 
 from openrld.gpu import packed_linear
-from openrld.gpu.tiny_models import build_tiny_model
+from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
 
 DAEMON_START_TIMEOUT_S = 120.0
 
@@ -148,6 +148,13 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family's tiny random build (`tiny_models.FAMILIES`), made once for the test module."""
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ outputs, losses and gradients atol 1e-5 plus rtol 1e-5 (the tiny models' gradien
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -18,7 +16,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from openrld.gpu import gated_mlp
-from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
+from openrld.gpu.tiny_models import FAMILIES
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 TOKENS, HIDDEN, INTERMEDIATE = 5, 16, 48
@@ -87,12 +85,6 @@ def test_another_activation_keeps_the_mlps_forward():
 def test_a_module_is_fused_once():
     module = llama_mlp()
     assert (gated_mlp.fuse(module), gated_mlp.fuse(module)) == (1, 0)
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
 
 
 def loss_and_gradients(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -20,7 +20,7 @@ import transformers
 from openrld.batches import ForwardBackwardBatch, LoraSpec, TrainDatum
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.long_attention import ATTENTION, use_long_attention
-from openrld.gpu.tiny_models import FAMILIES, SLIDING_WINDOW, build_tiny_model
+from openrld.gpu.tiny_models import SLIDING_WINDOW
 from openrld.gpu.torch_trainer import TorchTrainer
 
 CPU = torch.device("cpu")
@@ -29,12 +29,6 @@ TOKENS = 50  # > 6 windows of 8
 ATOL = 1e-5
 GRAD_ATOL = 3e-5  # of the gradient's largest entry
 GRAD_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("long-attention")
-    return {arch: build_tiny_model(root / arch, arch) for arch in FAMILIES}
 
 
 def load(model_dir: Path, long: bool) -> torch.nn.Module:

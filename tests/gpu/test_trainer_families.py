@@ -27,7 +27,7 @@ from openrld.gpu import lora_addmm, packed_linear
 from openrld.gpu.full_trainer import FullTrainer
 from openrld.gpu.scoring import TrainerConfig
 from openrld.gpu.shared_prefix import cache_supports_sharing
-from openrld.gpu.tiny_models import FAMILIES, build_tiny_model
+from openrld.gpu.tiny_models import FAMILIES
 from openrld.gpu.torch_trainer import TorchTrainer
 
 CPU = torch.device("cpu")
@@ -62,12 +62,6 @@ MOE = ("qwen3_moe", "qwen3_5_moe")
 # Families whose cache is one growing DynamicLayer per layer; the others have sliding-window
 # layers (Gemma 3 and 4) or Gated DeltaNet's recurrent state (Qwen3.5), and train unshared.
 SHARES_PREFIXES = {"llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "qwen3_moe"}
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("families")
-    return {family: build_tiny_model(root / family, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
